@@ -1,0 +1,155 @@
+"""Process-group set-up and the few collectives every recipe needs.
+
+The only state here is torch's own process group. Everything else is passed in and returned.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from core.config import RecipeError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job. Built once by `init_pg`, then passed around."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the source's fixed 12355 collides between jobs)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RecipeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is there (never cuda:RANK, which breaks on the second node)."""
+    if os.environ.get("TDR_DEVICE") == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if os.environ.get("TDR_SHARE_GPU"):  # several gloo processes on one GPU (bench/gpu_check.sh)
+        return torch.device("cuda", local_rank % count)
+    if local_rank >= count:
+        raise RecipeError(
+            f"LOCAL_RANK {local_rank} but only {count} GPU(s) are visible: "
+            f"launch at most {count} processes per node (NPROC_PER_NODE) or fix CUDA_VISIBLE_DEVICES"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def init_pg(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+) -> Topology:
+    """Join the job's process group and return this process's Topology.
+
+    Under torchrun everything comes from its environment (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT). From `mp.spawn`, pass rank, world_size and a free master_port.
+    With neither, this is a world of one and no network is touched.
+    """
+    rank = _env_int("RANK", 0) if rank is None else rank
+    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    local_rank = _env_int("LOCAL_RANK", rank if "RANK" not in os.environ else 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    node_rank = _env_int("GROUP_RANK", 0)
+    device = pick_device(local_rank)
+    backend = backend or os.environ.get("TDR_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+
+    if "MASTER_ADDR" not in os.environ and master_port is None and world_size == 1:
+        # One process and no launcher: an in-memory store, so no port is ever opened.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = master_port or _env_int("MASTER_PORT", 0)
+        if not port:
+            raise RecipeError("MASTER_PORT is not set: launch with torchrun or pass master_port")
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{addr}:{port}" if master_port else "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        except (RuntimeError, TimeoutError) as err:  # DistNetworkError and DistStoreError are RuntimeErrors
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RecipeError(
+                f"rank {rank} could not join the job at {addr}:{port} within {timeout_s:g}s "
+                f"({first_line}); check MASTER_ADDR/MASTER_PORT and that node 0 is up"
+            ) from err
+    return Topology(rank, local_rank, world_size, local_world_size, node_rank, device, backend)
+
+
+def cleanup_pg() -> None:
+    """Leave the process group; safe to call twice or when it was never joined."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank0() -> bool:
+    """True on the one process that prints and writes files (also when no group exists)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of `tensor` over all ranks, returned as a new tensor (the input is left alone)."""
+    total = tensor.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
+def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean of `tensor` over all ranks (gloo has no ReduceOp.AVG, so sum and divide)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return reduce_sum(tensor.float() if not tensor.is_floating_point() else tensor) / world
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op in a world of one."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj, *, src: int = 0):
+    """Rank `src`'s Python object on every rank (for decisions only rank 0 can make)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# launch_single_node.sh: train a recipe on this machine, one process per GPU (or 2 on CPU), with torchrun.
+#
+#   ./launch_single_node.sh                          # the ddp recipe on the embedded digits data
+#   ./launch_single_node.sh ddp --epochs 3 --lr 3e-3 # a recipe and its options (see: python -m recipes run ddp --help)
+#   ./launch_single_node.sh train.py --epochs 3      # a recipe copied out with `python -m recipes cp`
+#
+# Environment:
+#   NPROC_PER_NODE  processes to start (default: the number of GPUs, or 2 on a CPU-only machine)
+#   MASTER_PORT     rendezvous port (default: torchrun picks a free one, so jobs never collide)
+#   MAX_RESTARTS    how often torchrun restarts the whole group after a failure (default 0)
+set -euo pipefail
+
+recipe="${1:-ddp}"
+shift || true
+if [[ "$recipe" == *.py ]]; then
+  target=("$recipe")
+else
+  target=(-m recipes run "$recipe")
+fi
+
+# Bad options fail here, once, with one line, before any process or port is taken.
+python "${target[@]}" "$@" --dry-run >/dev/null
+
+if [[ -n "${NPROC_PER_NODE:-}" ]]; then
+  nproc="$NPROC_PER_NODE"
+else
+  gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+  nproc=$(( gpus > 0 ? gpus : 2 ))
+fi
+[[ "$recipe" == dp ]] && nproc=1  # DataParallel drives every GPU from one process
+
+if [[ -n "${MASTER_PORT:-}" ]]; then
+  rendezvous=(--nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
+else
+  rendezvous=(--standalone)  # a free port on localhost, chosen by torchrun
+fi
+
+exec torchrun "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \
+  "${target[@]}" "$@"

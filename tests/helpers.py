@@ -1,0 +1,30 @@
+"""Running the real commands as a user would: subprocesses with a timeout, in a clean environment."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT", "NPROC_PER_NODE", "MAX_RESTARTS")}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], *, cwd: Path | str = REPO, timeout: float = 240, env: dict | None = None,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command; on failure (when check) the assertion shows its stdout and stderr."""
+    proc = subprocess.run(args, cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{args} exited {proc.returncode}\n--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr}"
+    return proc
+
+
+def recipes_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "recipes", *args], **kwargs)
