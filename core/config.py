@@ -9,8 +9,8 @@ import dataclasses
 import importlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -65,7 +65,7 @@ class TrainConfig:
         if self.precision == "fp16" and not torch.cuda.is_available():
             raise RecipeError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16")
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

@@ -9,9 +9,10 @@ Third-party packages add recipes through the entry-point group `torch_dist_recip
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 ENTRY_POINT_GROUP = "torch_dist_recipes"
 

@@ -55,7 +55,7 @@ class RunWriter:
         self.started = time.perf_counter()
 
     @classmethod
-    def create(cls, out: str, prefix: str, topo, *, run_dir: Path | None = None) -> "RunWriter":
+    def create(cls, out: str, prefix: str, topo, *, run_dir: Path | None = None) -> RunWriter:
         """Rank 0 picks (or is given) the folder and tells the others, so all ranks agree."""
         if topo.is_rank0 and run_dir is None:
             run_dir = next_run_dir(out, prefix)

@@ -14,6 +14,11 @@ from core.data import to_device
 from core.dist import reduce_sum
 
 
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy for class logits (N, C) and for per-token logits (N, T, C) alike."""
+    return nn.functional.cross_entropy(outputs.flatten(0, -2).float(), targets.flatten())
+
+
 def batch_metrics(outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sums, not means, so that ranks with different batch sizes combine exactly."""
     count = torch.tensor(targets.numel(), device=targets.device, dtype=torch.float64)

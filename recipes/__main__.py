@@ -47,7 +47,8 @@ def cli():
 def list_recipes():
     """A table of the recipes: name, what it builds on, multi-node, what it shows."""
     rows = [("name", "builds on", "multi-node", "what it shows")]
-    rows += [(r.name, r.builds_on or "-", "yes" if r.multi_node else "no", r.summary) for _, r in sorted(RECIPES.items())]
+    for _, r in sorted(RECIPES.items()):
+        rows.append((r.name, r.builds_on or "-", "yes" if r.multi_node else "no", r.summary))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])

@@ -16,7 +16,6 @@ torchrun's (a fixed 12355 collides), loss and accuracy are reduced over all rank
 import time
 
 import torch
-from torch import nn
 
 from core import data, dist, models, parallel, steps
 from core.cli import main_for
@@ -51,7 +50,7 @@ def train(cfg: TrainConfig, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     total = planned_steps(epochs=cfg.epochs, batches_per_epoch=len(train_loader), max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = steps.cross_entropy
     log.info(f"ddp: {topo.world_size} rank(s) on {topo.device.type} ({topo.backend}), "
              f"global batch {cfg.batch_size * topo.world_size}, {total} steps -> {run.run_dir}")
 

@@ -15,7 +15,6 @@ import os
 import time
 
 import torch
-from torch import nn
 
 from core import data, dist, models, parallel, steps
 from core.cli import main_for
@@ -54,7 +53,7 @@ def train(cfg: TrainConfig, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr)
     total = planned_steps(epochs=cfg.epochs, batches_per_epoch=len(train_loader), max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = steps.cross_entropy
 
     meter, step, evaluation = Meter(topo.device), 0, {}
     for epoch in range(cfg.epochs):

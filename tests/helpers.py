@@ -22,7 +22,8 @@ def run(args: list[str], *, cwd: Path | str = REPO, timeout: float = 240, env: d
     """Run a command; on failure (when check) the assertion shows its stdout and stderr."""
     proc = subprocess.run(args, cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
     if check:
-        assert proc.returncode == 0, f"{args} exited {proc.returncode}\n--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr}"
+        output = f"--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr}"
+        assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{output}"
     return proc
 
 

@@ -59,7 +59,7 @@ class GlooWorld:
         self.world_size = world_size
         self.timeout_s = timeout_s
 
-    def __enter__(self) -> "GlooWorld":
+    def __enter__(self) -> GlooWorld:
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory()
         store_path = os.path.join(self._tmp.name, "store")
