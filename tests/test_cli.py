@@ -1,0 +1,144 @@
+"""Layer 3: the command line and the launcher as a user runs them; bad input gives one line."""
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, recipes_cli, run, user_env
+from safetensors.torch import load_file
+
+from core.models import MLP
+from recipes import RECIPES
+
+
+def _one_error_line(proc):
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return lines[-1]
+
+
+def test_ls_lists_every_recipe():
+    out = recipes_cli("ls").stdout
+    for name in RECIPES:
+        assert name in out
+
+
+def test_help_works():
+    assert "run" in recipes_cli("--help").stdout
+    assert "--batch-size" in recipes_cli("run", "ddp", "--help").stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (["run", "resnet"], "unknown recipe 'resnet'; choose one of: "),
+    (["run", "ddp", "--batch-size", "0"], "--batch-size 0"),
+    (["run", "ddp", "--epochs", "-1"], "--epochs -1"),
+    (["run", "ddp", "--precision", "fp8"], "'fp8' is not one of"),
+    (["run", "ddp", "--batch-size", "many"], "'many' is not a valid integer"),
+    (["run", "ddp", "--model", "nosuchpkg.models:build"], "cannot import 'nosuchpkg.models'"),
+    (["run", "ddp", "--data", "core.data:nothing"], "has no function 'nothing'"),
+    (["run", "ddp", "--no-such-option"], "No such option"),
+    (["cp", "nope", "x.py"], "unknown recipe 'nope'"),
+])
+def test_bad_input_is_one_line(args, words, tmp_path):
+    line = _one_error_line(recipes_cli(*args, "--out", str(tmp_path), check=False, cwd=tmp_path)
+                           if args[0] == "run" else recipes_cli(*args, check=False, cwd=tmp_path))
+    assert words in line
+    assert not list(tmp_path.glob("ddp-*")), "nothing is created by a run that never started"
+
+
+def test_unwritable_out_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    line = _one_error_line(recipes_cli("run", "ddp", "--out", str(blocker / "runs"), check=False))
+    assert f"--out {blocker / 'runs'}: cannot write there" in line
+
+
+def test_bad_input_under_the_launcher_is_one_line(tmp_path):
+    proc = run([str(REPO / "launch_single_node.sh"), "ddp", "--lr", "-1"], cwd=tmp_path, check=False, timeout=60)
+    assert "--lr -1.0" in _one_error_line(proc)
+
+
+def test_bad_input_under_torchrun_leaves_no_rank_hanging(tmp_path):
+    # Straight under torchrun (no launcher pre-check): every rank fails before joining, torchrun exits.
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "recipes", "run", "ddp", "--model", "nosuchpkg:build", "--out", str(tmp_path)],
+               cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0 and "cannot import 'nosuchpkg'" in proc.stderr
+
+
+def test_recipes_never_import_each_other():
+    for path in (REPO / "recipes").glob("*.py"):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(n == "recipes" or n.startswith("recipes.") for n in names), f"{path.name} imports {names}"
+
+
+def test_every_recipe_docstring_starts_with_its_launch_commands():
+    for name, recipe in RECIPES.items():
+        doc = ast.get_docstring(ast.parse(Path(recipe.source_file).read_text()))
+        commands = [line.strip() for line in doc.splitlines()[1:8] if line.strip()]
+        assert any(name in c and ("launch_single_node.sh" in c or "recipes run" in c) for c in commands), name
+        assert "Builds on:" in doc, name
+
+
+def test_launcher_default_job_trains_digits_and_writes_plain_weights(tmp_path):
+    """The README's first command: no argument, the ddp recipe, 2 CPU processes, the embedded digits."""
+    proc = run([str(REPO / "launch_single_node.sh")], cwd=tmp_path, timeout=300, env=user_env())
+    summary_line = proc.stdout.strip().splitlines()[-1]
+    assert summary_line.startswith("summary ") and "model.safetensors" in summary_line
+    run_dir = tmp_path / "runs" / "ddp-1"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"train", "eval", "summary"} <= {r["kind"] for r in records}
+    summary = records[-1]
+    assert summary["kind"] == "summary" and summary["world_size"] == 2
+    for field in ("val_loss", "val_acc", "samples_per_s", "steps", "elapsed_s"):
+        assert field in summary
+    assert summary["val_acc"] >= 0.95, summary
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["recipe"] == "ddp" and config["world_size"] == 2
+    state = load_file(run_dir / "model.safetensors")
+    assert not any(k.startswith("module.") for k in state)
+    model = MLP()
+    model.load_state_dict(state)  # strict: every key of the plain model, nothing else
+    from core.data import digits
+    inputs, targets = digits()[1][:]
+    accuracy = (model(inputs).argmax(-1) == targets).float().mean().item()
+    assert accuracy == pytest.approx(summary["val_acc"], abs=1e-6), "the saved weights are the evaluated ones"
+
+
+def test_dp_without_gpus_says_so_and_trains(tmp_path):
+    proc = recipes_cli("run", "dp", "--max-steps", "3", "--out", str(tmp_path), cwd=tmp_path)
+    assert "training on CPU as plain single-device training" in proc.stderr
+    assert (tmp_path / "dp-1" / "model.safetensors").exists()
+
+
+def test_cp_copies_a_recipe_that_runs(tmp_path):
+    dest = tmp_path / "train.py"
+    recipes_cli("cp", "ddp", str(dest))
+    text = dest.read_text()
+    assert f"python {dest}" in text and "-m recipes run ddp" not in text
+    proc = run([sys.executable, str(dest), "--max-steps", "2", "--out", str(tmp_path / "runs")], cwd=tmp_path)
+    assert "summary " in proc.stdout
+    assert "exists" in _one_error_line(recipes_cli("cp", "ddp", str(dest), check=False))
+
+
+def test_third_party_recipe_joins_through_the_entry_point_group(tmp_path):
+    (tmp_path / "my_recipe.py").write_text(
+        '"""my_recipe: a plugin.\n\n    python -m recipes run my_recipe\n\nBuilds on: ddp.\n"""\n'
+        "from core.registry import register\n\n"
+        "@register('my_recipe', summary='a third-party recipe', builds_on='ddp')\n"
+        "def main(cfg):\n    print('plugin ran with lr', cfg.lr)\n")
+    dist_info = tmp_path / "my_recipe-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-recipe\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[torch_dist_recipes]\nmy_recipe = my_recipe\n")
+    env = user_env(PYTHONPATH=str(tmp_path))
+    assert "a third-party recipe" in recipes_cli("ls", env=env).stdout
+    assert "plugin ran with lr 0.5" in recipes_cli("run", "my_recipe", "--lr", "0.5", env=env, cwd=tmp_path).stdout

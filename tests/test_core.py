@@ -1,0 +1,126 @@
+"""Layer 1: pure functions, no process group."""
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import TensorDataset
+
+from core.config import RecipeError, TrainConfig, resolve_factory
+from core.data import DATASETS, ResumableSampler, ShardSampler, build_data, digits
+from core.models import MODELS, build_model, unwrap
+from core.run import latest_run_dir, next_run_dir
+
+
+@settings(max_examples=200, deadline=None)
+@given(world_size=st.integers(1, 8), length=st.integers(0, 200), seed=st.integers(0, 2**31),
+       epoch=st.integers(0, 5), drop_last=st.booleans())
+def test_sampler_partitions_the_data_set(world_size, length, seed, epoch, drop_last):
+    data = TensorDataset(torch.arange(length))
+    per_rank = []
+    for rank in range(world_size):
+        sampler = ResumableSampler(data, num_replicas=world_size, rank=rank, seed=seed, drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    counts = {len(indices) for indices in per_rank}
+    assert len(counts) == 1, "every rank gets the same number of samples (else DDP's collectives desync)"
+    everything = [i for indices in per_rank for i in indices]
+    if drop_last:
+        assert len(set(everything)) == len(everything), "disjoint"
+        assert length - len(everything) < world_size, "only the tail that doesn't divide is dropped"
+    else:
+        assert set(everything) == set(range(length)), "the union is the whole set"
+        # Padding repeats just enough samples to make the shares equal, never more.
+        assert len(everything) - length == (-length) % world_size
+
+
+@settings(max_examples=50, deadline=None)
+@given(world_size=st.integers(1, 8), length=st.integers(0, 100))
+def test_eval_shards_cover_every_sample_once(world_size, length):
+    data = TensorDataset(torch.arange(length))
+    shards = [list(ShardSampler(data, rank=r, world_size=world_size)) for r in range(world_size)]
+    assert sorted(i for shard in shards for i in shard) == list(range(length))
+
+
+def test_sampler_order_depends_on_epoch_and_seed_only():
+    data = TensorDataset(torch.arange(50))
+    a, b = (ResumableSampler(data, num_replicas=2, rank=0, seed=1) for _ in range(2))
+    a.set_epoch(3)
+    b.set_epoch(3)
+    assert list(a) == list(b)
+    b.set_epoch(4)
+    assert list(a) != list(b), "set_epoch reshuffles"
+
+
+def test_resumable_sampler_skips_the_consumed_part_of_an_epoch():
+    data = TensorDataset(torch.arange(40))
+    full, resumed = (ResumableSampler(data, num_replicas=2, rank=1, seed=0) for _ in range(2))
+    full.set_epoch(2)
+    resumed.set_epoch(2, skip=6)
+    assert list(resumed) == list(full)[6:] and len(resumed) == len(full) - 6
+
+
+def test_digits_is_embedded_and_split():
+    train, val = digits()
+    assert len(train) + len(val) == 1797 and len(val) == 359
+    x, y = train[0]
+    assert x.shape == (64,) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1 and y.dtype == torch.int64
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_builtin_models_take_builtin_data(name):
+    model = build_model(name)
+    for data_name in ("digits", "synthetic"):
+        x, _ = DATASETS[data_name]()[0][:4]
+        assert model(x).shape == (4, 10)
+
+
+def test_unwrap_removes_wrappers():
+    plain = build_model("mlp")
+    assert unwrap(torch.nn.DataParallel(plain)) is plain and unwrap(plain) is plain
+
+
+@pytest.mark.parametrize("option,value,words", [
+    ("batch_size", 0, "--batch-size 0"), ("epochs", -1, "--epochs -1"), ("lr", 0.0, "--lr 0.0"),
+    ("accum", 0, "--accum 0"), ("precision", "fp8", "--precision fp8"), ("log_every", 0, "--log-every 0"),
+])
+def test_config_names_the_bad_option(option, value, words):
+    with pytest.raises(RecipeError, match=words):
+        TrainConfig(**{option: value})
+
+
+def test_fp16_on_cpu_points_to_bf16():
+    if torch.cuda.is_available():
+        pytest.skip("fp16 is valid where CUDA is present")
+    with pytest.raises(RecipeError, match="bf16"):
+        TrainConfig(precision="fp16")
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainConfig().lr = 1.0
+
+
+def test_factories_resolve_builtins_and_module_functions():
+    assert resolve_factory("mlp", MODELS, option="--model") is MODELS["mlp"]
+    assert resolve_factory("core.models:cnn", MODELS, option="--model") is MODELS["cnn"]
+    for spec, words in [("nosuchpkg.mod:build", "cannot import 'nosuchpkg.mod'"),
+                        ("core.models:nothing", "has no function 'nothing'"), ("resnet", "not a built-in")]:
+        with pytest.raises(RecipeError, match=words):
+            resolve_factory(spec, MODELS, option="--model")
+
+
+def test_data_factory_must_return_a_pair(tmp_path, monkeypatch):
+    (tmp_path / "bad_data.py").write_text("def build():\n    return [1, 2, 3]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RecipeError, match="must return \\(train, val\\)"):
+        build_data("bad_data:build")
+
+
+def test_run_dirs_count_up_and_never_reuse(tmp_path):
+    first, second = next_run_dir(tmp_path, "ddp"), next_run_dir(tmp_path, "ddp")
+    assert (first.name, second.name) == ("ddp-1", "ddp-2")
+    (tmp_path / "ddp-10").mkdir()
+    assert latest_run_dir(tmp_path, "ddp").name == "ddp-10" and next_run_dir(tmp_path, "ddp").name == "ddp-11"
+    assert latest_run_dir(tmp_path, "fsdp") is None
