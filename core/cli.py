@@ -9,10 +9,12 @@ import dataclasses
 import sys
 
 import click
+import torch
 
+from core.ckpt import check_resume_file, shapes_of
 from core.config import RecipeError, TrainConfig, check_writable, resolve_factory
 from core.data import DATASETS
-from core.models import MODELS
+from core.models import MODELS, build_model
 from core.registry import RECIPES, Recipe
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -23,9 +25,10 @@ def _click_option(name: str, default, help: str, choices=None, type_name: str | 
     return click.Option([f"--{name.replace('_', '-')}"], type=kind, default=default, show_default=True, help=help)
 
 
-def shared_options() -> list[click.Option]:
+def shared_options(defaults: dict | None = None) -> list[click.Option]:
+    defaults = defaults or {}  # a recipe's own defaults, e.g. --model gpt for the model-parallel recipes
     return [
-        _click_option(f.name, f.default, f.metadata["help"], f.metadata.get("choices"), f.type)
+        _click_option(f.name, defaults.get(f.name, f.default), f.metadata["help"], f.metadata.get("choices"), f.type)
         for f in dataclasses.fields(TrainConfig)
     ]
 
@@ -35,6 +38,10 @@ def validate(cfg: TrainConfig) -> None:
     resolve_factory(cfg.model, MODELS, option="--model")
     resolve_factory(cfg.data, DATASETS, option="--data")
     check_writable(cfg.out)
+    if cfg.resume not in ("", "auto"):  # a missing, truncated or foreign file fails here, on every rank alike
+        with torch.device("meta"):  # shapes only: no memory, no weights initialised
+            model = build_model(cfg.model)
+        check_resume_file(cfg.resume, shapes_of(model))
 
 
 def recipe_command(recipe: Recipe) -> click.Command:
@@ -52,7 +59,7 @@ def recipe_command(recipe: Recipe) -> click.Command:
         return recipe.main(cfg, **{k: v for k, v in values.items() if k not in shared_names})
 
     return click.Command(
-        recipe.name, callback=callback, params=shared_options() + own + [dry_run],
+        recipe.name, callback=callback, params=shared_options(recipe.defaults) + own + [dry_run],
         help=recipe.summary, short_help=recipe.summary,
     )
 

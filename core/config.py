@@ -35,7 +35,7 @@ class TrainConfig:
     precision: str = _opt("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
     accum: int = _opt(1, "micro-batches per optimizer step (gradient accumulation)")
     clip: float = _opt(0.0, "clip the global gradient norm to this (0: no clipping)")
-    ckpt_every: int = _opt(0, "write a checkpoint every N optimizer steps (0: only at the end)")
+    ckpt_every: int = _opt(0, "write a checkpoint every N optimizer steps (0: none)")
     keep: int = _opt(2, "how many newest checkpoints to keep")
     resume: str = _opt("", "'auto' (newest checkpoint of the newest run) or a checkpoint path")
     out: str = _opt("runs", "folder that gets one sub-folder per run")

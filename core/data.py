@@ -114,6 +114,7 @@ def make_loader(
         num_workers=2 if on_gpu else 0,  # in-memory CPU data: worker processes only cost time
         pin_memory=on_gpu,
         persistent_workers=on_gpu,
+        generator=torch.Generator().manual_seed(seed),  # leaves the global RNG alone: resume stays exact
     )
 
 

@@ -84,6 +84,12 @@ def init_pg(
     local_rank = _env_int("LOCAL_RANK", rank if "RANK" not in os.environ else 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     node_rank = _env_int("GROUP_RANK", 0)
+    nodes = _env_int("GROUP_WORLD_SIZE", 1)  # set by torchrun: the number of nodes
+    if "GROUP_WORLD_SIZE" in os.environ and local_world_size * nodes != world_size:  # torchrun allows it
+        raise RecipeError(  # but then the global batch and the data shares would depend on the node
+            f"NPROC_PER_NODE differs between nodes: this node runs {local_world_size} of {world_size} "
+            f"processes on {nodes} nodes; start every node with the same NPROC_PER_NODE"
+        )
     device = pick_device(local_rank)
     backend = backend or os.environ.get("TDR_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

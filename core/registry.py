@@ -34,6 +34,7 @@ class Recipe:
     multi_node: bool = True
     builds_on: str | None = None
     options: dict[str, Option] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)  # this recipe's defaults for shared options
 
     @property
     def source_file(self) -> str:
@@ -44,11 +45,11 @@ RECIPES: dict[str, Recipe] = {}
 
 
 def register(name: str, *, summary: str, multi_node: bool = True, builds_on: str | None = None,
-             options: dict[str, Option] | None = None):
+             options: dict[str, Option] | None = None, defaults: dict[str, Any] | None = None):
     """Decorator: add the recipe's `main(cfg, **options)` to RECIPES under `name`."""
 
     def add(main):
-        RECIPES[name] = Recipe(name, main, summary, multi_node, builds_on, dict(options or {}))
+        RECIPES[name] = Recipe(name, main, summary, multi_node, builds_on, dict(options or {}), dict(defaults or {}))
         return main
 
     return add

@@ -13,11 +13,12 @@ train_ddp: the device comes from LOCAL_RANK (RANK breaks on the second node), th
 torchrun's (a fixed 12355 collides), loss and accuracy are reduced over all ranks (not rank
 0's share), validation runs every epoch, and rank 0 writes safetensors with no `module.` prefix.
 """
+import json
 import time
 
 import torch
 
-from core import data, dist, models, parallel, steps
+from core import ckpt, data, dist, models, parallel, steps
 from core.cli import main_for
 from core.config import TrainConfig
 from core.log import setup_logging
@@ -37,7 +38,8 @@ def main(cfg: TrainConfig) -> dict:
 
 def train(cfg: TrainConfig, topo: dist.Topology) -> dict:
     log = setup_logging(topo.rank)
-    run = RunWriter.create(cfg.out, cfg.name, topo)
+    resume_from = ckpt.choose_resume(cfg.resume, out=cfg.out, prefix=cfg.name)  # rank 0 decides for all
+    run = RunWriter.create(cfg.out, cfg.name, topo, run_dir=ckpt.run_dir_of(resume_from))
     run.write_config({"recipe": "ddp", "world_size": topo.world_size, **cfg.to_dict()})
 
     # Build. The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
@@ -51,14 +53,21 @@ def train(cfg: TrainConfig, topo: dist.Topology) -> dict:
     total = planned_steps(epochs=cfg.epochs, batches_per_epoch=len(train_loader), max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     loss_fn = steps.cross_entropy
+    progress = {"epoch": 0, "batch": 0, "step": 0}  # where training starts: 0, or a checkpoint's place
+    if resume_from:
+        progress = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                        world_size=topo.world_size)
+        log.info(f"resumed from {resume_from} at epoch {progress['epoch']} step {progress['step']}")
     log.info(f"ddp: {topo.world_size} rank(s) on {topo.device.type} ({topo.backend}), "
              f"global batch {cfg.batch_size * topo.world_size}, {total} steps -> {run.run_dir}")
 
     # Train.
-    meter, step, evaluation = Meter(topo.device), 0, {}
-    for epoch in range(cfg.epochs):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        for batch in train_loader:
+    meter, step, evaluation = Meter(topo.device), progress["step"], {}
+    for epoch in range(progress["epoch"], cfg.epochs):
+        done = progress["batch"] if epoch == progress["epoch"] else 0  # batches a checkpoint already covers
+        # A new shuffle each epoch, the same on every rank; a resumed epoch skips what it already trained on.
+        train_loader.sampler.set_epoch(epoch, skip=done * cfg.batch_size)
+        for batch_index, batch in enumerate(train_loader, start=done + 1):
             batch = data.to_device(batch, topo.device)
             meter.add(steps.step_plain(ddp_model, batch, optimizer=optimizer, loss_fn=loss_fn))
             scheduler.step()
@@ -67,6 +76,12 @@ def train(cfg: TrainConfig, topo: dist.Topology) -> dict:
                 record = meter.read()
                 run.log("train", step=step, epoch=epoch, lr=scheduler.get_last_lr()[0], **record)
                 log.info(f"step {step}/{total} loss {record['loss']:.4f} {record['samples_per_s']:.0f} samples/s")
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:  # a collective: rank 0 writes, the others wait
+                started = time.perf_counter()
+                ckpt.save_checkpoint(run.run_dir / "ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
+                                     progress={"epoch": epoch, "batch": batch_index, "step": step},
+                                     keep=cfg.keep, metadata={"recipe": "ddp", "config": json.dumps(cfg.to_dict())})
+                meter.exclude(started)
             if step == cfg.max_steps:
                 break
         if val_loader:
@@ -79,6 +94,8 @@ def train(cfg: TrainConfig, topo: dist.Topology) -> dict:
             break
 
     # Save and summarise: rank 0 writes, every rank returns the same numbers.
+    if val_loader and not evaluation:  # resumed after the last epoch's evaluation, or no epoch ran
+        evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
     last = meter.read()
     weights = run.save_weights(model, metadata={"recipe": "ddp", "model": cfg.model})
     summary = {**evaluation, "train_loss": last["loss"], "samples_per_s": meter.samples_per_s,

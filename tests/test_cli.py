@@ -5,11 +5,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import REPO, recipes_cli, run, user_env
 from safetensors.torch import load_file
 
 from core.models import MLP
+from helpers import REPO, recipes_cli, run, user_env
 from recipes import RECIPES
 
 

@@ -1,0 +1,255 @@
+"""Checkpoints: round trips, atomic writes, exact resume, restarts after SIGKILL, bad files."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from core import ckpt
+from helpers import REPO, run, user_env
+from tiny import TiedMLP
+
+TESTS = str(Path(__file__).parent)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)  # () is 0-d; a 0 is empty
+
+
+def _random(dtype, shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(2, shape, generator=gen).bool()
+    if dtype == torch.int64:
+        return torch.randint(-2**40, 2**40, shape, generator=gen)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+class Holder(torch.nn.Module):
+    """A module whose state dict is whatever tensors we give it, some sharing storage."""
+
+    def __init__(self, tensors, shared_with):
+        super().__init__()
+        for i, t in enumerate(tensors):
+            self.register_buffer(f"t{i}", t)
+        for i, j in shared_with:
+            self.register_buffer(f"alias{i}", getattr(self, f"t{j}"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=st.lists(st.tuples(st.sampled_from(DTYPES), SHAPES), min_size=1, max_size=5),
+       seed=st.integers(0, 1000), share=st.booleans())
+def test_weights_round_trip_bitwise(tmp_path_factory, specs, seed, share):
+    tensors = [_random(dtype, shape, seed + i) for i, (dtype, shape) in enumerate(specs)]
+    holder = Holder(tensors, [(0, 0)] if share else [])
+    path = tmp_path_factory.mktemp("rt") / "w.safetensors"
+    ckpt.save_weights(holder, path)
+    loaded = load_file(path)
+    assert loaded.keys() == holder.state_dict().keys()
+    for key, value in holder.state_dict().items():
+        assert loaded[key].dtype == value.dtype and loaded[key].shape == value.shape
+        assert torch.equal(loaded[key].view(-1).view(torch.uint8) if value.numel() else loaded[key],
+                           value.reshape(-1).view(torch.uint8) if value.numel() else value), key
+
+
+def test_tied_weights_load_into_the_plain_model(tmp_path):
+    model = TiedMLP()
+    ckpt.save_weights(model, tmp_path / "m.safetensors")
+    fresh = TiedMLP()
+    fresh.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    assert torch.equal(fresh.encode.weight, model.encode.weight) and fresh.decode.weight is fresh.encode.weight
+
+
+def _train_state(seed=0):
+    torch.manual_seed(seed)
+    model = TiedMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 64)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_train_state_round_trips_in_a_world_of_one(tmp_path):
+    model, optimizer, scheduler = _train_state()
+    path = ckpt.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
+                                progress={"epoch": 1, "batch": 4, "step": 3})
+    expected_rng = torch.rand(3)  # what the generator gives right after the save
+    other_model, other_optimizer, other_scheduler = _train_state(seed=1)
+    progress = ckpt.load_checkpoint(path, model=other_model, optimizer=other_optimizer, scheduler=other_scheduler,
+                                    world_size=1)
+    assert progress == {"epoch": 1, "batch": 4, "step": 3}
+    assert torch.equal(torch.rand(3), expected_rng), "the RNG continues where it was"
+    for a, b in zip(model.state_dict().values(), other_model.state_dict().values()):
+        assert torch.equal(a, b)
+    saved, restored = optimizer.state_dict(), other_optimizer.state_dict()
+    assert saved["param_groups"] == restored["param_groups"]
+    for index, state in saved["state"].items():
+        assert state.keys() == restored["state"][index].keys()
+        assert all(torch.equal(state[k], restored["state"][index][k]) for k in state)
+    assert scheduler.state_dict() == other_scheduler.state_dict()
+    header = json.loads(json.dumps(ckpt.read_checkpoint(path)[1]))
+    assert header["world_size"] == "1" and header["torch"] == torch.__version__
+
+
+def test_keep_prunes_old_checkpoints_only_after_writing(tmp_path):
+    model, optimizer, _ = _train_state()
+    for step in range(1, 6):
+        ckpt.save_checkpoint(tmp_path, model=model, optimizer=optimizer, keep=2,
+                             progress={"epoch": 0, "batch": step, "step": step})
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000004.safetensors", "step-000005.safetensors"]
+
+
+KILL_IN_RENAME = """
+import os, signal, sys, torch
+sys.path[:0] = [{tests!r}]
+from core import ckpt
+from tiny import TiedMLP
+model = TiedMLP(); optimizer = torch.optim.AdamW(model.parameters())
+os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # die between the write and the rename
+ckpt.save_checkpoint({folder!r}, model=model, optimizer=optimizer, progress={{"epoch": 0, "batch": 9, "step": 9}})
+"""
+
+
+def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path):
+    run_dir = tmp_path / "ddp-1"
+    model, optimizer, _ = _train_state()
+    good = ckpt.save_checkpoint(run_dir / "ckpt", model=model, optimizer=optimizer,
+                                progress={"epoch": 0, "batch": 5, "step": 5})
+    proc = subprocess.run([sys.executable, "-c", KILL_IN_RENAME.format(tests=TESTS, folder=str(run_dir / "ckpt"))],
+                          cwd=REPO, capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert any(p.name.startswith(".step-000009") for p in (run_dir / "ckpt").iterdir()), "the half-done write"
+    assert ckpt.choose_resume("auto", out=str(tmp_path), prefix="ddp") == good
+    ckpt.read_checkpoint(good)  # whole and readable
+
+
+def _recipe(*args, nproc=2, cwd, timeout=180, check=True, env=None):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "recipes", "run", *args]
+    return run(command, cwd=cwd, timeout=timeout, check=check, env=env or user_env(PYTHONPATH=TESTS))
+
+
+def _weights(path):
+    return load_file(path)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One 2-rank ddp run of 30 steps (over an epoch boundary: 22 steps an epoch) with a checkpoint every step."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _recipe("ddp", "--model", "tiny:mlp", "--max-steps", "30", "--ckpt-every", "1", "--keep", "100",
+            "--out", str(out), cwd=out)
+    return out / "ddp-1"
+
+
+@pytest.mark.parametrize("stop", [1, 13, 22, 29])
+def test_resume_from_any_step_is_bitwise_exact(finished_run, tmp_path, stop):
+    moved = tmp_path / f"step-{stop:06d}.safetensors"  # outside the run: the resumed run gets its own folder
+    moved.write_bytes((finished_run / "ckpt" / moved.name).read_bytes())
+    _recipe("ddp", "--model", "tiny:mlp", "--max-steps", "30", "--resume", str(moved), "--out", str(tmp_path),
+            cwd=tmp_path)
+    assert _same(_weights(tmp_path / "ddp-1" / "model.safetensors"), _weights(finished_run / "model.safetensors"))
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _bad(path: Path, kind: str, source: Path) -> Path:
+    data = source.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "corrupted":
+        path.write_bytes(b"\xff" * 16 + data[16:])
+    elif kind == "pickle":
+        torch.save({"weights": torch.zeros(3)}, path)
+    elif kind == "plain weights":
+        save_file({"x": torch.zeros(3)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("truncated", "truncated or corrupted"), ("corrupted", "truncated or corrupted"),
+    ("pickle", "a pickle (torch.save) file"), ("plain weights", "not a checkpoint of this project"),
+])
+def test_bad_checkpoint_file_is_one_line_and_nothing_is_overwritten(finished_run, tmp_path, kind, words):
+    before = _digest(finished_run)
+    bad = _bad(tmp_path / "bad.safetensors", kind, finished_run / "ckpt" / "step-000030.safetensors")
+    proc = run([sys.executable, "-m", "recipes", "run", "ddp", "--model", "tiny:mlp", "--resume", str(bad),
+                "--out", str(tmp_path)], cwd=tmp_path, check=False, env=user_env(PYTHONPATH=TESTS))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and words in proc.stderr
+    assert _digest(finished_run) == before and not (tmp_path / "ddp-1").exists()
+
+
+def test_checkpoint_of_another_model_names_the_keys(finished_run, tmp_path):
+    before = _digest(finished_run)
+    proc = run([str(REPO / "launch_single_node.sh"), "ddp", "--model", "mlp", "--resume",
+                str(finished_run / "ckpt" / "step-000030.safetensors")], cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "holds another model" in line and "Traceback" not in proc.stderr
+    assert "missing keys: blocks.2.0.bias" in line and "unexpected keys: blocks.2.bias" in line
+    assert "shape mismatches: blocks.0.0.bias (32,) vs (1024,)" in line
+    assert _digest(finished_run) == before
+
+
+def test_checkpoint_of_another_world_size_is_refused(finished_run, tmp_path):
+    proc = run([sys.executable, "-m", "recipes", "run", "ddp", "--model", "tiny:mlp", "--resume",
+                str(finished_run / "ckpt" / "step-000010.safetensors")], cwd=tmp_path, check=False,
+               env=user_env(PYTHONPATH=TESTS))
+    assert proc.returncode != 0 and "written by 2 ranks and this job has 1" in proc.stderr
+
+
+def _worker_pids(launcher_pid: int) -> list[int]:
+    """The recipe processes under a torchrun started by our launcher (its grandchildren or children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if b"recipes" in cmdline and b"LOCAL_RANK=1" in environ.split(b"\0") and \
+                    f"TDR_TEST_JOB={launcher_pid}".encode() in environ.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
+def test_sigkill_of_a_worker_restarts_and_finishes_with_the_same_weights(finished_run, tmp_path):
+    """MAX_RESTARTS=1: torchrun restarts the group, which resumes from the newest checkpoint by itself."""
+    marker = str(os.getpid())
+    env = user_env(PYTHONPATH=TESTS, MAX_RESTARTS="1", NPROC_PER_NODE="2", TDR_TEST_JOB=marker)
+    job = subprocess.Popen([str(REPO / "launch_single_node.sh"), "ddp", "--model", "tiny:mlp", "--max-steps", "30",
+                            "--ckpt-every", "1", "--keep", "3", "--log-every", "1"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt_dir, killed, deadline = tmp_path / "runs" / "ddp-1" / "ckpt", False, time.monotonic() + 120
+    while not killed and job.poll() is None and time.monotonic() < deadline:
+        if ckpt.list_checkpoints(ckpt_dir):  # training is under way: kill rank 1 mid-run
+            for pid in _worker_pids(int(marker)):
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        time.sleep(0.01)  # polling the test's own subprocess, not synchronising the recipe
+    stdout, stderr = job.communicate(timeout=180)
+    assert killed, "the job finished before a worker could be killed"
+    assert job.returncode == 0, stderr
+    assert "resumed from" in stderr
+    assert _same(_weights(tmp_path / "runs" / "ddp-1" / "model.safetensors"),
+                 _weights(finished_run / "model.safetensors"))
