@@ -64,7 +64,7 @@ class RunWriter:
     def write_config(self, config: dict) -> None:
         if self.enabled:
             text = json.dumps(config, indent=2, sort_keys=True)
-            atomic_write(self.run_dir / "config.json", lambda tmp: Path(tmp).write_text(text + "\n"))
+            atomic_write(self.run_dir / "config.json", lambda f: f.write(text.encode() + b"\n"))
 
     def log(self, kind: str, **fields) -> None:
         """Append one record to metrics.jsonl (flushed, so a crash loses at most this line)."""

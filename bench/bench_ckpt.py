@@ -1,0 +1,85 @@
+"""Checkpoint write and read speed against the disk's own bound, measured side by side in one run.
+
+    python bench/bench_ckpt.py [--mb 100] [--repeats 3] [--dir /tmp]
+
+Rows: the raw sequential write speed of this disk (dd with conv=fdatasync: the physical
+bound), our checkpoint path (core.ckpt.save_weights: safetensors to a temporary name, fsync,
+rename), and torch.save + fsync. Reads: safetensors load_file against torch.load(weights_only=True),
+both from the page cache (dropping caches needs privileges a bench should not ask for).
+The figure of merit is ours / raw; the goal is >= 0.80.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from core.ckpt import save_weights
+
+
+def dd_write_mb_s(path: Path, mb: int) -> float:
+    out = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
+                         capture_output=True, text=True, check=True).stderr
+    seconds = float(re.search(r"([\d.]+) s,", out).group(1))
+    return mb / seconds
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def torch_save_fsync(state, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+
+    # A model-shaped state dict: a few large matrices and many small vectors, args.mb in all.
+    numel = args.mb * 2**20 // 4
+    model = torch.nn.Module()
+    for i in range(8):
+        model.register_buffer(f"w{i}", torch.randn(numel // 8 - 1024))
+        model.register_buffer(f"b{i}", torch.randn(1024))
+    size_mb = sum(t.numel() * 4 for t in model.state_dict().values()) / 2**20
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        folder = Path(folder)
+        rows = {"raw dd fdatasync": [], "ours: safetensors save (atomic, fsync)": [], "torch.save + fsync": [],
+                "ours: safetensors load_file": [], "torch.load(weights_only=True)": []}
+        for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every row alike
+            rows["raw dd fdatasync"].append(dd_write_mb_s(folder / "dd.bin", args.mb) * size_mb / args.mb)
+            rows["ours: safetensors save (atomic, fsync)"].append(
+                size_mb / timed(lambda: save_weights(model, folder / "w.safetensors")))
+            rows["torch.save + fsync"].append(size_mb / timed(lambda: torch_save_fsync(model.state_dict(),
+                                                                                        folder / "w.pt")))
+            rows["ours: safetensors load_file"].append(size_mb / timed(lambda: load_file(folder / "w.safetensors")))
+            rows["torch.load(weights_only=True)"].append(
+                size_mb / timed(lambda: torch.load(folder / "w.pt", weights_only=True)))
+    medians = {name: statistics.median(v) for name, v in rows.items()}
+    raw = medians["raw dd fdatasync"]
+    print(f"state dict: {size_mb:.0f} MB, median of {args.repeats}, folder {args.dir}")
+    print(f"{'path':42s} {'MB/s':>8s} {'vs raw write':>13s}")
+    for name, value in medians.items():
+        print(f"{name:42s} {value:8.0f} {value / raw:12.2f}x")
+    ratio = medians["ours: safetensors save (atomic, fsync)"] / raw
+    print(f"checkpoint write / raw write = {ratio:.2f} (goal >= 0.80): {'ok' if ratio >= 0.8 else 'BELOW GOAL'}")
+
+
+if __name__ == "__main__":
+    main()
