@@ -11,8 +11,11 @@
 #   MAX_RESTARTS    how often torchrun restarts the whole group after a failure (default 0)
 set -euo pipefail
 
-recipe="${1:-ddp}"
-shift || true
+recipe=ddp
+if [[ $# -gt 0 && "$1" != -* ]]; then  # `./launch_single_node.sh --epochs 3` still means ddp
+  recipe="$1"
+  shift
+fi
 if [[ "$recipe" == *.py ]]; then
   target=("$recipe")
 else
@@ -23,12 +26,14 @@ fi
 python "${target[@]}" "$@" --dry-run >/dev/null
 
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
-  nproc="$NPROC_PER_NODE"
+  nprocs="$NPROC_PER_NODE"
 else
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
-  nproc=$(( gpus > 0 ? gpus : 2 ))
+  nprocs=$(( gpus > 0 ? gpus : 2 ))
 fi
-[[ "$recipe" == dp ]] && nproc=1  # DataParallel drives every GPU from one process
+[[ "$recipe" == dp ]] && nprocs=1  # DataParallel drives every GPU from one process
+# Share the cores between the processes (torchrun would otherwise set 1 and warn about it).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / nprocs > 0 ? $(nproc) / nprocs : 1 ))}"
 
 if [[ -n "${MASTER_PORT:-}" ]]; then
   rendezvous=(--nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
@@ -36,5 +41,5 @@ else
   rendezvous=(--standalone)  # a free port on localhost, chosen by torchrun
 fi
 
-exec torchrun "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \
+exec torchrun "${rendezvous[@]}" --nproc-per-node "$nprocs" --max-restarts "${MAX_RESTARTS:-0}" \
   "${target[@]}" "$@"
