@@ -56,8 +56,9 @@ def test_unwritable_out_is_one_line(tmp_path):
     assert f"--out {blocker / 'runs'}: cannot write there" in line
 
 
-def test_bad_input_under_the_launcher_is_one_line(tmp_path):
-    proc = run([str(REPO / "launch_single_node.sh"), "ddp", "--lr", "-1"], cwd=tmp_path, check=False, timeout=60)
+@pytest.mark.parametrize("recipe", [["ddp"], []], ids=["named", "default"])
+def test_bad_input_under_the_launcher_is_one_line(tmp_path, recipe):
+    proc = run([str(REPO / "launch_single_node.sh"), *recipe, "--lr", "-1"], cwd=tmp_path, check=False, timeout=60)
     assert "--lr -1.0" in _one_error_line(proc)
 
 
