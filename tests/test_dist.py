@@ -1,0 +1,83 @@
+"""core.dist: joining a group from torchrun's environment, from mp.spawn, or alone."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from core import dist as cdist
+from core.config import RecipeError
+
+
+def _spawned(rank, world_size, port, results):
+    topo = cdist.init_pg(rank=rank, world_size=world_size, master_port=port, timeout_s=30)
+    try:
+        total = cdist.reduce_sum(torch.tensor([rank + 1.0])).item()
+        mean = cdist.reduce_mean(torch.tensor([float(rank)])).item()
+        choice = cdist.broadcast_object(f"rank {rank} decided" if topo.is_rank0 else None)
+        cdist.barrier()
+        results.put((rank, topo.world_size, topo.local_rank, topo.backend, cdist.is_rank0(), total, mean, choice))
+    finally:
+        cdist.cleanup_pg()
+
+
+def test_init_pg_from_mp_spawn_on_a_free_port():
+    """The source's setup, fixed: a free port instead of 12355, explicit rank and world size."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    mp.start_processes(_spawned, args=(2, cdist.free_port(), results), nprocs=2, join=True, start_method="spawn")
+    rows = sorted(results.get(timeout=10) for _ in range(2))
+    assert rows == [(0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided"),
+                    (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided")]
+
+
+def test_world_of_one_without_a_launcher(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    topo = cdist.init_pg(timeout_s=10)
+    try:
+        assert (topo.rank, topo.world_size, topo.is_rank0, topo.device.type) == (0, 1, True, "cpu")
+        assert cdist.reduce_sum(torch.tensor(2.0)).item() == 2.0
+    finally:
+        cdist.cleanup_pg()
+    assert not dist.is_initialized()
+    cdist.cleanup_pg()  # a second call is harmless
+
+
+def test_device_comes_from_local_rank_never_rank(monkeypatch):
+    """The source's set_device(rank) picks cuda:5 for rank 5 on a 4-GPU second node; LOCAL_RANK is right."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    topo = cdist.init_pg()
+    assert topo.device == torch.device("cuda", 1) and topo.rank == 5 and topo.node_rank == 1
+    assert topo.backend == "nccl"
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RecipeError, match="LOCAL_RANK 3 but only 2 GPU"):
+        cdist.pick_device(3)
+
+
+def test_bad_environment_is_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(RecipeError, match="WORLD_SIZE='two' is not an integer"):
+        cdist.init_pg()
+
+
+def test_unreachable_master_fails_within_the_timeout(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(cdist.free_port()))  # nobody listens there
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match="could not join the job at 127.0.0.1"):
+        cdist.init_pg(timeout_s=3)
