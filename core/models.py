@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from core.config import RecipeError, resolve_factory
+from core.gpt import gpt
 
 
 class MLP(nn.Module):
@@ -50,7 +51,7 @@ def cnn() -> nn.Module:
     return CNN()
 
 
-MODELS = {"mlp": mlp, "cnn": cnn}
+MODELS = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 
 
 def unwrap(model: nn.Module) -> nn.Module:

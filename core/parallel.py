@@ -3,7 +3,21 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from core.config import RecipeError
 
 
 def wrap_ddp(model: nn.Module, *, device: torch.device, **ddp_options) -> DDP:
@@ -22,3 +36,110 @@ def wrap_dp(model: nn.Module) -> tuple[nn.Module, str]:
         where = "one GPU" if gpus == 1 else "CPU"
         return model, f"DataParallel needs 2+ GPUs; found {gpus}: training on {where} as plain single-device training"
     return nn.DataParallel(model), f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"
+
+
+# --- model parallelism: device meshes, tensor parallel (DTensor), FSDP2 -------------------------
+
+
+def check_mesh(world_size: int, dims: dict[str, int]) -> None:
+    """Refuse, before any process group exists, a mesh whose sizes don't multiply to the world size."""
+    shape = " x ".join(f"{name}={size}" for name, size in dims.items())
+    total = 1
+    for size in dims.values():
+        total *= size
+    if min(dims.values()) < 1 or total != world_size:
+        raise RecipeError(f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
+                          f"launch {total} processes (NPROC_PER_NODE) or pick sizes that multiply to {world_size}")
+
+
+def build_mesh(topo, dims: dict[str, int]):
+    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2}: rank = dp_index * tp + tp_index."""
+    check_mesh(topo.world_size, dims)
+    return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> None:
+    """A RecipeError unless every transformer block splits into `tp` equal, whole-head shards."""
+    blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
+    if not blocks:
+        raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs model.blocks with "
+                          f"attn.(q,k,v,proj) and mlp.(fc,proj) Linear layers, like core.gpt.GPT")
+    for block in blocks:
+        heads = block.attn.q.out_features // block.attn.head_dim
+        if heads % tp or block.mlp.fc.out_features % tp:
+            raise RecipeError(f"tensor parallel size {tp} must divide the {heads} attention heads and the "
+                              f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both")
+    if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
+        raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., Head(ln, out)]")
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
+    """The Megatron plan: q, k, v and mlp.fc split by output column, attn.proj and mlp.proj by
+    input row, so each block needs one all-reduce forward and one backward per sub-layer.
+
+    sequence_parallel: the residual stream between sub-layers stays split along the sequence
+    (LayerNorms run on a shard), the all-reduce becomes a reduce-scatter plus an all-gather."""
+    row_out = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    for i, block in enumerate(model.blocks):
+        if not (hasattr(block, "attn") and hasattr(block, "mlp")):
+            continue
+        for sub, first, last in (("attn", ("q", "k", "v"), "proj"), ("mlp", ("fc",), "proj")):
+            plan.update({f"blocks.{i}.{sub}.{name}": ColwiseParallel() for name in first})
+            plan[f"blocks.{i}.{sub}.{last}"] = RowwiseParallel(output_layouts=row_out)
+            if sequence_parallel:  # gather the sequence before the column-split layers
+                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                               desired_input_layouts=(Replicate(),))
+                plan[f"blocks.{i}.ln{1 if sub == 'attn' else 2}"] = SequenceParallel()
+    if sequence_parallel:
+        last = len(model.blocks) - 1
+        plan["blocks.0"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan[f"blocks.{last}.ln"] = SequenceParallel()
+        plan[f"blocks.{last}.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plan
+
+
+def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """Shard the model's Linear layers over a 1-D `mesh` in place (parameters become DTensors)."""
+    check_tp(model, mesh.size(), sequence_parallel=sequence_parallel)
+    return parallelize_module(model, mesh, tp_plan(model, sequence_parallel=sequence_parallel))
+
+
+def apply_fsdp(model: nn.Module, *, mesh=None, precision: str = "fp32", offload: bool = False) -> nn.Module:
+    """FSDP2: fully_shard each block, then the root. Each block's parameters are gathered just
+    before it runs and freed after, so a rank holds 1/N of the model plus one block at a time.
+
+    precision="bf16": compute in bf16, reduce gradients in fp32; offload: shards live in CPU memory."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    for block in model.blocks:
+        fully_shard(block, **options)
+    return fully_shard(model, **options)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, gathered from DTensor shards (TP, FSDP or both) to rank 0's CPU.
+
+    A collective: every rank calls it; rank 0 gets the full tensors, the others an empty dict."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def refuse_unsupported(cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",)) -> None:
+    """Shared options a model-parallel recipe does not implement fail now instead of being ignored."""
+    if cfg.precision not in precisions:
+        raise RecipeError(f"--precision {cfg.precision}: {recipe} supports {', '.join(precisions)}; "
+                          f"use --precision {precisions[-1]}")
+    for option, value, off in (("--accum", cfg.accum, 1), ("--clip", cfg.clip, 0.0),
+                               ("--ckpt-every", cfg.ckpt_every, 0), ("--resume", cfg.resume, "")):
+        if value != off:
+            raise RecipeError(f"{option} {value}: {recipe} does not support it yet; leave it at {off!r}")
+
+
+def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:
+    """Load the sharded `model`'s full weights into rank 0's `plain` copy (a collective; the other
+    ranks' `plain` is left as it is and never written)."""
+    full = full_state_dict(model)
+    if full:
+        plain.load_state_dict(full)
+    return plain

@@ -4,7 +4,15 @@ and with those that other packages add through the `torch_dist_recipes` entry-po
 Recipes import `core`, never each other: each file is a whole training story on its own.
 """
 from core.registry import RECIPES, load_entry_points
-from recipes import ddp, dp  # noqa: F401  (each module registers itself on import)
+from recipes import (  # noqa: F401  (each module registers itself on import)
+    ddp,
+    dp,
+    fsdp,
+    fsdp_tp,
+    pipeline,
+    pipeline_naive,
+    tensor_parallel,
+)
 
 PLUGIN_PROBLEMS = load_entry_points()
 

@@ -1,0 +1,163 @@
+"""A tiny GPT, a character tokenizer and an embedded text corpus (no download).
+
+The model is a plain sequence of blocks, `model.blocks = [Embed, Block x n, Head]`, and its
+forward is `model.blocks(tokens)`. That one shape serves every parallelism here: the
+pipeline cuts `blocks` into contiguous stages, tensor parallelism shards the Linear layers
+inside each Block, and FSDP wraps each block. No dropout, so parallel runs can be compared
+with single-process training number for number.
+
+The corpus is the Python standard library's own source files, read from this interpreter's
+installation, encoded one character per token (ASCII; anything else becomes '?').
+"""
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+VOCAB = 128  # 7-bit ASCII: the model's shape never depends on which corpus was read
+CORPUS_FILES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "fractions.py", "shlex.py",
+                "calendar.py", "difflib.py", "argparse.py", "dataclasses.py", "functools.py")
+
+
+def encode(text: str) -> torch.Tensor:
+    """Characters -> int64 token ids (non-ASCII characters become '?')."""
+    data = text.encode("ascii", errors="replace")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+def decode(tokens: torch.Tensor) -> str:
+    return bytes(tokens.to(torch.uint8).tolist()).decode("ascii")
+
+
+def corpus(*, max_chars: int = 400_000) -> str:
+    """The stdlib files in CORPUS_FILES that this Python has, joined (the same text every call)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts = [(stdlib / name).read_text(encoding="utf-8") for name in CORPUS_FILES if (stdlib / name).is_file()]
+    if not parts:  # a Python shipped without sources: fall back to torch's own Python files
+        parts = [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]
+    return "\n".join(parts)[:max_chars]
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `context` tokens; the target is the input shifted by one."""
+
+    def __init__(self, tokens: torch.Tensor, context: int):
+        self.tokens, self.context = tokens, context
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.context
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.context
+        return self.tokens[start:start + self.context], self.tokens[start + 1:start + self.context + 1]
+
+
+def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Dataset]:
+    """The `text` data factory: (train, val) next-character windows over the embedded corpus."""
+    tokens = encode(corpus())
+    split = int(len(tokens) * (1 - val_fraction))
+    return TokenWindows(tokens[:split], context), TokenWindows(tokens[split:], context)
+
+
+class Embed(nn.Module):
+    """Token ids (B, T) -> token + position embeddings (B, T, d)."""
+
+    def __init__(self, vocab: int, context: int, dim: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(context, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(positions)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q, k, v projections (so each can be column-sharded)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time = x.shape[:2]
+        # -1, not a stored head count: under tensor parallelism each rank holds only its heads
+        q, k, v = (lin(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+        self.proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
+        self.ln2, self.mlp = nn.LayerNorm(dim), MLP(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final norm and the projection to next-token logits (B, T, vocab)."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class GPT(nn.Module):
+    """blocks = [Embed, Block x layers, Head]; forward(tokens) = blocks(tokens) -> logits."""
+
+    def __init__(self, *, vocab: int = VOCAB, context: int = 64, dim: int = 64, heads: int = 4, layers: int = 4):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
+        self.context, self.heads = context, heads
+        self.blocks = nn.Sequential(
+            Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers)), Head(dim, vocab))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.blocks(tokens)
+
+
+def gpt() -> nn.Module:
+    """The `gpt` model factory: 4 blocks, d=64, 4 heads, context 64 (~0.2M parameters)."""
+    return GPT()
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: str, *, tokens: int = 100, context: int = 64) -> str:
+    """Greedy continuation of `prompt`, for a look at what a trained model has learnt."""
+    ids = encode(prompt)[None]
+    for _ in range(tokens):
+        logits = model(ids[:, -context:])
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return decode(ids[0])
+
+
+# Shared-option defaults of the model-parallel recipes (@register(..., defaults=RECIPE_DEFAULTS)).
+RECIPE_DEFAULTS = {"model": "gpt", "data": "text", "epochs": 1, "lr": 3e-3}

@@ -1,0 +1,221 @@
+"""Pipeline parallelism: cut a block-sequence model into stages, and run torch's schedules on them.
+
+A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its
+forward is `model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the
+blocks' original names (`blocks.3.attn.q.weight`), so the stages' state dicts merged are the
+whole model's state dict.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.config import RecipeError
+from core.dist import broadcast_object
+from core.steps import Tally, batch_metrics, summarize
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+class Stage(nn.Module):
+    """Blocks lo..hi-1 of a model, under their original names: forward = those blocks in order."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        self.blocks = nn.Sequential(OrderedDict((str(i), block) for i, block in blocks.items()))
+        self.indices = list(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
+    """Stage sizes (blocks per stage) of the contiguous split whose heaviest stage is lightest.
+
+    Exact, by dynamic programming over (blocks used, stages used); ties go to the earliest cut.
+    """
+    n = len(weights)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
+    prefix = [0.0, *itertools.accumulate(weights)]
+    # best[s][i]: lightest possible heaviest stage when the first i blocks form s stages
+    best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):  # the last stage holds blocks j..i-1
+                cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    sizes, i = [], n
+    for s in range(num_stages, 0, -1):
+        sizes.append(i - cut[s][i])
+        i = cut[s][i]
+    return sizes[::-1]
+
+
+def block_times(blocks: Sequence[nn.Module], sample: torch.Tensor, *, repeats: int = 3) -> list[float]:
+    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it)."""
+    times, x = [], sample
+    for block in blocks:
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        fastest = float("inf")
+        for _ in range(repeats):  # the fastest of a few: the least disturbed by other work
+            started = time.perf_counter()
+            out = block(x_in)
+            out.float().sum().backward()
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            fastest = min(fastest, time.perf_counter() - started)
+        block.zero_grad(set_to_none=True)
+        times.append(fastest)
+        x = out.detach()
+    return times
+
+
+def block_weights(model: nn.Module, *, balance: str | Sequence[int], sample: torch.Tensor | None = None) -> list[float]:
+    """What to balance: parameter counts, measured times (rank 0's, so all ranks agree), or given sizes."""
+    blocks = list(model.blocks)
+    if balance == "params":
+        return [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+    if balance == "time":
+        if sample is None:
+            raise ValueError("balance='time' needs a sample input to time the blocks on")
+        return broadcast_object(block_times(blocks, sample))
+    raise ValueError(f"balance must be 'params', 'time' or a list of stage sizes, not {balance!r}")
+
+
+def check_block_model(model: nn.Module, *, num_stages: int) -> int:
+    """The number of blocks; a RecipeError when the model can't be cut into `num_stages` stages."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.Sequential):
+        raise RecipeError(f"--model {type(model).__name__}: pipelining needs `model.blocks`, an nn.Sequential "
+                          f"that forward() runs in order (see core.gpt.GPT)")
+    outside = [n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())
+               if not n.startswith("blocks.")]
+    if outside:
+        raise RecipeError(f"--model {type(model).__name__}: {outside[0]} is outside model.blocks; "
+                          f"a pipeline stage must hold every parameter, so move it into a block")
+    if len(blocks) < num_stages:
+        raise RecipeError(f"--model {type(model).__name__} has {len(blocks)} blocks, fewer than the "
+                          f"{num_stages} pipeline stages; use at most {len(blocks)} stages or a deeper model")
+    return len(blocks)
+
+
+def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int,
+                   balance: str | Sequence[int] = "params", sample: torch.Tensor | None = None) -> Stage:
+    """Cut `model.blocks` into `num_stages` contiguous stages and return stage `stage_index`.
+
+    balance: "params" (parameter counts), "time" (forward+backward time on `sample`, measured
+    on every rank, rank 0's numbers used) or a list of blocks per stage, e.g. [2, 4].
+    """
+    count = check_block_model(model, num_stages=num_stages)
+    if isinstance(balance, str):
+        sizes = plan_split(block_weights(model, balance=balance, sample=sample), num_stages)
+    else:
+        sizes = list(balance)
+        if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
+            raise RecipeError(f"--balance {sizes}: give {num_stages} positive stage sizes adding up to {count} blocks")
+    lo = sum(sizes[:stage_index])
+    return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
+
+
+def check_pipeline(*, world_size: int, pp: int, schedule: str, num_blocks: int,
+                   batch_size: int, microbatches: int) -> None:
+    """Everything about a pipeline job that can be refused before any process group exists."""
+    if pp < 1 or world_size % pp:
+        raise RecipeError(f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
+                          f"use --pp {world_size} (or a divisor of it)")
+    if schedule not in SCHEDULES:
+        raise RecipeError(f"--schedule {schedule}: choose one of {', '.join(SCHEDULES)}")
+    stages = pp * (2 if schedule == "interleaved1f1b" else 1)
+    if num_blocks < stages:
+        raise RecipeError(f"the model has {num_blocks} blocks, fewer than the {stages} pipeline stages "
+                          f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model")
+    if microbatches < 1 or batch_size % microbatches:
+        raise RecipeError(f"--microbatches {microbatches}: must divide --batch-size {batch_size} "
+                          f"(e.g. --microbatches {_divisor_near(batch_size, microbatches)})")
+    if schedule == "1f1b" and microbatches < pp:
+        raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
+    rounds = max(1, microbatches // pp)  # torch's interleaved schedule runs the micro-batches in equal rounds
+    if schedule == "interleaved1f1b" and microbatches % rounds:
+        raise RecipeError(f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
+                          f"(or fewer than {2 * pp}); use {pp * rounds}")
+
+
+def _divisor_near(n: int, want: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
+
+
+def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Callable):
+    """torch's schedule for `name`. Its default scale_grads=True divides the summed micro-batch
+    gradients by `microbatches`: with a mean loss per micro-batch that is the whole batch's mean."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if name == "interleaved1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    return kind(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def gather_state_dict(stages: Sequence[nn.Module], *, dst: int = 0) -> dict[str, torch.Tensor]:
+    """Every stage's tensors, merged on rank `dst` into the whole model's state dict ({} elsewhere).
+
+    Stage keys are the original model's, so the merge is a dict union (data-parallel replicas
+    of a stage send equal tensors; the union keeps one)."""
+    mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(mine, parts, dst=dst)
+    return {k: v for part in parts for k, v in part.items()} if parts else {}
+
+
+def average_gradients(params: Sequence[nn.Parameter], *, group, size: int) -> None:
+    """Data parallel across pipeline replicas: average each stage's gradients over `group`."""
+    if size > 1:
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)  # gloo has no AVG: sum, then divide
+                p.grad /= size
+
+
+def step_pipeline(schedule, batch: tuple[torch.Tensor, torch.Tensor], *, optimizer: torch.optim.Optimizer,
+                  holds_last: bool, dp_group=None, dp_size: int = 1) -> dict[str, torch.Tensor]:
+    """One optimizer step through the pipeline. Every rank passes the whole batch (the first stage
+    reads the inputs, the last the targets); the last stage returns the batch's metrics, the
+    others an empty dict. The schedule splits the batch into micro-batches and, by default,
+    divides the summed gradients by their number: the step is the whole batch's."""
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    outputs = schedule.step(inputs, target=targets, losses=losses)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    average_gradients(params, group=dp_group, size=dp_size)
+    optimizer.step()
+    if not holds_last:
+        return {}
+    return batch_metrics(outputs, targets, torch.stack(losses).mean())  # equal micro-batches: mean of means
+
+
+@torch.no_grad()
+def evaluate_pipeline(schedule, loader, *, holds_last: bool, device: torch.device, batch_size: int) -> dict:
+    """Validation loss and accuracy, forward only, over the loader's full batches (the schedule
+    needs micro-batches of one size, so a smaller last batch is left out)."""
+    tally = Tally(device)
+    for inputs, targets in loader:
+        if len(inputs) != batch_size:
+            continue
+        inputs, targets = inputs.to(device), targets.to(device)
+        losses: list[torch.Tensor] = []
+        outputs = schedule.eval(inputs, target=targets, losses=losses)
+        if holds_last:
+            tally.add(batch_metrics(outputs, targets, torch.stack(losses).mean()))
+    return summarize(tally.reduce(), prefix="val_")

@@ -1,0 +1,39 @@
+"""Layer 2 on 4 gloo ranks: the 2-D meshes. pipeline with pp=2 x dp=2 and fsdp_tp with dp=2 x tp=2
+give the parameters one process gets on the same global batches (each step: both data shares).
+Tolerance as in test_model_parallel.py: atol 2e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
+import pytest
+from mp_reference import assert_same_weights, reference, run_recipe
+
+from core.config import TrainConfig
+from world import GlooWorld
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with GlooWorld(4, timeout_s=180) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def two_shares(tmp_path_factory):
+    return reference(_cfg(tmp_path_factory.mktemp("ref")), replicas=2)
+
+
+def _cfg(tmp_path) -> TrainConfig:
+    return TrainConfig(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1,
+                       out=str(tmp_path))
+
+
+def test_pipeline_times_data_parallel(world4, two_shares, tmp_path):
+    summaries = world4.run(run_recipe, "pipeline", _cfg(tmp_path),
+                           dict(schedule="1f1b", microbatches=4, pp=2, balance="params"))
+    assert (summaries[0]["pp"], summaries[0]["dp"], summaries[0]["global_batch"]) == (2, 2, 16)
+    assert_same_weights(summaries[0], two_shares, **TOL)
+
+
+def test_fsdp_times_tensor_parallel(world4, two_shares, tmp_path):
+    summaries = world4.run(run_recipe, "fsdp_tp", _cfg(tmp_path), dict(tp=2))
+    assert (summaries[0]["tp"], summaries[0]["dp"]) == (2, 2)
+    assert_same_weights(summaries[0], two_shares, **TOL)
