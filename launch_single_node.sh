@@ -31,7 +31,9 @@ else
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   nprocs=$(( gpus > 0 ? gpus : 2 ))
 fi
-[[ "$recipe" == dp ]] && nprocs=1  # DataParallel drives every GPU from one process
+case "$recipe" in
+  dp|pipeline_naive) nprocs=1 ;;  # one process drives every local device
+esac
 # Share the cores between the processes (torchrun would otherwise set 1 and warn about it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / nprocs > 0 ? $(nproc) / nprocs : 1 ))}"
 
