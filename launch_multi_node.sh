@@ -127,6 +127,10 @@ if [[ -n "$rdzv_id" ]]; then
   # torchrun guesses it from the hostname, which fails where the hostname means 127.0.0.1).
   rendezvous=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$master_ip:$port" --rdzv-id "$rdzv_id"
               --rdzv-conf "join_timeout=$rdzv_timeout,is_host=$is_host" --local-addr "$local_ip")
+  # Workers get a store of their own, announced afresh every round. With torchrun's default (the
+  # rank-0 agent's store, shared) the address is written only in that agent's first round, so a
+  # node started again after a failure waits for MASTER_ADDR in round 1 until join_timeout.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 else
   rendezvous=(--nnodes "$nnodes" --node-rank "$node_rank" --master-addr "$master_ip" --master-port "$port"
               --rdzv-conf "timeout=$rdzv_timeout")

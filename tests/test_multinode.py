@@ -9,10 +9,15 @@ them can collide with nothing.
 
 Stated bounds (never asserted as times, only as "did not hang"): a lost or unreachable peer
 ends every node within --timeout-s (20 s here) plus torchrun's shut-down, well inside BOUND_S.
+
+Cost: every training run starts 2 launchers, 2 torchrun agents and their workers, so runs are
+few and short (6 steps): one run covers both a slow and a normal link, and the two fault
+scenarios share one test, run side by side (one waits out --timeout-s while the other finishes).
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -30,7 +35,7 @@ needs_netns = pytest.mark.skipif(_why_not is not None, reason=f"two-host test sk
 LAUNCHER = str(REPO / "launch_multi_node.sh")
 TIMEOUT_S = 20  # the recipe's --timeout-s: how long a collective waits for a silent peer
 BOUND_S = 120  # a node that has not exited this long after a fault is hung
-OPTS = ["--epochs", "1", "--max-steps", "8", "--batch-size", "8", "--log-every", "1", "--timeout-s", str(TIMEOUT_S)]
+OPTS = ["--epochs", "1", "--max-steps", "6", "--batch-size", "8", "--log-every", "1", "--timeout-s", str(TIMEOUT_S)]
 LONG = ["--epochs", "50", "--max-steps", "2000", "--batch-size", "8", "--log-every", "1", "--timeout-s", str(TIMEOUT_S)]
 
 
@@ -76,12 +81,13 @@ class Node:
             time.sleep(0.2)
 
 
-def start_pair(net, tmp_path, recipe_args, **extra_env) -> tuple[Node, Node]:
+def start_pair(net, folder: Path, recipe_args, **extra_env) -> tuple[Node, Node]:
+    """Node 0 and node 1 of one job: run folder `folder/runs`, logs in `folder/<namespace>`."""
     a, b = net.hosts
     nodes = []
     for rank, host in enumerate(net.hosts):
         env = node_env(a.addr, NODE_RANK=str(rank), **extra_env)
-        nodes.append(Node(net, host, ["ddp", *recipe_args, "--out", str(tmp_path / "runs")], env, tmp_path / host.name))
+        nodes.append(Node(net, host, ["ddp", *recipe_args, "--out", str(folder / "runs")], env, folder / host.name))
     return nodes[0], nodes[1]
 
 
@@ -98,12 +104,25 @@ def assert_same_weights(got: dict, want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The same training as 4 processes on one node (loopback), through the single-node launcher."""
-    out = tmp_path_factory.mktemp("reference")
-    run([str(REPO / "launch_single_node.sh"), "ddp", *OPTS, "--out", str(out)],
-        env=user_env(NPROC_PER_NODE="4"), timeout=BOUND_S)
-    return weights_of(out)
+def single_node(tmp_path_factory):
+    """reference(nproc): the same training as `nproc` processes on one node (loopback), through the
+    single-node launcher; each world size is trained once per module."""
+    done: dict[int, dict[str, torch.Tensor]] = {}
+
+    def reference(nproc: int) -> dict[str, torch.Tensor]:
+        if nproc not in done:
+            out = tmp_path_factory.mktemp(f"reference{nproc}")
+            run([str(REPO / "launch_single_node.sh"), "ddp", *OPTS, "--out", str(out)],
+                env=user_env(NPROC_PER_NODE=str(nproc)), timeout=BOUND_S)
+            done[nproc] = weights_of(out)
+        return done[nproc]
+
+    return reference
+
+
+@pytest.fixture
+def reference(single_node) -> dict[str, torch.Tensor]:
+    return single_node(4)  # 2 nodes x 2 processes
 
 
 @pytest.fixture
@@ -113,8 +132,13 @@ def net():
 
 
 @needs_netns
-def test_two_hosts_train_like_one_node(net, reference, tmp_path):
+def test_two_hosts_train_like_one_node_on_a_slow_then_normal_link(net, reference, tmp_path):
+    for host in net.hosts:  # rendezvous and the first steps over a 50 Mbit/s link, the rest at full speed
+        net.shape(host, rate="50mbit")
     node0, node1 = start_pair(net, tmp_path, OPTS)
+    node0.wait_for("step 2/")
+    for host in net.hosts:
+        net.unshape(host)
     assert node0.wait() == 0, node0.stderr[-3000:]
     assert node1.wait() == 0, node1.stderr[-3000:]
     for node in (node0, node1):  # each found its veth end, not loopback
@@ -127,34 +151,25 @@ def test_two_hosts_train_like_one_node(net, reference, tmp_path):
 
 
 @needs_netns
-def test_slow_link_same_weights(net, reference, tmp_path):
-    for host in net.hosts:
-        net.shape(host, rate="50mbit")
-    node0, node1 = start_pair(net, tmp_path, OPTS)
-    assert node0.wait() == 0, node0.stderr[-3000:]
-    assert node1.wait() == 0, node1.stderr[-3000:]
-    assert_same_weights(weights_of(tmp_path / "runs"), reference)
+def test_node_killed_or_link_cut_every_node_exits_saying_why(net, tmp_path):
+    # Two jobs side by side, one on each pair of hosts: in one a node dies, in the other the cable is cut.
+    with netns.TwoHosts() as other:
+        killed = start_pair(net, tmp_path / "killed", LONG)
+        cut = start_pair(other, tmp_path / "cut", LONG)
+        for node0, _ in (killed, cut):
+            node0.wait_for("step 3/")
+        net.kill_host(killed[1].host)  # the whole node: launcher, torchrun agent, workers
+        other.link_down(cut[1].host)
 
+        survivor = killed[0]  # sees a reset connection at once
+        assert survivor.wait() != 0
+        assert "lost the connection to peer" in survivor.last_error
+        assert killed[1].host.addr in survivor.last_error, survivor.stderr[-3000:]
 
-@needs_netns
-def test_node_killed_the_other_exits_naming_it(net, tmp_path):
-    node0, node1 = start_pair(net, tmp_path, LONG)
-    node0.wait_for("step 3/")
-    net.kill_host(node1.host)  # the whole node: launcher, torchrun agent, workers
-    assert node0.wait() != 0
-    assert "lost the connection to peer" in node0.last_error
-    assert node1.host.addr in node0.last_error, node0.stderr[-3000:]
-
-
-@needs_netns
-def test_link_cut_both_exit_saying_unreachable(net, tmp_path):
-    node0, node1 = start_pair(net, tmp_path, LONG)
-    node0.wait_for("step 3/")
-    net.link_down(node1.host)
-    for node in (node0, node1):
-        assert node.wait() != 0
-        assert "unreachable" in node.last_error, node.stderr[-3000:]
-    assert f"node 0 at {node0.host.addr}" in node1.last_error
+        for node in cut:  # hear nothing until --timeout-s has passed
+            assert node.wait() != 0
+            assert "unreachable" in node.last_error, node.stderr[-3000:]
+        assert f"node 0 at {cut[0].host.addr}" in cut[1].last_error
 
 
 @needs_netns
@@ -203,24 +218,34 @@ def test_bad_environment_one_line_before_torchrun(env, message):
     assert proc.stderr.strip() == message
 
 
-@pytest.mark.skip(reason="open: after the kill, torchrun's c10d re-rendezvous (round 1) never completes with the "
-                         "restarted node (node 0 waits for role_info/0,1, the new node for MASTER_ADDR, 60 s each)")
 @needs_netns
-def test_elastic_restarted_node_resumes_from_checkpoint(net, reference, tmp_path):
+def test_elastic_restarted_node_resumes_from_checkpoint(net, single_node, tmp_path):
+    # One process per node: a resumed 2-rank job is bit for bit the uninterrupted one. (A resumed 4-rank
+    # job, on one node as well, ends about 4e-8 off, float rounding: see docs/multinode.md.)
     for host in net.hosts:  # slow steps, so that the kill lands between two checkpoints
         net.shape(host, rate="50mbit")
-    elastic = {"RDZV_ID": "restart-test", "MAX_RESTARTS": "1"}
-    opts = [*OPTS, "--ckpt-every", "2", "--resume", "auto"]
+    elastic = {"RDZV_ID": "restart-test", "MAX_RESTARTS": "1", "NPROC_PER_NODE": "1"}
+    opts = [*OPTS, "--ckpt-every", "2", "--keep", "100", "--resume", "auto"]
     node0, node1 = start_pair(net, tmp_path, opts, **elastic)
     deadline = time.monotonic() + BOUND_S
-    while not list((tmp_path / "runs").glob("*/ckpt/*.safetensors")):  # rank 0 (on either node) saved one
+    while not list((tmp_path / "runs").glob("*/ckpt/*.safetensors")):  # rank 0 saved one
         assert time.monotonic() < deadline and node0.proc.poll() is None, node0.stderr[-3000:]
         time.sleep(0.2)
     net.kill_host(node1.host)
     node1.wait()
+    node0.wait_for("failed (exitcode")  # its worker is gone: no checkpoint comes after this
+    for host in net.hosts:  # the rest at full speed
+        net.unshape(host)
+    saved = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "runs").glob("*/ckpt/*.safetensors"))
+    # The same command on the same host, started afresh (its TORCHELASTIC_RESTART_COUNT is 0): it
+    # joins node 0's second rendezvous round and takes rank 0's decision to resume.
     again = Node(net, node1.host, ["ddp", *opts, "--out", str(tmp_path / "runs")],
                  node_env(node0.host.addr, **elastic), tmp_path / "restarted")
     assert node0.wait() == 0, node0.stderr[-3000:]
     assert again.wait() == 0, again.stderr[-3000:]
-    assert "resumed from" in node0.stderr + again.stderr
-    assert_same_weights(weights_of(tmp_path / "runs"), reference)
+    # Rank 0 is on node 0 (the rendezvous orders nodes by address) and resumed the newest checkpoint.
+    (resumed,) = re.findall(r"resumed from \S+/ckpt/step-(\d+)\.safetensors", node0.stderr)
+    assert int(resumed) == saved[-1], saved  # the newest when the group restarted
+    summary = json.loads(next((tmp_path / "runs").glob("*/metrics.jsonl")).read_text().splitlines()[-1])
+    assert summary["kind"] == "summary" and summary["world_size"] == 2 and summary["steps"] == 6
+    assert_same_weights(weights_of(tmp_path / "runs"), single_node(2))
