@@ -43,5 +43,11 @@ else
   rendezvous=(--standalone)  # a free port on localhost, chosen by torchrun
 fi
 
+# A restarted group must not reuse the first round's store: stale gloo addresses in it make the
+# new workers dial dead ones ("Connection refused"); see pytorch/pytorch#135712.
+if [[ "${MAX_RESTARTS:-0}" != 0 ]]; then
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+fi
+
 exec torchrun "${rendezvous[@]}" --nproc-per-node "$nprocs" --max-restarts "${MAX_RESTARTS:-0}" \
   "${target[@]}" "$@"

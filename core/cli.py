@@ -21,6 +21,9 @@ _TYPES = {"int": int, "float": float, "str": str}
 
 
 def _click_option(name: str, default, help: str, choices=None, type_name: str | None = None) -> click.Option:
+    flag = f"--{name.replace('_', '-')}"
+    if type_name == "bool" or isinstance(default, bool):  # --compile / --no-compile
+        return click.Option([f"{flag}/--no-{flag[2:]}"], default=bool(default), show_default=True, help=help)
     kind = click.Choice(choices) if choices else _TYPES.get(type_name or type(default).__name__, str)
     return click.Option([f"--{name.replace('_', '-')}"], type=kind, default=default, show_default=True, help=help)
 

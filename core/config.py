@@ -42,6 +42,22 @@ class TrainConfig:
     name: str = _opt("", "run folder name prefix (default: the recipe name)")
     log_every: int = _opt(10, "log a train record every N optimizer steps")
     timeout_s: float = _opt(300.0, "seconds a collective or the rendezvous may wait before failing")
+    # Communication (DDP; see core/comm.py and docs/monitoring.md).
+    comm_hook: str = _opt("none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank",
+                          choices=("none", "fp16", "bf16", "powersgd"))
+    bucket_mb: float = _opt(25.0, "DDP gradient bucket size in MB (one all-reduce per bucket)")
+    grad_as_bucket_view: bool = _opt(False, "gradients are views into DDP's buckets (saves a copy and memory)")
+    static_graph: bool = _opt(False, "tell DDP the graph is the same every step (safe for the built-in models)")
+    # Computation (see core/tuning.py).
+    compile: bool = _opt(False, "torch.compile the model (after the parallel wrapper)")
+    activation_checkpointing: bool = _opt(False, "recompute each block's activations in backward (less memory)")
+    channels_last: bool = _opt(False, "channels-last memory format for conv models (GPU)")
+    # Debugging (see core/watchdog.py).
+    hang_factor: float = _opt(20.0, "watchdog: dump every rank's stack when a step takes this many times "
+                                    "the median step (0: off)")
+    hang_min_s: float = _opt(60.0, "watchdog: never call a step shorter than this many seconds a hang")
+    debug: bool = _opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, and the NCCL flight recorder on GPU")
+    profile: bool = _opt(False, "write a torch.profiler trace of a few steps, one file per rank")
 
     def __post_init__(self):
         checks = [
@@ -55,15 +71,22 @@ class TrainConfig:
             (self.keep >= 1, "--keep", self.keep, "keep at least 1 checkpoint"),
             (self.log_every >= 1, "--log-every", self.log_every, "use 1 or more"),
             (self.timeout_s > 0, "--timeout-s", self.timeout_s, "use a positive number of seconds"),
+            (self.bucket_mb > 0, "--bucket-mb", self.bucket_mb, "use a positive size in MB (DDP's default is 25)"),
+            (self.hang_factor == 0 or self.hang_factor > 1, "--hang-factor", self.hang_factor,
+             "use 0 (off) or a multiple above 1 of the median step"),
+            (self.hang_min_s > 0, "--hang-min-s", self.hang_min_s, "use a positive number of seconds"),
         ]
         for ok, option, value, fix in checks:
             if not ok:
                 raise RecipeError(f"{option} {value}: {fix}")
-        choices = self.__dataclass_fields__["precision"].metadata["choices"]
-        if self.precision not in choices:
-            raise RecipeError(f"--precision {self.precision}: choose one of {', '.join(choices)}")
+        for name in ("precision", "comm_hook"):
+            choices, value = self.__dataclass_fields__[name].metadata["choices"], getattr(self, name)
+            if value not in choices:
+                raise RecipeError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(choices)}")
         if self.precision == "fp16" and not torch.cuda.is_available():
             raise RecipeError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16")
+        if self.comm_hook == "bf16" and not torch.cuda.is_available():  # gloo has no bf16 all-reduce
+            raise RecipeError("--comm-hook bf16 needs NCCL (a CUDA GPU); on gloo use --comm-hook fp16 or powersgd")
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -1,50 +1,238 @@
-"""Throughput and loss over a logging window, reduced over ranks when read."""
+"""Loss, throughput, step-time breakdown, memory and MFU over a logging window, reduced over ranks when read.
+
+Nothing here syncs the host with the device per step: loss sums stay on the device (core.steps.Tally),
+step phases are timed by hooks with perf_counter on CPU and CUDA events on GPU, and everything is
+read, gathered from every rank in one collective, only when a record is logged.
+"""
 from __future__ import annotations
 
+import os
+import resource
 import time
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import get_total_norm
+from torch.utils.flop_counter import FlopCounterMode
 
 from core.steps import Tally, summarize
 
+PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
 
-class Meter:
-    """Collects step metrics on the device; `read()` does one all-reduce and restarts the window.
 
-    Every rank must call `read()` at the same steps: it is a collective.
+class StepClock:
+    """Where each step's time goes, from hooks (no code in the training loop, no host sync per step).
+
+    data: end of the previous step -> forward (the loader, the copy to the device);
+    compute: forward, loss and backward, less comm_wait;
+    comm_wait: the last gradient computed -> optimizer.step() (the all-reduce time that did not overlap
+    backward, plus anything a recipe runs between backward and the step, such as unscaling or clipping);
+    optimizer: optimizer.step(); step: end of the previous step -> end of this one.
     """
 
     def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.done: list[tuple[object | None, dict[str, object]]] = []  # (previous end, this step's marks)
+        self.current: dict[str, object] = {}
+        self.previous_end: object | None = None
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # queued on the current stream: no sync
+        return event
+
+    def mark(self, name: str) -> None:
+        if name == "start" and "start" in self.current:
+            return  # accumulation: the first micro-batch's forward starts the step
+        self.current[name] = self._now()
+        if name == "end":
+            self.done.append((self.previous_end, self.current))
+            self.previous_end, self.current = self.current["end"], {}
+
+    def skip_gap(self) -> None:
+        """Time since the last step was not a step (evaluation, checkpoint): leave it out of the next step."""
+        self.previous_end, self.current = None, {}  # an evaluation through the same module marked a "start"
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+        """Hooks: forward start, optimizer start/end, the last gradient ready. Returns their handles."""
+        handles = [model.register_forward_pre_hook(lambda *_: self.mark("start")),
+                   optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer")),
+                   optimizer.register_step_post_hook(lambda *_: self.mark("end"))]
+        # backward reaches the first parameters last (DDP's buckets assume the same): their gradient marks the end
+        # of backward's compute, and what backward() spends after it is the all-reduce that did not overlap
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is not None:
+            handles.append(first.register_post_accumulate_grad_hook(lambda _: self.mark("comm")))
+        return handles
+
+    def take(self) -> dict[str, float]:
+        """Milliseconds summed over the steps since the last take, per phase, and `steps`."""
+        sums = dict.fromkeys(PHASES, 0.0)
+        if self.cuda and self.done:
+            self.done[-1][1]["end"].synchronize()  # one wait, at log time, for the window's last event
+        ms = (lambda a, b: a.elapsed_time(b)) if self.cuda else (lambda a, b: (b - a) * 1e3)
+        for previous_end, marks in self.done:
+            start, opt, end = marks.get("start", marks["optimizer"]), marks["optimizer"], marks["end"]
+            comm = ms(marks["comm"], opt) if "comm" in marks else 0.0
+            data = ms(previous_end, start) if previous_end is not None else 0.0
+            for phase, value in zip(PHASES, (data, ms(start, opt) - comm, comm, ms(opt, end), data + ms(start, end))):
+                sums[phase] += max(value, 0.0)
+        sums["steps"] = float(len(self.done))
+        self.done = []
+        return sums
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: allocated tensors on a GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# Dense peak FLOP/s per GPU for the compute dtype, from the vendors' data sheets (no sparsity).
+PEAK_TFLOPS = {"H200": {"bf16": 989, "fp16": 989, "fp32": 67}, "H100": {"bf16": 989, "fp16": 989, "fp32": 67},
+               "A100": {"bf16": 312, "fp16": 312, "fp32": 19.5}, "L40S": {"bf16": 362, "fp16": 362, "fp32": 91.6},
+               "A10": {"bf16": 125, "fp16": 125, "fp32": 31.2}, "L4": {"bf16": 121, "fp16": 121, "fp32": 30.3},
+               "V100": {"bf16": 0, "fp16": 125, "fp32": 15.7}, "T4": {"bf16": 0, "fp16": 65, "fp32": 8.1}}
+
+
+def peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
+    """The device's peak FLOP/s for `precision` (TDR_PEAK_TFLOPS overrides); None on CPU or an unknown GPU."""
+    if os.environ.get("TDR_PEAK_TFLOPS"):
+        return float(os.environ["TDR_PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_TFLOPS.items():
+        if key in name and table.get(precision):
+            return table[precision] * 1e12
+    return None
+
+
+def flops_per_sample(build: Callable[[], torch.nn.Module], sample: torch.Tensor) -> float | None:
+    """Forward + backward FLOPs of one sample (`sample` without a batch dim), counted by torch on a copy of the
+    model built on the meta device (no memory, no compute, no state touched); None if the model can't run there."""
+    try:
+        with torch.device("meta"):
+            model = build()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model(sample.to("meta").unsqueeze(0)).float().sum().backward()
+        return float(counter.get_total_flops())
+    except (RuntimeError, NotImplementedError, TypeError):  # e.g. a user model that reads tensor values
+        return None
+
+
+class Meter:
+    """Collects step metrics on the device; `read()` does one collective and restarts the window.
+
+    Every rank must call `read()` at the same steps: it is a collective. Optional extras:
+    attach(model, optimizer) times each step's phases (and, with `grad_norm=True`, reads the gradient
+    norm at log time); flops_per_sample + peak_flops give MFU; tokens_per_sample > 1 (a sequence model,
+    whose `count` is tokens) adds tokens_per_s and makes samples_per_s count sequences.
+    """
+
+    def __init__(self, device: torch.device, *, flops_per_sample: float | None = None,
+                 peak_flops: float | None = None, tokens_per_sample: int = 1):
         self.device = device
         self.window = Tally(device)
         self.window_start = time.perf_counter()
         self.total_samples = 0.0
         self.total_s = 0.0
+        self.flops, self.peak, self.tokens_per_sample = flops_per_sample, peak_flops, tokens_per_sample
+        self.clock: StepClock | None = None
+        self.params: list[torch.nn.Parameter] = []
         self.last: dict[str, float] = {"loss": float("nan"), "acc": float("nan"), "samples_per_s": 0.0}
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, grad_norm: bool = True) -> Meter:
+        """Time the phases of every step of `model` + `optimizer` (see StepClock); returns self."""
+        self.clock = StepClock(self.device)
+        self.clock.attach(model, optimizer)
+        self.params = [p for p in model.parameters() if p.requires_grad] if grad_norm else []
+        return self
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
         self.window.add(metrics)
 
-    def read(self) -> dict[str, float]:
-        """Job-wide loss, accuracy and samples/s since the last read (the last read's, if no step since)."""
-        sums = self.window.reduce()
+    def read(self, **extra: float) -> dict[str, float]:
+        """Job-wide loss, accuracy, samples/s, phases, memory, MFU since the last read (the last read's,
+        if no step since). `extra` (e.g. grad_norm=, loss_scale= from core.steps.StepStats) is averaged over ranks."""
+        local = {"window_s": time.perf_counter() - self.window_start, **self._local(extra)}
+        table = _gather(torch.tensor(list(local.values()), dtype=torch.float64, device=self.device))
+        per_key = dict(zip(local, table.unbind(1)))  # key -> one value per rank
+        sums = {k: float(per_key[k].sum()) for k in self.window.sums}
         if sums["count"] == 0:
             return self.last
-        seconds = time.perf_counter() - self.window_start
-        self.total_samples += sums["count"]
+        seconds = float(per_key["window_s"].max())  # the job's window is its slowest rank's
+        self.total_samples += sums["count"] / self.tokens_per_sample
         self.total_s += seconds
         self.window, self.window_start = Tally(self.device), time.perf_counter()
-        self.last = {**summarize(sums), "samples_per_s": sums["count"] / max(seconds, 1e-9)}
+        per_s = sums["count"] / max(seconds, 1e-9)
+        record = {**summarize(sums), "samples_per_s": per_s / self.tokens_per_sample}
+        if self.tokens_per_sample > 1:
+            record["tokens_per_s"] = per_s
+        record.update(self._phases(per_key))
+        record["peak_mem_mb"] = float(per_key["peak_mem_mb"].max())  # the fullest rank is what runs out
+        record.update({k: float(per_key[k].mean()) for k in extra if extra[k] is not None})
+        if "grad_norm_local" in per_key:
+            record["grad_norm"] = float(per_key["grad_norm_local"].mean())  # equal on every rank under DDP
+        if self.flops and self.peak:
+            world = table.shape[0]
+            record["mfu"] = self.flops * record["samples_per_s"] / (self.peak * world)
+        self.last = record
         return self.last
+
+    def _local(self, extra: dict[str, float]) -> dict[str, float | torch.Tensor]:
+        """This rank's numbers, in a fixed order every rank shares."""
+        local: dict[str, float | torch.Tensor] = {k: self.window.sums[k] for k in sorted(self.window.sums)}
+        if self.clock is not None:
+            local.update({f"{k}_ms": v for k, v in self.clock.take().items()})
+        local["peak_mem_mb"] = peak_memory_mb(self.device)
+        if self.params:  # the last step's gradients, still there until the next zero_grad
+            local["grad_norm_local"] = _grad_norm(self.params)
+        local.update({k: float("nan") if v is None else v for k, v in extra.items()})
+        return {k: float(v) for k, v in local.items()}  # log time: the one host sync of the window
+
+    def _phases(self, per_key: dict[str, torch.Tensor]) -> dict[str, float]:
+        if "steps_ms" not in per_key or float(per_key["steps_ms"].sum()) == 0:
+            return {}
+        steps = per_key["steps_ms"].clamp(min=1)
+        mean_per_rank = {p: per_key[f"{p}_ms"] / steps for p in PHASES}
+        record = {f"{p}_ms": float(v.mean()) for p, v in mean_per_rank.items()}
+        record["step_ms_max"] = float(mean_per_rank["step"].max())  # the slowest rank sets the pace
+        return record
 
     def exclude(self, started: float) -> None:
         """Leave time spent since `started` (evaluation, checkpointing) out of the throughput."""
         self.window_start += time.perf_counter() - started
+        if self.clock is not None:
+            self.clock.skip_gap()
 
     @property
     def samples_per_s(self) -> float:
         """Over every window read so far: the job's training throughput."""
         return self.total_samples / max(self.total_s, 1e-9)
+
+
+def _gather(row: torch.Tensor) -> torch.Tensor:
+    """(world, K): every rank's row, on every rank (one all_gather), so sums, means and maxima agree."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return row[None].cpu()
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    return torch.stack(rows).cpu()
+
+
+def _grad_norm(params: list[torch.nn.Parameter]) -> float:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return float("nan")
+    norm = get_total_norm(grads)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded grads: a collective
 
 
 def planned_steps(*, epochs: int, batches_per_epoch: int, accum: int = 1, max_steps: int = 0) -> int:

@@ -20,10 +20,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from core.config import RecipeError
 
 
-def wrap_ddp(model: nn.Module, *, device: torch.device, **ddp_options) -> DDP:
-    """DistributedDataParallel: params broadcast from rank 0 now, gradients averaged in backward()."""
+def wrap_ddp(model: nn.Module, *, device: torch.device, comm_hook: str | None = None, **ddp_options) -> DDP:
+    """DistributedDataParallel: params broadcast from rank 0 now, gradients averaged in backward().
+
+    comm_hook: "fp16", "bf16" or "powersgd" installs that core.comm hook ("none" or None: DDP's own reducer);
+    ddp_options: DDP's keyword arguments, e.g. core.comm.ddp_options(cfg) (bucket size, static graph)."""
     device_ids = [device.index] if device.type == "cuda" else None  # CPU modules take none
-    return DDP(model, device_ids=device_ids, **ddp_options)
+    ddp = DDP(model, device_ids=device_ids, **ddp_options)
+    if comm_hook is not None:
+        from core import comm  # here, not at the top: core.comm is only needed with a hook
+        comm.register(ddp, comm_hook, backend=torch.distributed.get_backend())
+    return ddp
 
 
 def wrap_dp(model: nn.Module) -> tuple[nn.Module, str]:

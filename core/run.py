@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from loguru import logger
 
 from core.ckpt import atomic_write, save_weights
 from core.dist import broadcast_object
@@ -49,10 +50,12 @@ def latest_run_dir(out: str | os.PathLike, prefix: str) -> Path | None:
 class RunWriter:
     """Rank 0's side effects: the run folder, config.json, metrics.jsonl, weights, the summary line."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool):
+    def __init__(self, run_dir: Path, *, enabled: bool, tty: bool | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.started = time.perf_counter()
+        self.tty = sys.stdout.isatty() if tty is None else tty  # a bar on a terminal, log lines in a file
+        self._drawn = 0.0  # when the bar was last redrawn (0: no bar on the line now)
 
     @classmethod
     def create(cls, out: str, prefix: str, topo, *, run_dir: Path | None = None) -> RunWriter:
@@ -82,7 +85,23 @@ class RunWriter:
     def print(self, message: str) -> None:
         """A line on rank 0's stdout: the job's output, not a log."""
         if self.enabled:
-            print(message, file=sys.stdout, flush=True)
+            print(("\r\x1b[K" if self._drawn else "") + message, file=sys.stdout, flush=True)  # over the bar
+            self._drawn = 0.0
+
+    def progress(self, step: int, total: int, *, every: int, **fields) -> None:
+        """Call every step. On a terminal: a bar redrawn in place (at most 10 times a second); otherwise
+        one log line every `every` steps. `fields` (epoch, loss, samples_per_s...) are the last reduced values."""
+        if not self.enabled:
+            return
+        if not self.tty:
+            if step % every == 0 or step == total:
+                logger.info(progress_line(step, total, **fields))
+            return
+        now = time.perf_counter()
+        if now - self._drawn >= 0.1 or step == total:  # redrawing every step would cost more than the step
+            sys.stdout.write("\r\x1b[K" + progress_line(step, total, width=24, **fields))
+            sys.stdout.flush()
+            self._drawn = now
 
     def summary(self, **fields) -> None:
         """The closing record and the one summary line a user reads."""
@@ -90,6 +109,17 @@ class RunWriter:
         self.log("summary", **fields)
         shown = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
         self.print(f"summary {shown}")
+
+
+def progress_line(step: int, total: int, *, width: int = 0, elapsed_s: float | None = None, **fields) -> str:
+    """`step 40/115 [########----] 35% epoch 1 loss 0.4123 1875 samples/s` (the bar only when width > 0)."""
+    fraction = step / total if total else 0.0
+    bar = f" [{'#' * round(width * fraction):-<{width}}] {fraction:4.0%}" if width else ""
+    shown = {"epoch": "epoch {:d}", "loss": "loss {:.4f}", "samples_per_s": "{:.0f} samples/s",
+             "tokens_per_s": "{:.0f} tokens/s"}
+    parts = [fmt.format(fields[k]) for k, fmt in shown.items() if isinstance(fields.get(k), int | float)
+             and fields[k] == fields[k]]  # skip nan: no window read yet
+    return " ".join([f"step {step}/{total}{bar}", *parts])
 
 
 def _fmt(value) -> str:

@@ -6,6 +6,7 @@ Recipes import `core`, never each other: each file is a whole training story on 
 from core.registry import RECIPES, load_entry_points
 from recipes import (  # noqa: F401  (each module registers itself on import)
     ddp,
+    ddp_amp,
     dp,
     fsdp,
     fsdp_tp,

@@ -1,6 +1,7 @@
 """python -m recipes: list, run and copy out the recipes. The commands are derived from RECIPES."""
 from __future__ import annotations
 
+import difflib
 import re
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import click
 
 from core.cli import recipe_command, run_cli
+from core.standalone import standalone_source
 from recipes import PLUGIN_PROBLEMS, RECIPES
 
 
@@ -61,14 +63,18 @@ cli.add_command(RecipeGroup("run", help="Run a recipe: `run NAME --help` lists i
 @click.argument("name")
 @click.argument("dest", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="overwrite DEST if it exists")
-def copy_recipe(name: str, dest: str, force: bool):
-    """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`)."""
+@click.option("--standalone", is_flag=True,
+              help="one file with the core code it uses inlined: needs only torch, safetensors, click, loguru")
+def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
+    """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone)."""
     recipe = _recipe(name)
     target = Path(dest)
     if target.exists() and not force:
         raise click.UsageError(f"{dest} exists; pass --force to overwrite it or pick another name")
-    text = Path(recipe.source_file).read_text()
-    target.write_text(retarget_commands(text, name, dest))
+    text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
+    if standalone:  # the launcher's lines become torchrun ones; dp gets one process, as the launcher gives it
+        text = standalone_source(text, name=name, dest=dest, nproc=1 if name == "dp" else 2)
+    target.write_text(text)
     click.echo(f"copied {name} to {dest}; run it with: torchrun --standalone --nproc-per-node 2 {dest}")
 
 
@@ -77,6 +83,66 @@ def retarget_commands(text: str, name: str, dest: str) -> str:
     text = re.sub(rf"python -m recipes run {name}\b", f"python {dest}", text)
     text = re.sub(rf"-m recipes run {name}\b", dest, text)
     return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
+
+
+@cli.command("check")
+@click.argument("name")
+@click.option("--model", default=None, help="built-in name or module:function (default: the recipe's)")
+@click.option("--data", default=None, help="built-in name or module:function (default: the recipe's)")
+@click.option("--nproc", default=2, show_default=True, help="processes of the distributed run")
+@click.option("--steps", default=3, show_default=True, help="optimizer steps of each run")
+@click.option("--batch-size", default=8, show_default=True, help="per rank; the single process gets the global batch")
+@click.option("--seed", default=0, show_default=True)
+def check_command(name: str, model: str | None, data: str | None, nproc: int, steps: int, batch_size: int,
+                  seed: int):
+    """Does your model train the same on NPROC processes as on one? Exit status 1 (and the likely cause) if not."""
+    from core.check import check_recipe  # loads nothing for the other commands
+    from core.config import TrainConfig
+
+    recipe = _recipe(name)
+    if nproc < 2 or steps < 1 or batch_size < 1:
+        raise click.UsageError("--nproc must be 2 or more, --steps and --batch-size 1 or more")
+    defaults = TrainConfig(**recipe.defaults)
+    model, data = model or defaults.model, data or defaults.data
+    report = check_recipe(recipe, model=model, data=data, nproc=nproc, steps=steps, batch_size=batch_size, seed=seed)
+    click.echo(report.text)
+    if not report.equivalent:  # exit status 1, with one `error:` line, like any other failure
+        raise click.ClickException(f"{name} --model {model} --data {data}: {nproc} processes do not train like "
+                                   f"one; see the likely cause above")
+
+
+@cli.command("diff")
+@click.argument("base")
+@click.argument("name")
+def diff_recipes(base: str, name: str):
+    """What recipe NAME adds to recipe BASE (ddp ddp_amp, ddp fsdp): a unified diff of the two files."""
+    old, new = _recipe(base), _recipe(name)
+    if new.builds_on == base:
+        click.echo(f"# {name} builds on {base}: the lines below are what it adds")
+    else:
+        parent = f"it builds on {new.builds_on}" if new.builds_on else "it builds on no other recipe"
+        click.echo(f"# {name} does not build on {base} ({parent}; try: python -m recipes diff "
+                   f"{new.builds_on or base} {name})")
+    lines = difflib.unified_diff(Path(old.source_file).read_text().splitlines(),
+                                 Path(new.source_file).read_text().splitlines(),
+                                 f"{base}: {Path(old.source_file).name}", f"{name}: {Path(new.source_file).name}",
+                                 lineterm="")
+    colours = {"+": "green", "-": "red", "@": "cyan"}
+    for line in lines:  # click.echo drops the colour when stdout is not a terminal
+        header = line.startswith(("+++", "---"))
+        fg = None if header else colours.get(line[:1])
+        click.echo(click.style(line, fg=fg, bold=True) if header else click.style(line, fg=fg) if fg else line)
+
+
+@cli.command("plot")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("-o", "--out", default="plot.png", show_default=True, type=click.Path(dir_okay=False),
+              help="the PNG to write")
+def plot_command(run_dirs: tuple[str, ...], out: str):
+    """Plot loss, validation accuracy and throughput against step for one or more run folders."""
+    from core.plot import plot_runs  # matplotlib loads only for this command
+
+    click.echo(f"wrote {plot_runs(list(run_dirs), out)}")
 
 
 def main() -> None:

@@ -68,7 +68,7 @@ def test_digits_is_embedded_and_split():
     assert x.shape == (64,) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1 and y.dtype == torch.int64
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_builtin_models_take_builtin_data(name):
     model = build_model(name)
     for data_name in ("digits", "synthetic"):

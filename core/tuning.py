@@ -1,0 +1,56 @@
+"""Computation options: channels-last, activation checkpointing per block, torch.compile.
+
+The order matters, and is torch's documented one:
+
+    model = tuning.before_wrap(model, channels_last=..., activation_checkpointing=...)  # the plain model
+    ddp = parallel.wrap_ddp(model, ...)                                                  # the parallel wrapper
+    train_model = tuning.after_wrap(ddp, compile=...)                                    # compile the wrapped model
+
+DDP is compiled after wrapping (TorchDynamo then splits the graph at bucket boundaries so the
+all-reduce still overlaps backward). None of these changes the arithmetic beyond float rounding,
+and none changes parameter names: checkpoints and model.safetensors load into the plain model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_module
+
+from core.config import RecipeError
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Recompute each of `model.blocks`' activations in backward instead of keeping them; returns how many.
+
+    Memory for activations drops from all blocks' to one block's at a time, for one more forward
+    per block in backward. The composable API adds hooks, not a wrapper, so state-dict keys stay the same.
+    """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.Sequential | nn.ModuleList) or len(blocks) == 0:
+        raise RecipeError(f"--activation-checkpointing: the model ({type(model).__name__}) has no model.blocks "
+                          f"to checkpoint; build it as blocks like core.models.MLP or leave the option off")
+    for block in blocks:
+        checkpoint_module(block)
+    return len(blocks)
+
+
+def to_channels_last(model: nn.Module) -> nn.Module:
+    """4-D conv weights (and so their outputs) in NHWC, the layout tensor cores read fastest."""
+    if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        raise RecipeError(f"--channels-last: the model ({type(model).__name__}) has no Conv2d layer; "
+                          f"the option is for conv nets such as --model cnn")
+    return model.to(memory_format=torch.channels_last)
+
+
+def before_wrap(model: nn.Module, *, channels_last: bool = False, activation_checkpointing: bool = False) -> nn.Module:
+    """The options that change the plain model, applied before DDP/FSDP wraps it."""
+    if channels_last:
+        model = to_channels_last(model)
+    if activation_checkpointing:
+        checkpoint_blocks(model)
+    return model
+
+
+def after_wrap(model: nn.Module, *, compile: bool = False) -> nn.Module:
+    """torch.compile of the wrapped model (the module the training loop calls); unchanged when off."""
+    return torch.compile(model) if compile else model

@@ -1,0 +1,192 @@
+"""Debugging a distributed job without a debugger: a hang watchdog, --debug and --profile.
+
+    watchdog.prepare_env(debug=cfg.debug, out=cfg.out)       # before init_pg: env read at group creation
+    with watchdog.Watchdog(run.run_dir, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s,
+                           timeout_s=cfg.timeout_s) as watch:
+        ... every step: watch.beat(step); after evaluation or a checkpoint: watch.beat(step, timed=False)
+
+A thread on every rank compares the time since the last beat with max(factor x median step, min_s),
+capped below the collective timeout (and uses the cap until 5 steps give a median). Past it, the rank
+writes `hang-rank{R}.txt` in the run folder: the Python stack of every thread (faulthandler), the
+collectives it has issued and the last one (flight recorder), and posts the same summary to the
+process group's store. Rank 0 collects the summaries and logs which ranks are behind: the ones with
+the fewest collectives issued, i.e. the ones the others are waiting for.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from core.dist import Topology
+
+
+def prepare_env(*, debug: bool = False, out: str = "runs", watchdog: bool = True) -> dict[str, str]:
+    """Set the environment c10d reads when the process group is created; returns what was set."""
+    wanted = {}
+    if watchdog:  # a small flight recorder: each rank's last collectives, for the hang report
+        wanted["TORCH_FR_BUFFER_SIZE"] = "64"
+    if debug:
+        nccl = torch.cuda.is_available() and os.environ.get("TDR_BACKEND", "nccl") == "nccl"
+        # DETAIL also wraps gloo's group in a checker, and with it DDP's constructor segfaults (torch 2.13, CPU)
+        wanted.update(TORCH_DISTRIBUTED_DEBUG="DETAIL" if nccl else "INFO", TORCH_FR_BUFFER_SIZE="2000")
+        if nccl:  # the NCCL flight recorder: each rank dumps its last collectives when one times out
+            wanted.update(TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+                          TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(Path(out).resolve() / "flight-recorder-rank"))
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)  # the user's own setting wins
+    if debug:
+        dist.set_debug_level_from_env()
+    return {k: os.environ[k] for k in wanted}
+
+
+def collectives(group=None) -> dict:
+    """How many collectives this rank has issued on `group`, and the last one the flight recorder saw."""
+    info = {"issued": -1, "last": None}
+    if not dist.is_initialized():
+        return info
+    group = group or dist.distributed_c10d._get_default_group()
+    try:
+        info["issued"] = group._get_sequence_number_for_group()
+        trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
+        if trace.get("entries"):
+            last = trace["entries"][-1]
+            info["last"] = {k: last.get(k) for k in ("profiling_name", "collective_seq_id", "state", "input_sizes")}
+    except (RuntimeError, AttributeError, ValueError):  # no flight recorder in this build or backend
+        pass
+    return info
+
+
+class Watchdog:
+    """One thread per rank (see the module docstring), running inside `with`; `beat(step)` after every step."""
+
+    def __init__(self, run_dir: Path, topo: Topology, *, factor: float, min_s: float, timeout_s: float,
+                 poll_s: float | None = None):
+        self.run_dir, self.topo = Path(run_dir), topo
+        self.factor, self.min_s, self.cap_s = factor, min_s, 0.9 * timeout_s  # report before the collective fails
+        self.poll_s = poll_s or min(1.0, min_s / 4)
+        self.durations: deque[float] = deque(maxlen=50)
+        self.step, self.last_beat, self.fired_at = 0, time.perf_counter(), -1
+        self.reports: list[dict] = []  # rank 0: what it logged, for tests and callers
+        self._stop = threading.Event()
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self.store = dist.PrefixStore("tdr-watchdog/", store) if store is not None else None
+        self._thread = threading.Thread(target=self._watch, name="tdr-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        if self.factor > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def beat(self, step: int, *, timed: bool = True) -> None:
+        """A step ended (timed=False: evaluation or a checkpoint ended; not a step time for the median)."""
+        now = time.perf_counter()
+        if timed:
+            self.durations.append(now - self.last_beat)
+        self.step, self.last_beat = step, now
+
+    def threshold(self) -> float:
+        if len(self.durations) < 5:  # no median yet (the first steps compile, warm caches): only the cap
+            return self.cap_s
+        return min(max(self.factor * statistics.median(self.durations), self.min_s), self.cap_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):  # an Event, not sleep: stop() ends the wait at once
+            stalled = time.perf_counter() - self.last_beat
+            if stalled > self.threshold() and self.fired_at != self.step:
+                self.fired_at = self.step
+                self._fire(stalled)
+
+    def _fire(self, stalled: float) -> None:
+        info = {"rank": self.topo.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
+                "stalled_s": round(stalled, 1), "threshold_s": round(self.threshold(), 1), **collectives()}
+        path = self.run_dir / f"hang-rank{self.topo.rank}.txt"
+        with open(path, "w") as f:
+            f.write(json.dumps(info) + "\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)  # C-level: works while the main thread is stuck
+        logger.warning(f"watchdog: step {self.step + 1} has run {stalled:.0f}s (threshold {info['threshold_s']}s); "
+                       f"stack in {path}")
+        if self.store is not None:
+            self.store.set(f"rank{self.topo.rank}", json.dumps(info))
+        if self.topo.is_rank0:
+            self._report(info)
+
+    def _report(self, mine: dict) -> None:
+        """Rank 0: gather the other ranks' summaries (a few polls' grace) and name the ranks behind."""
+        keys = [f"rank{r}" for r in range(self.topo.world_size)]
+        deadline = time.perf_counter() + 4 * self.poll_s + 2
+        while self.store is not None and not self.store.check(keys) and time.perf_counter() < deadline:
+            self._stop.wait(self.poll_s / 2)
+        infos = {0: mine}
+        for r in range(1, self.topo.world_size):
+            if self.store is not None and self.store.check([f"rank{r}"]):
+                infos[r] = json.loads(self.store.get(f"rank{r}"))
+        report = behind(infos, world_size=self.topo.world_size)
+        self.reports.append(report)
+        logger.warning(f"watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt")
+        with open(self.run_dir / "hang-report.json", "w") as f:
+            json.dump({**report, "ranks": infos}, f, indent=2)
+
+
+def behind(infos: dict[int, dict], *, world_size: int) -> dict:
+    """Which ranks the others wait for: the fewest collectives issued (then the lowest step).
+
+    A rank with no summary never saw a stall, or is stuck holding the GIL: it is named separately."""
+    progress = {r: (i["step"], i["issued"]) for r, i in infos.items()}
+    slowest = min(progress.values())
+    late = sorted(r for r, p in progress.items() if p == slowest)
+    silent = sorted(set(range(world_size)) - set(infos))
+    if len(late) == len(progress) and not silent:
+        message = f"all {world_size} ranks stalled at the same point (step {slowest[0]}, {slowest[1]} collectives)"
+    else:
+        message = (f"rank(s) {', '.join(map(str, late))} behind: step {slowest[0]}, {slowest[1]} collectives "
+                   f"issued; the others are ahead, waiting for them")
+    if silent:
+        message += f"; rank(s) {', '.join(map(str, silent))} sent no report (stuck holding the GIL, or dead)"
+    return {"behind": late, "silent": silent, "message": message}
+
+
+def profiler(run_dir: Path, topo: Topology, *, enabled: bool, skip: int = 5, active: int = 3):
+    """torch.profiler over `active` steps after `skip`, a Chrome trace per rank in run_dir/profile/;
+    call .step() after every step. Disabled: a stand-in whose enter, exit and step do nothing."""
+    if not enabled:
+        return _NoProfiler()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if topo.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    folder = Path(run_dir) / "profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    return torch.profiler.profile(
+        activities=activities, record_shapes=True,
+        schedule=torch.profiler.schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(folder / f"rank{topo.rank}.json")))
+
+
+class _NoProfiler:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def step(self) -> None:
+        pass

@@ -1,0 +1,206 @@
+"""Layer 3: `python -m recipes cp NAME DEST --standalone`, for every recipe registered when the tests run.
+
+Each copy goes into a fresh folder, and its PYTHONPATH puts stand-ins for `core` and `recipes`
+first that raise on import: a copy that still needs this package fails loudly instead of quietly
+importing the installed one. It runs under torchrun with the process count of its docstring's
+first launch command (1 for dp and pipeline_naive, 4 for fsdp_tp), next to the packaged recipe on
+as many processes, and the final weights must be equal bit for bit: the same code doing the same
+arithmetic in the same order, so there is nothing for a tolerance to absorb.
+"""
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from core.standalone import StandaloneError, standalone_source
+from helpers import run, user_env
+from recipes import RECIPES
+from recipes.__main__ import cli
+
+NAMES = sorted(RECIPES)
+
+
+def _first_command(text: str) -> str:
+    """The first launch command of a recipe's docstring (its docstring starts with them)."""
+    return next(line.strip() for line in ast.get_docstring(ast.parse(text)).splitlines()[1:] if line.strip())
+
+
+# A copy trains on the process count of its first launch command; above 2 (fsdp_tp's 2 x 2 mesh) that
+# oversubscribes a 2-core machine and takes about twice as long as the others: marked slow, still run.
+SLOW = {name for name, recipe in RECIPES.items()
+        if (found := re.match(r"NPROC_PER_NODE=(\d+)", _first_command(Path(recipe.source_file).read_text())))
+        and int(found[1]) > 2}
+TRAIN_ARGS = ["--max-steps", "3", "--batch-size", "8", "--epochs", "1", "--timeout-s", "60"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A folder without this package, holding `NAME.py` standalone copies of every recipe."""
+    root = tmp_path_factory.mktemp("standalone")
+    for package in ("core", "recipes"):  # found before the installed package, and refusing to load
+        (root / "blocked" / package).mkdir(parents=True)
+        (root / "blocked" / package / "__init__.py").write_text(
+            f"raise ImportError('a standalone copy imported {package!r} from torch-dist-recipes')\n")
+    (root / "project").mkdir()
+    for name in NAMES:
+        result = CliRunner().invoke(cli, ["cp", name, str(root / "project" / f"{name}.py"), "--standalone"])
+        assert result.exit_code == 0, result.output
+    return root
+
+
+def _env(project: Path) -> dict[str, str]:
+    return user_env(PYTHONPATH=str(project / "blocked"))
+
+
+def _world_size(text: str) -> int:
+    """The process count of a copy's first launch command: the world size the recipe is made for."""
+    found = re.match(r"torchrun .*--nproc-per-node (\d+)", _first_command(text))
+    return int(found[1]) if found else 1  # otherwise `python DEST ...`: one process
+
+
+def test_the_package_cannot_be_imported_there(project):
+    proc = run([sys.executable, "-c", "import core"], cwd=project / "project", env=_env(project), check=False)
+    assert proc.returncode != 0 and "imported 'core'" in proc.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_copy_is_one_whole_file(project, name):
+    path = project / "project" / f"{name}.py"
+    text = path.read_text()
+    tree = ast.parse(text)
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
+               [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m and m.split(".")[0] in ("core", "recipes")], imported
+    doc = ast.get_docstring(tree)
+    assert doc.startswith(f"{name}:") and "Builds on:" in doc
+    first = next(line.strip() for line in doc.splitlines()[1:] if line.strip())
+    assert first.startswith(("torchrun ", "python ")) and str(path) in first, first
+    assert "-m recipes" not in doc and "launch_single_node.sh" not in doc
+    if shutil.which("ruff"):  # no undefined, unused or redefined names after the merge
+        lint = subprocess.run(["ruff", "check", "--no-cache", "--isolated", "--select", "F", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert lint.returncode == 0, lint.stdout
+
+
+def test_copies_parse_the_same_options(project):
+    """`--help` of every copy (one interpreter runs them all) lists the packaged recipe's options."""
+    script = ("import runpy, sys\n"
+              "for path in sys.argv[1:]:\n"
+              "    sys.argv = [path, '--help']\n"
+              "    try:\n"
+              "        runpy.run_path(path, run_name='__main__')\n"
+              "    except SystemExit:\n"
+              "        pass\n"
+              "    print('=====', flush=True)\n")
+    files = [str(project / "project" / f"{name}.py") for name in NAMES]
+    proc = run([sys.executable, "-c", script, *files], cwd=project / "project", env=_env(project))
+    for name, copied in zip(NAMES, proc.stdout.split("=====\n")):
+        packaged = CliRunner().invoke(cli, ["run", name, "--help"]).output
+        assert _options(copied) == _options(packaged), name
+
+
+def _options(help_text: str) -> list[str]:
+    """The option names of a --help text (one per line at the first indent; wrapped help is indented more)."""
+    return [m[1] for m in re.finditer(r"^  (?:-\w, )?(--[\w-]+)", help_text, re.M) if m[1] != "--help"]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in NAMES])
+def test_copy_trains_exactly_like_the_recipe(project, name, tmp_path):
+    path = project / "project" / f"{name}.py"
+    nproc = _world_size(path.read_text())
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    copied = run([*launch, str(path), *TRAIN_ARGS, "--out", str(tmp_path / "copy")], cwd=path.parent,
+                 env=_env(project), timeout=300)
+    run([*launch, "-m", "recipes", "run", name, *TRAIN_ARGS, "--out", str(tmp_path / "package")], cwd=tmp_path,
+        timeout=300)
+    assert "summary " in copied.stdout
+    mine = load_file(tmp_path / "copy" / f"{name}-1" / "model.safetensors")
+    theirs = load_file(tmp_path / "package" / f"{name}-1" / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(mine[key], theirs[key]), f"{name} on {nproc} processes: {key} differs"
+
+
+def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path):
+    dest = tmp_path / "train.py"
+    assert CliRunner().invoke(cli, ["cp", "dp", str(dest), "--standalone"]).exit_code == 0
+    assert f"torchrun --standalone --nproc-per-node 1 {dest}" in dest.read_text()  # dp: one process
+    again = CliRunner().invoke(cli, ["cp", "dp", str(dest), "--standalone"])
+    assert again.exit_code != 0 and "exists" in again.output
+
+
+# --- the inliner on small made-up sources: the cases no recipe has today -----------------------------
+
+
+def _inline(source: str) -> str:
+    return standalone_source(source, name="demo", dest="demo.py")
+
+
+def _namespace(text: str) -> dict:
+    namespace: dict = {"__name__": "demo"}
+    exec(compile(text, "demo.py", "exec"), namespace)
+    return namespace
+
+
+def test_two_core_names_alike_get_distinct_names_and_locals_are_never_hidden():
+    text = _inline(
+        '"""demo: clashes.\n\n    python demo.py\n\nBuilds on: nothing.\n"""\n'
+        "from core import gpt, models\n\n"
+        "MLP = 'mine'\n\n\n"
+        "def build():\n"
+        "    gpt_MLP = 3  # gpt.MLP can't be MLP (taken) and must not become this local's name either\n"
+        "    return models.MLP(hidden=8, depth=1), gpt.MLP(4, 8), gpt_MLP\n")
+    namespace = _namespace(text)
+    plain, block, local = namespace["build"]()
+    assert namespace["MLP"] == "mine"  # the recipe's own names win
+    assert type(plain).__doc__ != type(block).__doc__ and local == 3
+    assert "gpt_MLP_2(4, 8)" in text and "models_MLP(hidden=8, depth=1)" in text
+
+
+def test_a_core_module_used_as_a_value_is_refused_in_one_line():
+    with pytest.raises(StandaloneError, match="line 3: the module core.data is used as a value"):
+        _inline('"""demo."""\nfrom core import data\nloaders = [data]\n')
+
+
+def test_lazy_core_imports_inside_functions_are_inlined_too():
+    text = _inline('"""demo."""\n\ndef newest(out):\n    from core.run import latest_run_dir\n\n'
+                   '    return latest_run_dir(out, "x")\n')
+    assert not [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom) and n.module == "core.run"]
+    assert _namespace(text)["newest"](os.devnull + "-missing") is None
+
+
+# --- diff A B: one feature at a time ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if RECIPES[n].builds_on])
+def test_diff_against_what_a_recipe_builds_on(name):
+    base = RECIPES[name].builds_on
+    doc = ast.get_docstring(ast.parse(Path(RECIPES[name].source_file).read_text()))
+    assert re.search(rf"^Builds on: .*\b{base}\b", doc, re.M), f"{name}'s docstring doesn't name {base}"
+    result = CliRunner().invoke(cli, ["diff", base, name])  # not a terminal: no colour codes
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"# {name} builds on {base}: the lines below are what it adds"
+    assert lines[1].startswith(f"--- {base}: ") and lines[2].startswith(f"+++ {name}: ")
+    assert any(line.startswith("+") for line in lines[3:]) and "\x1b[" not in result.output
+
+
+def test_diff_says_when_b_does_not_build_on_a():
+    result = CliRunner().invoke(cli, ["diff", "ddp", "fsdp_tp"])
+    assert result.output.splitlines()[0] == (f"# fsdp_tp does not build on ddp (it builds on "
+                                             f"{RECIPES['fsdp_tp'].builds_on}; try: python -m recipes diff "
+                                             f"{RECIPES['fsdp_tp'].builds_on} fsdp_tp)")
+    assert CliRunner().invoke(cli, ["diff", "ddp", "nope"]).exit_code != 0
+
+
+def test_diff_is_coloured_on_a_terminal():
+    result = CliRunner().invoke(cli, ["diff", "ddp", "ddp_amp"], color=True)
+    assert "\x1b[32m+" in result.output and "\x1b[31m-" in result.output
