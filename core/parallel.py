@@ -1,6 +1,8 @@
 """Wrappers that make a plain model parallel. Each is one small function; recipes apply them in order."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -132,15 +134,22 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def refuse_unsupported(cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",)) -> None:
-    """Shared options a model-parallel recipe does not implement fail now instead of being ignored."""
+# Shared options that only some recipes implement; the others refuse them rather than ignore them.
+NOT_EVERYWHERE = ("accum", "clip", "ckpt_every", "resume", "comm_hook", "bucket_mb", "grad_as_bucket_view",
+                  "static_graph", "compile", "activation_checkpointing", "channels_last", "debug", "profile")
+
+
+def refuse_unsupported(cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",),
+                       options: tuple[str, ...] = NOT_EVERYWHERE) -> None:
+    """Shared options this recipe does not implement fail now, with one line, instead of being ignored."""
     if cfg.precision not in precisions:
         raise RecipeError(f"--precision {cfg.precision}: {recipe} supports {', '.join(precisions)}; "
                           f"use --precision {precisions[-1]}")
-    for option, value, off in (("--accum", cfg.accum, 1), ("--clip", cfg.clip, 0.0),
-                               ("--ckpt-every", cfg.ckpt_every, 0), ("--resume", cfg.resume, "")):
-        if value != off:
-            raise RecipeError(f"{option} {value}: {recipe} does not support it yet; leave it at {off!r}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name in options:
+        if getattr(cfg, name) != defaults[name]:
+            raise RecipeError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: {recipe} does not support it yet; "
+                              f"leave it at {defaults[name]!r}")
 
 
 def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:

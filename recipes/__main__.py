@@ -75,7 +75,8 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
     if standalone:  # the launcher's lines become torchrun ones; dp gets one process, as the launcher gives it
         text = standalone_source(text, name=name, dest=dest, nproc=1 if name == "dp" else 2)
     target.write_text(text)
-    click.echo(f"copied {name} to {dest}; run it with: torchrun --standalone --nproc-per-node 2 {dest}")
+    launch = f"python {dest}" if not recipe.multi_node else f"torchrun --standalone --nproc-per-node 2 {dest}"
+    click.echo(f"copied {name} to {dest}; run it with: {launch}")
 
 
 def retarget_commands(text: str, name: str, dest: str) -> str:

@@ -31,6 +31,7 @@ def main(cfg: TrainConfig) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError(f"dp runs in one process but was started with WORLD_SIZE={os.environ['WORLD_SIZE']}; "
                           f"use the ddp recipe for several processes")
+    parallel.refuse_unsupported(cfg, "dp", precisions=("fp32",))  # the plain loop: none of the extras
     topo = dist.init_pg(timeout_s=cfg.timeout_s)  # a world of one, so the shared helpers work unchanged
     try:
         return train(cfg, topo)

@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from core import data, dist, models, pipeline, steps
+from core import data, dist, models, parallel, pipeline, steps
 from core.cli import main_for
 from core.config import RecipeError, TrainConfig
 from core.gpt import RECIPE_DEFAULTS
@@ -63,6 +63,7 @@ def main(cfg: TrainConfig) -> dict:
         raise RecipeError(f"pipeline_naive runs in one process but was started with WORLD_SIZE="
                           f"{os.environ['WORLD_SIZE']}; run `python -m recipes run pipeline_naive`, or use "
                           f"the pipeline recipe for several processes")
+    parallel.refuse_unsupported(cfg, "pipeline_naive")
     topo = dist.init_pg(timeout_s=cfg.timeout_s)  # a world of one, so the shared helpers work unchanged
     try:
         return train(cfg, topo)
