@@ -76,7 +76,7 @@ fi
 if [[ "$master" =~ ^[0-9.]+$ ]]; then
   master_ip="$master"
 else
-  master_ip=$(getent ahostsv4 "$master" | awk '{print $1; exit}') || true
+  master_ip=$(getent ahostsv4 "$master" | awk 'NR == 1 {print $1}') || true
   [[ -n "$master_ip" ]] || fail "MASTER_ADDR=$master: this node cannot resolve that name; use node 0's IP address"
 fi
 route=$(ip -o route get "$master_ip" 2>/dev/null) || route=""
@@ -88,12 +88,12 @@ if [[ -n "${IFNAME:-}" ]]; then
 elif [[ -z "$route" ]]; then
   fail "MASTER_ADDR=$master ($master_ip): no route from this node; check the address or set IFNAME"
 elif (( master_is_here )); then  # the route is via lo: take the interface that holds the address
-  ifname=$(ip -o addr show to "$master_ip" | awk '{print $2; exit}')
+  ifname=$(ip -o addr show to "$master_ip" | awk 'NR == 1 {print $2}')
 else
   ifname=$(awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}' <<<"$route")
 fi
 [[ -n "${ifname:-}" ]] || fail "cannot tell which interface reaches MASTER_ADDR=$master: set IFNAME"
-local_ip=$(ip -o -4 addr show dev "$ifname" | awk '{split($4, a, "/"); print a[1]; exit}')
+local_ip=$(ip -o -4 addr show dev "$ifname" | awk 'NR == 1 {split($4, a, "/"); print a[1]}')
 [[ -n "$local_ip" ]] || fail "IFNAME=$ifname has no IPv4 address on this node; set IFNAME to the one that does"
 if [[ "$ifname" == lo ]] && (( max_nodes > 1 )); then
   note "warning: MASTER_ADDR=$master is a loopback address here, so other nodes cannot reach this one; use node 0's network address"
@@ -142,12 +142,12 @@ explain() {
   if line=$(grep -a '^error: ' "$log" | tail -n 1) && [[ -n "$line" ]]; then
     echo "${line#error: }"  # a worker's own one-line error (a bad option, NPROC_PER_NODE, ...)
   elif line=$(grep -aoE '(Connection (reset|closed|refused)[a-z ]*|Broken pipe)[^[]*\[[0-9a-f.:]+\]|\[[0-9a-f.:]+\]:[0-9]+: (Connection (reset|closed|refused)[a-z ]*|Broken pipe)' \
-                "$log" | head -n 1) && [[ -n "$line" ]]; then
+                "$log" | sed -n 1p) && [[ -n "$line" ]]; then
     local peer what
-    peer=$(grep -oE '\[[0-9a-f.:]+\]' <<<"$line" | tr -d '[]' | head -n 1)
-    what=$(grep -oE 'Connection [a-z]+( by peer)?|Broken pipe' <<<"$line" | head -n 1)
+    peer=$(grep -oE '\[[0-9a-f.:]+\]' <<<"$line" | tr -d '[]' | sed -n 1p)
+    what=$(grep -oE 'Connection [a-z]+( by peer)?|Broken pipe' <<<"$line" | sed -n 1p)
     echo "lost the connection to peer $peer ($what): that node stopped or the network to it failed; see its log"
-  elif ms=$(grep -aoE 'Timed out waiting [0-9]+ms for (send|recv)' "$log" | head -n 1 | grep -oE '[0-9]+') && [[ -n "$ms" ]]; then
+  elif ms=$(grep -aoE 'Timed out waiting [0-9]+ms for (send|recv)' "$log" | sed -n 1p | grep -oE '[0-9]+') && [[ -n "$ms" ]]; then
     local who="a peer node"
     if [[ "$local_ip" != "$master_ip" ]] && ! port_open; then who="node 0 at $master_ip"; fi
     echo "no answer from $who within $(( ms / 1000 ))s (--timeout-s): the peer is unreachable (network down?) or stuck; see its log"
