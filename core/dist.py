@@ -159,3 +159,12 @@ def broadcast_object(obj, *, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def same_on_all_ranks(value) -> bool:
+    """True when every rank passes an equal `value` (one all-gather; a world of one: True)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return all(v == everyone[0] for v in everyone)

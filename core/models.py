@@ -5,6 +5,8 @@ fully-sharded parallelism can cut or wrap them block by block.
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -69,3 +71,12 @@ def build_model(spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise RecipeError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A digest of the plain model's weights, byte for byte: equal digests, bitwise-equal weights."""
+    digest = hashlib.sha256()
+    for key, tensor in unwrap(model).state_dict().items():
+        digest.update(key.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

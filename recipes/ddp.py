@@ -119,6 +119,8 @@ def train(cfg: TrainConfig, topo: dist.Topology) -> dict:
     weights = run.save_weights(model, metadata={"recipe": "ddp", "model": cfg.model})
     summary = {**evaluation, "train_loss": last["loss"], "samples_per_s": meter.samples_per_s,
                "steps": step, "world_size": topo.world_size, "global_batch": cfg.batch_size * topo.world_size,
+               # rank 0 alone writes the weights: every rank, on every node, vouches that it holds the same
+               "replicas_identical": dist.same_on_all_ranks(models.fingerprint(model)),
                "weights": str(weights)}
     run.summary(**summary)
     return summary

@@ -3,6 +3,8 @@ import pytest
 import torch
 from torch import nn
 
+from core.dist import same_on_all_ranks
+from core.models import fingerprint
 from core.parallel import wrap_ddp
 from core.steps import step_plain
 from world import GlooWorld
@@ -55,3 +57,17 @@ def test_replicas_stay_identical(world2):
     first, second = world2.run(train_ddp_share, 7, 3, 8)
     for key in first:
         assert torch.equal(first[key], second[key]), key  # bitwise: every rank applies the same averaged gradient
+
+
+def compare_across_ranks(topo):
+    model = _model(0)
+    if topo.rank == 1:
+        with torch.no_grad():  # one bit of one weight differs on rank 1
+            flat = model[0].weight.view(-1).view(torch.int32)
+            flat[0] ^= 1
+    untouched, flipped = fingerprint(_model(0)), fingerprint(model)
+    return same_on_all_ranks(untouched), same_on_all_ranks(flipped), same_on_all_ranks(topo.rank)
+
+
+def test_replica_check_sees_a_single_flipped_bit(world2):
+    assert world2.run(compare_across_ranks) == [(True, False, False)] * 2

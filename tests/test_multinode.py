@@ -145,8 +145,8 @@ def test_two_hosts_train_like_one_node_on_a_slow_then_normal_link(net, reference
         assert f"talking over {node.host.ifname} ({node.host.addr})" in node.stderr
     summary = json.loads((tmp_path / "runs").glob("*/metrics.jsonl").__next__().read_text().splitlines()[-1])
     assert summary["kind"] == "summary" and summary["world_size"] == 4
-    # Rank 0 (node 0) wrote the weights; DDP keeps node 1's replicas bitwise equal to them
-    # (tests/test_ddp_equivalence.py::test_replicas_stay_identical), and node 1 finished every collective.
+    assert summary["replicas_identical"], "node 1's ranks hold bit-for-bit the weights rank 0 wrote"
+    # Rank 0 (node 0) wrote the weights; every rank compared a digest of its own (summary above).
     assert_same_weights(weights_of(tmp_path / "runs"), reference)
 
 
@@ -248,4 +248,5 @@ def test_elastic_restarted_node_resumes_from_checkpoint(net, single_node, tmp_pa
     assert int(resumed) == saved[-1], saved  # the newest when the group restarted
     summary = json.loads(next((tmp_path / "runs").glob("*/metrics.jsonl")).read_text().splitlines()[-1])
     assert summary["kind"] == "summary" and summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["replicas_identical"], "the restarted node holds bit-for-bit the weights rank 0 wrote"
     assert_same_weights(weights_of(tmp_path / "runs"), single_node(2))
