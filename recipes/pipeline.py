@@ -104,10 +104,9 @@ def train(cfg: TrainConfig, topo: dist.Topology, model: torch.nn.Module, *, micr
                                              holds_last=holds_last, dp_group=mesh["dp"].get_group(), dp_size=dp))
             scheduler.step()
             step += 1
-            if step % cfg.log_every == 0:
-                record = meter.read()
-                run.log("train", step=step, epoch=epoch, lr=scheduler.get_last_lr()[0], **record)
-                log.info(f"step {step}/{total} loss {record['loss']:.4f} {record['samples_per_s']:.0f} samples/s")
+            if step % cfg.log_every == 0:  # a collective: every rank reads the meter at the same step
+                run.log("train", step=step, epoch=epoch, lr=scheduler.get_last_lr()[0], **meter.read())
+            run.progress(step, total, every=cfg.log_every, epoch=epoch, **meter.last)
             if step == cfg.max_steps:
                 break
         if val_loader:
