@@ -91,9 +91,9 @@ def savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_weights(model: nn.Module, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> Path:
+def save_weights(state: dict, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> Path:
     """The plain model's state dict (no wrapper prefixes), loadable with safetensors.torch.load_file."""
-    tensors = savable(unwrap(model).state_dict())
+    tensors = savable(state)
     return atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
 
 
@@ -250,6 +250,31 @@ def choose_resume(resume: str, *, out: str, prefix: str) -> Path | None:
         choice = resume
     choice = broadcast_object(choice)
     return Path(choice) if choice else None
+
+
+def newest_good(ckpt_dir):  # SHIM (branch ckpt replaces)
+    readable = [p for p in list_checkpoints(ckpt_dir) if is_readable(p)]
+    return readable[-1] if readable else None
+
+
+def remove_stale_temporaries(run_dir) -> None:  # SHIM (branch ckpt replaces)
+    pass
+
+
+def check_resume(path, *, model_shapes, recipe, precision, world_size, global_batch) -> dict:  # SHIM
+    check_resume_file(path, model_shapes)
+    return _open_checked(path, lambda f: None)[1]
+
+
+class CheckpointSaver:  # SHIM (branch ckpt replaces)
+    def __init__(self, ckpt_dir, *, keep, background=False):
+        self.ckpt_dir, self.keep = ckpt_dir, keep
+
+    def save(self, **state):
+        save_checkpoint(self.ckpt_dir, keep=self.keep, **state)
+
+    def close(self):
+        pass
 
 
 def run_dir_of(checkpoint: Path | None) -> Path | None:

@@ -1,98 +1,217 @@
-"""The options every recipe shares, as one frozen value checked when it is built.
+"""Options: groups of fields a recipe combines into its own Config, checked when it is built.
 
-A wrong value fails here, before any process group exists, with a message that names the
-option, the value and the fix. The CLI is derived from the fields below (help text included).
+    @dataclass(frozen=True)
+    class Config(Training, Checkpointing):   # exactly the options this recipe implements
+        find_unused_parameters: bool = option(False, "let DDP skip parameters forward never used")
+
+    if __name__ == "__main__":
+        cli_main(main, Config)               # python ddp.py --epochs 3; --help lists Config's fields
+
+A wrong value fails when the Config is built, before any process group exists, with one line
+that names the option, the value and the fix. Every float must be finite.
 """
+
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
+import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 
 
 class RecipeError(Exception):
-    """A problem the user can fix; the CLI prints it as one line and exits non-zero."""
+    """A problem the user can fix; printed as one `error:` line with a non-zero exit."""
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
+class UsageError(RecipeError):
+    """A bad command line (exit status 2). `option` names an option this recipe does not take."""
+
+    def __init__(self, message: str, *, option: str | None = None):
+        super().__init__(message)
+        self.option = option
+
+
+def option(default, help: str, *, choices: tuple[str, ...] | None = None, check=None, fix: str = ""):
+    """A field with its help text, and `check(value) -> bool` with the `fix` a failed check advises."""
+    return field(default=default, metadata={"help": help, "choices": choices, "check": check, "fix": fix})
+
+
+def with_default(group: type, name: str, value):
+    """`group`'s field `name` (help, checks) with another default, for a recipe's Config."""
+    return field(default=value, metadata=group.__dataclass_fields__[name].metadata)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _positive(v):
+    return v > 0
+
+
+def _at_least(n: int):
+    return lambda v: n <= v <= 2**31
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    epochs: int = _opt(5, "passes over the training set")
-    max_steps: int = _opt(0, "stop after this many optimizer steps (0: no limit)")
-    batch_size: int = _opt(32, "samples per rank per micro-batch (global batch = this x world size x accum)")
-    lr: float = _opt(1e-3, "peak learning rate (AdamW, cosine decay to zero)")
-    seed: int = _opt(0, "seed for weights, shuffling and dropout")
-    model: str = _opt("mlp", "built-in model name or module:function returning an nn.Module")
-    data: str = _opt("digits", "built-in data name or module:function returning (train, val)")
-    precision: str = _opt("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
-    accum: int = _opt(1, "micro-batches per optimizer step (gradient accumulation)")
-    clip: float = _opt(0.0, "clip the global gradient norm to this (0: no clipping)")
-    ckpt_every: int = _opt(0, "write a checkpoint every N optimizer steps (0: none)")
-    keep: int = _opt(2, "how many newest checkpoints to keep")
-    resume: str = _opt("", "'auto' (newest checkpoint of the newest run) or a checkpoint path")
-    out: str = _opt("runs", "folder that gets one sub-folder per run")
-    name: str = _opt("", "run folder name prefix (default: the recipe name)")
-    log_every: int = _opt(10, "log a train record every N optimizer steps")
-    timeout_s: float = _opt(300.0, "seconds a collective or the rendezvous may wait before failing")
-    # Communication (DDP; see core/comm.py and docs/monitoring.md).
-    comm_hook: str = _opt("none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank",
-                          choices=("none", "fp16", "bf16", "powersgd"))
-    bucket_mb: float = _opt(25.0, "DDP gradient bucket size in MB (one all-reduce per bucket)")
-    grad_as_bucket_view: bool = _opt(False, "gradients are views into DDP's buckets (saves a copy and memory)")
-    static_graph: bool = _opt(False, "tell DDP the graph is the same every step (safe for the built-in models)")
-    # Computation (see core/tuning.py).
-    compile: bool = _opt(False, "torch.compile the model (after the parallel wrapper)")
-    activation_checkpointing: bool = _opt(False, "recompute each block's activations in backward (less memory)")
-    channels_last: bool = _opt(False, "channels-last memory format for conv models (GPU)")
-    # Debugging (see core/watchdog.py).
-    hang_factor: float = _opt(20.0, "watchdog: dump every rank's stack when a step takes this many times "
-                                    "the median step (0: off)")
-    hang_min_s: float = _opt(60.0, "watchdog: never call a step shorter than this many seconds a hang")
-    debug: bool = _opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, and the NCCL flight recorder on GPU")
-    profile: bool = _opt(False, "write a torch.profiler trace of a few steps, one file per rank")
+class Options:
+    """The checks every group shares: choices, finiteness, and each field's own check."""
 
     def __post_init__(self):
-        checks = [
-            (self.epochs >= 0, "--epochs", self.epochs, "use 0 or more"),
-            (self.max_steps >= 0, "--max-steps", self.max_steps, "use 0 (no limit) or more"),
-            (self.batch_size >= 1, "--batch-size", self.batch_size, "use 1 or more (it is per rank)"),
-            (self.lr > 0, "--lr", self.lr, "use a positive learning rate"),
-            (self.accum >= 1, "--accum", self.accum, "use 1 or more"),
-            (self.clip >= 0, "--clip", self.clip, "use 0 (off) or a positive max norm"),
-            (self.ckpt_every >= 0, "--ckpt-every", self.ckpt_every, "use 0 or more steps"),
-            (self.keep >= 1, "--keep", self.keep, "keep at least 1 checkpoint"),
-            (self.log_every >= 1, "--log-every", self.log_every, "use 1 or more"),
-            (self.timeout_s > 0, "--timeout-s", self.timeout_s, "use a positive number of seconds"),
-            (self.bucket_mb > 0, "--bucket-mb", self.bucket_mb, "use a positive size in MB (DDP's default is 25)"),
-            (self.hang_factor == 0 or self.hang_factor > 1, "--hang-factor", self.hang_factor,
-             "use 0 (off) or a multiple above 1 of the median step"),
-            (self.hang_min_s > 0, "--hang-min-s", self.hang_min_s, "use a positive number of seconds"),
-        ]
-        for ok, option, value, fix in checks:
-            if not ok:
-                raise RecipeError(f"{option} {value}: {fix}")
-        for name in ("precision", "comm_hook"):
-            choices, value = self.__dataclass_fields__[name].metadata["choices"], getattr(self, name)
-            if value not in choices:
-                raise RecipeError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(choices)}")
-        if self.precision == "fp16" and not torch.cuda.is_available():
-            raise RecipeError("--precision fp16 needs a CUDA GPU; on CPU use --precision bf16")
-        if self.comm_hook == "bf16" and not torch.cuda.is_available():  # gloo has no bf16 all-reduce
-            raise RecipeError("--comm-hook bf16 needs NCCL (a CUDA GPU); on gloo use --comm-hook fp16 or powersgd")
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RecipeError(f"{flag(f.name)} {value}: use a finite number")
+            if meta.get("choices") and value not in meta["choices"]:
+                raise RecipeError(f"{flag(f.name)} {value}: choose one of {', '.join(meta['choices'])}")
+            if meta.get("check") and not meta["check"](value):
+                raise RecipeError(f"{flag(f.name)} {value}: {meta['fix']}")
 
-    def replace(self, **changes) -> TrainConfig:
+    def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _one_name(name: str) -> bool:
+    return name == "" or (name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name)
+
+
+@dataclass(frozen=True)
+class Training(Options):
+    title = "training"
+    """What every recipe takes."""
+
+    epochs: int = option(5, "passes over the training set", check=_at_least(0), fix="use 0 or more")
+    max_steps: int = option(0, "stop after this many optimizer steps (0: no limit)", check=_at_least(0),
+                            fix="use 0 (no limit) or more")
+    batch_size: int = option(32, "samples per rank per micro-batch", check=_at_least(1),
+                             fix="use 1 to 2**31 (it is per rank)")
+    lr: float = option(1e-3, "peak learning rate (AdamW, cosine decay to zero)", check=lambda v: 0 < v <= 10,
+                       fix="use a learning rate in (0, 10]")
+    seed: int = option(0, "seed for weights, shuffling and dropout", check=lambda v: 0 <= v < 2**63,
+                       fix="use 0 to 2**63-1")
+    model: str = option("mlp", "built-in model (mlp, cnn, gpt) or module:function returning an nn.Module")
+    data: str = option("digits", "built-in data (digits, synthetic, text) or module:function returning (train, val)")
+    loss: str = option("auto", "auto (the model's own loss if it returns one, else cross-entropy), ce, model, "
+                       "or module:function(outputs, batch) -> loss")
+    on_nonfinite: str = option("stop", "a step whose loss or gradients are not finite: stop the run, or skip it",
+                               choices=("stop", "skip"))
+    out: str = option("runs", "folder that gets one sub-folder per run")
+    name: str = option("", "run folder name prefix (default: the recipe name)", check=_one_name,
+                       fix="use a plain name, not a path (the folder goes under --out)")
+    log_every: int = option(10, "log a train record every N optimizer steps", check=_at_least(1), fix="use 1 or more")
+    timeout_s: float = option(300.0, "seconds a collective or the rendezvous may wait before failing",
+                              check=lambda v: 0 < v <= 86400 * 7, fix="use 1 second to a week")
+
+
+@dataclass(frozen=True)
+class Checkpointing(Options):
+    title = "checkpoints"
+    ckpt_every: int = option(0, "write a checkpoint every N optimizer steps (0: none)", check=_at_least(0),
+                             fix="use 0 or more steps")
+    keep: int = option(2, "how many newest checkpoints to keep", check=_at_least(1), fix="keep at least 1")
+    resume: str = option("", "'auto' (newest good checkpoint of the newest run) or a checkpoint path")
+    ckpt_async: bool = option(False, "write checkpoints in the background; training waits only for the copy")
+
+
+def _cuda_for(value: str, needs: str) -> bool:
+    import torch  # here, so that `python -m recipes ls` never loads torch
+
+    return value != needs or torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Precision(Options):
+    title = "mixed precision"
+    precision: str = option("fp32", "compute precision (autocast; fp16 adds dynamic loss scaling)",
+                            choices=("fp32", "bf16", "fp16"), check=lambda v: _cuda_for(v, "fp16"),
+                            fix="fp16 needs a CUDA GPU; on CPU use --precision bf16")
+
+
+@dataclass(frozen=True)
+class Accumulation(Options):
+    title = "gradient accumulation and clipping"
+    accum: int = option(1, "micro-batches per optimizer step (gradient accumulation)", check=_at_least(1),
+                        fix="use 1 or more")
+    clip: float = option(0.0, "clip the global gradient norm to this (0: no clipping)", check=lambda v: v >= 0,
+                         fix="use 0 (off) or a positive max norm")
+
+
+@dataclass(frozen=True)
+class DDPOptions(Options):
+    title = "DistributedDataParallel"
+    find_unused_parameters: bool = option(False, "let DDP find parameters forward did not use (costs a graph walk)")
+    static_graph: bool = option(False, "tell DDP the graph is the same every step (also fixes unused parameters)")
+    sync_batchnorm: bool = option(False, "BatchNorm statistics over all ranks (SyncBatchNorm; GPUs)")
+
+
+def _parser(config: type, prog: str, description: str) -> argparse.ArgumentParser:
+    """One --option per field, in a help section per group (Training, Checkpointing, ..., the recipe's own)."""
+    parser = _Parser(prog=prog, usage=f"{prog} [OPTIONS]", description=description, allow_abbrev=False)
+    sections = {c: parser.add_argument_group(c.__dict__.get("title", f"{c.__name__} options"))
+                for c in config.__mro__ if c.__dict__.get("__annotations__")}
+    for f in dataclasses.fields(config):
+        home = next(c for c in reversed(config.__mro__) if f.name in c.__dict__.get("__annotations__", {}))
+        section, default, help = sections[home], f.default, f.metadata.get("help", "")
+        if isinstance(default, bool):
+            section.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                 help=help)
+        else:
+            section.add_argument(flag(f.name), dest=f.name, type=type(default), default=default, help=help + (
+                f" (default: {default})" if default != "" else ""), choices=f.metadata.get("choices"),
+                metavar=None if f.metadata.get("choices") else type(default).__name__.upper())
+    parser.add_argument("--dry-run", action="store_true", help="check the options and exit without training")
+    return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None = None,
+               description: str = "") -> tuple[Options, bool]:
+    """The Config from a command line, and whether --dry-run was given. `--help` prints and exits 0."""
+    parser = _parser(config, prog or os.path.basename(sys.argv[0]), description)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        first = unknown[0].split("=")[0]
+        raise UsageError(f"{first}: no such option (see --help)" if first.startswith("-")
+                         else f"unexpected argument {first!r}", option=first)
+    values = vars(args)
+    return config(**{k: v for k, v in values.items() if k != "dry_run"}), values["dry_run"]
+
+
+def cli_main(main: Callable, config: type, argv: list[str] | None = None, *, check: Callable | None = None) -> None:
+    """`if __name__ == "__main__": cli_main(main, Config)`: parse, check, run; errors as one line."""
+    try:
+        cfg, dry_run = parse_args(config, argv, description=(sys.modules[main.__module__].__doc__ or "").split("\n")[0])
+        if check is not None:
+            check(cfg)
+        if dry_run:
+            print(f"ok: {cfg.to_dict()}")
+            return
+        main(cfg)
+    except UsageError as err:
+        sys.exit(fail(str(err), 2))
+    except RecipeError as err:
+        sys.exit(fail(str(err), 1))
+    except KeyboardInterrupt:
+        sys.exit(fail("interrupted", 130))
+
+
+def fail(message: str, code: int) -> int:
+    """Print `error: message` as one line on stderr; returns `code` for sys.exit."""
+    print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+    return code
 
 
 def resolve_factory(spec: str, builtins: dict[str, Callable], *, option: str) -> Callable:
@@ -100,18 +219,14 @@ def resolve_factory(spec: str, builtins: dict[str, Callable], *, option: str) ->
     if spec in builtins:
         return builtins[spec]
     if ":" not in spec:
-        raise RecipeError(
-            f"{option} {spec}: not a built-in ({', '.join(sorted(builtins))}) "
-            f"and not a module:function factory"
-        )
+        raise RecipeError(f"{option} {spec}: not a built-in ({', '.join(sorted(builtins))}) "
+                          f"and not a module:function factory")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # an ImportError, or any error raised while the module runs
-        raise RecipeError(
-            f"{option} {spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
-            f"is it installed or on PYTHONPATH?"
-        ) from None
+        raise RecipeError(f"{option} {spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
+                          f"is it installed or on PYTHONPATH?") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise RecipeError(f"{option} {spec}: module {module_name!r} has no function {attr!r}")
@@ -119,12 +234,15 @@ def resolve_factory(spec: str, builtins: dict[str, Callable], *, option: str) ->
 
 
 def check_writable(folder: str) -> None:
-    """Fail now, not after an hour of training, when the output folder can't be written."""
+    """Fail now, not after an hour of training, when the output folder can't be written; creates nothing."""
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing):  # the nearest folder that exists must let us create the rest
+        parent = os.path.dirname(existing)
+        if parent == existing or os.path.exists(existing):
+            raise RecipeError(f"--out {folder}: cannot write there ({existing} is not a folder); pick a writable one")
+        existing = parent
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
             pass
     except OSError as err:
-        raise RecipeError(
-            f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable folder"
-        ) from None
+        raise RecipeError(f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable folder") from None

@@ -40,7 +40,15 @@ def synthetic(*, n: int = 8192, dim: int = 64, classes: int = 10, seed: int = 0)
 DATASETS = {"digits": digits, "synthetic": synthetic, "text": text}
 
 
-def build_data(spec: str) -> tuple[Dataset, Dataset | None]:
+def check_data_factory(spec: str) -> None:  # SHIM (branch data replaces)
+    build_data(spec)
+
+
+def set_epoch(loader, epoch: int, *, consumed: int = 0) -> None:  # SHIM (branch data replaces)
+    loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
+
+
+def build_data(spec: str):
     """`--data`: a built-in name or a user's `module:function` returning (train, val)."""
     result = resolve_factory(spec, DATASETS, option="--data")()
     if not (isinstance(result, tuple) and len(result) == 2):
@@ -48,7 +56,7 @@ def build_data(spec: str) -> tuple[Dataset, Dataset | None]:
     train, val = result
     if len(train) == 0:
         raise RecipeError(f"--data {spec}: the training set is empty")
-    return train, val
+    return train, val, None
 
 
 class ResumableSampler(DistributedSampler):
@@ -92,6 +100,7 @@ def make_loader(
     seed: int = 0,
     train: bool = True,
     drop_last: bool = True,
+    collate_fn=None,
 ) -> DataLoader:
     """A loader over this rank's share of `dataset`.
 
@@ -100,6 +109,8 @@ def make_loader(
     does not divide by the world size, drop_last=False pads it with repeated samples.
     train=False: each sample on exactly one rank, in order, for evaluation.
     """
+    if dataset is None:
+        return None
     if train:
         sampler = ResumableSampler(
             dataset, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=seed,

@@ -159,3 +159,14 @@ def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:
     if full:
         plain.load_state_dict(full)
     return plain
+
+
+def prepare_batchnorm(model, *, sync: bool, warn):  # SHIM (branch parallel replaces)
+    return model
+
+
+def replicas_report(model) -> dict:  # SHIM (branch parallel replaces)
+    from core.dist import same_on_all_ranks
+    from core.models import fingerprint
+
+    return {"replicas_identical": same_on_all_ranks(fingerprint(model))}

@@ -1,125 +1,351 @@
-"""The run folder and everything rank 0 writes or prints, behind one helper: `RunWriter`.
+"""The run folder and everything a recipe does besides training, behind one object: `Run`.
 
-    runs/ddp-3/config.json       the options, the recipe, the world size, versions
-    runs/ddp-3/metrics.jsonl     one JSON object a line: kind = train | eval | summary
+    runs/ddp-3/config.json       the options, the recipe, the world size (written once, by a fresh run)
+    runs/ddp-3/metrics.jsonl     one JSON object a line: kind = train | eval | resume | summary
     runs/ddp-3/model.safetensors final weights of the plain model
-    runs/ddp-3/ckpt/             intermediate checkpoints
+    runs/ddp-3/ckpt/             checkpoints
+    runs/ddp-3/.lock             the host and PID of the job that holds the folder
 
-Every rank builds a RunWriter; only rank 0's writes anything. Numbers handed to it must
-already be reduced over ranks (see core.steps.Tally), so what it prints speaks for the job.
+Every rank builds the same Run; only rank 0 writes or prints. Numbers it logs are reduced over
+ranks first, so what it prints speaks for the job.
 """
+
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
-from loguru import logger
 
-from core.ckpt import atomic_write, save_weights
-from core.dist import broadcast_object
+from core import ckpt, steps
+from core.models import unwrap
+from core.config import RecipeError
+from core.dist import Topology, broadcast_object, reduce_sum
+
+RUN_NAME = r"{}-(\d+)"
 
 
-def next_run_dir(out: str | os.PathLike, prefix: str) -> Path:
-    """`out/prefix-N` with N one past the highest existing, created now so no other job takes it."""
+def run_dirs(out: str | os.PathLike, prefix: str) -> list[Path]:
+    """The folders `out/prefix-N`, oldest (lowest N) first."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := re.fullmatch(RUN_NAME.format(re.escape(prefix)),
+                                                                                   p.name))] if out.is_dir() else []
+    return [p for _, p in sorted(found)]
+
+
+def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
+    """`out/prefix-N`, one past the highest, created now so that no other job takes it."""
     while True:
-        taken = [int(m.group(1)) for p in out.iterdir() if (m := re.fullmatch(rf"{re.escape(prefix)}-(\d+)", p.name))]
-        candidate = out / f"{prefix}-{max(taken, default=0) + 1}"
+        taken = run_dirs(out, prefix)
+        number = int(taken[-1].name.rsplit("-", 1)[1]) + 1 if taken else 1
         try:
-            candidate.mkdir()
+            (candidate := Path(out) / f"{prefix}-{number}").mkdir(parents=True)
             return candidate
         except FileExistsError:  # another job took it between the listing and the mkdir
             continue
 
 
-def latest_run_dir(out: str | os.PathLike, prefix: str) -> Path | None:
-    """The newest `out/prefix-N`, or None."""
-    out = Path(out)
-    if not out.is_dir():
+def find_resume(resume: str, *, out: str, prefix: str) -> Path | None:
+    """The checkpoint to start from: a path, or for 'auto' the newest good one of the newest run.
+    A group that torchrun restarted after a failure (TORCHELASTIC_RESTART_COUNT > 0) resumes by itself."""
+    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"
+    if resume != "auto":
+        return Path(resume) if resume else None
+    runs = run_dirs(out, prefix)
+    return ckpt.newest_good(runs[-1] / "ckpt") if runs else None
+
+
+def lock_holder(run_dir: Path) -> dict | None:
+    """Who holds `run_dir` now (host, pid, job), or None when it is free or its holder is gone."""
+    try:
+        holder = json.loads((run_dir / ".lock").read_text())
+    except (OSError, ValueError):
         return None
-    runs = [(int(m.group(1)), p) for p in out.iterdir() if (m := re.fullmatch(rf"{re.escape(prefix)}-(\d+)", p.name))]
-    return max(runs)[1] if runs else None
+    same_job = holder.get("job") and holder.get("job") == os.environ.get("TORCHELASTIC_RUN_ID")
+    if same_job or (holder.get("host") == socket.gethostname() and not _alive(holder.get("pid", 0))):
+        return None  # this job restarted by torchrun, or a process of this host that is gone: stale
+    return holder
 
 
-class RunWriter:
-    """Rank 0's side effects: the run folder, config.json, metrics.jsonl, weights, the summary line."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tty: bool | None = None):
-        self.run_dir = Path(run_dir)
-        self.enabled = enabled
-        self.started = time.perf_counter()
-        self.tty = sys.stdout.isatty() if tty is None else tty  # a bar on a terminal, log lines in a file
-        self._drawn = 0.0  # when the bar was last redrawn (0: no bar on the line now)
+
+def check_free(run_dir: Path) -> None:
+    if holder := lock_holder(run_dir):
+        raise RecipeError(f"{run_dir} is in use by PID {holder['pid']} on {holder['host']}; wait for that job to "
+                          f"end, or delete {run_dir / '.lock'} if it is gone")
+
+
+def clean(value):
+    """JSON has no NaN or infinity: strict readers reject them, so a non-finite number is written as null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def append_line(path: Path, record: dict) -> None:
+    """One whole line in one write(), so a crash or a full disk never leaves half a record."""
+    data = (json.dumps({k: clean(v) for k, v in record.items()}) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, "short write")
+    except OSError as err:
+        raise disk_error(err, path, len(data)) from None
+    finally:
+        os.close(fd)
+
+
+def repair_records(path: Path) -> None:
+    """Drop a torn last line (a crash mid-write), so the next record starts on a line of its own."""
+    if path.is_file() and (data := path.read_bytes()) and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def disk_error(err: OSError, path: Path, needed: int) -> Exception:
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return err
+    free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize
+    return RecipeError(f"{path.parent}: the disk is full writing {path.name} ({needed:,} bytes needed, {free:,} "
+                       f"free); free some space or point --out at another disk")
+
+
+class Meter:
+    """Loss, accuracy and throughput over a logging window, reduced over ranks only when read."""
+
+    KEYS = ("loss_sum", "count", "samples", "correct")
+
+    def __init__(self, device: torch.device):
+        self.device, self.sums, self.accuracy = device, {}, False
+        self.started, self.paused_s = time.perf_counter(), 0.0
+        self.totals = {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
+        self.last: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        self.accuracy |= "correct" in metrics  # models without logits report no accuracy, rather than 0
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value.detach().double()
+
+    def read(self) -> dict[str, float]:
+        """The window's numbers for the whole job. A collective: every rank calls it at the same step."""
+        local = torch.stack([torch.as_tensor(self.sums.get(k, 0.0), dtype=torch.float64, device=self.device)
+                             for k in self.KEYS])
+        loss_sum, count, samples, correct = reduce_sum(local).tolist()
+        seconds = time.perf_counter() - self.started - self.paused_s
+        self.sums, self.started, self.paused_s = {}, time.perf_counter(), 0.0
+        if count == 0:
+            return self.last
+        samples = samples or count  # (input, class) pairs: one target per sample
+        self.totals = {"samples": self.totals["samples"] + samples, "tokens": self.totals["tokens"] + count,
+                       "seconds": self.totals["seconds"] + seconds}
+        self.last = {"loss": loss_sum / count, **({"acc": correct / count} if self.accuracy else {}),
+                     **_rates(samples, count, seconds)}
+        return self.last
+
+    def throughput(self) -> dict[str, float]:
+        """Over every window read so far: the job's training throughput."""
+        return _rates(self.totals["samples"], self.totals["tokens"], self.totals["seconds"])
+
+
+def _rates(samples: float, tokens: float, seconds: float) -> dict[str, float]:
+    rates = {"samples_per_s": samples / max(seconds, 1e-9)}
+    if tokens != samples:  # a sequence model: one target per token
+        rates["tokens_per_s"] = tokens / max(seconds, 1e-9)
+    return rates
+
+
+class Run:
+    """One training run's folder, records, progress line, checkpoints and summary.
+
+    with Run.start(cfg, topo, recipe="ddp", global_batch=...) as run:
+        progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)
+        ... run.step(...) every step, run.checkpoint(...) after it, run.evaluate(...) every epoch
+        return run.finish(model)
+    """
+
+    def __init__(self, cfg, topo: Topology, *, recipe: str, global_batch: int, run_dir: Path, resume_from):
+        self.cfg, self.topo, self.recipe, self.global_batch = cfg, topo, recipe, global_batch
+        self.run_dir, self.resume_from, self.enabled = run_dir, resume_from, topo.is_rank0
+        self.meter, self.evaluation, self.skipped = Meter(topo.device), {}, 0
+        self.progress = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}
+        self.started, self.resumed_step, self.saver = time.perf_counter(), None, None
+        self.tty = sys.stdout.isatty()
+        self.on_pause = []  # called after evaluation and checkpoints (core.monitor: not a step)
 
     @classmethod
-    def create(cls, out: str, prefix: str, topo, *, run_dir: Path | None = None) -> RunWriter:
-        """Rank 0 picks (or is given) the folder and tells the others, so all ranks agree."""
-        if topo.is_rank0 and run_dir is None:
-            run_dir = next_run_dir(out, prefix)
-        return cls(Path(broadcast_object(str(run_dir) if run_dir else None)), enabled=topo.is_rank0)
+    def start(cls, cfg, topo: Topology, *, recipe: str, global_batch: int) -> Run:
+        """Rank 0 picks the folder (a new one, or the resumed checkpoint's), takes its lock and tells the others."""
+        choice = None
+        if topo.is_rank0:
+            resume_from = find_resume(getattr(cfg, "resume", ""), out=cfg.out, prefix=cfg.name or recipe)
+            in_run = resume_from is not None and resume_from.parent.name == "ckpt"  # RUN/ckpt/step-N continues RUN
+            run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, cfg.name or recipe)
+            choice = (str(run_dir), str(resume_from) if resume_from else None)
+            cls._take(run_dir, fresh=not in_run, config={"recipe": recipe, "world_size": topo.world_size,
+                                                          "global_batch": global_batch, **cfg.to_dict()})
+        run_dir, resume_from = broadcast_object(choice)
+        return cls(cfg, topo, recipe=recipe, global_batch=global_batch, run_dir=Path(run_dir),
+                   resume_from=Path(resume_from) if resume_from else None)
 
-    def write_config(self, config: dict) -> None:
-        if self.enabled:
-            text = json.dumps(config, indent=2, sort_keys=True)
-            atomic_write(self.run_dir / "config.json", lambda f: f.write(text.encode() + b"\n"))
+    @staticmethod
+    def _take(run_dir: Path, *, fresh: bool, config: dict) -> None:
+        check_free(run_dir)
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("TORCHELASTIC_RUN_ID")}
+        ckpt.atomic_write(run_dir / ".lock", lambda f: f.write(json.dumps(holder).encode()))
+        ckpt.remove_stale_temporaries(run_dir)  # left by a write that a kill interrupted
+        repair_records(run_dir / "metrics.jsonl")
+        if fresh:  # a resumed run keeps the config it was started with (the pre-check refused changes)
+            text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
+            ckpt.atomic_write(run_dir / "config.json", lambda f: f.write(text))
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saver is not None:
+            self.saver.close()  # a background checkpoint write finishes before the job ends
+        if self.enabled and lock_holder(self.run_dir) is None:
+            (self.run_dir / ".lock").unlink(missing_ok=True)
+
+    # Records and the terminal.
     def log(self, kind: str, **fields) -> None:
-        """Append one record to metrics.jsonl (flushed, so a crash loses at most this line)."""
         if self.enabled:
-            record = {"kind": kind, "elapsed_s": round(time.perf_counter() - self.started, 3), **fields}
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def save_weights(self, model: torch.nn.Module, *, metadata: dict[str, str] | None = None) -> Path:
-        path = self.run_dir / "model.safetensors"
-        if self.enabled:
-            save_weights(model, path, metadata=metadata)
-        return path
+            append_line(self.run_dir / "metrics.jsonl",
+                        {"kind": kind, "elapsed_s": round(time.perf_counter() - self.started, 3), **fields})
 
     def print(self, message: str) -> None:
-        """A line on rank 0's stdout: the job's output, not a log."""
         if self.enabled:
-            print(("\r\x1b[K" if self._drawn else "") + message, file=sys.stdout, flush=True)  # over the bar
-            self._drawn = 0.0
+            print(("\r\x1b[K" if self.tty else "") + message, flush=True)
 
-    def progress(self, step: int, total: int, *, every: int, **fields) -> None:
-        """Call every step. On a terminal: a bar redrawn in place (at most 10 times a second); otherwise
-        one log line every `every` steps. `fields` (epoch, loss, samples_per_s...) are the last reduced values."""
-        if not self.enabled:
+    # The training loop's side effects.
+    def resume(self, *, model, optimizer, scheduler=None, scaler=None) -> dict:
+        """Load the checkpoint this run continues from (all ranks), or start at zero; returns the progress."""
+        if self.resume_from is not None:
+            loaded = ckpt.load_checkpoint(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                          scaler=scaler, world_size=self.topo.world_size)
+            self.progress.update(loaded)
+            self.resumed_step = self.progress["step"]
+            self.log("resume", checkpoint=str(self.resume_from), step=self.resumed_step,
+                     world_size=self.topo.world_size, global_batch=self.global_batch)
+            self.print(f"resumed from {self.resume_from} at step {self.resumed_step}")
+        self.skipped = self.progress["skipped"]
+        return self.progress
+
+    def total_steps(self, loader, *, accum: int = 1) -> int:
+        """Optimizer steps the run will take (the LR schedule's length): --epochs over the loader, or --max-steps."""
+        try:
+            batches = len(loader)
+        except TypeError:  # streaming data without a length: only --max-steps can say
+            if not self.cfg.max_steps:
+                raise RecipeError("the training data has no length (a streaming data set): set --max-steps so "
+                                  "that the learning-rate schedule has an end") from None
+            return self.cfg.max_steps
+        if batches < accum:  # every rank has as many batches as the others: all raise alike
+            fix = f"use --accum {batches} or less" if batches else f"use a --batch-size below {self.cfg.batch_size}"
+            raise RecipeError(f"--batch-size {self.cfg.batch_size} --accum {accum}: an epoch has only {batches} "
+                              f"micro-batches per rank on {self.topo.world_size} rank(s); {fix}")
+        total = self.cfg.epochs * (batches // accum)
+        return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
+
+    def epoch(self, epoch: int) -> int:
+        """Call at each epoch's start: the samples of its global order already trained on (0, or a checkpoint's)."""
+        if epoch != self.progress["epoch"]:
+            self.progress.update(epoch=epoch, samples=0)
+        return self.progress["samples"]
+
+    def step(self, step: int, *, metrics: dict, stats: steps.StepStats, lr: float, total: int, **extra) -> None:
+        """After every optimizer step: count it, stop (or skip) on a non-finite loss, log every --log-every."""
+        if stats.skipped and not stats.scaled:  # fp16's loss scaler skips overflowing steps as a routine
+            if self.cfg.on_nonfinite == "stop":  # every rank reads the same all-reduced norm: all stop together
+                raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm "
+                                  f"{stats.grad_norm}); lower --lr, set --clip, or pass --on-nonfinite skip")
+            self.skipped += 1
+        self.meter.add(metrics)
+        self.progress.update(step=step, samples=self.progress["samples"] + self.global_batch, skipped=self.skipped)
+        if step % self.cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+            last = self.meter.read()
+            self.log("train", step=step, epoch=self.progress["epoch"], lr=lr, grad_norm=stats.grad_norm,
+                     skipped=self.skipped, **({"loss_scale": stats.scale} if stats.scaled else {}), **last, **extra)
+            self.print(progress_line(step, total, epoch=self.progress["epoch"], **last))
+
+    def checkpoint(self, step: int, *, model, optimizer, scheduler=None, scaler=None) -> None:
+        """Every --ckpt-every steps: the whole train state (a collective; rank 0 writes)."""
+        if not getattr(self.cfg, "ckpt_every", 0) or step % self.cfg.ckpt_every:
             return
-        if not self.tty:
-            if step % every == 0 or step == total:
-                logger.info(progress_line(step, total, **fields))
-            return
-        now = time.perf_counter()
-        if now - self._drawn >= 0.1 or step == total:  # redrawing every step would cost more than the step
-            sys.stdout.write("\r\x1b[K" + progress_line(step, total, width=24, **fields))
-            sys.stdout.flush()
-            self._drawn = now
+        paused = time.perf_counter()
+        if self.saver is None:
+            self.saver = ckpt.CheckpointSaver(self.run_dir / "ckpt", keep=self.cfg.keep, background=self.cfg.ckpt_async)
+        self.saver.save(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                        progress=dict(self.progress, global_batch=self.global_batch),
+                        metadata={"recipe": self.recipe, "config": json.dumps(self.cfg.to_dict())})
+        self._paused(paused)
 
-    def summary(self, **fields) -> None:
-        """The closing record and the one summary line a user reads."""
-        fields["elapsed_s"] = round(time.perf_counter() - self.started, 3)
-        self.log("summary", **fields)
-        shown = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
-        self.print(f"summary {shown}")
+    def _paused(self, since: float) -> None:
+        self.meter.paused_s += time.perf_counter() - since
+        for callback in self.on_pause:
+            callback()
+
+    def evaluate(self, model, loader, *, loss_fn, step: int) -> dict:
+        """Validation loss (and accuracy) over every rank's share, once each; its time is not training time."""
+        if loader is None:
+            return {}
+        paused = time.perf_counter()
+        self.evaluation = steps.evaluate(model, loader, loss_fn=loss_fn, device=self.topo.device)
+        self._paused(paused)
+        self.log("eval", step=step, epoch=self.progress["epoch"], **self.evaluation)
+        self.print(f"epoch {self.progress['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in self.evaluation.items()))
+        return self.evaluation
+
+    def finish(self, model, **extra) -> dict:
+        """Rank 0 writes the final weights and the summary; every rank returns the same numbers.
+        A resumed run that had already finished trains nothing and leaves its weights as they are."""
+        step = self.progress["step"]
+        if self.resumed_step is not None and self.resumed_step == step:
+            self.print(f"{self.run_dir} already finished at step {step}; nothing to train, weights untouched")
+            return {"steps": step, "already_finished": True}
+        weights = self.run_dir / "model.safetensors"
+        state = model_state(model)  # a collective for sharded models; rank 0 gets the full tensors
+        if self.enabled:
+            ckpt.save_weights(state, weights, metadata={"recipe": self.recipe, "model": self.cfg.model})
+        summary = {**self.evaluation, "train_loss": self.meter.last.get("loss"), **self.meter.throughput(),
+                   "steps": step, "skipped_steps": self.skipped, "world_size": self.topo.world_size,
+                   "global_batch": self.global_batch, **extra, "weights": str(weights),
+                   "elapsed_s": round(time.perf_counter() - self.started, 3)}
+        self.log("summary", **summary)
+        self.print("summary " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
+        return summary
 
 
-def progress_line(step: int, total: int, *, width: int = 0, elapsed_s: float | None = None, **fields) -> str:
-    """`step 40/115 [########----] 35% epoch 1 loss 0.4123 1875 samples/s` (the bar only when width > 0)."""
-    fraction = step / total if total else 0.0
-    bar = f" [{'#' * round(width * fraction):-<{width}}] {fraction:4.0%}" if width else ""
-    shown = {"epoch": "epoch {:d}", "loss": "loss {:.4f}", "samples_per_s": "{:.0f} samples/s",
+def model_state(model) -> dict[str, torch.Tensor]:
+    """The plain model's full state dict: gathered from DTensor shards to rank 0 (a collective), or as it is."""
+    plain = unwrap(model)
+    if any(type(p).__name__ == "DTensor" for p in plain.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return plain.state_dict()
+
+
+def progress_line(step: int, total: int, *, epoch: int, **fields) -> str:
+    """`step 40/115 epoch 1 loss 0.4123 acc 0.91 1875 samples/s`."""
+    shown = {"loss": "loss {:.4f}", "acc": "acc {:.4f}", "samples_per_s": "{:.0f} samples/s",
              "tokens_per_s": "{:.0f} tokens/s"}
-    parts = [fmt.format(fields[k]) for k, fmt in shown.items() if isinstance(fields.get(k), int | float)
-             and fields[k] == fields[k]]  # skip nan: no window read yet
-    return " ".join([f"step {step}/{total}{bar}", *parts])
+    parts = [fmt.format(fields[k]) for k, fmt in shown.items() if isinstance(fields.get(k), float)]
+    return " ".join([f"step {step}/{total} epoch {epoch}", *parts])
 
 
 def _fmt(value) -> str:

@@ -205,6 +205,7 @@ class StepStats:
     grad_norm: float  # total norm over all ranks, before clipping; inf or nan when the step was skipped
     skipped: bool  # gradients were not finite, so the parameters were left unchanged
     scale: float  # the loss scale used (1.0 unless fp16)
+    scaled: bool = False  # SHIM: fp16 loss scaling on
 
 
 def step_amp(
@@ -241,7 +242,14 @@ def step_amp(
         skipped = not math.isfinite(norm)
         if not skipped:
             optimizer.step()
-    return metrics, StepStats(grad_norm=norm, skipped=skipped, scale=scale)
+    return metrics, StepStats(grad_norm=norm, skipped=skipped, scale=scale, scaled=scaling)
+
+
+train_step = step_amp  # SHIM (branch steps replaces)
+
+
+def make_loss(spec: str):  # SHIM (branch steps replaces)
+    return cross_entropy
 
 
 def micro_batch_groups(loader: Iterable, k: int, *, device: torch.device) -> Iterator[list]:

@@ -1,0 +1,180 @@
+"""python -m recipes: list, run, copy, diff, check and plot the recipes; derived from the registry.
+
+`run NAME [OPTIONS]` hands OPTIONS to the recipe's own parser (its Config), so `--help` lists
+exactly what that recipe takes, and an option it does not take is a usage error that names the
+recipes that do. Bad input becomes one `error: ...` line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from core.config import RecipeError, UsageError, fail, parse_args
+from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
+
+
+def _recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise click.UsageError(f"unknown recipe {name!r}; choose one of: {', '.join(sorted(RECIPES))}")
+    return RECIPES[name]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """Small, correct, copy-pasteable PyTorch distributed-training recipes."""
+    for problem in PLUGIN_PROBLEMS:
+        click.echo(f"warning: {problem}", err=True)
+
+
+@cli.command("ls")
+def list_recipes():
+    """A table of the recipes: name, what it builds on, multi-node, what it shows."""
+    rows = [("name", "builds on", "multi-node", "what it shows")]
+    rows += [(r.name, r.builds_on or "-", "yes" if r.multi_node else "no", r.summary) for _, r in sorted(RECIPES.items())]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+
+
+@cli.command("run", context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("name", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run_recipe(name: str | None, args: tuple[str, ...]):
+    """Run recipe NAME: `run NAME --help` lists its options. Under torchrun every rank runs it."""
+    if name in (None, "-h", "--help"):
+        click.echo("usage: python -m recipes run NAME [OPTIONS]   (NAME --help: its options)\n\nrecipes: "
+                   + ", ".join(sorted(RECIPES)))
+        return
+    recipe = _recipe(name)
+    module = recipe.load()
+    try:
+        cfg, dry_run = parse_args(module.Config, list(args), prog=f"python -m recipes run {name}",
+                                  description=recipe.summary)
+    except UsageError as err:
+        if err.option and err.option.startswith("--"):
+            others = [n for n in takers(err.option) if n != name]
+            does = f"{', '.join(others)} {'does' if len(others) == 1 else 'do'}" if others else "no recipe does"
+            raise UsageError(f"{err.option}: {name} does not take it; {does}") from None
+        raise
+    if "RANK" not in os.environ or dry_run:  # before any process starts; under torchrun, the launcher did it
+        from tools.precheck import precheck
+
+        precheck(recipe, module, cfg)
+    if dry_run:
+        click.echo(f"ok: {name} {cfg.to_dict()}")
+        return
+    module.main(cfg)
+
+
+@cli.command("cp")
+@click.argument("name")
+@click.argument("dest", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="overwrite DEST if it exists")
+@click.option("--standalone", is_flag=True, help="one file with the core code it uses inlined: needs only torch "
+              "and safetensors")
+def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
+    """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone)."""
+    recipe = _recipe(name)
+    target = Path(dest)
+    if target.exists() and not force:
+        raise click.UsageError(f"{dest} exists; pass --force to overwrite it or pick another name")
+    text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
+    if standalone:  # the launcher's lines become torchrun ones; a one-process recipe gets one process
+        from tools.standalone import standalone_source
+
+        text = standalone_source(text, name=name, dest=dest, nproc=2 if recipe.multi_node else 1)
+    target.write_text(text)
+    launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
+    click.echo(f"copied {name} to {dest}; run it with: {launch}")
+
+
+def retarget_commands(text: str, name: str, dest: str) -> str:
+    """Point the docstring's launch commands at the copied file instead of the package."""
+    text = re.sub(rf"python -m recipes run {name}\b", f"python {dest}", text)
+    text = re.sub(rf"-m recipes run {name}\b", dest, text)
+    return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
+
+
+@cli.command("check")
+@click.argument("name")
+@click.option("--model", default=None, help="built-in name or module:function (default: the recipe's)")
+@click.option("--data", default=None, help="built-in name or module:function (default: the recipe's)")
+@click.option("--nproc", default=2, show_default=True, help="processes of the distributed run")
+@click.option("--steps", default=3, show_default=True, help="optimizer steps of each run")
+@click.option("--batch-size", default=8, show_default=True, help="per rank; the single process gets the global batch")
+@click.option("--seed", default=0, show_default=True)
+def check_command(name: str, model: str | None, data: str | None, nproc: int, steps: int, batch_size: int, seed: int):
+    """Does your model train the same on NPROC processes as on one? Exit status 1 (and the likely cause) if not."""
+    from tools.check import check_recipe  # loads nothing for the other commands
+
+    recipe = _recipe(name)
+    if nproc < 2 or steps < 1 or batch_size < 1:
+        raise click.UsageError("--nproc must be 2 or more, --steps and --batch-size 1 or more")
+    defaults = recipe.load().Config()
+    model, data = model or defaults.model, data or defaults.data
+    report = check_recipe(recipe, model=model, data=data, nproc=nproc, steps=steps, batch_size=batch_size, seed=seed)
+    click.echo(report.text)
+    if not report.equivalent:  # exit status 1, with one `error:` line, like any other failure
+        raise click.ClickException(f"{name} --model {model} --data {data}: {nproc} processes do not train like "
+                                   f"one; see the likely cause above")
+
+
+@cli.command("diff")
+@click.argument("base")
+@click.argument("name")
+def diff_recipes(base: str, name: str):
+    """What recipe NAME adds to recipe BASE (ddp ddp_amp, ddp_amp fsdp): a unified diff of the two files."""
+    old, new = _recipe(base), _recipe(name)
+    if new.builds_on == base:
+        click.echo(f"# {name} builds on {base}: the lines below are what it adds")
+    else:
+        parent = f"it builds on {new.builds_on}" if new.builds_on else "it builds on no other recipe"
+        click.echo(f"# {name} does not build on {base} ({parent}; try: python -m recipes diff "
+                   f"{new.builds_on or base} {name})")
+    lines = difflib.unified_diff(Path(old.source_file).read_text().splitlines(),
+                                 Path(new.source_file).read_text().splitlines(),
+                                 f"{base}: {Path(old.source_file).name}", f"{name}: {Path(new.source_file).name}",
+                                 lineterm="")
+    colours = {"+": "green", "-": "red", "@": "cyan"}
+    for line in lines:  # click.echo drops the colour when stdout is not a terminal
+        header = line.startswith(("+++", "---"))
+        fg = None if header else colours.get(line[:1])
+        click.echo(click.style(line, fg=fg, bold=True) if header else click.style(line, fg=fg) if fg else line)
+
+
+@cli.command("plot")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("-o", "--out", default="plot.png", show_default=True, type=click.Path(dir_okay=False),
+              help="the PNG to write")
+def plot_command(run_dirs: tuple[str, ...], out: str):
+    """Plot loss, validation accuracy and throughput against step for one or more run folders."""
+    from tools.plot import plot_runs  # matplotlib loads only for this command
+
+    click.echo(f"wrote {plot_runs(list(run_dirs), out)}")
+
+
+def run_cli(args: list[str] | None = None) -> int:
+    """Run the command line; user errors become one stderr line and an exit code."""
+    try:
+        cli.main(args=args, prog_name="python -m recipes", standalone_mode=False)
+        return 0
+    except click.exceptions.Exit as exit_:
+        return exit_.exit_code
+    except (click.UsageError, UsageError) as err:
+        return fail(err.format_message() if isinstance(err, click.UsageError) else str(err), 2)
+    except click.ClickException as err:
+        return fail(err.format_message(), 1)
+    except RecipeError as err:
+        return fail(str(err), 1)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        return fail("interrupted", 130)
+
+
+def main() -> None:
+    sys.exit(run_cli())

@@ -1,0 +1,54 @@
+"""The pre-check: everything that can be refused before any process starts, said in one line.
+
+The launchers run it once (`python -m recipes run NAME ... --dry-run`) before torchrun; a
+single-process `python -m recipes run` runs it first too. Nothing is written by it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from core import ckpt, data, models, steps
+from core.config import RecipeError, check_writable
+from core.run import check_free, find_resume
+
+# Options that shape what is trained: a resumed run must keep them, or it would be another run.
+TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps")
+
+
+def precheck(recipe, module, cfg) -> None:
+    """Raise RecipeError (one line) for anything that would fail once processes are running."""
+    if hasattr(module, "check"):  # the recipe's own structural checks (mesh sizes, model structure)
+        module.check(cfg)
+    check_writable(cfg.out)
+    data.check_data_factory(cfg.data)  # the factories are called once, here: a bad one fails now
+    models.check_model_factory(cfg.model)
+    steps.make_loss(cfg.loss)
+    if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        check_resume(recipe.name, cfg)
+
+
+def check_resume(recipe: str, cfg) -> None:
+    path = find_resume(cfg.resume, out=cfg.out, prefix=cfg.name or recipe)
+    if path is None:
+        return  # --resume auto and nothing to resume: a fresh run
+    if path.parent.name == "ckpt":
+        check_free(path.parent.parent)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    meta = ckpt.check_resume(path, model_shapes=_shapes(cfg.model), recipe=recipe,
+                             precision=getattr(cfg, "precision", "fp32"), world_size=world_size,
+                             global_batch=cfg.batch_size * world_size * getattr(cfg, "accum", 1))
+    saved = json.loads(meta.get("config", "{}"))
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}" for k in TRAJECTORY
+               if k in saved and hasattr(cfg, k) and saved[k] != getattr(cfg, k)]
+    if changed:
+        raise RecipeError(f"{path}: resuming with other options ({', '.join(changed)}) would train another run; "
+                          f"resume with the options it was started with, or start a new run without --resume")
+
+
+def _shapes(spec: str) -> dict[str, tuple]:
+    with torch.device("meta"):  # shapes only: no memory, no weights initialised
+        return {k: tuple(v.shape) for k, v in models.build_model(spec).state_dict().items()}
