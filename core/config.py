@@ -214,11 +214,14 @@ def fail(message: str, code: int) -> int:
     return code
 
 
-def resolve_factory(spec: str, builtins: dict[str, Callable], *, option: str) -> Callable:
-    """`mlp` -> the built-in factory; `mypkg.models:build` -> that function, imported."""
-    if spec in builtins:
+def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: str) -> Callable:
+    """`mlp` -> the built-in factory; `mypkg.models:build` -> that function, imported.
+    A built-in given as "module:function" is imported only when asked for."""
+    if spec in builtins and callable(builtins[spec]):
         return builtins[spec]
-    if ":" not in spec:
+    if spec in builtins:
+        spec = builtins[spec]
+    elif ":" not in spec:
         raise RecipeError(f"{option} {spec}: not a built-in ({', '.join(sorted(builtins))}) "
                           f"and not a module:function factory")
     module_name, _, attr = spec.partition(":")

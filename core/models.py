@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from core.config import RecipeError, resolve_factory
-from core.gpt import gpt
 
 
 class MLP(nn.Module):
@@ -53,7 +52,7 @@ def cnn() -> nn.Module:
     return CNN()
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
+MODELS = {"mlp": "core.models:mlp", "cnn": "core.models:cnn", "gpt": "core.gpt:gpt"}  # imported when used
 
 
 def unwrap(model: nn.Module) -> nn.Module:

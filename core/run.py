@@ -117,9 +117,11 @@ def repair_records(path: Path) -> None:
 
 
 def disk_error(err: OSError, path: Path, needed: int) -> Exception:
+    """A full disk as one line that names the folder and the bytes; any other OSError as it is."""
     if err.errno not in (errno.ENOSPC, errno.EDQUOT):
         return err
-    free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize
+    folder = next(p for p in [path.parent, *path.parents] if p.exists())
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
     return RecipeError(f"{path.parent}: the disk is full writing {path.name} ({needed:,} bytes needed, {free:,} "
                        f"free); free some space or point --out at another disk")
 
@@ -185,6 +187,7 @@ class Run:
         self.started, self.resumed_step, self.saver = time.perf_counter(), None, None
         self.tty = sys.stdout.isatty()
         self.on_pause = []  # called after evaluation and checkpoints (core.monitor: not a step)
+        self.stop_on_nonfinite = cfg.on_nonfinite == "stop"
 
     @classmethod
     def start(cls, cfg, topo: Topology, *, recipe: str, global_batch: int) -> Run:
@@ -218,8 +221,8 @@ class Run:
     def __exit__(self, *exc) -> None:
         if self.saver is not None:
             self.saver.close()  # a background checkpoint write finishes before the job ends
-        if self.enabled and lock_holder(self.run_dir) is None:
-            (self.run_dir / ".lock").unlink(missing_ok=True)
+        if self.enabled and (lock_holder(self.run_dir) or {}).get("pid") in (None, os.getpid()):
+            (self.run_dir / ".lock").unlink(missing_ok=True)  # ours, or stale: the folder is free again
 
     # Records and the terminal.
     def log(self, kind: str, **fields) -> None:
@@ -270,7 +273,7 @@ class Run:
     def step(self, step: int, *, metrics: dict, stats: steps.StepStats, lr: float, total: int, **extra) -> None:
         """After every optimizer step: count it, stop (or skip) on a non-finite loss, log every --log-every."""
         if stats.skipped and not stats.scaled:  # fp16's loss scaler skips overflowing steps as a routine
-            if self.cfg.on_nonfinite == "stop":  # every rank reads the same all-reduced norm: all stop together
+            if self.stop_on_nonfinite:  # every rank reads the same all-reduced norm: all stop together
                 raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm "
                                   f"{stats.grad_norm}); lower --lr, set --clip, or pass --on-nonfinite skip")
             self.skipped += 1
@@ -289,9 +292,12 @@ class Run:
         paused = time.perf_counter()
         if self.saver is None:
             self.saver = ckpt.CheckpointSaver(self.run_dir / "ckpt", keep=self.cfg.keep, background=self.cfg.ckpt_async)
-        self.saver.save(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                        progress=dict(self.progress, global_batch=self.global_batch),
-                        metadata={"recipe": self.recipe, "config": json.dumps(self.cfg.to_dict())})
+        try:
+            self.saver.save(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                            progress=dict(self.progress, global_batch=self.global_batch),
+                            metadata={"recipe": self.recipe, "config": json.dumps(self.cfg.to_dict())})
+        except OSError as err:  # a full disk: one line with the numbers, the checkpoints before stay whole
+            raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", _bytes(model, optimizer)) from None
         self._paused(paused)
 
     def _paused(self, since: float) -> None:
@@ -320,7 +326,10 @@ class Run:
         weights = self.run_dir / "model.safetensors"
         state = model_state(model)  # a collective for sharded models; rank 0 gets the full tensors
         if self.enabled:
-            ckpt.save_weights(state, weights, metadata={"recipe": self.recipe, "model": self.cfg.model})
+            try:
+                ckpt.save_weights(state, weights, metadata={"recipe": self.recipe, "model": self.cfg.model})
+            except OSError as err:
+                raise disk_error(err, weights, _bytes(model)) from None
         summary = {**self.evaluation, "train_loss": self.meter.last.get("loss"), **self.meter.throughput(),
                    "steps": step, "skipped_steps": self.skipped, "world_size": self.topo.world_size,
                    "global_batch": self.global_batch, **extra, "weights": str(weights),
@@ -328,6 +337,14 @@ class Run:
         self.log("summary", **summary)
         self.print("summary " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return summary
+
+
+def _bytes(*holders) -> int:
+    """Roughly what a checkpoint of these modules and optimizers takes on disk."""
+    states = [h.state_dict() for h in holders]
+    tensors = [t for s in states for t in (s.values() if "state" not in s else
+                                           (v for p in s["state"].values() for v in p.values()))]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def model_state(model) -> dict[str, torch.Tensor]:

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from core.check import REL_TOL, check_recipe, compare_weights, probe, sample_batch
+from tools.check import REL_TOL, check_recipe, compare_weights, probe, sample_batch
 from core.config import RecipeError
 from core.models import build_model
 from helpers import recipes_cli, user_env
-from recipes import RECIPES
+from tools.registry import RECIPES
 
 USER_MODELS = '''
 from torch import nn

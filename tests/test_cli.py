@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from core.models import MLP
 from helpers import REPO, recipes_cli, run, user_env
-from recipes import RECIPES
+from tools.registry import RECIPES
 
 
 def _one_error_line(proc):

@@ -20,10 +20,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from core.standalone import StandaloneError, standalone_source
+from tools.standalone import StandaloneError, standalone_source
 from helpers import run, user_env
-from recipes import RECIPES
-from recipes.__main__ import cli
+from tools.registry import RECIPES
+from tools.cli import cli
 
 NAMES = sorted(RECIPES)
 
@@ -171,10 +171,10 @@ def test_a_core_module_used_as_a_value_is_refused_in_one_line():
 
 
 def test_lazy_core_imports_inside_functions_are_inlined_too():
-    text = _inline('"""demo."""\n\ndef newest(out):\n    from core.run import latest_run_dir\n\n'
-                   '    return latest_run_dir(out, "x")\n')
+    text = _inline('"""demo."""\n\ndef newest(out):\n    from core.run import run_dirs\n\n'
+                   '    return run_dirs(out, "x")\n')
     assert not [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom) and n.module == "core.run"]
-    assert _namespace(text)["newest"](os.devnull + "-missing") is None
+    assert _namespace(text)["newest"](os.devnull + "-missing") == []
 
 
 # --- diff A B: one feature at a time ----------------------------------------------------------------

@@ -24,3 +24,20 @@ class TiedMLP(nn.Module):
 
 def tied() -> nn.Module:
     return TiedMLP()
+
+
+class Exploding(nn.Module):
+    """Trains normally for two steps, then its output turns to inf: a loss that is not finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += self.training
+        return self.linear(x) * (float("inf") if self.calls > 2 else 1.0)
+
+
+def exploding() -> nn.Module:
+    return Exploding()

@@ -88,7 +88,9 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
     if standalone:  # the launcher's lines become torchrun ones; a one-process recipe gets one process
         from tools.standalone import standalone_source
 
-        text = standalone_source(text, name=name, dest=dest, nproc=2 if recipe.multi_node else 1)
+        defaults = recipe.load().Config()  # the copy carries the recipe's default model and data, no other built-in
+        text = standalone_source(text, name=name, dest=dest, nproc=2 if recipe.multi_node else 1,
+                                 keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data})
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     click.echo(f"copied {name} to {dest}; run it with: {launch}")

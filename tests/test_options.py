@@ -1,0 +1,157 @@
+"""Options are honest: each recipe takes exactly the options it implements, and uses every one.
+
+Layer 1: the Config of every recipe, its --help, and the values refused when it is built.
+The walk: every recipe runs a few steps in this process (a world of one) with a Config that
+records which of its fields the run reads; an option no code path reads would be a silently
+ignored one, and fails the test.
+"""
+
+import dataclasses
+import sys
+
+import pytest
+
+from core import dist
+from core.config import RecipeError, UsageError, parse_args
+from helpers import recipes_cli
+from tools.registry import RECIPES, takers
+
+NAMES = sorted(RECIPES)
+
+
+def _config(name):
+    return RECIPES[name].load().Config
+
+
+def _fields(name) -> set[str]:
+    return {f.name for f in dataclasses.fields(_config(name))}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", NAMES)
+def test_help_lists_exactly_the_config(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(_config(name), ["--help"], prog=name)
+    assert exit_.value.code == 0
+    listed = {word[2:].replace("-", "_") for word in capsys.readouterr().out.split() if word.startswith("--")}
+    listed = {w.rstrip(",") for w in listed if not w.startswith("no_")} - {"help", "dry_run"}
+    assert listed == _fields(name)
+
+
+@pytest.mark.fast
+def test_an_option_a_recipe_does_not_take_names_the_ones_that_do():
+    with pytest.raises(UsageError) as refused:
+        parse_args(_config("ddp"), ["--accum", "4"])
+    assert refused.value.option == "--accum"
+    assert {"ddp_amp", "fsdp"} <= set(takers("--accum")) and "ddp" not in takers("--accum")
+
+
+@pytest.mark.e2e
+def test_unknown_option_is_a_usage_error_naming_the_takers(tmp_path):
+    proc = recipes_cli("run", "ddp", "--precision", "bf16", "--out", str(tmp_path), check=False, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --precision: ddp does not take it; ") and "ddp_amp" in line
+    assert not list(tmp_path.iterdir()), "a refused run creates nothing"
+
+
+BAD = [  # (option, value, words in the one line)
+    ("--timeout-s", "inf", "--timeout-s inf: use a finite number"),
+    ("--timeout-s", "1e20", "--timeout-s 1e+20: use 1 second to a week"),
+    ("--seed", "100000000000000000000", "--seed 100000000000000000000: use 0 to 2**63-1"),
+    ("--seed", "1e20", "argument --seed: invalid int value: '1e20'"),
+    ("--batch-size", "100000000000000000000000", "use 1 to 2**31"),
+    ("--lr", "inf", "--lr inf: use a finite number"),
+    ("--lr", "nan", "--lr nan: use a finite number"),
+    ("--lr", "1e6", "--lr 1000000.0: use a learning rate in (0, 10]"),
+    ("--name", "a/b", "--name a/b: use a plain name, not a path"),
+    ("--name", "../x", "--name ../x: use a plain name, not a path"),
+    ("--epochs", "-1", "--epochs -1: use 0 or more"),
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("option,value,words", BAD)
+def test_bad_values_fail_when_the_config_is_built(option, value, words):
+    with pytest.raises(RecipeError, match=None) as refused:
+        parse_args(_config("ddp"), [option, value])
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("value", ["inf", "0", "1e6"])
+def test_bucket_size_is_checked_where_it_exists(value):
+    with pytest.raises(RecipeError, match="--bucket-mb"):
+        parse_args(_config("ddp_monitored"), ["--bucket-mb", value])
+
+
+@pytest.mark.e2e
+def test_a_bad_value_under_the_launcher_leaves_no_folder(tmp_path):
+    proc = recipes_cli("run", "ddp", "--name", "../escape", "--out", str(tmp_path / "runs"), check=False, cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.count("error: ") == 1
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "escape-1").exists()
+
+
+# --- the walk: every option of every recipe is read by its run ----------------------------------------------
+
+
+def _recording(config):
+    """A subclass of `config` that records which fields are read (config.json's dump does not count)."""
+
+    class Recording(config):
+        def __getattribute__(self, name):
+            if not object.__getattribute__(self, "_muted"):
+                object.__getattribute__(self, "_read").add(name)
+            return object.__getattribute__(self, name)
+
+        def to_dict(self):
+            object.__setattr__(self, "_muted", True)
+            try:
+                return super().to_dict()
+            finally:
+                object.__setattr__(self, "_muted", False)
+
+    def build(**values):
+        cfg = Recording.__new__(Recording)
+        object.__setattr__(cfg, "_muted", True)
+        object.__setattr__(cfg, "_read", set())
+        config.__init__(cfg, **values)
+        object.__setattr__(cfg, "_muted", False)
+        return cfg
+
+    return build
+
+
+WALK = {  # small runs that take every code path an option steers: checkpoints, evaluation, the logs
+    "ddp": {}, "ddp_amp": {"accum": 2, "clip": 1.0}, "ddp_monitored": {}, "dp": {}, "pipeline_naive": {},
+    "fsdp": {"accum": 2, "clip": 1.0}, "tensor_parallel": {"tp": 1}, "fsdp_tp": {"tp": 1},
+    "pipeline": {"pp": 1, "microbatches": 2},
+}
+NEVER_READ_IN_ONE_PROCESS = {"debug"}  # read before the process group exists, by main(): checked below
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("name", NAMES)
+def test_every_option_is_read_by_the_run(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("TDR_DEVICE", "cpu")
+    module = RECIPES[name].load()
+    fields = _fields(name)
+    values = {"max_steps": 2, "epochs": 1, "batch_size": 8, "ckpt_every": 1, "log_every": 1, "out": str(tmp_path),
+              **{k: v for k, v in WALK.get(name, {}).items() if k in fields}}
+    cfg = _recording(module.Config)(**values)
+    try:
+        module.main(cfg)
+    finally:
+        dist.cleanup_pg()
+    unread = fields - cfg._read - NEVER_READ_IN_ONE_PROCESS
+    assert not unread, f"{name} takes options its run never reads: {sorted(unread)}"
+
+
+@pytest.mark.fast
+def test_recipes_import_nothing_heavy_until_run():
+    code = ("import sys, tools.cli, tools.registry, recipes; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert not [m for m in sys.modules if m.startswith('recipes.')], 'a recipe imported'")
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
