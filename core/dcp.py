@@ -166,10 +166,12 @@ def save_sharded(ckpt_dir: str | os.PathLike, *, model: nn.Module | list[nn.Modu
                 "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
                 "checksums": {name: sums for files, _ in everyone for name, sums in files.items()}}
         _write_json(tmp / DONE, info)
-        if final.exists():  # the same step saved again (a run resumed from before it): replace it whole
-            shutil.rmtree(final)
+        aside = ckpt_dir / f".step-{progress['step']:06d}.old.tmp"
+        if final.exists():  # the same step saved again (a run resumed from before it): swap it out first
+            os.replace(final, aside)
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in list_sharded(ckpt_dir)[:-keep] if keep > 0 else []:  # only once the new one is in place
             shutil.rmtree(old)
     _barrier()
@@ -240,7 +242,9 @@ def refuse_mismatch(path: str | os.PathLike, found: dict, *, recipe: str, mesh: 
 
 def _verify_files(path: Path, info: dict) -> None:
     """Every rank checks a share of the files (checksums, finite values); all ranks fail together."""
-    problems, names = [], sorted(info["checksums"])
+    names = sorted(info["checksums"])
+    extra = sorted({p.name for p in path.glob("*.safetensors")} - set(names))  # DCP's reader would read them too
+    problems = [f"{name} is not one of its files" for name in extra[:1] if _rank() == 0]
     for name in names[_rank()::_world()]:
         try:
             with safe_open(str(path / name), framework="pt") as f:
@@ -267,9 +271,8 @@ def load_sharded(path: str | os.PathLike, *, model: nn.Module | list[nn.Module],
     info = _read_info(path)
     _verify_files(path, info)
     tensors, groups, _ = _train_tensors(model, optimizer)
-    rank, saved_world = _rank(), info["world_size"]
-    rng = {k: v.clone() for k, v in _rng_tensors(rank).items()} if rank < saved_world else {}
-    rng = {k: v for k, v in rng.items() if k.endswith("/cpu") or any(k in s for s in info["checksums"].values())}
+    saved = {key for sums in info["checksums"].values() for key in sums}
+    rng = {k: v for k, v in _rng_tensors(_rank()).items() if k in saved}  # none for a rank the saving job lacked
     dcp.load(tensors | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     state: dict[str, dict] = {}

@@ -20,7 +20,7 @@ from core.pipeline import split_pipeline
 from world import GlooWorld
 
 pytestmark = pytest.mark.world
-VOCAB, CONTEXT, BATCH = 32, 16, 4
+VOCAB, CONTEXT, GLOBAL_BATCH = 32, 16, 8
 
 
 @pytest.fixture(scope="module")
@@ -44,63 +44,75 @@ def _build(kind: str, world: int, *, lr: float = 1e-2):
     elif kind == "tp":
         parallel.apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
     elif kind == "fsdp_tp":
-        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallel.apply_fsdp(parallel.apply_tp(model, mesh["tp"]), mesh=mesh["dp"])
     elif kind == "pipeline":
         model = split_pipeline(model, num_stages=world, stage_index=torch.distributed.get_rank(), balance=[2, 2])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    elif kind == "interleaved":  # two stages per rank, as the interleaved schedules hold them: rank r has r and r+2
+        rank = torch.distributed.get_rank()
+        model = [split_pipeline(model, num_stages=4, stage_index=i, balance=[1] * 4) for i in (rank, rank + 2)]
+    params = [p for m in model for p in m.parameters()] if isinstance(model, list) else model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=lr)
     return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
 
 
-def _step(kind: str, model, optimizer, scheduler, step: int, *, shares: range) -> None:
-    """One step on the global batch: fsdp ranks take their shares of it, the others all of it."""
+def _step(kind: str, model, optimizer, scheduler, step: int, *, shares: slice) -> None:
+    """One step on the global batch; each data-parallel rank (fsdp, fsdp_tp's dp) takes its rows of it."""
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(VOCAB, (2 * BATCH, CONTEXT), generator=g)
-    if kind == "pipeline":  # each stage alone on its own input: the stage's plain tensors are what matter
-        x = tokens if model.indices[0] == 0 else torch.randn(2 * BATCH, CONTEXT, 32, generator=g)
-        loss = model(x).square().mean()
+    tokens = torch.randint(VOCAB, (GLOBAL_BATCH, CONTEXT), generator=g)
+    if kind in ("pipeline", "interleaved"):  # each stage alone on its own input: its plain tensors are what matter
+        hidden = torch.randn(GLOBAL_BATCH, CONTEXT, 32, generator=g)
+        loss = sum(m(tokens if m.indices[0] == 0 else hidden).square().mean() for m in _stages(model))
     else:
-        rows = torch.cat([torch.arange(s * BATCH, (s + 1) * BATCH) for s in shares])
-        logits = model(tokens[rows])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[rows].roll(-1, 1).reshape(-1))
+        mine = tokens[shares]
+        loss = torch.nn.functional.cross_entropy(model(mine).reshape(-1, VOCAB), mine.roll(-1, 1).reshape(-1))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     scheduler.step()
 
 
+def _stages(model) -> list:
+    return model if isinstance(model, list) else [model]
+
+
 def _full(model, optimizer) -> dict:
     """Weights and optimizer state, gathered whole (a collective), on CPU."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    model_sd, optim_sd = get_state_dict(dcp._root(model), optimizer, options=StateDictOptions(full_state_dict=True))
     out = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
     out |= {f"optim/{k}/{n}": v.clone() for k, s in optim_sd["state"].items() for n, v in s.items()}
     return out
 
 
-def _shares(kind: str, topo) -> range:
-    if kind == "fsdp":  # the 2 shares of the global batch split over the ranks
-        per = 2 // topo.world_size
-        return range(topo.rank * per, (topo.rank + 1) * per)
-    return range(2)
+def _shares(kind: str, topo) -> slice:
+    """This rank's rows of the global batch: split over the dp ranks (fsdp: all; fsdp_tp: groups of 2)."""
+    dp_rank, dp = {"fsdp": (topo.rank, topo.world_size), "fsdp_tp": (topo.rank // 2, topo.world_size // 2)}.get(
+        kind, (0, 1))
+    per = GLOBAL_BATCH // dp
+    return slice(dp_rank * per, (dp_rank + 1) * per)
 
 
 def train_save_resume(topo, kind: str, ckpt_dir: str, *, stop: int, total: int) -> dict:
     """The run that never stops, and one that saves at `stop` and continues in a new model."""
     shares = _shares(kind, topo)
     model, optimizer, scheduler = _build(kind, topo.world_size)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(torch.ones(()))  # the scale exists from the first scale() on
+    scaler.update(new_scale=96.0)
     for step in range(total):
         _step(kind, model, optimizer, scheduler, step, shares=shares)
         if step + 1 == stop:
             rng = torch.get_rng_state()
-            path = dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler,
-                                    progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * 2 * BATCH},
-                                    metadata={"recipe": kind, "global_batch": str(2 * BATCH),
+            path = dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                    progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH},
+                                    metadata={"recipe": kind, "global_batch": str(GLOBAL_BATCH),
                                               "mesh": json.dumps({"dp": topo.world_size})})
             torch.manual_seed(1234)  # the load must put the generator back
     never_stopped = _full(model, optimizer)
     model, optimizer, scheduler = _build(kind, topo.world_size)
-    progress = dcp.load_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler)
-    assert torch.equal(torch.get_rng_state(), rng)
+    scaler = torch.amp.GradScaler("cpu")
+    progress = dcp.load_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    assert torch.equal(torch.get_rng_state(), rng) and scaler.get_scale() == 96.0
     for step in range(progress["step"], total):
         _step(kind, model, optimizer, scheduler, step, shares=shares)
     resumed = _full(model, optimizer)
@@ -123,9 +135,11 @@ def test_resume_is_bitwise(world2, tmp_path, kind):
     assert [p.name for p in dcp.list_sharded(tmp_path)] == ["step-000002"]
 
 
-def test_pipeline_stages_resume_bitwise(world2, tmp_path):
-    """Each rank holds plain tensors of its own blocks; the files hold both stages under their names."""
-    first, second = world2.run(train_save_resume, "pipeline", str(tmp_path), stop=2, total=4)
+@pytest.mark.parametrize("kind", ["pipeline", "interleaved"])
+def test_pipeline_stages_resume_bitwise(world2, tmp_path, kind):
+    """Each rank holds plain tensors of its own blocks (one stage, or a list of two); the files hold
+    every stage under the blocks' own names."""
+    first, second = world2.run(train_save_resume, kind, str(tmp_path), stop=2, total=4)
     _assert_bitwise(first["never_stopped"], first["resumed"])
     _assert_bitwise(second["never_stopped"], second["resumed"])
     assert first["never_stopped"].keys().isdisjoint(second["never_stopped"].keys())
@@ -137,7 +151,7 @@ def save_then_continue(topo, ckpt_dir: str, *, stop: int, total: int) -> dict:
     for step in range(stop):
         _step("fsdp", model, optimizer, scheduler, step, shares=shares)
     dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, keep=1,
-                     progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * 2 * BATCH})
+                     progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH})
     at_save = _full(model, optimizer)
     for step in range(stop, total):
         _step("fsdp", model, optimizer, scheduler, step, shares=shares)
@@ -154,19 +168,40 @@ def load_and_continue(topo, path: str, *, total: int) -> dict:
     return {"loaded": loaded, "end": _full(model, optimizer)}
 
 
+def _reshard(saver, loader, ckpt_dir) -> None:
+    saved = saver.run(save_then_continue, str(ckpt_dir), stop=3, total=5)[0]
+    (path,) = dcp.list_sharded(ckpt_dir)
+    assert dcp.check_sharded(path)["world_size"] == saver.world_size
+    ends = loader.run(load_and_continue, str(path), total=5)
+    _assert_bitwise(saved["at_save"], ends[0]["loaded"])  # resharding moves values, it does not compute
+    torch.testing.assert_close(ends[0]["end"], saved["end"], atol=2e-5, rtol=1e-4)
+
+
 def test_fsdp_reshards_two_to_one(world2, world1, tmp_path):
     """2 ranks save; 1 rank loads the same values and continues on the same global batch.
 
     Continuing, one rank sums each gradient in another order than two do; AdamW divides by
     sqrt(v), which magnifies that rounding where a gradient is ~0 (attention key biases: softmax
     ignores them), so the tolerance is the model-parallel tests' (atol 2e-5, rtol 1e-4, lr 1e-3)."""
-    saved = world2.run(save_then_continue, str(tmp_path), stop=3, total=5)[0]
-    (path,) = dcp.list_sharded(tmp_path)
-    info = dcp.check_sharded(path)
-    assert info["world_size"] == 2 and info["progress"]["step"] == 3
-    (one,) = world1.run(load_and_continue, str(path), total=5)
-    _assert_bitwise(saved["at_save"], one["loaded"])  # resharding moves values, it does not compute
-    torch.testing.assert_close(one["end"], saved["end"], atol=2e-5, rtol=1e-4)
+    _reshard(world2, world1, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with GlooWorld(4, timeout_s=180) as world:
+        yield world
+
+
+@pytest.mark.slow
+def test_fsdp_reshards_two_to_four_and_four_to_two(world2, world4, tmp_path):
+    _reshard(world2, world4, tmp_path / "two")
+    _reshard(world4, world2, tmp_path / "four")
+
+
+@pytest.mark.slow
+def test_fsdp_tp_two_by_two_resume_bitwise(world4, tmp_path):
+    for result in world4.run(train_save_resume, "fsdp_tp", str(tmp_path), stop=2, total=4):
+        _assert_bitwise(result["never_stopped"], result["resumed"])
 
 
 def load_only(topo, path: str, kind: str = "fsdp") -> str:
@@ -228,3 +263,16 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
         dcp.refuse_mismatch(good, info, recipe="pipeline", mesh={"dp": 1, "pp": 2})
     with pytest.raises(RecipeError, match="not a complete sharded checkpoint"):
         dcp.check_sharded(ckpt / "step-000009")
+
+
+def save_steps(topo, ckpt_dir: str, steps: list[int]) -> list[str]:
+    model, optimizer, _ = _build("tp", topo.world_size)
+    for step in steps:
+        dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, progress={"step": step}, keep=2)
+    return [p.name for p in dcp.list_sharded(ckpt_dir)]
+
+
+def test_keeps_the_newest_and_replaces_a_step_saved_again(world2, tmp_path):
+    (tmp_path / ".step-000007.tmp").mkdir()  # a save killed before its rename: cleaned by the next save
+    assert world2.run(save_steps, str(tmp_path), [1, 2, 3, 3])[0] == ["step-000002", "step-000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
