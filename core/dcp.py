@@ -4,12 +4,11 @@
       shard-0000R-model-00001-of-00001.safetensors   rank R-1's tensors (DCP's HuggingFaceStorageWriter)
       checkpoint.json                                  everything else, and what makes the folder complete
 
-Tensors (safetensors, keyed model/<fqn>, optim/<fqn>/<name>, rng/<rank>/<kind>): DTensor shards
-(fully_shard, tensor parallel, both) and plain tensors (pipeline stages); a tensor held by several
-ranks (replicas) is written once. checkpoint.json: world size, progress, LR scheduler, GradScaler,
-optimizer hyper-parameters, the recipe's metadata, a checksum per tensor of every file, and one
-over itself. The tensor files hold tensors only: DCP's safetensors writer writes non-tensor values
-as raw bytes in front of the safetensors header (a file no reader opens), so they go in the JSON.
+Tensors (keyed model/<fqn>, optim/<fqn>/<name>, rng/<rank>/<kind>): DTensor shards (fully_shard,
+TP, both) and plain tensors (pipeline stages); one held by several ranks is written once.
+checkpoint.json: world size, progress, scheduler, scaler, optimizer hyper-parameters, the recipe's
+metadata, model shapes, a checksum per tensor of every file and one over itself. Non-tensor values
+go there because DCP's safetensors writer would put them as raw bytes before the header.
 
 Atomic: all ranks write into .step-N.tmp/, rank 0 adds checkpoint.json once every rank is done,
 then renames the folder to step-N. A kill at any moment leaves the older checkpoints whole, and a
@@ -33,25 +32,23 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from core.ckpt import check_model_matches
 from core.config import RecipeError
+from core.dist import barrier
 
 FORMAT = "torch-dist-recipes/dcp/1"
 DONE = "checkpoint.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
-def _tensor_checksum(t: torch.Tensor) -> str:
-    """Placeholder for core.ckpt.tensor_checksum (not on main yet): CRC32 of the tensor's bytes."""
-    t = t.detach().cpu().contiguous().reshape(-1)
-    return f"crc32:{zlib.crc32(t.view(torch.uint8).numpy().data) if t.numel() else 0:08x}"
+try:
+    from core.ckpt import tensor_checksum
+except ImportError:  # branch ckpt adds it to core.ckpt; until it lands, a placeholder with its signature
 
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    try:
-        from core.ckpt import tensor_checksum as shared
-    except ImportError:
-        shared = _tensor_checksum
-    return shared(t)
+    def tensor_checksum(t: torch.Tensor) -> str:
+        """CRC32 of the tensor's bytes."""
+        t = t.detach().cpu().contiguous().reshape(-1)
+        return f"crc32:{zlib.crc32(t.view(torch.uint8).numpy().data) if t.numel() else 0:08x}"
 
 
 def _rank() -> int:
@@ -60,11 +57,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
 
 
 def _gather(obj) -> list:
@@ -88,6 +80,12 @@ def _root(model: nn.Module | list[nn.Module]) -> nn.Module:
     return root
 
 
+def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """The model's global shapes (DTensor.shape is the whole tensor's), merged over ranks: a collective."""
+    mine = {k.removeprefix("model/"): list(v.shape) for k, v in tensors.items() if k.startswith("model/")}
+    return {k: v for shapes in _gather(mine) for k, v in shapes.items()}
+
+
 def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Flat tensors for DCP, the optimizer's param groups and its non-tensor per-parameter state."""
     model_sd, optim_sd = get_state_dict(_root(model), optimizer)
@@ -103,10 +101,8 @@ def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dic
 
 
 def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
-    rng = {f"rng/{rank}/cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
-    return rng
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return {f"rng/{rank}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
 
 
 def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
@@ -119,14 +115,13 @@ def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def _seal(info: dict) -> dict:
-    body = json.dumps(info, sort_keys=True)
-    return {**info, "self_checksum": hashlib.sha256(body.encode()).hexdigest()}
+def _digest(info: dict) -> str:
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
 
 
 def _write_json(path: Path, info: dict) -> None:
     with open(path, "w") as f:
-        json.dump(_seal(info), f, indent=1, sort_keys=True)
+        json.dump({**info, "self_checksum": _digest(info)}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
@@ -151,12 +146,11 @@ def save_sharded(ckpt_dir: str | os.PathLike, *, model: nn.Module | list[nn.Modu
         for stale in ckpt_dir.glob(".step-*.tmp"):  # left by a killed save: saves never overlap
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     tensors, groups, scalars = _train_tensors(model, optimizer)
     tensors |= _rng_tensors(_rank())
-    writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
-    dcp.save(tensors, storage_writer=writer)
-    everyone = _gather((_file_checksums(tmp), scalars))  # after dcp.save: every rank's file is closed
+    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    everyone, shapes = _gather((_file_checksums(tmp), scalars)), _shapes(tensors)  # every rank's file is closed
     if _rank() == 0:
         info = {"format": FORMAT, "world_size": _world(), "torch": torch.__version__, "progress": progress,
                 "metadata": dict(metadata or {}), "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -164,7 +158,7 @@ def save_sharded(ckpt_dir: str | os.PathLike, *, model: nn.Module | list[nn.Modu
                 "optim_scalars": {k: v for _, s in everyone for k, v in s.items()},
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-                "checksums": {name: sums for files, _ in everyone for name, sums in files.items()}}
+                "checksums": {name: sums for files, _ in everyone for name, sums in files.items()}, "shapes": shapes}
         _write_json(tmp / DONE, info)
         aside = ckpt_dir / f".step-{progress['step']:06d}.old.tmp"
         if final.exists():  # the same step saved again (a run resumed from before it): swap it out first
@@ -174,7 +168,7 @@ def save_sharded(ckpt_dir: str | os.PathLike, *, model: nn.Module | list[nn.Modu
         shutil.rmtree(aside, ignore_errors=True)
         for old in list_sharded(ckpt_dir)[:-keep] if keep > 0 else []:  # only once the new one is in place
             shutil.rmtree(old)
-    _barrier()
+    barrier()
     return final
 
 
@@ -186,7 +180,7 @@ def _read_info(path: Path) -> dict:
     except (OSError, ValueError, KeyError, AttributeError) as err:
         raise RecipeError(f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); "
                           f"resume from another step-N folder in {path.parent}") from None
-    if hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest() != sealed:
+    if _digest(info) != sealed:
         raise RecipeError(f"{path / DONE}: its checksum does not match its contents (edited or corrupted); "
                           f"resume from another step-N folder in {path.parent}")
     if info.get("format") != FORMAT:
@@ -215,11 +209,9 @@ def latest_sharded(run_dir: str | os.PathLike) -> Path | None:
 
 
 def check_sharded(path: str | os.PathLike) -> dict:
-    """The pre-check, before any process group: reads checkpoint.json only.
-
-    Returns world_size, recipe, global_batch (None if not recorded), mesh ({"dp": 2, "tp": 2}; {} if not
-    recorded), progress and the raw metadata. The recipe passes these in save_sharded's `metadata` as
-    strings: "recipe", "global_batch", "mesh" (JSON of the mesh dims)."""
+    """The pre-check, before any process group (reads checkpoint.json only): world_size, recipe,
+    global_batch, mesh ({"dp": 2, "tp": 2}), progress, metadata. The recipe passes save_sharded
+    metadata strings "recipe", "global_batch" and "mesh" (JSON); unrecorded: None, None, {}."""
     info = _read_info(Path(path))
     meta = info["metadata"]
     return {"world_size": info["world_size"], "recipe": meta.get("recipe"),
@@ -263,18 +255,12 @@ def _verify_files(path: Path, info: dict) -> None:
                           f"step-N folder in {path.parent}")
 
 
-def load_sharded(path: str | os.PathLike, *, model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer,
-                 scheduler=None, scaler=None) -> dict:
-    """Restore the train state saved by save_sharded on every rank, resharding where the world size
-    changed (DTensor models), and return the progress dict. A collective."""
-    path = Path(path)
-    info = _read_info(path)
-    _verify_files(path, info)
-    tensors, groups, _ = _train_tensors(model, optimizer)
-    saved = {key for sums in info["checksums"].values() for key in sums}
-    rng = {k: v for k, v in _rng_tensors(_rank()).items() if k in saved}  # none for a rank the saving job lacked
-    dcp.load(tensors | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) -> dict:
+    """The optimizer state dict for set_state_dict: loaded tensors, saved scalars and hyper-parameters
+    over this rank's own param groups (their "params" differ between pipeline stages)."""
+    if len(groups) != len(info["param_groups"]):
+        raise RecipeError(f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
+                          f"{len(groups)}; resume with the optimizer setup it was saved with")
     state: dict[str, dict] = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):
@@ -284,13 +270,26 @@ def load_sharded(path: str | os.PathLike, *, model: nn.Module | list[nn.Module],
         fqn, name = key.rsplit("/", 1)
         if fqn in state:
             state[fqn][name] = value
-    if len(groups) != len(info["param_groups"]):
-        raise RecipeError(f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
-                          f"{len(groups)}; resume with the optimizer setup it was saved with")
-    groups = [{**g, **{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}}
-              for g, saved in zip(groups, info["param_groups"])]  # JSON made tuples (betas) lists
-    set_state_dict(_root(model), optimizer, model_state_dict=model_sd,
-                   optim_state_dict={"state": state, "param_groups": groups})
+    groups = [{**mine, **{k: tuple(v) if isinstance(v, list) else v for k, v in was.items()}}
+              for mine, was in zip(groups, info["param_groups"])]  # JSON made tuples (betas) lists
+    return {"state": state, "param_groups": groups}
+
+
+def load_sharded(path: str | os.PathLike, *, model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer,
+                 scheduler=None, scaler=None) -> dict:
+    """Restore the train state saved by save_sharded on every rank, resharding where the world size
+    changed (DTensor models), and return the progress dict. A collective."""
+    path = Path(path)
+    info = _read_info(path)
+    tensors, groups, _ = _train_tensors(model, optimizer)
+    check_model_matches(path, info["shapes"], _shapes(tensors))  # the stages of all ranks make the model
+    _verify_files(path, info)
+    saved = {key for sums in info["checksums"].values() for key in sums}
+    rng = {k: v for k, v in _rng_tensors(_rank()).items() if k in saved}  # none for a rank the saving job lacked
+    optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
+    dcp.load(tensors | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    set_state_dict(_root(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if scheduler is not None and info["scheduler"] is not None:
         scheduler.load_state_dict(info["scheduler"])
     if scaler is not None and info["scaler"] is not None:

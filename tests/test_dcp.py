@@ -35,10 +35,10 @@ def world1():
         yield world
 
 
-def _build(kind: str, world: int, *, lr: float = 1e-2):
+def _build(kind: str, world: int, *, lr: float = 1e-2, context: int = CONTEXT):
     """Model (or this rank's pipeline stage), AdamW, cosine schedule: built the same on every call."""
     torch.manual_seed(0)
-    model = GPT(vocab=VOCAB, context=CONTEXT, dim=32, heads=2, layers=2)
+    model = GPT(vocab=VOCAB, context=context, dim=32, heads=2, layers=2)
     if kind == "fsdp":
         parallel.apply_fsdp(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
     elif kind == "tp":
@@ -204,8 +204,8 @@ def test_fsdp_tp_two_by_two_resume_bitwise(world4, tmp_path):
         _assert_bitwise(result["never_stopped"], result["resumed"])
 
 
-def load_only(topo, path: str, kind: str = "fsdp") -> str:
-    model, optimizer, _ = _build(kind, topo.world_size)
+def load_only(topo, path: str, kind: str = "fsdp", **shape) -> str:
+    model, optimizer, _ = _build(kind, topo.world_size, **shape)
     try:
         dcp.load_sharded(path, model=model, optimizer=optimizer)
     except RecipeError as err:
@@ -224,6 +224,8 @@ def test_corrupted_shard_is_refused_on_every_rank(world2, tmp_path):
     assert shard.name in errors[0] and "tensor " in errors[0]
     shard.write_bytes(bytes(data[:100]))  # truncated
     assert "unreadable" in world2.run(load_only, path)[0]
+    assert "holds another model (shape mismatches: blocks.0.pos.weight (16, 32) vs (8, 32)" in world2.run(
+        load_only, str(tmp_path / "ckpt" / "step-000001"), "fsdp", context=8)[0]
 
 
 def save_nan(topo, ckpt_dir: str) -> str:
