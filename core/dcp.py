@@ -42,8 +42,8 @@ STEP_DIR = re.compile(r"step-(\d+)")
 
 
 try:
-    from core.ckpt import tensor_checksum
-except ImportError:  # branch ckpt adds it to core.ckpt; until it lands, a placeholder with its signature
+    from core.ckpt_io import tensor_checksum
+except ImportError:  # branch ckpt adds it (core/ckpt_io.py); until it lands on main, the same function here
 
     def tensor_checksum(t: torch.Tensor) -> str:
         """CRC32 of the tensor's bytes."""
@@ -129,7 +129,7 @@ def _write_json(path: Path, info: dict) -> None:
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        os.fsync(fd)  # the rename itself survives a power cut
     finally:
         os.close(fd)
 
@@ -210,13 +210,14 @@ def latest_sharded(run_dir: str | os.PathLike) -> Path | None:
 
 def check_sharded(path: str | os.PathLike) -> dict:
     """The pre-check, before any process group (reads checkpoint.json only): world_size, recipe,
-    global_batch, mesh ({"dp": 2, "tp": 2}), progress, metadata. The recipe passes save_sharded
-    metadata strings "recipe", "global_batch" and "mesh" (JSON); unrecorded: None, None, {}."""
+    global_batch, mesh ({"dp": 2, "tp": 2}), progress, metadata, shapes (whole model: key -> shape). From
+    save_sharded's metadata strings "recipe", "global_batch", "mesh" (JSON); unrecorded: None, None, {}."""
     info = _read_info(Path(path))
     meta = info["metadata"]
     return {"world_size": info["world_size"], "recipe": meta.get("recipe"),
             "global_batch": int(meta["global_batch"]) if "global_batch" in meta else None,
-            "mesh": json.loads(meta.get("mesh", "{}")), "progress": info["progress"], "metadata": meta}
+            "mesh": json.loads(meta.get("mesh", "{}")), "progress": info["progress"], "metadata": meta,
+            "shapes": {k: tuple(v) for k, v in info["shapes"].items()}}
 
 
 def refuse_mismatch(path: str | os.PathLike, found: dict, *, recipe: str, mesh: dict[str, int]) -> None:

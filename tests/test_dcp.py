@@ -246,9 +246,9 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
     ckpt = tmp_path / "run" / "ckpt"
     good = ckpt / "step-000002"
     good.mkdir(parents=True)
+    meta = {"recipe": "fsdp_tp", "global_batch": "16", "mesh": '{"dp": 1, "tp": 2}'}
     dcp._write_json(good / dcp.DONE, {"format": dcp.FORMAT, "world_size": 2, "progress": {"step": 2},
-                                      "metadata": {"recipe": "fsdp_tp", "global_batch": "16",
-                                                   "mesh": '{"dp": 1, "tp": 2}'}, "checksums": {}})
+                                      "metadata": meta, "checksums": {}, "shapes": {"w": [2, 3]}})
     (ckpt / "step-000009").mkdir()  # a folder without its completion file
     shutil.copytree(good, ckpt / ".step-000010.tmp")  # a save killed before the rename
     shutil.copytree(good, ckpt / "step-000011")
@@ -256,8 +256,8 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
     assert dcp.list_sharded(ckpt) == [good] and dcp.latest_sharded(tmp_path / "run") == good
     assert dcp.latest_sharded(tmp_path / "nothing") is None
     info = dcp.check_sharded(good)
-    assert (info["world_size"], info["recipe"], info["global_batch"], info["mesh"]) == (2, "fsdp_tp", 16,
-                                                                                       {"dp": 1, "tp": 2})
+    assert (info["world_size"], info["recipe"], info["global_batch"], info["mesh"], info["shapes"]) == (
+        2, "fsdp_tp", 16, {"dp": 1, "tp": 2}, {"w": (2, 3)})
     dcp.refuse_mismatch(good, info, recipe="fsdp_tp", mesh={"dp": 4, "tp": 2})  # dp reshards
     with pytest.raises(RecipeError, match="saved with tp=2, this job has tp=4"):
         dcp.refuse_mismatch(good, info, recipe="fsdp_tp", mesh={"dp": 1, "tp": 4})
