@@ -1,16 +1,32 @@
-"""Data: the embedded data sets (no download) and the distributed loader.
+"""Data: the embedded data sets (no download), the factory contract and the distributed loader.
 
-A data factory takes no arguments and returns `(train, val)`: two map-style data sets of
-`(input, target)` pairs, `val` may be None. Built-in ones and a user's own take one path.
+A data factory takes no arguments and returns `(train, val)` or `(train, val, collate_fn)`:
+`val` may be None; each data set is map-style (`__getitem__` and `__len__`) or an
+`IterableDataset` (a stream, with or without `__len__`); samples are `(input, target)` pairs
+or dicts of tensors (`{"input_ids": ..., "labels": ...}`, as a Hugging Face data set with
+`set_format("torch")` yields), unless the factory hands over its own `collate_fn`.
+Built-in ones and a user's own take one path.
 """
+
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    TensorDataset,
+    default_collate,
+)
 
 from core.config import RecipeError, resolve_factory
+from core.stream import StreamLoader, StreamShard
 
 
 def digits(*, val_fraction: float = 0.2, split_seed: int = 0) -> tuple[Dataset, Dataset]:
@@ -36,26 +52,116 @@ def synthetic(*, n: int = 8192, dim: int = 64, classes: int = 10, seed: int = 0)
     return TensorDataset(inputs[n_val:], targets[n_val:]), TensorDataset(inputs[:n_val], targets[:n_val])
 
 
-DATASETS = {"digits": "core.data:digits", "synthetic": "core.data:synthetic", "text": "core.gpt:text"}  # imported when used
+# Imported only when used: a built-in costs nothing until asked for.
+DATASETS = {"digits": "core.data:digits", "synthetic": "core.data:synthetic", "text": "core.gpt:text"}
 
 
-def check_data_factory(spec: str) -> None:  # SHIM (branch data replaces)
-    build_data(spec)
+# The factory contract, checked once before any process starts and again in every rank.
 
 
-def set_epoch(loader, epoch: int, *, consumed: int = 0) -> None:  # SHIM (branch data replaces)
-    loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
+def call_factory(spec: str, builtins: dict[str, Callable], *, option: str):
+    """Resolve `spec` and call it with no arguments; a factory that needs some, or raises, is one RecipeError."""
+    factory = resolve_factory(spec, builtins, option=option)
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C functions have no signature to read
+        params = []
+    needed = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if needed:
+        raise RecipeError(
+            f"{option} {spec}: the factory needs arguments ({', '.join(needed)}); it is called with "
+            f"none: give them defaults or wrap it in a function that takes none"
+        )
+    try:
+        return factory()
+    except RecipeError:
+        raise
+    except Exception as err:  # the user's code: name it and what it raised, in one line
+        message = " ".join(str(err).split())[:300]
+        raise RecipeError(f"{option} {spec}: the factory raised {type(err).__name__}: {message}") from None
 
 
-def build_data(spec: str):
-    """`--data`: a built-in name or a user's `module:function` returning (train, val)."""
-    result = resolve_factory(spec, DATASETS, option="--data")()
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise RecipeError(f"--data {spec}: the factory must return (train, val); it returned {type(result).__name__}")
-    train, val = result
-    if len(train) == 0:
+def is_stream(dataset) -> bool:
+    """An IterableDataset, or anything iterable again and again without indexing (read in order, never sampled)."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__") and iter(dataset) is not dataset
+
+
+def _size(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # a stream without a length
+        return None
+
+
+def build_data(spec: str) -> tuple:
+    """`--data`: a built-in name or a user's `module:function`. Returns (train, val, collate_fn or None)."""
+    result = call_factory(spec, DATASETS, option="--data")
+    shape = "the factory must return (train, val) or (train, val, collate_fn)"
+    if not (isinstance(result, (tuple, list)) and len(result) in (2, 3)):
+        raise RecipeError(f"--data {spec}: {shape}; it returned {type(result).__name__}")
+    train, val, collate = (*result, None)[:3]
+    for name, dataset in (("train", train), ("val", val)):
+        if not (dataset is None and name == "val" or is_stream(dataset) or hasattr(dataset, "__getitem__")):
+            raise RecipeError(
+                f"--data {spec}: {shape}; its {name} is a {type(dataset).__name__}, not a data set "
+                f"(map-style with __getitem__ and __len__, or an IterableDataset)"
+            )
+    if collate is not None and not callable(collate):
+        raise RecipeError(f"--data {spec}: {shape}; its collate_fn is a {type(collate).__name__}, not a function")
+    if _size(train) == 0:
         raise RecipeError(f"--data {spec}: the training set is empty")
-    return train, val, None
+    return train, val, collate
+
+
+def check_data_factory(spec: str) -> dict:
+    """The pre-check: call the factory once, read two samples and collate them. A summary, or one RecipeError line."""
+    train, val, collate = build_data(spec)
+    samples = first_samples(train, 2)
+    if not samples:
+        raise RecipeError(f"--data {spec}: the training set is empty")
+    kind = "dict" if isinstance(samples[0], Mapping) else "pair"
+    if collate is None and not (kind == "dict" or isinstance(samples[0], (tuple, list)) and len(samples[0]) >= 2):
+        raise RecipeError(
+            f"--data {spec}: a training sample is a {type(samples[0]).__name__}; a sample must be an "
+            f"(input, target) pair or a dict of tensors, or the factory must also return a collate_fn"
+        )
+    try:
+        (collate or default_collate)(samples)
+    except Exception as err:  # e.g. sequences of different lengths and no collate_fn to pad them
+        message = " ".join(str(err).split())[:200]
+        raise RecipeError(
+            f"--data {spec}: collating two training samples raised {type(err).__name__}: {message}; "
+            f"return a collate_fn as the third item of the factory's result"
+        ) from None
+    return {
+        "train": _size(train),
+        "val": None if val is None else _size(val),
+        "stream": is_stream(train),
+        "sample": kind,
+        "collate_fn": collate is not None,
+    }
+
+
+def first_samples(dataset, n: int) -> list:
+    """The first `n` samples (fewer if there are fewer), of a map-style data set or a stream."""
+    if is_stream(dataset):
+        return list(itertools.islice(dataset, n))
+    return [dataset[i] for i in range(min(n, len(dataset)))]
+
+
+def to_device(batch, device: torch.device):
+    """Move a batch's tensors: pairs, tuples, lists and dicts, nested; other values (strings, ids) stay as they are.
+    non_blocking overlaps the copy with compute from pinned memory."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple takes *args
+    return batch
 
 
 class ResumableSampler(DistributedSampler):
@@ -72,7 +178,7 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
-        return iter(indices[self.skip:])
+        return iter(indices[self.skip :])
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
@@ -92,7 +198,7 @@ class ShardSampler(Sampler):
 
 
 def make_loader(
-    dataset: Dataset,
+    dataset,
     topo,
     *,
     batch_size: int,
@@ -100,35 +206,69 @@ def make_loader(
     train: bool = True,
     drop_last: bool = True,
     collate_fn=None,
-) -> DataLoader:
-    """A loader over this rank's share of `dataset`.
+    num_workers: int | None = None,
+):
+    """A loader over this rank's share of `dataset` (None for None); call `set_epoch` every epoch.
 
-    train=True: shuffled by a DistributedSampler seeded with `seed` (call `set_epoch` every
-    epoch). Every rank gets the same number of samples: drop_last=True drops the tail that
-    does not divide by the world size, drop_last=False pads it with repeated samples.
-    train=False: each sample on exactly one rank, in order, for evaluation.
+    Map-style, train=True: shuffled by a DistributedSampler seeded with `seed`; every rank gets the
+    same number of samples (drop_last=True drops the tail that does not divide by the world size,
+    False pads it with repeated samples). train=False: each sample on exactly one rank, in order.
+    A stream: element g to rank g % world_size, in order. train=True: only whole batches, and every
+    rank stops when any runs dry; train=False: every element once, ranks may have unequal counts.
+    num_workers: None is 2 on CUDA for map-style data, else 0. Worker processes copy the data set:
+    a stream that shards itself across workers (a Hugging Face stream does) needs num_workers=0.
     """
     if dataset is None:
         return None
+    on_gpu = topo.device.type == "cuda"
+    stream = is_stream(dataset)
+    workers = (2 if on_gpu and not stream else 0) if num_workers is None else num_workers
+    options = dict(num_workers=workers, pin_memory=on_gpu, collate_fn=collate_fn or default_collate)
+    if stream:
+        shard = StreamShard(dataset, rank=topo.rank, world_size=topo.world_size, batch_size=batch_size, drop_last=train)
+        loader = DataLoader(shard, batch_size=None, **options)  # a new worker copy each epoch: set_epoch reaches it
+        return StreamLoader(loader, device=topo.device, together=train)
     if train:
         sampler = ResumableSampler(
-            dataset, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=seed,
-            drop_last=drop_last,
+            dataset, num_replicas=topo.world_size, rank=topo.rank, shuffle=True, seed=seed, drop_last=drop_last
         )
     else:
         sampler = ShardSampler(dataset, rank=topo.rank, world_size=topo.world_size)
-    on_gpu = topo.device.type == "cuda"
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        num_workers=2 if on_gpu else 0,  # in-memory CPU data: worker processes only cost time
-        pin_memory=on_gpu,
-        persistent_workers=on_gpu,
+        persistent_workers=workers > 0,
         generator=torch.Generator().manual_seed(seed),  # leaves the global RNG alone: resume stays exact
+        **options,
     )
 
 
-def to_device(batch, device: torch.device):
-    """Move an (input, target) batch; non_blocking overlaps the copy with compute from pinned memory."""
-    return tuple(t.to(device, non_blocking=True) for t in batch)
+def set_epoch(loader, epoch: int, *, consumed: int = 0) -> None:
+    """Call at every epoch's start. `consumed`: samples of this epoch's global order already trained on (0 fresh).
+
+    Global step j of an epoch trains global positions [j*GB, (j+1)*GB) (GB: the global batch) at any world
+    size, so a checkpoint's `consumed` resumes at W' ranks exactly when it divides by W' (else up to W'-1
+    samples are trained again). Map-style: each rank skips consumed // W of its list; a stream skips `consumed`.
+    """
+    if isinstance(loader, StreamLoader):
+        loader.dataset.set_epoch(epoch, skip=consumed)
+    elif loader is not None:
+        loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
+
+
+def batches_per_epoch(loader) -> int | None:
+    """Batches per rank in a whole epoch (the LR schedule's length), whatever was skipped; None for a stream
+    without a length."""
+    if isinstance(loader, StreamLoader):
+        shard = loader.dataset
+        skip, shard.skip = shard.skip, 0
+        try:
+            return len(shard)
+        except TypeError:
+            return None
+        finally:
+            shard.skip = skip
+    sampler = loader.sampler
+    samples = sampler.num_samples if isinstance(sampler, DistributedSampler) else len(sampler)
+    return samples // loader.batch_size if loader.drop_last else -(-samples // loader.batch_size)

@@ -3,6 +3,7 @@
 Models are built as a sequence of blocks (`model.blocks`), so pipeline, tensor and
 fully-sharded parallelism can cut or wrap them block by block.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,8 @@ import hashlib
 import torch
 from torch import nn
 
-from core.config import RecipeError, resolve_factory
+from core.config import RecipeError
+from core.data import call_factory
 
 
 class MLP(nn.Module):
@@ -66,14 +68,16 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def build_model(spec: str) -> nn.Module:
     """`--model`: a built-in name or a user's `module:function`; either way a factory called with no arguments."""
-    model = resolve_factory(spec, MODELS, option="--model")()
+    model = call_factory(spec, MODELS, option="--model")
     if not isinstance(model, nn.Module):
         raise RecipeError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
 
 
-def check_model_factory(spec: str) -> None:  # SHIM (branch data replaces)
-    build_model(spec)
+def check_model_factory(spec: str) -> dict:
+    """The pre-check: call the factory once; its class and size, or one RecipeError line naming what it returned."""
+    model = build_model(spec)
+    return {"model": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def fingerprint(model: nn.Module) -> str:
