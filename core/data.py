@@ -26,7 +26,7 @@ from torch.utils.data import (
 )
 
 from core.config import RecipeError, resolve_factory
-from core.stream import StreamLoader, StreamShard
+from core.stream import StreamLoader, StreamShard, in_step  # noqa: F401  (in_step: data.in_step for evaluate)
 
 
 def digits(*, val_fraction: float = 0.2, split_seed: int = 0) -> tuple[Dataset, Dataset]:
