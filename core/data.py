@@ -103,13 +103,14 @@ def build_data(spec: str) -> tuple:
         raise RecipeError(f"--data {spec}: {shape}; it returned {type(result).__name__}")
     train, val, collate = (*result, None)[:3]
     for name, dataset in (("train", train), ("val", val)):
-        if not (dataset is None and name == "val" or is_stream(dataset) or hasattr(dataset, "__getitem__")):
+        mapped = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and not isinstance(dataset, str)
+        if not (dataset is None and name == "val" or mapped or is_stream(dataset)):
             raise RecipeError(
-                f"--data {spec}: {shape}; its {name} is a {type(dataset).__name__}, not a data set "
+                f"--data {spec}: {shape}; its {name} is of type {type(dataset).__name__}, not a data set "
                 f"(map-style with __getitem__ and __len__, or an IterableDataset)"
             )
     if collate is not None and not callable(collate):
-        raise RecipeError(f"--data {spec}: {shape}; its collate_fn is a {type(collate).__name__}, not a function")
+        raise RecipeError(f"--data {spec}: {shape}; its collate_fn is of type {type(collate).__name__}, not a function")
     if _size(train) == 0:
         raise RecipeError(f"--data {spec}: the training set is empty")
     return train, val, collate
@@ -124,7 +125,7 @@ def check_data_factory(spec: str) -> dict:
     kind = "dict" if isinstance(samples[0], Mapping) else "pair"
     if collate is None and not (kind == "dict" or isinstance(samples[0], (tuple, list)) and len(samples[0]) >= 2):
         raise RecipeError(
-            f"--data {spec}: a training sample is a {type(samples[0]).__name__}; a sample must be an "
+            f"--data {spec}: a training sample is of type {type(samples[0]).__name__}; a sample must be an "
             f"(input, target) pair or a dict of tensors, or the factory must also return a collate_fn"
         )
     try:

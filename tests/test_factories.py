@@ -1,0 +1,149 @@
+"""Factories are called once, before any process starts: every bad one is refused in one line naming it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.config import RecipeError
+from core.data import build_data, check_data_factory
+from core.models import build_model, check_model_factory
+
+FACTORIES = """
+import torch
+from torch.utils.data import IterableDataset, TensorDataset
+
+class Stream(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+    def __iter__(self):
+        return ({"input_ids": torch.tensor([i, i]), "labels": torch.tensor(i)} for i in range(self.n))
+
+def model_needs_args(width):
+    return torch.nn.Linear(width, 2)
+def model_raises():
+    raise ValueError("no such\\ncheckpoint")
+def model_wrong():
+    return "a string"
+def model_ok():
+    return torch.nn.Linear(4, 2)
+
+def data_needs_args(path, *, split="train"):
+    return None
+def data_raises():
+    return {}["missing"]
+def data_wrong():
+    return TensorDataset(torch.zeros(3, 2))
+def data_wrong_train():
+    return 5, None
+def data_generator():
+    return (x for x in range(4)), None
+def data_empty():
+    return TensorDataset(torch.zeros(0, 2), torch.zeros(0)), None
+def data_empty_stream():
+    return Stream(0), None
+def data_bad_sample():
+    return ["text"] * 4, None
+def data_ragged():
+    return [(torch.zeros(i + 1), torch.tensor(0)) for i in range(4)], None
+def data_bad_collate():
+    return [(torch.zeros(2), torch.tensor(0))], None, "pad"
+def data_stream():
+    return Stream(10), Stream(3)
+def data_with_collate():
+    ragged = [(torch.zeros(i + 1), torch.tensor(0)) for i in range(4)]
+    return ragged, None, lambda samples: torch.nn.utils.rnn.pad_sequence([x for x, _ in samples])
+"""
+
+
+@pytest.fixture(scope="module")
+def factories(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("factories")
+    (folder / "fx.py").write_text(FACTORIES)
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+def refused(check, spec: str) -> str:
+    with pytest.raises(RecipeError) as caught:
+        check(spec)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(("--model " + spec, "--data " + spec)), message
+    return message
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("model_needs_args", "needs arguments (width)"),
+        ("model_raises", "raised ValueError: no such checkpoint"),
+        ("model_wrong", "returned str, not an nn.Module"),
+    ],
+)
+def test_a_bad_model_factory_is_one_line(factories, name, words):
+    assert words in refused(check_model_factory, f"fx:{name}")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("data_needs_args", "needs arguments (path)"),
+        ("data_raises", "raised KeyError: 'missing'"),
+        ("data_wrong", "must return (train, val) or (train, val, collate_fn); it returned TensorDataset"),
+        ("data_wrong_train", "its train is of type int, not a data set"),
+        ("data_generator", "its train is of type generator, not a data set"),
+        ("data_empty", "the training set is empty"),
+        ("data_empty_stream", "the training set is empty"),
+        ("data_bad_sample", "a training sample is of type str"),
+        ("data_ragged", "collating two training samples raised RuntimeError"),
+        ("data_bad_collate", "its collate_fn is of type str, not a function"),
+    ],
+)
+def test_a_bad_data_factory_is_one_line(factories, name, words):
+    assert words in refused(check_data_factory, f"fx:{name}")
+
+
+@pytest.mark.fast
+def test_good_factories_are_summarised_and_build_the_same_things(factories):
+    assert check_model_factory("fx:model_ok") == {"model": "Linear", "parameters": 10}
+    assert check_data_factory("fx:data_stream") == {
+        "train": None,
+        "val": None,
+        "stream": True,
+        "sample": "dict",
+        "collate_fn": False,
+    }
+    assert check_data_factory("fx:data_with_collate")["collate_fn"] is True
+    assert check_data_factory("digits") == {
+        "train": 1438,
+        "val": 359,
+        "stream": False,
+        "sample": "pair",
+        "collate_fn": False,
+    }
+    train, val, collate = build_data("digits")
+    assert len(train) == 1438 and len(val) == 359 and collate is None
+    assert build_model("fx:model_ok").out_features == 2
+
+
+@pytest.mark.e2e
+def test_the_cli_pre_check_refuses_a_bad_factory_before_anything_is_created(factories, tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), str(factories)]))
+    out = tmp_path / "runs"
+    done = subprocess.run(
+        [sys.executable, "-m", "recipes", "run", "ddp", "--data", "fx:data_wrong", "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "error: --data fx:data_wrong: the factory must return (train, val) or (train, val, collate_fn); "
+        "it returned TensorDataset"
+    ], done.stderr
+    assert not out.exists(), "nothing is created"
