@@ -3,6 +3,11 @@
 Training ranks take the same number of steps and stop together when any rank's share runs dry
 (one tiny all-reduce per batch, for streams only); evaluation reads every rank's share once.
 `core.data.make_loader` builds these; recipes never touch them directly.
+
+Evaluation over a stream: ranks may hold unequal numbers of batches, so an evaluate loop must
+sum locally and reduce once at the end (never a collective per batch); where each forward is
+itself a collective (fully_shard, tensor or pipeline parallel), it iterates `in_step(loader)`
+and adds only the batches marked counted.
 """
 
 from __future__ import annotations
