@@ -1,4 +1,5 @@
 """Layer 1: pure functions, no process group."""
+
 import dataclasses
 
 import pytest
@@ -7,10 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
-from core.config import RecipeError, TrainConfig, resolve_factory
-from core.data import DATASETS, ResumableSampler, ShardSampler, build_data, digits
+from core.config import Accumulation, Precision, RecipeError, Training, resolve_factory
+from core.data import ResumableSampler, ShardSampler, build_data, digits
 from core.models import MODELS, build_model, unwrap
-from core.run import latest_run_dir, next_run_dir
+from core.run import new_run_dir, run_dirs
+
+pytestmark = pytest.mark.fast
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Training, Precision, Accumulation):
+    """The groups most recipes combine."""
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,7 +80,7 @@ def test_digits_is_embedded_and_split():
 def test_builtin_models_take_builtin_data(name):
     model = build_model(name)
     for data_name in ("digits", "synthetic"):
-        x, _ = DATASETS[data_name]()[0][:4]
+        x, _ = build_data(data_name)[0][:4]
         assert model(x).shape == (4, 10)
 
 
@@ -103,8 +111,10 @@ def test_config_is_frozen():
 
 
 def test_factories_resolve_builtins_and_module_functions():
-    assert resolve_factory("mlp", MODELS, option="--model") is MODELS["mlp"]
-    assert resolve_factory("core.models:cnn", MODELS, option="--model") is MODELS["cnn"]
+    from core.models import cnn, mlp
+
+    assert resolve_factory("mlp", MODELS, option="--model") is mlp  # a built-in is imported when asked for
+    assert resolve_factory("core.models:cnn", MODELS, option="--model") is cnn
     for spec, words in [("nosuchpkg.mod:build", "cannot import 'nosuchpkg.mod'"),
                         ("core.models:nothing", "has no function 'nothing'"), ("resnet", "not a built-in")]:
         with pytest.raises(RecipeError, match=words):
@@ -114,13 +124,13 @@ def test_factories_resolve_builtins_and_module_functions():
 def test_data_factory_must_return_a_pair(tmp_path, monkeypatch):
     (tmp_path / "bad_data.py").write_text("def build():\n    return [1, 2, 3]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RecipeError, match="must return \\(train, val\\)"):
+    with pytest.raises(RecipeError, match="bad_data:build"):
         build_data("bad_data:build")
 
 
 def test_run_dirs_count_up_and_never_reuse(tmp_path):
-    first, second = next_run_dir(tmp_path, "ddp"), next_run_dir(tmp_path, "ddp")
+    first, second = new_run_dir(tmp_path, "ddp"), new_run_dir(tmp_path, "ddp")
     assert (first.name, second.name) == ("ddp-1", "ddp-2")
     (tmp_path / "ddp-10").mkdir()
-    assert latest_run_dir(tmp_path, "ddp").name == "ddp-10" and next_run_dir(tmp_path, "ddp").name == "ddp-11"
-    assert latest_run_dir(tmp_path, "fsdp") is None
+    assert run_dirs(tmp_path, "ddp")[-1].name == "ddp-10" and new_run_dir(tmp_path, "ddp").name == "ddp-11"
+    assert run_dirs(tmp_path, "fsdp") == [] and run_dirs(tmp_path / "missing", "ddp") == []
