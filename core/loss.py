@@ -186,6 +186,22 @@ def _accuracy(logits, targets, *, shift: bool) -> torch.Tensor | None:
     return ((logits.detach().argmax(-1) == targets) & targets.ne(IGNORE)).sum().double()
 
 
+def _call(model: nn.Module, batch, *, loss: Loss, extra: dict):
+    """model(**batch) for a dict; model(input), or model(input, target) for --loss model, for a pair."""
+    if isinstance(batch, Mapping):
+        return model(**batch, **extra)
+    if loss.spec != "model":
+        return model(batch[0])
+    try:
+        inspect.signature(_unwrap(model).forward).bind(batch[0], batch[1], **extra)
+    except TypeError:
+        raise RecipeError(
+            "--loss model: the model's forward does not take (input, target); "
+            "use --loss auto or ce, or give forward a targets argument"
+        ) from None
+    return model(batch[0], batch[1], **extra)
+
+
 def forward_loss(
     model: nn.Module, batch, *, loss_fn, normalizer: torch.Tensor | float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -196,33 +212,20 @@ def forward_loss(
     correct where logits and targets allow an accuracy (float64 device tensors, no host sync).
     """
     loss = as_loss(loss_fn)
-    wanted, takes, shift = _plan(model, loss, batch)
+    _, takes, shift = _plan(model, loss, batch)  # as global_count counted: the same targets
     norm = torch.as_tensor(normalizer, dtype=torch.float64, device=batch_device(batch))
     extra = {"num_items_in_batch": norm} if takes else {}  # transformers' own fix: it divides its sum by this
-    if isinstance(batch, Mapping):
-        outputs = model(**batch, **extra)
-    elif loss.spec == "model":
-        try:
-            inspect.signature(_unwrap(model).forward).bind(batch[0], batch[1], **extra)
-        except TypeError:
-            raise RecipeError(
-                "--loss model: the model's forward does not take (input, target); "
-                "use --loss auto or ce, or give forward a targets argument"
-            ) from None
-        outputs = model(batch[0], batch[1], **extra)
-    else:
-        outputs = model(batch[0])
+    outputs = _call(model, batch, loss=loss, extra=extra)
     logits, own = split_outputs(outputs)
-    targets = batch_targets(batch)
-    count = count_targets(batch, shift=shift and own is not None)
+    targets, count = batch_targets(batch), count_targets(batch, shift=shift)
     if loss.spec == "model" and own is None:
         raise RecipeError(
             f"--loss model: the model's output ({type(outputs).__name__}) carries no loss; "
             f"use --loss ce or have forward return (logits, loss)"
         )
-    if wanted and own is not None and takes:
+    if own is not None and takes:
         total = own * norm  # the model already divided its sum by `norm`
-    elif wanted and own is not None or loss.fn is not None:
+    elif (own is not None and loss.spec in ("auto", "model")) or loss.fn is not None:
         mean = own if loss.fn is None else loss.fn(outputs, batch)  # a mean over the counted targets
         total = torch.where(count > 0, mean * count, torch.zeros_like(count))  # 0/0 = nan when none counts
     elif logits is None or targets is None:
@@ -234,12 +237,9 @@ def forward_loss(
         total = nn.functional.cross_entropy(
             logits.flatten(0, -2).float(), targets.flatten(), reduction="sum", ignore_index=IGNORE
         )
-    metrics = {
-        "loss_sum": total.detach().double(),
-        "count": count,
-        "samples": torch.tensor(float(batch_samples(batch)), dtype=torch.float64, device=count.device),
-    }
-    correct = _accuracy(logits, targets, shift=shift and own is not None)
+    samples = torch.tensor(float(batch_samples(batch)), dtype=torch.float64, device=count.device)
+    metrics = {"loss_sum": total.detach().double(), "count": count, "samples": samples}
+    correct = _accuracy(logits, targets, shift=shift)
     if correct is not None:
         metrics["correct"] = correct
-    return (own if wanted and own is not None and takes else total / norm), metrics
+    return (own if own is not None and takes else total / norm), metrics

@@ -106,6 +106,11 @@ class LossOnly(nn.Module):
         return {"loss": F.mse_loss(self.lin(x).squeeze(-1), labels)}
 
 
+class SelfSupervised(LossOnly):
+    def forward(self, x, y):
+        return super().forward(x, y)
+
+
 def custom_loss(outputs, batch):  # a --loss module:function: the mean over the batch's counted targets
     return F.cross_entropy(split_outputs(outputs)[0], batch[1])
 
@@ -186,6 +191,10 @@ def test_no_logits_no_accuracy():
     assert "correct" not in metrics and metrics["count"].item() == 5  # float labels: one per sample
     result = evaluate(LossOnly(), [batch], loss_fn=make_loss("auto"), device=CPU)
     assert set(result) == {"val_loss"}
+    unlabelled = {"x": batch["x"], "y": batch["labels"]}  # no `labels`: the model's own loss, one per sample
+    model = SelfSupervised()
+    loss, metrics = forward_loss(model, unlabelled, loss_fn=make_loss("auto"), normalizer=1.0)
+    assert metrics["count"].item() == 5 and loss.item() == pytest.approx(5 * model(**unlabelled)["loss"].item())
 
 
 @pytest.mark.fast
