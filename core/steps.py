@@ -230,7 +230,7 @@ class StepStats:
     grad_norm: float  # total norm over all ranks, before clipping; inf or nan when the step was skipped
     skipped: bool  # gradients were not finite, so the parameters were left unchanged
     scale: float  # the loss scale used (1.0 unless fp16)
-    scaled: bool = False  # SHIM: fp16 loss scaling on
+    scaled: bool = False  # fp16 loss scaling was on (the scale is meaningful)
 
 
 def train_step(
@@ -273,13 +273,6 @@ def train_step(
         if not skipped:
             optimizer.step()
     return metrics, StepStats(grad_norm=norm, skipped=skipped, scale=scale, scaled=scaling)
-
-
-train_step = step_amp  # SHIM (branch steps replaces)
-
-
-def make_loss(spec: str):  # SHIM (branch steps replaces)
-    return cross_entropy
 
 
 step_amp = train_step  # the old name, until every recipe calls train_step
