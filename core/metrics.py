@@ -4,12 +4,14 @@ Nothing here syncs the host with the device per step: loss sums stay on the devi
 step phases are timed by hooks with perf_counter on CPU and CUDA events on GPU, and everything is
 read, gathered from every rank in one collective, only when a record is logged.
 """
+
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 from torch.utils.flop_counter import FlopCounterMode
 
-from core.steps import Tally, summarize
+from core.steps import Tally, split_outputs, summarize
 
 PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
 
@@ -59,9 +61,11 @@ class StepClock:
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
         """Hooks: forward start, optimizer start/end, the last gradient ready. Returns their handles."""
-        handles = [model.register_forward_pre_hook(lambda *_: self.mark("start")),
-                   optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer")),
-                   optimizer.register_step_post_hook(lambda *_: self.mark("end"))]
+        handles = [
+            model.register_forward_pre_hook(lambda *_: self.mark("start")),
+            optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer")),
+            optimizer.register_step_post_hook(lambda *_: self.mark("end")),
+        ]
         # backward reaches the first parameters last (DDP's buckets assume the same): their gradient marks the end
         # of backward's compute, and what backward() spends after it is the all-reduce that did not overlap
         first = next((p for p in model.parameters() if p.requires_grad), None)
@@ -94,10 +98,16 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # Dense peak FLOP/s per GPU for the compute dtype, from the vendors' data sheets (no sparsity).
-PEAK_TFLOPS = {"H200": {"bf16": 989, "fp16": 989, "fp32": 67}, "H100": {"bf16": 989, "fp16": 989, "fp32": 67},
-               "A100": {"bf16": 312, "fp16": 312, "fp32": 19.5}, "L40S": {"bf16": 362, "fp16": 362, "fp32": 91.6},
-               "A10": {"bf16": 125, "fp16": 125, "fp32": 31.2}, "L4": {"bf16": 121, "fp16": 121, "fp32": 30.3},
-               "V100": {"bf16": 0, "fp16": 125, "fp32": 15.7}, "T4": {"bf16": 0, "fp16": 65, "fp32": 8.1}}
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989, "fp16": 989, "fp32": 67},
+    "H100": {"bf16": 989, "fp16": 989, "fp32": 67},
+    "A100": {"bf16": 312, "fp16": 312, "fp32": 19.5},
+    "L40S": {"bf16": 362, "fp16": 362, "fp32": 91.6},
+    "A10": {"bf16": 125, "fp16": 125, "fp32": 31.2},
+    "L4": {"bf16": 121, "fp16": 121, "fp32": 30.3},
+    "V100": {"bf16": 0, "fp16": 125, "fp32": 15.7},
+    "T4": {"bf16": 0, "fp16": 65, "fp32": 8.1},
+}
 
 
 def peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
@@ -113,17 +123,30 @@ def peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
     return None
 
 
-def flops_per_sample(build: Callable[[], torch.nn.Module], sample: torch.Tensor) -> float | None:
-    """Forward + backward FLOPs of one sample (`sample` without a batch dim), counted by torch on a copy of the
-    model built on the meta device (no memory, no compute, no state touched); None if the model can't run there."""
+def flops_per_sample(build: Callable[[], torch.nn.Module], sample) -> float | None:
+    """Forward + backward FLOPs of one sample, counted by torch on a copy of the model built on the meta device
+    (no memory, no compute, no state touched); None if the model can't run there. `sample`: one data set item
+    without a batch dim: an input tensor, an (input, target) pair, or a dict of tensors (labels and
+    attention_mask left out: the loss's FLOPs are negligible, a mask changes none). A sequence model's count
+    covers the sample's whole length, so FLOPs per sequence x sequences/s = FLOPs per token x tokens/s."""
     try:
         with torch.device("meta"):
             model = build()
+        if isinstance(sample, Mapping):
+            kwargs = {
+                k: torch.as_tensor(v).to("meta").unsqueeze(0)
+                for k, v in sample.items()
+                if k not in ("labels", "attention_mask")
+            }  # transformers reads a mask's values; FLOPs don't
+        else:
+            x = sample[0] if isinstance(sample, (tuple, list)) else sample
+            kwargs = {"_x": torch.as_tensor(x).to("meta").unsqueeze(0)}
         counter = FlopCounterMode(display=False)
         with counter:
-            model(sample.to("meta").unsqueeze(0)).float().sum().backward()
+            outputs = model(kwargs.pop("_x")) if "_x" in kwargs else model(**kwargs)
+            split_outputs(outputs)[0].float().sum().backward()
         return float(counter.get_total_flops())
-    except (RuntimeError, NotImplementedError, TypeError):  # e.g. a user model that reads tensor values
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError):  # a model that reads values
         return None
 
 
@@ -132,12 +155,19 @@ class Meter:
 
     Every rank must call `read()` at the same steps: it is a collective. Optional extras:
     attach(model, optimizer) times each step's phases (and, with `grad_norm=True`, reads the gradient
-    norm at log time); flops_per_sample + peak_flops give MFU; tokens_per_sample > 1 (a sequence model,
-    whose `count` is tokens) adds tokens_per_s and makes samples_per_s count sequences.
+    norm at log time); flops_per_sample + peak_flops give MFU. samples_per_s counts examples (the steps'
+    `samples`); tokens_per_s (counted targets, the steps' `count`) is added for a sequence model, one whose
+    targets count more than its samples. tokens_per_sample is only for metrics without `samples` (old steps).
     """
 
-    def __init__(self, device: torch.device, *, flops_per_sample: float | None = None,
-                 peak_flops: float | None = None, tokens_per_sample: int = 1):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
+        tokens_per_sample: int = 1,
+    ):
         self.device = device
         self.window = Tally(device)
         self.window_start = time.perf_counter()
@@ -146,7 +176,7 @@ class Meter:
         self.flops, self.peak, self.tokens_per_sample = flops_per_sample, peak_flops, tokens_per_sample
         self.clock: StepClock | None = None
         self.params: list[torch.nn.Parameter] = []
-        self.last: dict[str, float] = {"loss": float("nan"), "acc": float("nan"), "samples_per_s": 0.0}
+        self.last: dict[str, float | str] = {"loss": float("nan"), "samples_per_s": 0.0, "nonfinite": "loss"}
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, grad_norm: bool = True) -> Meter:
         """Time the phases of every step of `model` + `optimizer` (see StepClock); returns self."""
@@ -158,31 +188,35 @@ class Meter:
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
         self.window.add(metrics)
 
-    def read(self, **extra: float) -> dict[str, float]:
-        """Job-wide loss, accuracy, samples/s, phases, memory, MFU since the last read (the last read's,
-        if no step since). `extra` (e.g. grad_norm=, loss_scale= from core.steps.StepStats) is averaged over ranks."""
+    def read(self, **extra: float) -> dict[str, float | str]:
+        """Job-wide loss, accuracy (where measured), samples/s, tokens/s, phases, memory, MFU since the last read
+        (the last read's, if no step since). `extra` (e.g. grad_norm=, loss_scale= from core.steps.StepStats) is
+        averaged over ranks. A non-finite value (loss, grad_norm, an extra) stays, and `nonfinite` names it."""
         local = {"window_s": time.perf_counter() - self.window_start, **self._local(extra)}
         table = _gather(torch.tensor(list(local.values()), dtype=torch.float64, device=self.device))
         per_key = dict(zip(local, table.unbind(1)))  # key -> one value per rank
         sums = {k: float(per_key[k].sum()) for k in self.window.sums}
-        if sums["count"] == 0:
+        samples = sums.get("samples", 0.0) or sums["count"] / self.tokens_per_sample  # old steps: no `samples`
+        if sums["count"] == 0 and samples == 0:
             return self.last
-        seconds = float(per_key["window_s"].max())  # the job's window is its slowest rank's
-        self.total_samples += sums["count"] / self.tokens_per_sample
+        seconds = max(float(per_key["window_s"].max()), 1e-9)  # the job's window is its slowest rank's
+        self.total_samples += samples
         self.total_s += seconds
         self.window, self.window_start = Tally(self.device), time.perf_counter()
-        per_s = sums["count"] / max(seconds, 1e-9)
-        record = {**summarize(sums), "samples_per_s": per_s / self.tokens_per_sample}
-        if self.tokens_per_sample > 1:
-            record["tokens_per_s"] = per_s
+        record: dict[str, float | str] = {**summarize(sums), "samples_per_s": samples / seconds}
+        if sums["count"] > samples or self.tokens_per_sample > 1:  # a sequence model: targets are tokens
+            record["tokens_per_s"] = sums["count"] / seconds
         record.update(self._phases(per_key))
         record["peak_mem_mb"] = float(per_key["peak_mem_mb"].max())  # the fullest rank is what runs out
         record.update({k: float(per_key[k].mean()) for k in extra if extra[k] is not None})
         if "grad_norm_local" in per_key:
             record["grad_norm"] = float(per_key["grad_norm_local"].mean())  # equal on every rank under DDP
-        if self.flops and self.peak:
+        if self.flops and self.peak:  # per sequence for a sequence model: flops per token x tokens alike
             world = table.shape[0]
             record["mfu"] = self.flops * record["samples_per_s"] / (self.peak * world)
+        bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
+        if bad:  # a diverged loss, a skipped step's norm: kept (the writer turns them into null) and named
+            record["nonfinite"] = ",".join(bad)
         self.last = record
         return self.last
 

@@ -2,11 +2,13 @@
 
 Steps return their metrics as tensors on the device: no `.item()` (a host sync) per step.
 A `Tally` adds them up and does one all-reduce when a number is actually logged.
+The loss contract (model outputs, pair and dict batches, --loss, exact normalisation) is core.loss.
 """
+
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
@@ -16,40 +18,41 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from core.data import to_device
 from core.dist import reduce_sum
-
-
-def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy for class logits (N, C) and for per-token logits (N, T, C) alike."""
-    return nn.functional.cross_entropy(outputs.flatten(0, -2).float(), targets.flatten())
+from core.loss import (  # noqa: F401  (re-exported: recipes call steps.make_loss, steps.forward_loss, ...)
+    IGNORE,
+    Loss,
+    as_loss,
+    batch_device,
+    cross_entropy,
+    forward_loss,
+    global_count,
+    local_count,
+    make_loss,
+    split_outputs,
+)
 
 
 def batch_metrics(outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums, not means, so that ranks with different batch sizes combine exactly."""
-    count = torch.tensor(targets.numel(), device=targets.device, dtype=torch.float64)
+    """Sums, not means, so that ranks with different batch sizes combine exactly (`loss`: the mean over counted)."""
+    counted = targets != IGNORE
+    count = counted.sum().double()
     return {
         "loss_sum": loss.detach().double() * count,
-        "correct": (outputs.detach().argmax(-1) == targets).sum().double(),
+        "correct": ((outputs.detach().argmax(-1) == targets) & counted).sum().double(),
         "count": count,
+        "samples": torch.tensor(float(targets.shape[0]), dtype=torch.float64, device=targets.device),
     }
 
 
-def step_plain(
-    model: nn.Module,
-    batch: tuple[torch.Tensor, torch.Tensor],
-    *,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> dict[str, torch.Tensor]:
-    """One optimizer step on one batch. Under DDP, backward() also averages the gradients."""
-    inputs, targets = batch
-    optimizer.zero_grad(set_to_none=True)
-    outputs = model(inputs)
-    loss = loss_fn(outputs, targets)
-    loss.backward()
-    optimizer.step()
-    return batch_metrics(outputs, targets, loss)
+def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn) -> dict[str, torch.Tensor]:
+    """One optimizer step on one batch: train_step with one micro-batch (kept for the recipes that call it)."""
+    return train_step(model, [batch], optimizer=optimizer, loss_fn=loss_fn)[0]
+
+
+# Fixed keys, so every rank (one that saw no batch too) joins one all-reduce of the same shape. `scored`: the
+# targets of the batches that had an accuracy; none scored means no accuracy is reported (not 0).
+TALLY_KEYS = ("loss_sum", "count", "samples", "correct", "scored")
 
 
 class Tally:
@@ -58,11 +61,13 @@ class Tally:
     `keys` fixes what is reduced, so a rank that saw no batch still joins the all-reduce.
     """
 
-    def __init__(self, device: torch.device, keys: Iterable[str] = ("loss_sum", "correct", "count")):
+    def __init__(self, device: torch.device, keys: Iterable[str] = TALLY_KEYS):
         self.device = device
         self.sums = {key: torch.zeros((), dtype=torch.float64, device=device) for key in keys}
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        if "correct" in metrics and "scored" not in metrics:  # the targets accuracy was measured on
+            metrics = {**metrics, "scored": metrics["count"]}
         for key, value in metrics.items():
             self.sums[key] = self.sums[key] + value if key in self.sums else value.double()
 
@@ -74,29 +79,36 @@ class Tally:
 
 
 def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
-    """loss_sum / correct / count sums -> mean loss and accuracy."""
-    count = max(sums.get("count", 0.0), 1.0)
-    return {f"{prefix}loss": sums.get("loss_sum", 0.0) / count, f"{prefix}acc": sums.get("correct", 0.0) / count}
+    """loss_sum / count / correct / scored sums -> mean loss, and accuracy only where one was measured."""
+    record = {f"{prefix}loss": sums.get("loss_sum", 0.0) / max(sums.get("count", 0.0), 1.0)}
+    scored = sums.get("scored", sums.get("count", 0.0) if "correct" in sums else 0.0)
+    if scored > 0:
+        record[f"{prefix}acc"] = sums.get("correct", 0.0) / scored
+    return record
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loader: Iterable,
-    *,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
-) -> dict[str, float]:
-    """Loss and accuracy over the whole validation set, every rank's share counted once."""
+def evaluate(model: nn.Module, loader: Iterable, *, loss_fn, device: torch.device) -> dict[str, float]:
+    """Loss (summed over every counted target, divided by their count) and accuracy where it exists, over the
+    whole validation set, every rank's share counted once: val_loss, and val_acc only for class logits."""
     was_training = model.training
     model.eval()
-    tally = Tally(device)
+    loss_fn, tally = as_loss(loss_fn), Tally(device)
     for batch in loader:
-        inputs, targets = to_device(batch, device)
-        outputs = model(inputs)
-        tally.add(batch_metrics(outputs, targets, loss_fn(outputs, targets)))
+        tally.add(forward_loss(model, _to_device(batch, device), loss_fn=loss_fn, normalizer=1.0)[1])
     model.train(was_training)
     return summarize(tally.reduce(), prefix="val_")
+
+
+def _to_device(batch, device: torch.device):
+    """Pairs, lists and dicts of tensors; non_blocking overlaps the copy with compute from pinned memory."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
 
 
 # Mixed precision, gradient accumulation and clipping: the pieces of the ddp_amp recipe.
@@ -137,33 +149,46 @@ def grad_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
             yield
 
 
+def data_parallel_group(model: nn.Module, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The ranks whose gradients are averaged: `group` if given, else a DDP model's own group, else None
+    (this process alone: a plain model, or one whose wrapper the caller did not name, such as fully_shard's)."""
+    if group is not None:
+        return group
+    inner = getattr(model, "_orig_mod", model)  # torch.compile forwards to the module it wraps
+    return getattr(inner, "process_group", None) if isinstance(inner, nn.parallel.DistributedDataParallel) else None
+
+
 def accumulate_grads(
     model: nn.Module,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list,
     *,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn,
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     sync: Callable[..., AbstractContextManager] = grad_sync,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     """Forward and backward over K micro-batches, adding their gradients up in .grad.
 
-    Gradients are all-reduced once, in the last backward (`sync` holds it off for the first K-1).
-    Each micro-batch's mean loss is weighted by its share of the group's samples (1/K when the
-    sizes are equal), so the result is the gradient of one batch of K x N x B samples on one process.
+    Gradients are all-reduced once, in the last backward (`sync` holds it off for the first K-1). Every
+    micro-batch's summed loss is divided by the global batch's counted targets over W (one all-reduce of the
+    count over the data-parallel group), so the result is the gradient one process computes on the whole global
+    batch, padded sequences of any lengths included.
     """
-    device = micro_batches[0][1].device
-    total = sum(targets.numel() for _, targets in micro_batches)
-    tally = Tally(device)
-    for i, (inputs, targets) in enumerate(micro_batches):
+    loss_fn, group = as_loss(loss_fn), data_parallel_group(model, dp_group)
+    world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    count = local_count(micro_batches, model=model, loss_fn=loss_fn)
+    if world > 1:
+        dist.all_reduce(count, group=group)
+    normalizer = count.clamp(min=1.0) / world  # no counted target anywhere: zero gradients, not nan
+    device, sums = batch_device(micro_batches[0]), {}
+    for i, batch in enumerate(micro_batches):
         with sync(model, enabled=i == len(micro_batches) - 1):  # backward must run inside no_sync too
             with autocast(precision, device=device):
-                outputs = model(inputs)
-                loss = loss_fn(outputs, targets)
-            weighted = loss * (targets.numel() / total)
-            (weighted if scaler is None else scaler.scale(weighted)).backward()
-        tally.add(batch_metrics(outputs, targets, loss))
-    return tally.sums
+                loss, metrics = forward_loss(model, batch, loss_fn=loss_fn, normalizer=normalizer)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        sums = {k: sums[k] + v if k in sums else v for k, v in metrics.items()}
+    return sums
 
 
 @torch.no_grad()
@@ -205,29 +230,34 @@ class StepStats:
     grad_norm: float  # total norm over all ranks, before clipping; inf or nan when the step was skipped
     skipped: bool  # gradients were not finite, so the parameters were left unchanged
     scale: float  # the loss scale used (1.0 unless fp16)
-    scaled: bool = False  # SHIM: fp16 loss scaling on
+    scaled: bool = False  # fp16 loss scaling was on (the scale is meaningful)
 
 
-def step_amp(
+def train_step(
     model: nn.Module,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list,
     *,
     optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn,
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     clip: float = 0.0,
     clip_group: dist.ProcessGroup | None = None,
     sync: Callable[..., AbstractContextManager] = grad_sync,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, torch.Tensor], StepStats]:
-    """One optimizer step over K micro-batches: autocast forward, scaled backward, unscale, clip, step.
+    """One optimizer step over K micro-batches: autocast forward, exact loss, scaled backward, unscale, clip, step.
 
-    Never steps on inf/nan gradients: with fp16 the scaler skips the step and backs its scale off
-    (that is routine), otherwise the step is skipped and `StepStats.skipped` says so: the caller decides
-    whether that stops the run. Every rank decides alike: it reads the norm of all-reduced gradients.
+    Batches: (input, target) pairs or dicts of tensors, already on the device; `loss_fn`: a core.loss.Loss
+    (make_loss), or cross_entropy. `dp_group`: the data-parallel ranks (None: a DDP model's own, else this
+    process alone; pass it for fully_shard). Never steps on inf/nan gradients: with fp16 the scaler skips the step
+    and backs its scale off (that is routine), otherwise the step is skipped and `StepStats.skipped` says so: the
+    caller decides whether that stops the run. Every rank decides alike: it reads the norm of all-reduced gradients.
     """
     optimizer.zero_grad(set_to_none=True)
-    metrics = accumulate_grads(model, micro_batches, loss_fn=loss_fn, precision=precision, scaler=scaler, sync=sync)
+    metrics = accumulate_grads(
+        model, micro_batches, loss_fn=loss_fn, precision=precision, scaler=scaler, sync=sync, dp_group=dp_group
+    )
     scaling = scaler is not None and scaler.is_enabled()
     scale = scaler.get_scale() if scaling else 1.0
     if scaling:
@@ -245,18 +275,14 @@ def step_amp(
     return metrics, StepStats(grad_norm=norm, skipped=skipped, scale=scale, scaled=scaling)
 
 
-train_step = step_amp  # SHIM (branch steps replaces)
-
-
-def make_loss(spec: str):  # SHIM (branch steps replaces)
-    return cross_entropy
+step_amp = train_step  # the old name, until every recipe calls train_step
 
 
 def micro_batch_groups(loader: Iterable, k: int, *, device: torch.device) -> Iterator[list]:
     """The loader's batches K at a time, moved to `device`; an incomplete group at the end is dropped."""
     group = []
     for batch in loader:
-        group.append(to_device(batch, device))
+        group.append(_to_device(batch, device))
         if len(group) == k:
             yield group
             group = []

@@ -1,0 +1,374 @@
+"""The loss contract (core.loss, core.steps): model outputs, pair and dict batches, -100, --loss, the exact
+normalisation over ranks and micro-batches, and throughput from the steps' own counts (core.metrics)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+from core.config import RecipeError
+from core.loss import forward_loss, global_count, make_loss, model_loss_traits, split_outputs
+from core.metrics import Meter, flops_per_sample
+from core.parallel import wrap_ddp
+from core.steps import cross_entropy, evaluate, step_plain, train_step
+from world import GlooWorld
+
+CPU = torch.device("cpu")
+V, T = 50, 8
+
+
+def gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=V,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config).eval()  # eval: no dropout, so runs compare exactly
+
+
+def bert(seed: int = 0) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=V,
+        max_position_embeddings=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(config).eval()
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's shape: forward(idx, targets=None) -> (logits, loss); causal mixing by a running sum."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb, self.head = nn.Embedding(V, 16), nn.Linear(16, V)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(torch.tanh(self.emb(idx)).cumsum(1))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+class Wrapped(nn.Module):
+    """A classifier whose output is dressed as `kind`: tensor, tuple, list, dict."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.lin = kind, nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.lin(x)
+        return {"tensor": logits, "tuple": (logits,), "list": [logits, logits.sum(-1)], "dict": {"logits": logits}}[
+            self.kind
+        ]
+
+
+class NoLoss(nn.Module):
+    """Takes targets, returns no loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, targets=None):
+        return self.lin(x)
+
+
+class LossOnly(nn.Module):
+    """A model that returns only its loss (a dict batch, labels inside): no logits, so no accuracy."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": F.mse_loss(self.lin(x).squeeze(-1), labels)}
+
+
+class SelfSupervised(LossOnly):
+    def forward(self, x, y):
+        return super().forward(x, y)
+
+
+def custom_loss(outputs, batch):  # a --loss module:function: the mean over the batch's counted targets
+    return F.cross_entropy(split_outputs(outputs)[0], batch[1])
+
+
+def lm_batch(lengths, *, seed: int, width: int = T, pairs: bool = False):
+    """Padded token sequences: labels -100 past each length, attention 0 there (a collate function's output)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(V, (len(lengths), width), generator=gen)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    if pairs:  # (input, target): the target already shifted, as core.gpt's data and nanoGPT's are
+        return ids, torch.cat([labels[:, 1:], torch.full((len(lengths), 1), -100)], 1)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.fast
+def test_make_loss_specs():
+    assert [make_loss(s).spec for s in ("auto", "ce", "model")] == ["auto", "ce", "model"]
+    assert make_loss("test_loss_contract:custom_loss").fn is custom_loss
+    for bad in ("mean", "no_such_module_xyz:f", "test_loss_contract:nothing"):
+        with pytest.raises(RecipeError, match="--loss") as err:
+            make_loss(bad)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "list", "dict"])
+def test_output_shapes_give_cross_entropy_and_accuracy(kind):
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, -100, 1])
+    model = Wrapped(kind)
+    loss, metrics = forward_loss(model, (x, y), loss_fn=make_loss("auto"), normalizer=5.0)
+    logits = model.lin(x)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, y, reduction="sum").double() / 5)
+    assert metrics["count"].item() == 5 and metrics["samples"].item() == 6  # -100 counts nowhere
+    assert metrics["correct"].item() == ((logits.argmax(-1) == y) & (y != -100)).sum().item()
+
+
+@pytest.mark.fast
+def test_split_outputs_orders():
+    logits, loss = torch.randn(2, 3), torch.tensor(0.5)
+    for outputs in (logits, (logits, loss), (loss, logits), [logits, loss], {"logits": logits, "loss": loss}):
+        got_logits, got_loss = split_outputs(outputs)
+        assert got_logits is logits and (got_loss is None or got_loss is loss)
+    assert split_outputs({"loss": loss}) == (None, loss)
+    with pytest.raises(RecipeError, match="the model returned str"):
+        split_outputs("logits")
+
+
+@pytest.mark.fast
+def test_nanogpt_auto_uses_ce_and_model_uses_its_loss():
+    x, y = lm_batch([8, 5, 3], seed=1, pairs=True)
+    model = NanoGPT()
+    logits, _ = model(x)
+    expected = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
+    for spec in ("auto", "ce", "model"):
+        loss, metrics = forward_loss(model, (x, y), loss_fn=make_loss(spec), normalizer=1.0)
+        torch.testing.assert_close(loss.double(), expected)
+        assert metrics["count"].item() == 7 + 4 + 2 and "correct" in metrics
+    pair = (torch.randn(2, 4), torch.tensor([0, 1]))
+    with pytest.raises(RecipeError, match="--loss model: the model's forward does not take"):
+        forward_loss(Wrapped("tensor"), pair, loss_fn=make_loss("model"), normalizer=1.0)
+    with pytest.raises(RecipeError, match="--loss model: the model's output .* carries no loss"):
+        forward_loss(NoLoss(), pair, loss_fn=make_loss("model"), normalizer=1.0)
+
+
+@pytest.mark.fast
+def test_custom_loss_is_weighted_by_count():
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 1])
+    model = Wrapped("tensor")
+    loss, metrics = forward_loss(model, (x, y), loss_fn=make_loss("test_loss_contract:custom_loss"), normalizer=2.0)
+    torch.testing.assert_close(loss.double(), F.cross_entropy(model(x), y).double() * 4 / 2)
+
+
+@pytest.mark.fast
+def test_no_logits_no_accuracy():
+    batch = {"x": torch.randn(5, 4), "labels": torch.randn(5)}
+    _, metrics = forward_loss(LossOnly(), batch, loss_fn=make_loss("auto"), normalizer=1.0)
+    assert "correct" not in metrics and metrics["count"].item() == 5  # float labels: one per sample
+    result = evaluate(LossOnly(), [batch], loss_fn=make_loss("auto"), device=CPU)
+    assert set(result) == {"val_loss"}
+    unlabelled = {"x": batch["x"], "y": batch["labels"]}  # no `labels`: the model's own loss, one per sample
+    model = SelfSupervised()
+    loss, metrics = forward_loss(model, unlabelled, loss_fn=make_loss("auto"), normalizer=1.0)
+    assert metrics["count"].item() == 5 and loss.item() == pytest.approx(5 * model(**unlabelled)["loss"].item())
+
+
+@pytest.mark.fast
+def test_transformers_causal_lm_dict_batch():
+    model, batch = gpt2(), lm_batch([8, 3, 6], seed=2)
+    assert model_loss_traits(model) == (True, True)  # takes num_items_in_batch; shifts its labels
+    loss, metrics = forward_loss(model, batch, loss_fn=make_loss("auto"), normalizer=4.0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    shifted = batch["labels"][:, 1:]
+    total = F.cross_entropy(logits[:, :-1].flatten(0, 1), shifted.flatten(), reduction="sum")
+    torch.testing.assert_close(loss.double(), total.double() / 4)
+    assert metrics["count"].item() == 7 + 2 + 5 and metrics["samples"].item() == 3
+    correct = ((logits[:, :-1].argmax(-1) == shifted) & (shifted != -100)).sum()
+    assert metrics["correct"].item() == correct.item()
+    model.accepts_loss_kwargs = False  # the other path: the model's mean, weighted by its (shifted) count
+    loss2, _ = forward_loss(model, batch, loss_fn=make_loss("auto"), normalizer=4.0)
+    torch.testing.assert_close(loss2.double(), total.double() / 4)
+
+
+@pytest.mark.fast
+def test_transformers_sequence_classifier():
+    model = bert()
+    assert model_loss_traits(model) == (False, False)  # **kwargs, but its loss ignores num_items_in_batch
+    ids = torch.randint(V, (4, T))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, -100, 1])}
+    loss, metrics = forward_loss(model, batch, loss_fn=make_loss("auto"), normalizer=3.0)
+    logits = model(input_ids=ids).logits
+    torch.testing.assert_close(loss.double(), F.cross_entropy(logits, batch["labels"], reduction="sum").double() / 3)
+    assert metrics["count"].item() == 3 and "correct" in metrics
+
+
+def _grads(model):
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def _simulate(model, ranks, loss_fn):
+    """W ranks, each with K micro-batches, on one process: each rank's gradient with the normaliser
+    global_count / W, then averaged as DDP would."""
+    world = len(ranks)
+    normalizer = sum(global_count(mb, model=model, loss_fn=loss_fn) for mb in ranks).clamp(min=1) / world
+    per_rank = []
+    for micro_batches in ranks:
+        model.zero_grad(set_to_none=True)
+        for batch in micro_batches:
+            forward_loss(model, batch, loss_fn=loss_fn, normalizer=normalizer)[0].backward()
+        per_rank.append(_grads(model))
+    return [torch.stack(g).mean(0) for g in zip(*per_rank)]
+
+
+def _concat(batches):
+    if isinstance(batches[0], dict):
+        return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    return tuple(torch.cat(parts) for parts in zip(*batches))
+
+
+def gpt2_no_num_items() -> GPT2LMHeadModel:
+    model = gpt2()
+    model.accepts_loss_kwargs = False  # transformers' own switch: its mean loss is then weighted by its count
+    return model
+
+
+MODELS = {  # name -> (build, loss spec, pair batches)
+    "gpt2 num_items_in_batch": (gpt2, "auto", False),
+    "gpt2 weighted mean": (gpt2_no_num_items, "auto", False),
+    "nanogpt --loss model": (NanoGPT, "model", True),
+    "nanogpt auto (ce)": (NanoGPT, "auto", True),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", list(MODELS))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), world=st.integers(1, 3), k=st.integers(1, 3))
+def test_ranks_times_micro_batches_equal_one_process(name, data, world, k):
+    build, spec, pairs = MODELS[name]
+    model, loss_fn = build(), make_loss(spec)
+    sizes = st.lists(st.integers(0, T), min_size=1, max_size=3)  # 0: a sequence with nothing counted
+    ranks = [
+        [lm_batch(data.draw(sizes), seed=data.draw(st.integers(0, 99)), pairs=pairs) for _ in range(k)]
+        for _ in range(world)
+    ]
+    got = _simulate(model, ranks, loss_fn)
+    model.zero_grad(set_to_none=True)
+    whole = _concat([b for micro_batches in ranks for b in micro_batches])
+    normalizer = global_count([whole], model=model, loss_fn=loss_fn).clamp(min=1)
+    forward_loss(model, whole, loss_fn=loss_fn, normalizer=normalizer)[0].backward()
+    for g, want in zip(got, _grads(model)):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_mean_of_means_is_not_the_global_mean():
+    """What the old normalisation (each micro-batch's mean, weighted by its share of samples) gets wrong."""
+    model, loss_fn = NanoGPT(), make_loss("ce")
+    micro = [lm_batch([8, 8], seed=3, pairs=True), lm_batch([2, 1], seed=4, pairs=True)]
+    model.zero_grad()
+    for x, y in micro:
+        (cross_entropy(model(x)[0], y) / 2).backward()
+    old = _grads(model)
+    exact = _simulate(model, [micro], loss_fn)
+    assert not torch.allclose(old[0], exact[0])
+
+
+@pytest.mark.fast
+def test_step_plain_and_train_step_on_dict_batches():
+    model, batch = gpt2(), lm_batch([8, 2, 5], seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics = step_plain(model, batch, optimizer=opt, loss_fn=make_loss("auto"))
+    assert metrics["count"].item() == 7 + 1 + 4
+    metrics, stats = train_step(model, [batch, batch], optimizer=opt, loss_fn=make_loss("auto"), precision="bf16")
+    assert metrics["samples"].item() == 6 and math.isfinite(stats.grad_norm) and not stats.skipped
+
+
+@pytest.mark.fast
+def test_meter_samples_tokens_and_nonfinite():
+    meter = Meter(CPU)
+    meter.add(
+        {
+            "loss_sum": torch.tensor(30.0, dtype=torch.float64),
+            "count": torch.tensor(60.0, dtype=torch.float64),
+            "samples": torch.tensor(4.0, dtype=torch.float64),
+        }
+    )
+    record = meter.read()
+    assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(15.0)
+    assert "acc" not in record and "nonfinite" not in record
+    meter.add(
+        {
+            "loss_sum": torch.tensor(float("nan"), dtype=torch.float64),
+            "count": torch.tensor(4.0, dtype=torch.float64),
+            "samples": torch.tensor(4.0, dtype=torch.float64),
+            "correct": torch.tensor(3.0, dtype=torch.float64),
+        }
+    )
+    record = meter.read(grad_norm=float("inf"))
+    assert record["nonfinite"] == "grad_norm,loss" and record["acc"] == 0.75 and "tokens_per_s" not in record
+
+
+@pytest.mark.fast
+def test_flops_per_sample_takes_dict_and_pair_samples():
+    sample = {k: v[0] for k, v in lm_batch([8], seed=0).items()}
+    assert flops_per_sample(gpt2, sample) > 0
+    x, y = lm_batch([8], seed=0, pairs=True)
+    per_sequence = flops_per_sample(NanoGPT, (x[0], y[0]))
+    assert per_sequence == flops_per_sample(NanoGPT, x[0]) > 0
+
+
+# Real DDP in a gloo world of 2.
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with GlooWorld(2) as world:
+        yield world
+
+
+def _ddp_gpt2_step(topo, ranks):
+    model = wrap_ddp(gpt2(), device=CPU)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    metrics, _ = train_step(model, ranks[topo.rank], optimizer=opt, loss_fn=make_loss("auto"))
+    return [p.detach().clone() for p in model.module.parameters()], {k: v.item() for k, v in metrics.items()}
+
+
+@pytest.mark.world
+def test_train_step_under_ddp_matches_one_process(world2):
+    ranks = [
+        [lm_batch([8, 1], seed=10), lm_batch([3, 0, 6], seed=11)],
+        [lm_batch([2], seed=12), lm_batch([8, 8, 7], seed=13)],
+    ]
+    results = world2.run(_ddp_gpt2_step, ranks)
+    model = gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    train_step(model, [_concat([b for r in ranks for b in r])], optimizer=opt, loss_fn=make_loss("auto"))
+    for rank_params, _ in results:
+        for got, want in zip(rank_params, model.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert results[0][1]["count"] == 7 + 0 + 2 + 0 + 5 and results[1][1]["count"] == 1 + 7 + 7 + 6
