@@ -129,16 +129,15 @@ def disk_error(err: OSError, path: Path, needed: int) -> Exception:
 class Meter:
     """Loss, accuracy and throughput over a logging window, reduced over ranks only when read."""
 
-    KEYS = ("loss_sum", "count", "samples", "correct")
+    KEYS = ("loss_sum", "count", "samples", "correct", "scored")  # scored: targets that accuracy counts
 
     def __init__(self, device: torch.device):
-        self.device, self.sums, self.accuracy = device, {}, False
+        self.device, self.sums = device, {}
         self.started, self.paused_s = time.perf_counter(), 0.0
         self.totals = {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
         self.last: dict[str, float] = {}
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        self.accuracy |= "correct" in metrics  # models without logits report no accuracy, rather than 0
         for key, value in metrics.items():
             self.sums[key] = self.sums.get(key, 0.0) + value.detach().double()
 
@@ -146,7 +145,7 @@ class Meter:
         """The window's numbers for the whole job. A collective: every rank calls it at the same step."""
         local = torch.stack([torch.as_tensor(self.sums.get(k, 0.0), dtype=torch.float64, device=self.device)
                              for k in self.KEYS])
-        loss_sum, count, samples, correct = reduce_sum(local).tolist()
+        loss_sum, count, samples, correct, scored = reduce_sum(local).tolist()
         seconds = time.perf_counter() - self.started - self.paused_s
         self.sums, self.started, self.paused_s = {}, time.perf_counter(), 0.0
         if count == 0:
@@ -154,8 +153,8 @@ class Meter:
         samples = samples or count  # (input, class) pairs: one target per sample
         self.totals = {"samples": self.totals["samples"] + samples, "tokens": self.totals["tokens"] + count,
                        "seconds": self.totals["seconds"] + seconds}
-        self.last = {"loss": loss_sum / count, **({"acc": correct / count} if self.accuracy else {}),
-                     **_rates(samples, count, seconds)}
+        accuracy = {"acc": correct / scored} if scored else {}  # a model without logits reports none, not 0
+        self.last = {"loss": loss_sum / count, **accuracy, **_rates(samples, count, seconds)}
         return self.last
 
     def throughput(self) -> dict[str, float]:
