@@ -119,6 +119,11 @@ class Checkpointing(Options):
                              fix="use 0 or more steps")
     keep: int = option(2, "how many newest checkpoints to keep", check=_at_least(1), fix="keep at least 1")
     resume: str = option("", "'auto' (newest good checkpoint of the newest run) or a checkpoint path")
+
+
+@dataclass(frozen=True)
+class AsyncCheckpoints(Options):
+    title = "checkpoints"
     ckpt_async: bool = option(False, "write checkpoints in the background; training waits only for the copy")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from core import ckpt, steps
+from core import ckpt, dcp, steps
 from core.models import unwrap
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object, reduce_sum
@@ -60,7 +60,7 @@ def find_resume(resume: str, *, out: str, prefix: str) -> Path | None:
     if resume != "auto":
         return Path(resume) if resume else None
     runs = run_dirs(out, prefix)
-    return ckpt.newest_good(runs[-1] / "ckpt") if runs else None
+    return (ckpt.newest_good(runs[-1] / "ckpt") or dcp.latest_sharded(runs[-1])) if runs else None
 
 
 def lock_holder(run_dir: Path) -> dict | None:
@@ -178,8 +178,9 @@ class Run:
         return run.finish(model)
     """
 
-    def __init__(self, cfg, topo: Topology, *, recipe: str, global_batch: int, run_dir: Path, resume_from):
-        self.cfg, self.topo, self.recipe, self.global_batch = cfg, topo, recipe, global_batch
+    def __init__(self, cfg, topo: Topology, *, recipe: str, global_batch: int, run_dir: Path, resume_from,
+                 mesh: dict | None = None):
+        self.cfg, self.topo, self.recipe, self.global_batch, self.mesh = cfg, topo, recipe, global_batch, mesh
         self.run_dir, self.resume_from, self.enabled = run_dir, resume_from, topo.is_rank0
         self.meter, self.evaluation, self.skipped = Meter(topo.device), {}, 0
         self.progress = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}
@@ -189,7 +190,7 @@ class Run:
         self.stop_on_nonfinite = cfg.on_nonfinite == "stop"
 
     @classmethod
-    def start(cls, cfg, topo: Topology, *, recipe: str, global_batch: int) -> Run:
+    def start(cls, cfg, topo: Topology, *, recipe: str, global_batch: int, mesh: dict | None = None) -> Run:
         """Rank 0 picks the folder (a new one, or the resumed checkpoint's), takes its lock and tells the others."""
         choice = None
         if topo.is_rank0:
@@ -198,10 +199,10 @@ class Run:
             run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, cfg.name or recipe)
             choice = (str(run_dir), str(resume_from) if resume_from else None)
             cls._take(run_dir, fresh=not in_run, config={"recipe": recipe, "world_size": topo.world_size,
-                                                          "global_batch": global_batch, **cfg.to_dict()})
+                                                          "global_batch": global_batch, "mesh": mesh, **cfg.to_dict()})
         run_dir, resume_from = broadcast_object(choice)
         return cls(cfg, topo, recipe=recipe, global_batch=global_batch, run_dir=Path(run_dir),
-                   resume_from=Path(resume_from) if resume_from else None)
+                   resume_from=Path(resume_from) if resume_from else None, mesh=mesh)
 
     @staticmethod
     def _take(run_dir: Path, *, fresh: bool, config: dict) -> None:
@@ -236,9 +237,13 @@ class Run:
     # The training loop's side effects.
     def resume(self, *, model, optimizer, scheduler=None, scaler=None) -> dict:
         """Load the checkpoint this run continues from (all ranks), or start at zero; returns the progress."""
-        if self.resume_from is not None:
+        if self.resume_from is not None and self.resume_from.is_dir():  # sharded: every rank reads its part
+            loaded = dcp.load_sharded(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                      scaler=scaler)
+        elif self.resume_from is not None:  # one file: rank 0 reads it and hands it out
             loaded = ckpt.load_checkpoint(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
                                           scaler=scaler, world_size=self.topo.world_size)
+        if self.resume_from is not None:
             self.progress.update(loaded)
             self.resumed_step = self.progress["step"]
             self.log("resume", checkpoint=str(self.resume_from), step=self.resumed_step,
@@ -289,14 +294,22 @@ class Run:
         if not getattr(self.cfg, "ckpt_every", 0) or step % self.cfg.ckpt_every:
             return
         paused = time.perf_counter()
-        if self.saver is None:
-            self.saver = ckpt.CheckpointSaver(self.run_dir / "ckpt", keep=self.cfg.keep, background=self.cfg.ckpt_async)
+        metadata = {"recipe": self.recipe, "config": json.dumps(self.cfg.to_dict()), "mesh": json.dumps(self.mesh),
+                    "global_batch": str(self.global_batch)}
+        progress = dict(self.progress, global_batch=self.global_batch)
         try:
-            self.saver.save(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                            progress=dict(self.progress, global_batch=self.global_batch),
-                            metadata={"recipe": self.recipe, "config": json.dumps(self.cfg.to_dict())})
+            if sharded(model):  # every rank writes its own shard: no gather on rank 0
+                dcp.save_sharded(self.run_dir / "ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
+                                 scaler=scaler, progress=progress, keep=self.cfg.keep, metadata=metadata)
+            else:
+                if self.saver is None:
+                    self.saver = ckpt.CheckpointSaver(self.run_dir / "ckpt", keep=self.cfg.keep,
+                                                      background=getattr(self.cfg, "ckpt_async", False))
+                self.saver.save(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                progress=progress, metadata=metadata)
         except OSError as err:  # a full disk: one line with the numbers, the checkpoints before stay whole
-            raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", _bytes(model, optimizer)) from None
+            holders = [*model, optimizer] if isinstance(model, list | tuple) else [model, optimizer]
+            raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", _bytes(*holders)) from None
         self._paused(paused)
 
     def _paused(self, since: float) -> None:
@@ -315,15 +328,16 @@ class Run:
         self.print(f"epoch {self.progress['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in self.evaluation.items()))
         return self.evaluation
 
-    def finish(self, model, **extra) -> dict:
+    def finish(self, model, *, state: dict | None = None, **extra) -> dict:
         """Rank 0 writes the final weights and the summary; every rank returns the same numbers.
-        A resumed run that had already finished trains nothing and leaves its weights as they are."""
+        A resumed run that had already finished trains nothing and leaves its weights as they are.
+        `state`: the full state dict on rank 0 when the recipe gathers it itself (pipeline stages)."""
         step = self.progress["step"]
         if self.resumed_step is not None and self.resumed_step == step:
             self.print(f"{self.run_dir} already finished at step {step}; nothing to train, weights untouched")
             return {"steps": step, "already_finished": True}
         weights = self.run_dir / "model.safetensors"
-        state = model_state(model)  # a collective for sharded models; rank 0 gets the full tensors
+        state = model_state(model) if state is None else state  # a collective for sharded models
         if self.enabled:
             try:
                 ckpt.save_weights(state, weights, metadata={"recipe": self.recipe, "model": self.cfg.model})
@@ -336,6 +350,11 @@ class Run:
         self.log("summary", **summary)
         self.print("summary " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return summary
+
+
+def sharded(model) -> bool:
+    """Pipeline stages (a list) or DTensor parameters: checkpoints are written by every rank, through DCP."""
+    return isinstance(model, list | tuple) or any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def _bytes(*holders) -> int:

@@ -19,12 +19,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from core import data, dist, models, parallel, steps
-from core.config import Checkpointing, DDPOptions, Training, cli_main
+from core.config import AsyncCheckpoints, Checkpointing, DDPOptions, Training, cli_main
 from core.run import Run
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions):
+class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions):
     """The shared training and checkpoint options, and DDP's own."""
 
 

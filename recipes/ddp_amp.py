@@ -21,12 +21,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from core import data, dist, models, parallel, steps
-from core.config import Accumulation, Checkpointing, DDPOptions, Precision, RecipeError, Training, cli_main, with_default
+from core.config import Accumulation, AsyncCheckpoints, Checkpointing, DDPOptions, Precision, RecipeError, Training, cli_main, with_default
 from core.run import Run
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, Precision, Accumulation):
+class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions, Precision, Accumulation):
     """ddp's options, and precision, accumulation and clipping."""
 
     epochs: int = with_default(Training, "epochs", 10)  # --accum 4 takes 4x fewer steps per epoch than ddp

@@ -20,13 +20,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from core import comm, data, dist, models, parallel, steps, tuning, watchdog
-from core.config import Checkpointing, DDPOptions, Training, cli_main, option
+from core.config import AsyncCheckpoints, Checkpointing, DDPOptions, Training, cli_main, option
 from core.monitor import Monitor
 from core.run import Run
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions):
+class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions):
     """ddp's options, and the monitoring and tuning ones."""
 
     comm_hook: str = option("none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank",

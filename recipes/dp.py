@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from core import data, dist, models, steps
-from core.config import Checkpointing, RecipeError, Training, cli_main
+from core.config import AsyncCheckpoints, Checkpointing, RecipeError, Training, cli_main
 from core.run import Run
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing):
+class Config(Training, Checkpointing, AsyncCheckpoints):
     """The shared training and checkpoint options."""
 
 
