@@ -1,6 +1,7 @@
 """How DDP moves gradients: comm hooks (fp16, bf16, PowerSGD) and bucket options.
 
     ddp = parallel.wrap_ddp(model, device=topo.device, comm_hook=cfg.comm_hook, **comm.ddp_options(cfg))
+    # or DistributedDataParallel(model, device_ids=..., **comm.ddp_kwargs(bucket_mb=..., fixed_buckets=...))
 
 `none` keeps DDP's own C++ reducer (it fuses the copy into the bucket with the division by the world
 size; a Python hook doing the same costs an extra pass over the gradients, ~2% of a CPU step here).
@@ -11,6 +12,8 @@ checkpointed, so a resumed run is close to, not bitwise equal to, an uninterrupt
 """
 from __future__ import annotations
 
+import torch
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -19,10 +22,48 @@ from core.config import RecipeError
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
+def ddp_kwargs(*, bucket_mb: float | None = None, grad_as_bucket_view: bool = False, static_graph: bool = False,
+               find_unused_parameters: bool = False, fixed_buckets: bool = False) -> dict:
+    """DistributedDataParallel keyword arguments (all but module and device_ids).
+
+    fixed_buckets: keep the first step's bucket layout for the whole run, so a resumed run all-reduces
+    each gradient element in the same order as the run that never stopped (bitwise at any world size).
+    Why: after its first backward DDP rebuilds its buckets in gradient-ready order; a resumed process
+    makes its first step with the initial layout, where the run that never stopped had the rebuilt
+    one. An element's place in the bucket decides which ring chunk sums it, and so the order in
+    which 3+ ranks' values are added (2 ranks: a + b == b + a, always bitwise). DDP skips the
+    rebuild when it looks for unused parameters (one autograd-graph traversal a step, ~+20% on a
+    tiny CPU model here; a static graph rebuilds, so the two don't go together)."""
+    if fixed_buckets and static_graph:
+        raise RecipeError("--static-graph rebuilds DDP's buckets after the first step, so a resume on 3+ ranks "
+                          "is not bitwise; leave --static-graph off for an exact resume")
+    return {"bucket_cap_mb": bucket_mb, "gradient_as_bucket_view": grad_as_bucket_view, "static_graph": static_graph,
+            "find_unused_parameters": find_unused_parameters or fixed_buckets}
+
+
 def ddp_options(cfg) -> dict:
-    """TrainConfig -> DistributedDataParallel keyword arguments (bucket size, views, static graph)."""
-    return {"bucket_cap_mb": cfg.bucket_mb, "gradient_as_bucket_view": cfg.grad_as_bucket_view,
-            "static_graph": cfg.static_graph}
+    """TrainConfig -> ddp_kwargs(...) (bucket size, views, static graph, unused parameters when the config has it)."""
+    return ddp_kwargs(bucket_mb=cfg.bucket_mb, grad_as_bucket_view=cfg.grad_as_bucket_view,
+                      static_graph=cfg.static_graph,
+                      find_unused_parameters=getattr(cfg, "find_unused_parameters", False))
+
+
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers: each rank normalises with its own batch's statistics and keeps its
+    own running mean and variance, so DDP replicas' buffers differ (DDP copies rank 0's into the others
+    at each forward, but the final ones differ after the last step)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def to_sync_batchnorm(model: nn.Module, *, device: torch.device) -> nn.Module:
+    """BatchNorm layers -> SyncBatchNorm (statistics over the global batch); before DDP wraps the model.
+
+    torch runs SyncBatchNorm on accelerators only: DDP refuses it on CPU ("SyncBatchNorm layers only
+    work with GPU modules", torch 2.13), so CPU gets one RecipeError line instead."""
+    if device.type == "cpu":
+        raise RecipeError("--sync-batchnorm: torch's SyncBatchNorm runs on GPUs only, this job is on CPU; "
+                          "leave --sync-batchnorm off (each rank then keeps its own BatchNorm statistics)")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def make_hook(name: str, *, backend: str, powersgd_rank: int = 2, powersgd_start: int = 10) -> tuple | None:

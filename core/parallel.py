@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -67,13 +70,28 @@ def build_mesh(topo, dims: dict[str, int]):
     return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
+def check_tp_model(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks tensor parallelism shards; a RecipeError naming the structure it needs.
+
+    Reads only attributes and shapes, so it runs on a meta-device model before any process starts."""
+    blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
+    needs = ("model.blocks (an nn.Sequential, forward = model.blocks(x)) whose blocks have attn.q/k/v/proj and "
+             "mlp.fc/proj nn.Linear layers, like core.gpt.GPT")
+    if not blocks:
+        found = find_blocks(model)
+        seen = f" (its repeated blocks are {found[0]})" if found else ""
+        raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs {needs}{seen}; "
+                          f"use fsdp for this model")
+    for block in blocks:
+        names = [getattr(block.attn, n, None) for n in ("q", "k", "v", "proj")] + [block.mlp.fc, block.mlp.proj]
+        if not all(isinstance(m, nn.Linear) for m in names) or not hasattr(block.attn, "head_dim"):
+            raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs {needs}; use fsdp for it")
+    return blocks
+
+
 def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> None:
     """A RecipeError unless every transformer block splits into `tp` equal, whole-head shards."""
-    blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
-    if not blocks:
-        raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs model.blocks with "
-                          f"attn.(q,k,v,proj) and mlp.(fc,proj) Linear layers, like core.gpt.GPT")
-    for block in blocks:
+    for block in check_tp_model(model):
         heads = block.attn.q.out_features // block.attn.head_dim
         if heads % tp or block.mlp.fc.out_features % tp:
             raise RecipeError(f"tensor parallel size {tp} must divide the {heads} attention heads and the "
@@ -114,17 +132,62 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.M
     return parallelize_module(model, mesh, tp_plan(model, sequence_parallel=sequence_parallel))
 
 
-def apply_fsdp(model: nn.Module, *, mesh=None, precision: str = "fp32", offload: bool = False) -> nn.Module:
-    """FSDP2: fully_shard each block, then the root. Each block's parameters are gathered just
-    before it runs and freed after, so a rank holds 1/N of the model plus one block at a time.
+def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
+
+
+def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.Module] | None:
+    """The model's repeated blocks: (path, container), or None when it has none.
+
+    With `name` (e.g. "transformer.h"), that nn.ModuleList / nn.Sequential, or a RecipeError listing the
+    candidates. Without, the ModuleList / Sequential whose children repeat one class (GPT-2's and
+    nanoGPT's `transformer.h`, Llama's `model.layers`, `blocks` here) holding the most parameters,
+    the outermost on a tie."""
+    containers = _containers(model)
+    if name is not None:
+        found = dict(containers).get(name)
+        if found is None:
+            listed = ", ".join(n or "(the model itself)" for n, _ in containers) or "none"
+            raise RecipeError(f"--blocks {name}: {type(model).__name__} has no nn.ModuleList or nn.Sequential "
+                              f"there; candidates: {listed}")
+        return name, found
+    repeated = [(n, m) for n, m in containers if max(Counter(type(c) for c in m).values()) >= 2]
+    if not repeated:
+        return None
+    return max(repeated, key=lambda item: (sum(p.numel() for p in item[1].parameters()), -item[0].count(".")))
+
+
+def apply_fsdp(model: nn.Module, *, mesh=None, precision: str = "fp32", offload: bool = False,
+               blocks: str | None = None) -> nn.Module:
+    """FSDP2: fully_shard each repeated block (find_blocks; `blocks` names them), then the root. Each block's
+    parameters are gathered just before it runs and freed after, so a rank holds 1/N of the model plus
+    one block at a time. A model without repeated blocks is sharded as one unit, with a warning.
 
     precision="bf16": compute in bf16, reduce gradients in fp32; offload: shards live in CPU memory."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
     options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-    for block in model.blocks:
+    found = find_blocks(model, name=blocks)
+    if found is None:  # one unit: the whole model is gathered at once, so a rank's peak memory is the model's
+        warnings.warn(f"fsdp: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one class); "
+                      f"sharding it as one unit, which gathers the whole model for each forward; name them "
+                      f"with --blocks", stacklevel=2)
+    for block in found[1] if found else ():
         fully_shard(block, **options)
     return fully_shard(model, **options)
+
+
+@contextmanager
+def fsdp_sync(model: nn.Module, *, enabled: bool):
+    """core.steps.grad_sync's shape for fully_shard: with enabled=False the backward inside keeps unsharded
+    gradients and adds to them, the reduce-scatter waits for the micro-batch run with enabled=True.
+
+        steps.step_amp(model, micro_batches, ..., sync=parallel.fsdp_sync)"""
+    model.set_requires_gradient_sync(enabled)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

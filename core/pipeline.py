@@ -18,7 +18,7 @@ from torch import nn
 
 from core.config import RecipeError
 from core.dist import broadcast_object
-from core.steps import Tally, batch_metrics, summarize
+from core.steps import Tally, autocast, batch_metrics, clip_grad_norm, summarize
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -92,21 +92,27 @@ def block_weights(model: nn.Module, *, balance: str | Sequence[int], sample: tor
     raise ValueError(f"balance must be 'params', 'time' or a list of stage sizes, not {balance!r}")
 
 
-def check_block_model(model: nn.Module, *, num_stages: int) -> int:
-    """The number of blocks; a RecipeError when the model can't be cut into `num_stages` stages."""
+def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
+    """The number of blocks; a RecipeError, naming the structure pipelining needs, when the model can't be
+    cut into `num_stages` stages. Reads only attributes, so it runs on a meta-device model in the pre-check."""
+    name = type(model).__name__
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
-        raise RecipeError(f"--model {type(model).__name__}: pipelining needs `model.blocks`, an nn.Sequential "
-                          f"that forward() runs in order (see core.gpt.GPT)")
+        raise RecipeError(f"--model {name}: pipelining needs every parameter in `model.blocks`, an nn.Sequential "
+                          f"that forward() runs in order (forward = model.blocks(x), like core.gpt.GPT); "
+                          f"use ddp or fsdp for this model")
     outside = [n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())
                if not n.startswith("blocks.")]
     if outside:
-        raise RecipeError(f"--model {type(model).__name__}: {outside[0]} is outside model.blocks; "
+        raise RecipeError(f"--model {name}: {outside[0]} is outside model.blocks; "
                           f"a pipeline stage must hold every parameter, so move it into a block")
     if len(blocks) < num_stages:
-        raise RecipeError(f"--model {type(model).__name__} has {len(blocks)} blocks, fewer than the "
+        raise RecipeError(f"--model {name} has {len(blocks)} blocks, fewer than the "
                           f"{num_stages} pipeline stages; use at most {len(blocks)} stages or a deeper model")
     return len(blocks)
+
+
+check_block_model = check_pipeline_model  # the earlier name, kept for the recipes that call it
 
 
 def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int,
@@ -187,22 +193,39 @@ def average_gradients(params: Sequence[nn.Parameter], *, group, size: int) -> No
                 p.grad /= size
 
 
-def step_pipeline(schedule, batch: tuple[torch.Tensor, torch.Tensor], *, optimizer: torch.optim.Optimizer,
-                  holds_last: bool, dp_group=None, dp_size: int = 1) -> dict[str, torch.Tensor]:
+def step_pipeline(schedule, batch: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]], *,
+                  optimizer: torch.optim.Optimizer, holds_last: bool, dp_group=None, dp_size: int = 1,
+                  precision: str = "fp32", clip: float = 0.0, pp_group=None) -> dict[str, torch.Tensor]:
     """One optimizer step through the pipeline. Every rank passes the whole batch (the first stage
     reads the inputs, the last the targets); the last stage returns the batch's metrics, the
     others an empty dict. The schedule splits the batch into micro-batches and, by default,
-    divides the summed gradients by their number: the step is the whole batch's."""
+    divides the summed gradients by their number: the step is the whole batch's.
+
+    Accumulation: pass K batches (a list) to a schedule built for K x microbatches; they run as one batch.
+    precision "bf16": the stages' forwards under autocast (fp16 needs a loss scale the stages agree on:
+    refused by check_pipeline_precision). clip > 0: the norm over all stages (pp_group: the ranks holding
+    this replica's stages; the dp replicas hold equal averaged gradients, so they are not counted again),
+    and a step whose gradients are not finite is skipped."""
+    if isinstance(batch, list):
+        batch = tuple(torch.cat(parts) for parts in zip(*batch))
     inputs, targets = batch
     optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
-    outputs = schedule.step(inputs, target=targets, losses=losses)
+    with autocast(precision, device=inputs.device):
+        outputs = schedule.step(inputs, target=targets, losses=losses)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     average_gradients(params, group=dp_group, size=dp_size)
-    optimizer.step()
+    if clip <= 0 or torch.isfinite(clip_grad_norm(params, clip, group=pp_group)):
+        optimizer.step()
     if not holds_last:
         return {}
     return batch_metrics(outputs, targets, torch.stack(losses).mean())  # equal micro-batches: mean of means
+
+
+def check_pipeline_precision(precision: str) -> None:
+    """fp16 needs one loss scale and one inf/nan verdict over all stages; the pipeline recipe has neither."""
+    if precision == "fp16":
+        raise RecipeError("--precision fp16: pipeline has no loss scaling across stages; use --precision bf16")
 
 
 @torch.no_grad()
