@@ -37,3 +37,35 @@ def test_fsdp_times_tensor_parallel(world4, two_shares, tmp_path):
     summaries = world4.run(run_recipe, "fsdp_tp", _cfg(tmp_path), dict(tp=2))
     assert (summaries[0]["tp"], summaries[0]["dp"]) == (2, 2)
     assert_same_weights(summaries[0], two_shares, **TOL)
+
+
+def pipeline_dp_accum_clip(topo):
+    """pp=2 x dp=2: each replica accumulates K=2 batches of its half through 2 stages; the clip's norm is taken
+    over the pp group only (after the dp average the replicas hold equal gradients: counting them would double it)."""
+    import torch
+    from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
+    from torch.distributed.pipelining import PipelineStage
+
+    from core import parallel, pipeline, steps
+
+    batches = _token_batches(size=16)
+    expected, _ = _one_process(batches, k=1)
+    mesh = parallel.build_mesh(topo, {"dp": 2, "pp": 2})
+    dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
+    sched = pipeline.build_schedule("1f1b", [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())],
+                                    microbatches=4, loss_fn=steps.cross_entropy)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    for x, y in batches:
+        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        pipeline.step_pipeline(sched, [(x[:4], y[:4]), (x[4:], y[4:])], optimizer=optimizer, holds_last=pp_rank == 1,
+                               dp_group=mesh["dp"].get_group(), dp_size=2, clip=CLIP, pp_group=mesh["pp"].get_group())
+    full = pipeline.gather_state_dict([stage])
+    return {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+def test_pipeline_times_data_parallel_accumulation_and_clip(world4):
+    from test_model_parallel import _assert_pairs
+
+    pairs = world4.run(pipeline_dp_accum_clip)[0]
+    _assert_pairs(pairs, **TOL)
