@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from core import comm, parallel, pipeline
+from core import comm, parallel, pipeline, tuning
 from core.config import RecipeError
 from core.gpt import GPT
 from core.models import MLP
@@ -19,19 +19,26 @@ transformers = pytest.importorskip("transformers")
 
 def gpt2(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: comparable
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )  # no dropout: comparable
     return transformers.GPT2LMHeadModel(config)
 
 
 def llama() -> nn.Module:
-    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=50)
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 class NanoGPT(nn.Module):
-    """nanoGPT's layout: transformer = ModuleDict(wte, h = ModuleList(Block), ln_f), lm_head; forward -> (logits, loss)."""
+    """nanoGPT's layout: transformer = ModuleDict(wte, h = ModuleList(Block)), lm_head."""
 
     def __init__(self):
         super().__init__()
@@ -50,8 +57,10 @@ class NoBlocks(nn.Module):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("build, path", [(gpt2, "transformer.h"), (llama, "model.layers"), (NanoGPT, "transformer.h"),
-                                         (GPT, "blocks"), (MLP, "blocks")])
+@pytest.mark.parametrize(
+    "build, path",
+    [(gpt2, "transformer.h"), (llama, "model.layers"), (NanoGPT, "transformer.h"), (GPT, "blocks"), (MLP, "blocks")],
+)
 def test_find_blocks_finds_the_repeated_layers(build, path):
     name, blocks = parallel.find_blocks(build())
     assert name == path and len(blocks) >= 2
@@ -104,6 +113,16 @@ def test_ddp_kwargs():
         comm.ddp_kwargs(static_graph=True, fixed_buckets=True)
 
 
+@pytest.mark.fast
+def test_activation_checkpointing_on_a_transformers_model_recomputes_the_same_numbers():
+    batches = _data("gpt2")
+    plain = _train(gpt2(), batches, _lm_loss).state_dict()
+    model = gpt2()
+    assert tuning.checkpoint_blocks(model) == 2  # transformer.h
+    for key, value in _train(model, batches, _lm_loss).state_dict().items():
+        assert torch.equal(value, plain[key]), key
+
+
 # --- fsdp on models as they come, 2 gloo ranks against one process ---------------------------------------
 
 
@@ -145,7 +164,7 @@ def fsdp_vs_one_process(topo, kind):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         parallel.apply_fsdp(model, mesh=parallel.build_mesh(topo, {"dp": 2}))
-    half = lambda b: b[topo.rank * 2:(topo.rank + 1) * 2]  # noqa: E731  each rank: its half of the global batch
+    half = lambda b: b[topo.rank * 2 : (topo.rank + 1) * 2]  # noqa: E731  each rank: its half of the global batch
     shares = [half(b) if kind == "gpt2" else tuple(half(t) for t in b) for b in batches]
     full = parallel.full_state_dict(_train(model, shares, loss_of))
     if not full:  # rank 1: the gathered weights live on rank 0 only
@@ -165,3 +184,18 @@ def test_fsdp_shards_a_transformers_gpt2_per_block(world2):
 def test_fsdp_shards_a_model_without_blocks_as_one_unit_with_a_warning(world2):
     (diff, warned), _ = world2.run(fsdp_vs_one_process, "noblocks")
     assert diff < 1e-5 and len(warned) == 1
+
+
+def sync_batchnorm_under_ddp_on_cpu(topo):
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)))
+    try:
+        torch.nn.parallel.DistributedDataParallel(model)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+@pytest.mark.world
+def test_torch_refuses_sync_batchnorm_on_cpu(world2):
+    """Why to_sync_batchnorm refuses CPU: torch 2.13's DDP does (when this fails, torch learnt it: allow it)."""
+    assert world2.run(sync_batchnorm_under_ddp_on_cpu) == ["SyncBatchNorm layers only work with GPU modules"] * 2

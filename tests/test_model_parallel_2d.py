@@ -53,8 +53,8 @@ def pipeline_dp_accum_clip(topo):
     mesh = parallel.build_mesh(topo, {"dp": 2, "pp": 2})
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
-    sched = pipeline.build_schedule("1f1b", [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())],
-                                    microbatches=4, loss_fn=steps.cross_entropy)
+    stages = [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())]
+    sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=steps.cross_entropy)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
