@@ -18,7 +18,8 @@ from torch import nn
 
 from core.config import RecipeError
 from core.dist import broadcast_object
-from core.steps import Tally, autocast, batch_metrics, clip_grad_norm, summarize
+from core.parallel import clip_grad_norm
+from core.steps import Tally, autocast, batch_metrics, summarize
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 

@@ -100,7 +100,7 @@ def _one_process(batches, *, k: int, precision: str = "fp32"):
     from core import steps
 
     model = _tiny_gpt()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     norms = []
     for x, y in batches:
         micro = list(zip(x.chunk(k), y.chunk(k)))
@@ -119,7 +119,7 @@ def fsdp_accum_clip(topo):
     batches = _token_batches()
     expected, expected_norms = _one_process(batches, k=1)
     model = parallel.apply_fsdp(_tiny_gpt(), mesh=parallel.build_mesh(topo, {"dp": 2}))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     norms = []
     for x, y in batches:
         mine = x.chunk(2)[topo.rank], y.chunk(2)[topo.rank]
@@ -143,7 +143,7 @@ def pipeline_accum_clip(topo, precision):
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
     sched = pipeline.build_schedule("1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=4,
                                     loss_fn=steps.cross_entropy)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     for x, y in batches:
         accumulated = [(x[:4], y[:4]), (x[4:], y[4:])]  # K=2 batches through a schedule of 2 x 2 micro-batches
         pipeline.step_pipeline(sched, accumulated, optimizer=optimizer, holds_last=topo.rank == 1,
@@ -172,3 +172,41 @@ def test_fsdp_accumulation_and_clip_equal_one_process(world2):
 def test_pipeline_accumulation_clip_and_precision_equal_one_process(world2, precision, tol):
     pairs, _ = world2.run(pipeline_accum_clip, precision)
     _assert_pairs(pairs, **tol)
+
+
+def tp_accum_clip(topo, via_step_amp: bool):
+    """tensor parallel over 2 ranks (both see the whole batch), K=2 micro-batches, the clip's norm over the
+    DTensor shards and the plain (replicated) layers the TP plan leaves out, together."""
+    import torch
+
+    from core import parallel, steps
+
+    batches = _token_batches()
+    expected, expected_norms = _one_process(batches, k=2)
+    model = parallel.apply_tp(_tiny_gpt(), parallel.build_mesh(topo, {"tp": 2}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms = []
+    for x, y in batches:
+        micro = list(zip(x.chunk(2), y.chunk(2)))
+        if via_step_amp:
+            norms.append(steps.step_amp(model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy,
+                                        clip=CLIP)[1].grad_norm)
+            continue
+        optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path, with parallel.clip_grad_norm
+        steps.accumulate_grads(model, micro, loss_fn=steps.cross_entropy)
+        norms.append(float(parallel.clip_grad_norm(model.parameters(), CLIP)))
+        optimizer.step()
+    full = parallel.full_state_dict(model)
+    return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("via_step_amp", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="core.steps.clip_grad_norm refuses TP's mix of "
+                                               "DTensor and plain grads until it uses core.parallel.clip_grad_norm")),
+])
+def test_tensor_parallel_accumulation_and_clip_equal_one_process(world2, via_step_amp):
+    (norms, expected_norms, pairs), _ = world2.run(tp_accum_clip, via_step_amp)
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    _assert_pairs(pairs, **TOL)

@@ -55,7 +55,7 @@ def pipeline_dp_accum_clip(topo):
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
     stages = [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())]
     sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=steps.cross_entropy)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
         pipeline.step_pipeline(sched, [(x[:4], y[:4]), (x[4:], y[4:])], optimizer=optimizer, holds_last=pp_rank == 1,
@@ -68,4 +68,37 @@ def test_pipeline_times_data_parallel_accumulation_and_clip(world4):
     from test_model_parallel import _assert_pairs
 
     pairs = world4.run(pipeline_dp_accum_clip)[0]
+    _assert_pairs(pairs, **TOL)
+
+
+def fsdp_tp_accum_clip(topo):
+    """dp=2 x tp=2: TP inside a pair, fully_shard across pairs, K=2 micro-batches under fsdp_sync, the clip's
+    norm over the 2-D DTensor shards."""
+    import torch
+    from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
+
+    from core import parallel, steps
+
+    batches = _token_batches(size=16)
+    expected, expected_norms = _one_process(batches, k=1)
+    mesh = parallel.build_mesh(topo, {"dp": 2, "tp": 2})
+    model = parallel.apply_fsdp(parallel.apply_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms, dp_rank = [], mesh["dp"].get_local_rank()
+    for x, y in batches:
+        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path with parallel.clip_grad_norm: the TP layers'
+        steps.accumulate_grads(model, list(zip(x.chunk(2), y.chunk(2))), loss_fn=steps.cross_entropy,
+                               sync=parallel.fsdp_sync)  # grads live on the dp x tp mesh, the others on dp's
+        norms.append(float(parallel.clip_grad_norm(model.parameters(), CLIP)))
+        optimizer.step()
+    full = parallel.full_state_dict(model)
+    return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+def test_fsdp_tp_accumulation_and_clip(world4):
+    from test_model_parallel import _assert_pairs
+
+    norms, expected_norms, pairs = world4.run(fsdp_tp_accum_clip)[0]
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
     _assert_pairs(pairs, **TOL)
