@@ -1,4 +1,5 @@
 """Wrappers that make a plain model parallel. Each is one small function; recipes apply them in order."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,36 +21,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from core.comm import prepare_batchnorm, replicas_report, wrap_ddp, wrap_dp  # noqa: F401  DDP's, here too
 from core.config import RecipeError
-
-
-def wrap_ddp(model: nn.Module, *, device: torch.device, comm_hook: str | None = None, **ddp_options) -> DDP:
-    """DistributedDataParallel: params broadcast from rank 0 now, gradients averaged in backward().
-
-    comm_hook: "fp16", "bf16" or "powersgd" installs that core.comm hook ("none" or None: DDP's own reducer);
-    ddp_options: DDP's keyword arguments, e.g. core.comm.ddp_options(cfg) (bucket size, static graph)."""
-    device_ids = [device.index] if device.type == "cuda" else None  # CPU modules take none
-    ddp = DDP(model, device_ids=device_ids, **ddp_options)
-    if comm_hook is not None:
-        from core import comm  # here, not at the top: core.comm is only needed with a hook
-        comm.register(ddp, comm_hook, backend=torch.distributed.get_backend())
-    return ddp
-
-
-def wrap_dp(model: nn.Module) -> tuple[nn.Module, str]:
-    """nn.DataParallel over all visible GPUs, in one process; with fewer than two, the model as it is.
-
-    Returns the model and one line saying which it did.
-    """
-    gpus = torch.cuda.device_count()
-    if gpus < 2:
-        where = "one GPU" if gpus == 1 else "CPU"
-        return model, f"DataParallel needs 2+ GPUs; found {gpus}: training on {where} as plain single-device training"
-    return nn.DataParallel(model), f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"
-
 
 # --- model parallelism: device meshes, tensor parallel (DTensor), FSDP2 -------------------------
 
@@ -61,8 +36,10 @@ def check_mesh(world_size: int, dims: dict[str, int]) -> None:
     for size in dims.values():
         total *= size
     if min(dims.values()) < 1 or total != world_size:
-        raise RecipeError(f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
-                          f"launch {total} processes (NPROC_PER_NODE) or pick sizes that multiply to {world_size}")
+        raise RecipeError(
+            f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
+            f"launch {total} processes (NPROC_PER_NODE) or pick sizes that multiply to {world_size}"
+        )
 
 
 def build_mesh(topo, dims: dict[str, int]):
@@ -76,13 +53,16 @@ def check_tp_model(model: nn.Module) -> list[nn.Module]:
 
     Reads only attributes and shapes, so it runs on a meta-device model before any process starts."""
     blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
-    needs = ("model.blocks (an nn.Sequential, forward = model.blocks(x)) whose blocks have attn.q/k/v/proj and "
-             "mlp.fc/proj nn.Linear layers, like core.gpt.GPT")
+    needs = (
+        "model.blocks (an nn.Sequential, forward = model.blocks(x)) whose blocks have attn.q/k/v/proj and "
+        "mlp.fc/proj nn.Linear layers, like core.gpt.GPT"
+    )
     if not blocks:
         found = find_blocks(model)
         seen = f" (its repeated blocks are {found[0]})" if found else ""
-        raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs {needs}{seen}; "
-                          f"use fsdp for this model")
+        raise RecipeError(
+            f"--model {type(model).__name__}: tensor parallelism needs {needs}{seen}; use fsdp for this model"
+        )
     for block in blocks:
         names = [getattr(block.attn, n, None) for n in ("q", "k", "v", "proj")] + [block.mlp.fc, block.mlp.proj]
         if not all(isinstance(m, nn.Linear) for m in names) or not hasattr(block.attn, "head_dim"):
@@ -95,8 +75,10 @@ def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> N
     for block in check_tp_model(model):
         heads = block.attn.q.out_features // block.attn.head_dim
         if heads % tp or block.mlp.fc.out_features % tp:
-            raise RecipeError(f"tensor parallel size {tp} must divide the {heads} attention heads and the "
-                              f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both")
+            raise RecipeError(
+                f"tensor parallel size {tp} must divide the {heads} attention heads and the "
+                f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both"
+            )
     if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
         raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., Head(ln, out)]")
 
@@ -116,8 +98,9 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
             plan.update({f"blocks.{i}.{sub}.{name}": ColwiseParallel() for name in first})
             plan[f"blocks.{i}.{sub}.{last}"] = RowwiseParallel(output_layouts=row_out)
             if sequence_parallel:  # gather the sequence before the column-split layers
-                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                               desired_input_layouts=(Replicate(),))
+                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
                 plan[f"blocks.{i}.ln{1 if sub == 'attn' else 2}"] = SequenceParallel()
     if sequence_parallel:
         last = len(model.blocks) - 1
@@ -149,8 +132,10 @@ def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.M
         found = dict(containers).get(name)
         if found is None:
             listed = ", ".join(n or "(the model itself)" for n, _ in containers) or "none"
-            raise RecipeError(f"--blocks {name}: {type(model).__name__} has no nn.ModuleList or nn.Sequential "
-                              f"there; candidates: {listed}")
+            raise RecipeError(
+                f"--blocks {name}: {type(model).__name__} has no nn.ModuleList or nn.Sequential "
+                f"there; candidates: {listed}"
+            )
         return name, found
     repeated = [(n, m) for n, m in containers if max(Counter(type(c) for c in m).values()) >= 2]
     if not repeated:
@@ -158,21 +143,28 @@ def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.M
     return max(repeated, key=lambda item: (sum(p.numel() for p in item[1].parameters()), -item[0].count(".")))
 
 
-def apply_fsdp(model: nn.Module, *, mesh=None, precision: str = "fp32", offload: bool = False,
-               blocks: str | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, *, mesh=None, precision: str = "fp32", offload: bool = False, blocks: str | None = None
+) -> nn.Module:
     """FSDP2: fully_shard each repeated block (find_blocks; `blocks` names them), then the root. Each block's
     parameters are gathered just before it runs and freed after, so a rank holds 1/N of the model plus
     one block at a time. A model without repeated blocks is sharded as one unit, with a warning.
 
     precision="bf16": compute in bf16, reduce gradients in fp32; offload: shards live in CPU memory."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if precision == "bf16" else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     found = find_blocks(model, name=blocks)
     if found is None:  # one unit: the whole model is gathered at once, so a rank's peak memory is the model's
-        warnings.warn(f"fsdp: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one class); "
-                      f"sharding it as one unit, which gathers the whole model for each forward; name them "
-                      f"with --blocks", stacklevel=2)
+        warnings.warn(
+            f"fsdp: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one class); "
+            f"sharding it as one unit, which gathers the whole model for each forward; name them "
+            f"with --blocks",
+            stacklevel=2,
+        )
     for block in found[1] if found else ():
         fully_shard(block, **options)
     return fully_shard(model, **options)
@@ -245,21 +237,38 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # Shared options that only some recipes implement; the others refuse them rather than ignore them.
-NOT_EVERYWHERE = ("accum", "clip", "ckpt_every", "resume", "comm_hook", "bucket_mb", "grad_as_bucket_view",
-                  "static_graph", "compile", "activation_checkpointing", "channels_last", "debug", "profile")
+NOT_EVERYWHERE = (
+    "accum",
+    "clip",
+    "ckpt_every",
+    "resume",
+    "comm_hook",
+    "bucket_mb",
+    "grad_as_bucket_view",
+    "static_graph",
+    "compile",
+    "activation_checkpointing",
+    "channels_last",
+    "debug",
+    "profile",
+)
 
 
-def refuse_unsupported(cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",),
-                       options: tuple[str, ...] = NOT_EVERYWHERE) -> None:
+def refuse_unsupported(
+    cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",), options: tuple[str, ...] = NOT_EVERYWHERE
+) -> None:
     """Shared options this recipe does not implement fail now, with one line, instead of being ignored."""
     if cfg.precision not in precisions:
-        raise RecipeError(f"--precision {cfg.precision}: {recipe} supports {', '.join(precisions)}; "
-                          f"use --precision {precisions[-1]}")
+        raise RecipeError(
+            f"--precision {cfg.precision}: {recipe} supports {', '.join(precisions)}; use --precision {precisions[-1]}"
+        )
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in options:
         if getattr(cfg, name) != defaults[name]:
-            raise RecipeError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: {recipe} does not support it yet; "
-                              f"leave it at {defaults[name]!r}")
+            raise RecipeError(
+                f"--{name.replace('_', '-')} {getattr(cfg, name)}: {recipe} does not support it yet; "
+                f"leave it at {defaults[name]!r}"
+            )
 
 
 def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:
@@ -269,14 +278,3 @@ def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:
     if full:
         plain.load_state_dict(full)
     return plain
-
-
-def prepare_batchnorm(model, *, sync: bool, warn):  # SHIM (branch parallel replaces)
-    return model
-
-
-def replicas_report(model) -> dict:  # SHIM (branch parallel replaces)
-    from core.dist import same_on_all_ranks
-    from core.models import fingerprint
-
-    return {"replicas_identical": same_on_all_ranks(fingerprint(model))}

@@ -5,6 +5,7 @@ forward is `model.blocks(x)`, like core.gpt.GPT and the models in core.models. S
 blocks' original names (`blocks.3.attn.q.weight`), so the stages' state dicts merged are the
 whole model's state dict.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -99,25 +100,38 @@ def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
     name = type(model).__name__
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
-        raise RecipeError(f"--model {name}: pipelining needs every parameter in `model.blocks`, an nn.Sequential "
-                          f"that forward() runs in order (forward = model.blocks(x), like core.gpt.GPT); "
-                          f"use ddp or fsdp for this model")
-    outside = [n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())
-               if not n.startswith("blocks.")]
+        raise RecipeError(
+            f"--model {name}: pipelining needs every parameter in `model.blocks`, an nn.Sequential "
+            f"that forward() runs in order (forward = model.blocks(x), like core.gpt.GPT); "
+            f"use ddp or fsdp for this model"
+        )
+    outside = [
+        n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers()) if not n.startswith("blocks.")
+    ]
     if outside:
-        raise RecipeError(f"--model {name}: {outside[0]} is outside model.blocks; "
-                          f"a pipeline stage must hold every parameter, so move it into a block")
+        raise RecipeError(
+            f"--model {name}: {outside[0]} is outside model.blocks; "
+            f"a pipeline stage must hold every parameter, so move it into a block"
+        )
     if len(blocks) < num_stages:
-        raise RecipeError(f"--model {name} has {len(blocks)} blocks, fewer than the "
-                          f"{num_stages} pipeline stages; use at most {len(blocks)} stages or a deeper model")
+        raise RecipeError(
+            f"--model {name} has {len(blocks)} blocks, fewer than the "
+            f"{num_stages} pipeline stages; use at most {len(blocks)} stages or a deeper model"
+        )
     return len(blocks)
 
 
 check_block_model = check_pipeline_model  # the earlier name, kept for the recipes that call it
 
 
-def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int,
-                   balance: str | Sequence[int] = "params", sample: torch.Tensor | None = None) -> Stage:
+def split_pipeline(
+    model: nn.Module,
+    *,
+    num_stages: int,
+    stage_index: int,
+    balance: str | Sequence[int] = "params",
+    sample: torch.Tensor | None = None,
+) -> Stage:
     """Cut `model.blocks` into `num_stages` contiguous stages and return stage `stage_index`.
 
     balance: "params" (parameter counts), "time" (forward+backward time on `sample`, measured
@@ -134,27 +148,36 @@ def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int,
     return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
 
 
-def check_pipeline(*, world_size: int, pp: int, schedule: str, num_blocks: int,
-                   batch_size: int, microbatches: int) -> None:
+def check_pipeline(
+    *, world_size: int, pp: int, schedule: str, num_blocks: int, batch_size: int, microbatches: int
+) -> None:
     """Everything about a pipeline job that can be refused before any process group exists."""
     if pp < 1 or world_size % pp:
-        raise RecipeError(f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
-                          f"use --pp {world_size} (or a divisor of it)")
+        raise RecipeError(
+            f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
+            f"use --pp {world_size} (or a divisor of it)"
+        )
     if schedule not in SCHEDULES:
         raise RecipeError(f"--schedule {schedule}: choose one of {', '.join(SCHEDULES)}")
     stages = pp * (2 if schedule == "interleaved1f1b" else 1)
     if num_blocks < stages:
-        raise RecipeError(f"the model has {num_blocks} blocks, fewer than the {stages} pipeline stages "
-                          f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model")
+        raise RecipeError(
+            f"the model has {num_blocks} blocks, fewer than the {stages} pipeline stages "
+            f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model"
+        )
     if microbatches < 1 or batch_size % microbatches:
-        raise RecipeError(f"--microbatches {microbatches}: must divide --batch-size {batch_size} "
-                          f"(e.g. --microbatches {_divisor_near(batch_size, microbatches)})")
+        raise RecipeError(
+            f"--microbatches {microbatches}: must divide --batch-size {batch_size} "
+            f"(e.g. --microbatches {_divisor_near(batch_size, microbatches)})"
+        )
     if schedule == "1f1b" and microbatches < pp:
         raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
     rounds = max(1, microbatches // pp)  # torch's interleaved schedule runs the micro-batches in equal rounds
     if schedule == "interleaved1f1b" and microbatches % rounds:
-        raise RecipeError(f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
-                          f"(or fewer than {2 * pp}); use {pp * rounds}")
+        raise RecipeError(
+            f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
+            f"(or fewer than {2 * pp}); use {pp * rounds}"
+        )
 
 
 def _divisor_near(n: int, want: int) -> int:
@@ -194,9 +217,18 @@ def average_gradients(params: Sequence[nn.Parameter], *, group, size: int) -> No
                 p.grad /= size
 
 
-def step_pipeline(schedule, batch: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]], *,
-                  optimizer: torch.optim.Optimizer, holds_last: bool, dp_group=None, dp_size: int = 1,
-                  precision: str = "fp32", clip: float = 0.0, pp_group=None) -> dict[str, torch.Tensor]:
+def step_pipeline(
+    schedule,
+    batch: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    optimizer: torch.optim.Optimizer,
+    holds_last: bool,
+    dp_group=None,
+    dp_size: int = 1,
+    precision: str = "fp32",
+    clip: float = 0.0,
+    pp_group=None,
+) -> dict[str, torch.Tensor]:
     """One optimizer step through the pipeline. Every rank passes the whole batch (the first stage
     reads the inputs, the last the targets); the last stage returns the batch's metrics, the
     others an empty dict. The schedule splits the batch into micro-batches and, by default,

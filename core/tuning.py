@@ -10,6 +10,7 @@ DDP is compiled after wrapping (TorchDynamo then splits the graph at bucket boun
 all-reduce still overlaps backward). None of these changes the arithmetic beyond float rounding,
 and none changes parameter names: checkpoints and model.safetensors load into the plain model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,10 @@ def checkpoint_blocks(model: nn.Module, *, blocks: str | None = None) -> int:
 
     found = find_blocks(model, name=blocks)
     if found is None:
-        raise RecipeError(f"--activation-checkpointing: the model ({type(model).__name__}) has no repeated blocks "
-                          f"(an nn.ModuleList or nn.Sequential of one class) to checkpoint; leave the option off")
+        raise RecipeError(
+            f"--activation-checkpointing: the model ({type(model).__name__}) has no repeated blocks "
+            f"(an nn.ModuleList or nn.Sequential of one class) to checkpoint; leave the option off"
+        )
     for block in found[1]:
         checkpoint_module(block)
     return len(found[1])
@@ -41,8 +44,10 @@ def checkpoint_blocks(model: nn.Module, *, blocks: str | None = None) -> int:
 def to_channels_last(model: nn.Module) -> nn.Module:
     """4-D conv weights (and so their outputs) in NHWC, the layout tensor cores read fastest."""
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
-        raise RecipeError(f"--channels-last: the model ({type(model).__name__}) has no Conv2d layer; "
-                          f"the option is for conv nets such as --model cnn")
+        raise RecipeError(
+            f"--channels-last: the model ({type(model).__name__}) has no Conv2d layer; "
+            f"the option is for conv nets such as --model cnn"
+        )
     return model.to(memory_format=torch.channels_last)
 
 

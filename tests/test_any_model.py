@@ -199,3 +199,28 @@ def sync_batchnorm_under_ddp_on_cpu(topo):
 def test_torch_refuses_sync_batchnorm_on_cpu(world2):
     """Why to_sync_batchnorm refuses CPU: torch 2.13's DDP does (when this fails, torch learnt it: allow it)."""
     assert world2.run(sync_batchnorm_under_ddp_on_cpu) == ["SyncBatchNorm layers only work with GPU modules"] * 2
+
+
+@pytest.mark.fast
+def test_prepare_batchnorm_warns_naming_the_layers_and_refuses_sync_on_cpu():
+    said = []
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    assert parallel.prepare_batchnorm(model, sync=False, warn=said.append) is model
+    assert len(said) == 1 and "BatchNorm layers 1 " in said[0] and "--sync-batchnorm" in said[0]
+    assert parallel.prepare_batchnorm(MLP(), sync=True, warn=said.append) is not None and len(said) == 1
+    with pytest.raises(RecipeError, match="--sync-batchnorm"):
+        parallel.prepare_batchnorm(model, sync=True, warn=said.append)
+
+
+def batchnorm_replicas(topo):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.randn(6, 4) + topo.rank).sum().backward()  # each rank's own batch statistics
+    return parallel.replicas_report(model)
+
+
+@pytest.mark.world
+def test_summary_says_why_batchnorm_replicas_differ(world2):
+    report = world2.run(batchnorm_replicas)[0]
+    assert report == {"replicas_identical": False, "replicas_differ": "BatchNorm running statistics are per rank (1)"}

@@ -9,6 +9,7 @@ Adam's step divides by sqrt(v), which magnifies such float32 rounding for near-z
 gradients; a real mistake (a missing 1/M scale, a lost shard, a wrong micro-batch) is off by
 1e-3 or more.
 """
+
 import pytest
 from mp_reference import assert_same_weights, reference, run_recipe
 
@@ -25,8 +26,7 @@ def world2():
 
 
 def _cfg(tmp_path, **changes) -> TrainConfig:
-    base = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1,
-                out=str(tmp_path))
+    base = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1, out=str(tmp_path))
     return TrainConfig(**{**base, **changes})
 
 
@@ -65,8 +65,9 @@ def test_fsdp_tp_on_two_ranks_equals_single_process(world2, one_share, tmp_path)
 
 def test_ranks_agree_on_the_reported_loss(world2, tmp_path):
     """The loss comes from the last stage, reduced over ranks: both ranks return the same summary."""
-    first, second = world2.run(run_recipe, "pipeline", _cfg(tmp_path, max_steps=2),
-                               dict(schedule="1f1b", microbatches=2, pp=2, balance="time"))
+    first, second = world2.run(
+        run_recipe, "pipeline", _cfg(tmp_path, max_steps=2), dict(schedule="1f1b", microbatches=2, pp=2, balance="time")
+    )
     assert first["train_loss"] == second["train_loss"] and first["val_loss"] == second["val_loss"]
 
 
@@ -104,8 +105,9 @@ def _one_process(batches, *, k: int, precision: str = "fp32"):
     norms = []
     for x, y in batches:
         micro = list(zip(x.chunk(k), y.chunk(k)))
-        _, stats = steps.step_amp(model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP,
-                                  precision=precision)
+        _, stats = steps.step_amp(
+            model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP, precision=precision
+        )
         norms.append(stats.grad_norm)
     return model.state_dict(), norms
 
@@ -124,8 +126,9 @@ def fsdp_accum_clip(topo):
     for x, y in batches:
         mine = x.chunk(2)[topo.rank], y.chunk(2)[topo.rank]
         micro = list(zip(mine[0].chunk(2), mine[1].chunk(2)))
-        _, stats = steps.step_amp(model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP,
-                                  sync=parallel.fsdp_sync)
+        _, stats = steps.step_amp(
+            model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP, sync=parallel.fsdp_sync
+        )
         norms.append(stats.grad_norm)
     full = parallel.full_state_dict(model)
     return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
@@ -141,13 +144,21 @@ def pipeline_accum_clip(topo, precision):
     batches = _token_batches()
     expected, _ = _one_process(batches, k=4, precision=precision)
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
-    sched = pipeline.build_schedule("1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=4,
-                                    loss_fn=steps.cross_entropy)
+    sched = pipeline.build_schedule(
+        "1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=4, loss_fn=steps.cross_entropy
+    )
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     for x, y in batches:
         accumulated = [(x[:4], y[:4]), (x[4:], y[4:])]  # K=2 batches through a schedule of 2 x 2 micro-batches
-        pipeline.step_pipeline(sched, accumulated, optimizer=optimizer, holds_last=topo.rank == 1,
-                               precision=precision, clip=CLIP, pp_group=torch.distributed.group.WORLD)
+        pipeline.step_pipeline(
+            sched,
+            accumulated,
+            optimizer=optimizer,
+            holds_last=topo.rank == 1,
+            precision=precision,
+            clip=CLIP,
+            pp_group=torch.distributed.group.WORLD,
+        )
     full = pipeline.gather_state_dict([stage])
     return {k: (full[k], v) for k, v in expected.items()} if full else None
 
@@ -189,8 +200,9 @@ def tp_accum_clip(topo, via_step_amp: bool):
     for x, y in batches:
         micro = list(zip(x.chunk(2), y.chunk(2)))
         if via_step_amp:
-            norms.append(steps.step_amp(model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy,
-                                        clip=CLIP)[1].grad_norm)
+            norms.append(
+                steps.step_amp(model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP)[1].grad_norm
+            )
             continue
         optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path, with parallel.clip_grad_norm
         steps.accumulate_grads(model, micro, loss_fn=steps.cross_entropy)
@@ -201,11 +213,20 @@ def tp_accum_clip(topo, via_step_amp: bool):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("via_step_amp", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="core.steps.clip_grad_norm refuses TP's mix of "
-                                               "DTensor and plain grads until it uses core.parallel.clip_grad_norm")),
-])
+@pytest.mark.parametrize(
+    "via_step_amp",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="core.steps.clip_grad_norm refuses TP's mix of "
+                "DTensor and plain grads until it uses core.parallel.clip_grad_norm",
+            ),
+        ),
+    ],
+)
 def test_tensor_parallel_accumulation_and_clip_equal_one_process(world2, via_step_amp):
     (norms, expected_norms, pairs), _ = world2.run(tp_accum_clip, via_step_amp)
     assert norms == pytest.approx(expected_norms, rel=1e-5)

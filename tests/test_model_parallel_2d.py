@@ -1,6 +1,7 @@
 """Layer 2 on 4 gloo ranks: the 2-D meshes. pipeline with pp=2 x dp=2 and fsdp_tp with dp=2 x tp=2
 give the parameters one process gets on the same global batches (each step: both data shares).
 Tolerance as in test_model_parallel.py: atol 2e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
+
 import pytest
 from mp_reference import assert_same_weights, reference, run_recipe
 
@@ -22,13 +23,15 @@ def two_shares(tmp_path_factory):
 
 
 def _cfg(tmp_path) -> TrainConfig:
-    return TrainConfig(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1,
-                       out=str(tmp_path))
+    return TrainConfig(
+        model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1, out=str(tmp_path)
+    )
 
 
 def test_pipeline_times_data_parallel(world4, two_shares, tmp_path):
-    summaries = world4.run(run_recipe, "pipeline", _cfg(tmp_path),
-                           dict(schedule="1f1b", microbatches=4, pp=2, balance="params"))
+    summaries = world4.run(
+        run_recipe, "pipeline", _cfg(tmp_path), dict(schedule="1f1b", microbatches=4, pp=2, balance="params")
+    )
     assert (summaries[0]["pp"], summaries[0]["dp"], summaries[0]["global_batch"]) == (2, 2, 16)
     assert_same_weights(summaries[0], two_shares, **TOL)
 
@@ -58,8 +61,16 @@ def pipeline_dp_accum_clip(topo):
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        pipeline.step_pipeline(sched, [(x[:4], y[:4]), (x[4:], y[4:])], optimizer=optimizer, holds_last=pp_rank == 1,
-                               dp_group=mesh["dp"].get_group(), dp_size=2, clip=CLIP, pp_group=mesh["pp"].get_group())
+        pipeline.step_pipeline(
+            sched,
+            [(x[:4], y[:4]), (x[4:], y[4:])],
+            optimizer=optimizer,
+            holds_last=pp_rank == 1,
+            dp_group=mesh["dp"].get_group(),
+            dp_size=2,
+            clip=CLIP,
+            pp_group=mesh["pp"].get_group(),
+        )
     full = pipeline.gather_state_dict([stage])
     return {k: (full[k], v) for k, v in expected.items()} if full else None
 
@@ -88,8 +99,9 @@ def fsdp_tp_accum_clip(topo):
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
         optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path with parallel.clip_grad_norm: the TP layers'
-        steps.accumulate_grads(model, list(zip(x.chunk(2), y.chunk(2))), loss_fn=steps.cross_entropy,
-                               sync=parallel.fsdp_sync)  # grads live on the dp x tp mesh, the others on dp's
+        steps.accumulate_grads(
+            model, list(zip(x.chunk(2), y.chunk(2))), loss_fn=steps.cross_entropy, sync=parallel.fsdp_sync
+        )  # grads live on the dp x tp mesh, the others on dp's
         norms.append(float(parallel.clip_grad_norm(model.parameters(), CLIP)))
         optimizer.step()
     full = parallel.full_state_dict(model)
