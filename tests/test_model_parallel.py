@@ -11,10 +11,19 @@ gradients; a real mistake (a missing 1/M scale, a lost shard, a wrong micro-batc
 """
 
 import pytest
-from mp_reference import assert_same_weights, reference, run_recipe
 
-from core.config import TrainConfig
 from world import GlooWorld
+
+try:  # the recipe tests' helpers; while the recipes are being ported (issue 12) they fail alone, the rest still run
+    from mp_reference import assert_same_weights, reference, run_recipe
+
+    from core.config import TrainConfig
+except ImportError as err:
+    _PORT_PENDING = err
+
+    def TrainConfig(**_):  # noqa: N802
+        raise _PORT_PENDING
+
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -25,7 +34,7 @@ def world2():
         yield world
 
 
-def _cfg(tmp_path, **changes) -> TrainConfig:
+def _cfg(tmp_path, **changes) -> "TrainConfig":
     base = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1, out=str(tmp_path))
     return TrainConfig(**{**base, **changes})
 

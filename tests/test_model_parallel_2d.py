@@ -3,10 +3,19 @@ give the parameters one process gets on the same global batches (each step: both
 Tolerance as in test_model_parallel.py: atol 2e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
 
 import pytest
-from mp_reference import assert_same_weights, reference, run_recipe
 
-from core.config import TrainConfig
 from world import GlooWorld
+
+try:  # the recipe tests' helpers; while the recipes are being ported (issue 12) they fail alone, the rest still run
+    from mp_reference import assert_same_weights, reference, run_recipe
+
+    from core.config import TrainConfig
+except ImportError as err:
+    _PORT_PENDING = err
+
+    def TrainConfig(**_):  # noqa: N802
+        raise _PORT_PENDING
+
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -22,7 +31,7 @@ def two_shares(tmp_path_factory):
     return reference(_cfg(tmp_path_factory.mktemp("ref")), replicas=2)
 
 
-def _cfg(tmp_path) -> TrainConfig:
+def _cfg(tmp_path) -> "TrainConfig":
     return TrainConfig(
         model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1, out=str(tmp_path)
     )
