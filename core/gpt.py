@@ -9,6 +9,7 @@ with single-process training number for number.
 The corpus is the Python standard library's own source files, read from this interpreter's
 installation, encoded one character per token (ASCII; anything else becomes '?').
 """
+
 from __future__ import annotations
 
 import sysconfig
@@ -20,8 +21,19 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 VOCAB = 128  # 7-bit ASCII: the model's shape never depends on which corpus was read
-CORPUS_FILES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "fractions.py", "shlex.py",
-                "calendar.py", "difflib.py", "argparse.py", "dataclasses.py", "functools.py")
+CORPUS_FILES = (
+    "textwrap.py",
+    "string.py",
+    "heapq.py",
+    "bisect.py",
+    "fractions.py",
+    "shlex.py",
+    "calendar.py",
+    "difflib.py",
+    "argparse.py",
+    "dataclasses.py",
+    "functools.py",
+)
 
 
 def encode(text: str) -> torch.Tensor:
@@ -54,7 +66,7 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.context
-        return self.tokens[start:start + self.context], self.tokens[start + 1:start + self.context + 1]
+        return self.tokens[start : start + self.context], self.tokens[start + 1 : start + self.context + 1]
 
 
 def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Dataset]:
@@ -138,7 +150,8 @@ class GPT(nn.Module):
             raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
         self.context, self.heads = context, heads
         self.blocks = nn.Sequential(
-            Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers)), Head(dim, vocab))
+            Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers)), Head(dim, vocab)
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.blocks(tokens)

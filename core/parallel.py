@@ -1,14 +1,18 @@
 """Wrappers that make a plain model parallel. Each is one small function; recipes apply them in order."""
+
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -17,35 +21,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from core.comm import prepare_batchnorm, replicas_report, wrap_ddp, wrap_dp  # noqa: F401  DDP's, here too
 from core.config import RecipeError
-
-
-def wrap_ddp(model: nn.Module, *, device: torch.device, comm_hook: str | None = None, **ddp_options) -> DDP:
-    """DistributedDataParallel: params broadcast from rank 0 now, gradients averaged in backward().
-
-    comm_hook: "fp16", "bf16" or "powersgd" installs that core.comm hook ("none" or None: DDP's own reducer);
-    ddp_options: DDP's keyword arguments, e.g. core.comm.ddp_options(cfg) (bucket size, static graph)."""
-    device_ids = [device.index] if device.type == "cuda" else None  # CPU modules take none
-    ddp = DDP(model, device_ids=device_ids, **ddp_options)
-    if comm_hook is not None:
-        from core import comm  # here, not at the top: core.comm is only needed with a hook
-        comm.register(ddp, comm_hook, backend=torch.distributed.get_backend())
-    return ddp
-
-
-def wrap_dp(model: nn.Module) -> tuple[nn.Module, str]:
-    """nn.DataParallel over all visible GPUs, in one process; with fewer than two, the model as it is.
-
-    Returns the model and one line saying which it did.
-    """
-    gpus = torch.cuda.device_count()
-    if gpus < 2:
-        where = "one GPU" if gpus == 1 else "CPU"
-        return model, f"DataParallel needs 2+ GPUs; found {gpus}: training on {where} as plain single-device training"
-    return nn.DataParallel(model), f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"
-
 
 # --- model parallelism: device meshes, tensor parallel (DTensor), FSDP2 -------------------------
 
@@ -57,8 +36,10 @@ def check_mesh(world_size: int, dims: dict[str, int]) -> None:
     for size in dims.values():
         total *= size
     if min(dims.values()) < 1 or total != world_size:
-        raise RecipeError(f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
-                          f"launch {total} processes (NPROC_PER_NODE) or pick sizes that multiply to {world_size}")
+        raise RecipeError(
+            f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
+            f"launch {total} processes (NPROC_PER_NODE) or pick sizes that multiply to {world_size}"
+        )
 
 
 def build_mesh(topo, dims: dict[str, int]):
@@ -67,17 +48,37 @@ def build_mesh(topo, dims: dict[str, int]):
     return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
+def check_tp_model(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks tensor parallelism shards; a RecipeError naming the structure it needs.
+
+    Reads only attributes and shapes, so it runs on a meta-device model before any process starts."""
+    blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
+    needs = (
+        "model.blocks (an nn.Sequential, forward = model.blocks(x)) whose blocks have attn.q/k/v/proj and "
+        "mlp.fc/proj nn.Linear layers, like core.gpt.GPT"
+    )
+    if not blocks:
+        found = find_blocks(model)
+        seen = f" (its repeated blocks are {found[0]})" if found else ""
+        raise RecipeError(
+            f"--model {type(model).__name__}: tensor parallelism needs {needs}{seen}; use fsdp for this model"
+        )
+    for block in blocks:
+        names = [getattr(block.attn, n, None) for n in ("q", "k", "v", "proj")] + [block.mlp.fc, block.mlp.proj]
+        if not all(isinstance(m, nn.Linear) for m in names) or not hasattr(block.attn, "head_dim"):
+            raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs {needs}; use fsdp for it")
+    return blocks
+
+
 def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> None:
     """A RecipeError unless every transformer block splits into `tp` equal, whole-head shards."""
-    blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
-    if not blocks:
-        raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs model.blocks with "
-                          f"attn.(q,k,v,proj) and mlp.(fc,proj) Linear layers, like core.gpt.GPT")
-    for block in blocks:
+    for block in check_tp_model(model):
         heads = block.attn.q.out_features // block.attn.head_dim
         if heads % tp or block.mlp.fc.out_features % tp:
-            raise RecipeError(f"tensor parallel size {tp} must divide the {heads} attention heads and the "
-                              f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both")
+            raise RecipeError(
+                f"tensor parallel size {tp} must divide the {heads} attention heads and the "
+                f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both"
+            )
     if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
         raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., Head(ln, out)]")
 
@@ -97,8 +98,9 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
             plan.update({f"blocks.{i}.{sub}.{name}": ColwiseParallel() for name in first})
             plan[f"blocks.{i}.{sub}.{last}"] = RowwiseParallel(output_layouts=row_out)
             if sequence_parallel:  # gather the sequence before the column-split layers
-                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                               desired_input_layouts=(Replicate(),))
+                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
                 plan[f"blocks.{i}.ln{1 if sub == 'attn' else 2}"] = SequenceParallel()
     if sequence_parallel:
         last = len(model.blocks) - 1
@@ -114,17 +116,117 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.M
     return parallelize_module(model, mesh, tp_plan(model, sequence_parallel=sequence_parallel))
 
 
-def apply_fsdp(model: nn.Module, *, mesh=None, precision: str = "fp32", offload: bool = False) -> nn.Module:
-    """FSDP2: fully_shard each block, then the root. Each block's parameters are gathered just
-    before it runs and freed after, so a rank holds 1/N of the model plus one block at a time.
+def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
+
+
+def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.Module] | None:
+    """The model's repeated blocks: (path, container), or None when it has none.
+
+    With `name` (e.g. "transformer.h"), that nn.ModuleList / nn.Sequential, or a RecipeError listing the
+    candidates. Without, the ModuleList / Sequential whose children repeat one class (GPT-2's and
+    nanoGPT's `transformer.h`, Llama's `model.layers`, `blocks` here) holding the most parameters,
+    the outermost on a tie."""
+    containers = _containers(model)
+    if name is not None:
+        found = dict(containers).get(name)
+        if found is None:
+            listed = ", ".join(n or "(the model itself)" for n, _ in containers) or "none"
+            raise RecipeError(
+                f"--blocks {name}: {type(model).__name__} has no nn.ModuleList or nn.Sequential "
+                f"there; candidates: {listed}"
+            )
+        return name, found
+    repeated = [(n, m) for n, m in containers if max(Counter(type(c) for c in m).values()) >= 2]
+    if not repeated:
+        return None
+    return max(repeated, key=lambda item: (sum(p.numel() for p in item[1].parameters()), -item[0].count(".")))
+
+
+def apply_fsdp(
+    model: nn.Module, *, mesh=None, precision: str = "fp32", offload: bool = False, blocks: str | None = None
+) -> nn.Module:
+    """FSDP2: fully_shard each repeated block (find_blocks; `blocks` names them), then the root. Each block's
+    parameters are gathered just before it runs and freed after, so a rank holds 1/N of the model plus
+    one block at a time. A model without repeated blocks is sharded as one unit, with a warning.
 
     precision="bf16": compute in bf16, reduce gradients in fp32; offload: shards live in CPU memory."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if precision == "bf16" else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-    for block in model.blocks:
+    found = find_blocks(model, name=blocks)
+    if found is None:  # one unit: the whole model is gathered at once, so a rank's peak memory is the model's
+        warnings.warn(
+            f"fsdp: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one class); "
+            f"sharding it as one unit, which gathers the whole model for each forward; name them "
+            f"with --blocks",
+            stacklevel=2,
+        )
+    for block in found[1] if found else ():
         fully_shard(block, **options)
     return fully_shard(model, **options)
+
+
+@contextmanager
+def fsdp_sync(model: nn.Module, *, enabled: bool):
+    """core.steps.grad_sync's shape for fully_shard: with enabled=False the backward inside keeps unsharded
+    gradients and adds to them, the reduce-scatter waits for the micro-batch run with enabled=True.
+
+        steps.step_amp(model, micro_batches, ..., sync=parallel.fsdp_sync)"""
+    model.set_requires_gradient_sync(enabled)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _by_mesh(items: list, tensor_of) -> dict:
+    """Items grouped by their tensor's DeviceMesh (None: plain tensors): torch's foreach kernels take one kind."""
+    kinds: dict = {}
+    for item in items:
+        g = tensor_of(item)
+        kinds.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(item)
+    return kinds
+
+
+def total_norm(grads: list[torch.Tensor], *, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all these gradients as one vector, a plain tensor, the same on every rank.
+
+    DTensors (fully_shard, tensor parallel) and plain tensors may be mixed: tensor parallelism leaves the
+    layers outside its plan plain and replicated, fsdp_tp puts them on the dp mesh and the TP layers on
+    dp x tp, and torch's norm refuses such mixes. Each kind (each mesh)
+    gets its own norm, a DTensor's reduced over its shards by full_tensor(); the parts combine as a vector
+    of norms does: (sum of n^p)^(1/p), or the max for inf."""
+    parts = []
+    for part in _by_mesh(grads, lambda g: g).values():
+        norm = get_total_norm(part, norm_type=norm_type)
+        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not parts:
+        return torch.zeros(())
+    return parts[0] if len(parts) == 1 else get_total_norm(parts, norm_type=norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float, *, norm_type: float = 2.0, group=None) -> torch.Tensor:
+    """core.steps.clip_grad_norm for any layout: replicated (DDP), DTensor (fully_shard, TP) and the two mixed
+    (TP), and disjoint plain tensors split over `group` (pipeline stages). Returns the total norm; scales
+    the gradients by one factor on every rank when max_norm > 0 and the norm exceeds it."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = total_norm([p.grad for p in parameters], norm_type=norm_type)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        if norm_type == float("inf"):
+            torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX, group=group)
+        else:  # p-norms combine as (sum of |g|^p)^(1/p)
+            norm = norm.pow(norm_type)
+            torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.SUM, group=group)
+            norm = norm.pow(1.0 / norm_type)
+    if max_norm > 0:
+        for kind in _by_mesh(parameters, lambda p: p.grad).values():  # fsdp_tp: the TP layers' mesh is 2-D
+            clip_grads_with_norm_(kind, max_norm, norm)
+    return norm
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -135,21 +237,38 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # Shared options that only some recipes implement; the others refuse them rather than ignore them.
-NOT_EVERYWHERE = ("accum", "clip", "ckpt_every", "resume", "comm_hook", "bucket_mb", "grad_as_bucket_view",
-                  "static_graph", "compile", "activation_checkpointing", "channels_last", "debug", "profile")
+NOT_EVERYWHERE = (
+    "accum",
+    "clip",
+    "ckpt_every",
+    "resume",
+    "comm_hook",
+    "bucket_mb",
+    "grad_as_bucket_view",
+    "static_graph",
+    "compile",
+    "activation_checkpointing",
+    "channels_last",
+    "debug",
+    "profile",
+)
 
 
-def refuse_unsupported(cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",),
-                       options: tuple[str, ...] = NOT_EVERYWHERE) -> None:
+def refuse_unsupported(
+    cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",), options: tuple[str, ...] = NOT_EVERYWHERE
+) -> None:
     """Shared options this recipe does not implement fail now, with one line, instead of being ignored."""
     if cfg.precision not in precisions:
-        raise RecipeError(f"--precision {cfg.precision}: {recipe} supports {', '.join(precisions)}; "
-                          f"use --precision {precisions[-1]}")
+        raise RecipeError(
+            f"--precision {cfg.precision}: {recipe} supports {', '.join(precisions)}; use --precision {precisions[-1]}"
+        )
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in options:
         if getattr(cfg, name) != defaults[name]:
-            raise RecipeError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: {recipe} does not support it yet; "
-                              f"leave it at {defaults[name]!r}")
+            raise RecipeError(
+                f"--{name.replace('_', '-')} {getattr(cfg, name)}: {recipe} does not support it yet; "
+                f"leave it at {defaults[name]!r}"
+            )
 
 
 def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:
@@ -159,14 +278,3 @@ def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:
     if full:
         plain.load_state_dict(full)
     return plain
-
-
-def prepare_batchnorm(model, *, sync: bool, warn):  # SHIM (branch parallel replaces)
-    return model
-
-
-def replicas_report(model) -> dict:  # SHIM (branch parallel replaces)
-    from core.dist import same_on_all_ranks
-    from core.models import fingerprint
-
-    return {"replicas_identical": same_on_all_ranks(fingerprint(model))}

@@ -5,6 +5,7 @@ forward is `model.blocks(x)`, like core.gpt.GPT and the models in core.models. S
 blocks' original names (`blocks.3.attn.q.weight`), so the stages' state dicts merged are the
 whole model's state dict.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,7 +19,8 @@ from torch import nn
 
 from core.config import RecipeError
 from core.dist import broadcast_object
-from core.steps import Tally, batch_metrics, summarize
+from core.parallel import clip_grad_norm
+from core.steps import Tally, autocast, batch_metrics, summarize
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -92,25 +94,44 @@ def block_weights(model: nn.Module, *, balance: str | Sequence[int], sample: tor
     raise ValueError(f"balance must be 'params', 'time' or a list of stage sizes, not {balance!r}")
 
 
-def check_block_model(model: nn.Module, *, num_stages: int) -> int:
-    """The number of blocks; a RecipeError when the model can't be cut into `num_stages` stages."""
+def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
+    """The number of blocks; a RecipeError, naming the structure pipelining needs, when the model can't be
+    cut into `num_stages` stages. Reads only attributes, so it runs on a meta-device model in the pre-check."""
+    name = type(model).__name__
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
-        raise RecipeError(f"--model {type(model).__name__}: pipelining needs `model.blocks`, an nn.Sequential "
-                          f"that forward() runs in order (see core.gpt.GPT)")
-    outside = [n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())
-               if not n.startswith("blocks.")]
+        raise RecipeError(
+            f"--model {name}: pipelining needs every parameter in `model.blocks`, an nn.Sequential "
+            f"that forward() runs in order (forward = model.blocks(x), like core.gpt.GPT); "
+            f"use ddp or fsdp for this model"
+        )
+    outside = [
+        n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers()) if not n.startswith("blocks.")
+    ]
     if outside:
-        raise RecipeError(f"--model {type(model).__name__}: {outside[0]} is outside model.blocks; "
-                          f"a pipeline stage must hold every parameter, so move it into a block")
+        raise RecipeError(
+            f"--model {name}: {outside[0]} is outside model.blocks; "
+            f"a pipeline stage must hold every parameter, so move it into a block"
+        )
     if len(blocks) < num_stages:
-        raise RecipeError(f"--model {type(model).__name__} has {len(blocks)} blocks, fewer than the "
-                          f"{num_stages} pipeline stages; use at most {len(blocks)} stages or a deeper model")
+        raise RecipeError(
+            f"--model {name} has {len(blocks)} blocks, fewer than the "
+            f"{num_stages} pipeline stages; use at most {len(blocks)} stages or a deeper model"
+        )
     return len(blocks)
 
 
-def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int,
-                   balance: str | Sequence[int] = "params", sample: torch.Tensor | None = None) -> Stage:
+check_block_model = check_pipeline_model  # the earlier name, kept for the recipes that call it
+
+
+def split_pipeline(
+    model: nn.Module,
+    *,
+    num_stages: int,
+    stage_index: int,
+    balance: str | Sequence[int] = "params",
+    sample: torch.Tensor | None = None,
+) -> Stage:
     """Cut `model.blocks` into `num_stages` contiguous stages and return stage `stage_index`.
 
     balance: "params" (parameter counts), "time" (forward+backward time on `sample`, measured
@@ -127,27 +148,36 @@ def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int,
     return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
 
 
-def check_pipeline(*, world_size: int, pp: int, schedule: str, num_blocks: int,
-                   batch_size: int, microbatches: int) -> None:
+def check_pipeline(
+    *, world_size: int, pp: int, schedule: str, num_blocks: int, batch_size: int, microbatches: int
+) -> None:
     """Everything about a pipeline job that can be refused before any process group exists."""
     if pp < 1 or world_size % pp:
-        raise RecipeError(f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
-                          f"use --pp {world_size} (or a divisor of it)")
+        raise RecipeError(
+            f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
+            f"use --pp {world_size} (or a divisor of it)"
+        )
     if schedule not in SCHEDULES:
         raise RecipeError(f"--schedule {schedule}: choose one of {', '.join(SCHEDULES)}")
     stages = pp * (2 if schedule == "interleaved1f1b" else 1)
     if num_blocks < stages:
-        raise RecipeError(f"the model has {num_blocks} blocks, fewer than the {stages} pipeline stages "
-                          f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model")
+        raise RecipeError(
+            f"the model has {num_blocks} blocks, fewer than the {stages} pipeline stages "
+            f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model"
+        )
     if microbatches < 1 or batch_size % microbatches:
-        raise RecipeError(f"--microbatches {microbatches}: must divide --batch-size {batch_size} "
-                          f"(e.g. --microbatches {_divisor_near(batch_size, microbatches)})")
+        raise RecipeError(
+            f"--microbatches {microbatches}: must divide --batch-size {batch_size} "
+            f"(e.g. --microbatches {_divisor_near(batch_size, microbatches)})"
+        )
     if schedule == "1f1b" and microbatches < pp:
         raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
     rounds = max(1, microbatches // pp)  # torch's interleaved schedule runs the micro-batches in equal rounds
     if schedule == "interleaved1f1b" and microbatches % rounds:
-        raise RecipeError(f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
-                          f"(or fewer than {2 * pp}); use {pp * rounds}")
+        raise RecipeError(
+            f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
+            f"(or fewer than {2 * pp}); use {pp * rounds}"
+        )
 
 
 def _divisor_near(n: int, want: int) -> int:
@@ -187,22 +217,48 @@ def average_gradients(params: Sequence[nn.Parameter], *, group, size: int) -> No
                 p.grad /= size
 
 
-def step_pipeline(schedule, batch: tuple[torch.Tensor, torch.Tensor], *, optimizer: torch.optim.Optimizer,
-                  holds_last: bool, dp_group=None, dp_size: int = 1) -> dict[str, torch.Tensor]:
+def step_pipeline(
+    schedule,
+    batch: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    optimizer: torch.optim.Optimizer,
+    holds_last: bool,
+    dp_group=None,
+    dp_size: int = 1,
+    precision: str = "fp32",
+    clip: float = 0.0,
+    pp_group=None,
+) -> dict[str, torch.Tensor]:
     """One optimizer step through the pipeline. Every rank passes the whole batch (the first stage
     reads the inputs, the last the targets); the last stage returns the batch's metrics, the
     others an empty dict. The schedule splits the batch into micro-batches and, by default,
-    divides the summed gradients by their number: the step is the whole batch's."""
+    divides the summed gradients by their number: the step is the whole batch's.
+
+    Accumulation: pass K batches (a list) to a schedule built for K x microbatches; they run as one batch.
+    precision "bf16": the stages' forwards under autocast (fp16 needs a loss scale the stages agree on:
+    refused by check_pipeline_precision). clip > 0: the norm over all stages (pp_group: the ranks holding
+    this replica's stages; the dp replicas hold equal averaged gradients, so they are not counted again),
+    and a step whose gradients are not finite is skipped."""
+    if isinstance(batch, list):
+        batch = tuple(torch.cat(parts) for parts in zip(*batch))
     inputs, targets = batch
     optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
-    outputs = schedule.step(inputs, target=targets, losses=losses)
+    with autocast(precision, device=inputs.device):
+        outputs = schedule.step(inputs, target=targets, losses=losses)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     average_gradients(params, group=dp_group, size=dp_size)
-    optimizer.step()
+    if clip <= 0 or torch.isfinite(clip_grad_norm(params, clip, group=pp_group)):
+        optimizer.step()
     if not holds_last:
         return {}
     return batch_metrics(outputs, targets, torch.stack(losses).mean())  # equal micro-batches: mean of means
+
+
+def check_pipeline_precision(precision: str) -> None:
+    """fp16 needs one loss scale and one inf/nan verdict over all stages; the pipeline recipe has neither."""
+    if precision == "fp16":
+        raise RecipeError("--precision fp16: pipeline has no loss scaling across stages; use --precision bf16")
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ DDP is compiled after wrapping (TorchDynamo then splits the graph at bucket boun
 all-reduce still overlaps backward). None of these changes the arithmetic beyond float rounding,
 and none changes parameter names: checkpoints and model.safetensors load into the plain model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,26 +20,34 @@ from torch.distributed._composable import checkpoint as checkpoint_module
 from core.config import RecipeError
 
 
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Recompute each of `model.blocks`' activations in backward instead of keeping them; returns how many.
+def checkpoint_blocks(model: nn.Module, *, blocks: str | None = None) -> int:
+    """Recompute each repeated block's activations in backward instead of keeping them; returns how many.
 
-    Memory for activations drops from all blocks' to one block's at a time, for one more forward
-    per block in backward. The composable API adds hooks, not a wrapper, so state-dict keys stay the same.
+    The blocks are core.parallel.find_blocks' (`model.blocks` here, `transformer.h` in GPT-2, `model.layers`
+    in Llama-style models, or the path `blocks` names). Memory for activations drops from all blocks' to one
+    block's at a time, for one more forward per block in backward. The composable API adds hooks, not a
+    wrapper, so state-dict keys stay the same.
     """
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.Sequential | nn.ModuleList) or len(blocks) == 0:
-        raise RecipeError(f"--activation-checkpointing: the model ({type(model).__name__}) has no model.blocks "
-                          f"to checkpoint; build it as blocks like core.models.MLP or leave the option off")
-    for block in blocks:
+    from core.parallel import find_blocks  # here: core.parallel pulls in the distributed APIs
+
+    found = find_blocks(model, name=blocks)
+    if found is None:
+        raise RecipeError(
+            f"--activation-checkpointing: the model ({type(model).__name__}) has no repeated blocks "
+            f"(an nn.ModuleList or nn.Sequential of one class) to checkpoint; leave the option off"
+        )
+    for block in found[1]:
         checkpoint_module(block)
-    return len(blocks)
+    return len(found[1])
 
 
 def to_channels_last(model: nn.Module) -> nn.Module:
     """4-D conv weights (and so their outputs) in NHWC, the layout tensor cores read fastest."""
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
-        raise RecipeError(f"--channels-last: the model ({type(model).__name__}) has no Conv2d layer; "
-                          f"the option is for conv nets such as --model cnn")
+        raise RecipeError(
+            f"--channels-last: the model ({type(model).__name__}) has no Conv2d layer; "
+            f"the option is for conv nets such as --model cnn"
+        )
     return model.to(memory_format=torch.channels_last)
 
 

@@ -1,5 +1,6 @@
 """Layer 1, no process group: the tiny GPT and its data, split_pipeline's cut, and the errors the
 model-parallel recipes raise before any process group or training exists."""
+
 import itertools
 
 import pytest
@@ -9,10 +10,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from core import gpt, pipeline, steps
-from core.cli import recipe_command, run_cli
 from core.config import RecipeError
 from core.pipeline import plan_split, split_pipeline
-from recipes import RECIPES
+from tools.cli import run_cli
 
 
 def _best_max(weights, num_stages):
@@ -26,14 +26,17 @@ def _best_max(weights, num_stages):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 1000), min_size=1, max_size=9).flatmap(
-    lambda w: st.tuples(st.just(w), st.integers(1, len(w)))))
+@given(
+    st.lists(st.integers(1, 1000), min_size=1, max_size=9).flatmap(
+        lambda w: st.tuples(st.just(w), st.integers(1, len(w)))
+    )
+)
 def test_plan_split_is_a_best_contiguous_split(case):
     weights, num_stages = case
     sizes = plan_split(weights, num_stages)
     assert len(sizes) == num_stages and min(sizes) >= 1 and sum(sizes) == len(weights)
     starts = [sum(sizes[:k]) for k in range(num_stages)]
-    heaviest = max(sum(weights[s:s + n]) for s, n in zip(starts, sizes))
+    heaviest = max(sum(weights[s : s + n]) for s, n in zip(starts, sizes))
     assert heaviest <= _best_max(weights, num_stages)
 
 
@@ -47,8 +50,11 @@ class Widths(nn.Module):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.integers(1, 6), min_size=2, max_size=9).flatmap(
-    lambda w: st.tuples(st.just(w), st.integers(1, len(w) - 1))))
+@given(
+    st.lists(st.integers(1, 6), min_size=2, max_size=9).flatmap(
+        lambda w: st.tuples(st.just(w), st.integers(1, len(w) - 1))
+    )
+)
 def test_split_pipeline_every_block_once_in_order(case):
     widths, num_stages = case
     model = Widths(widths)
@@ -67,8 +73,7 @@ def test_split_pipeline_balances_the_gpt_and_takes_explicit_sizes():
     model = gpt.gpt()  # Embed, 4 Blocks, Head: two stages of 3 blocks each by parameter count
     assert [split_pipeline(model, num_stages=2, stage_index=i).indices for i in range(2)] == [[0, 1, 2], [3, 4, 5]]
     assert split_pipeline(model, num_stages=2, stage_index=1, balance=[1, 5]).indices == [1, 2, 3, 4, 5]
-    timed = split_pipeline(model, num_stages=3, stage_index=0, balance="time",
-                           sample=torch.randint(128, (2, 64)))
+    timed = split_pipeline(model, num_stages=3, stage_index=0, balance="time", sample=torch.randint(128, (2, 64)))
     assert timed.indices[0] == 0 and len(timed.indices) >= 1
     with pytest.raises(RecipeError, match=r"--balance \[2, 2\].*2 positive stage sizes adding up to 6"):
         split_pipeline(model, num_stages=2, stage_index=0, balance=[2, 2])
@@ -95,8 +100,10 @@ def test_gpt_learns_on_cpu():
     train, _ = gpt.text()
     loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = [steps.step_plain(model, batch, optimizer=optimizer, loss_fn=steps.cross_entropy)
-              for batch, _ in zip(loader, range(40))]
+    losses = [
+        steps.step_plain(model, batch, optimizer=optimizer, loss_fn=steps.cross_entropy)
+        for batch, _ in zip(loader, range(40))
+    ]
     first, last = (m["loss_sum"] / m["count"] for m in (losses[0], losses[-1]))
     assert last < first - 1.0, (first, last)  # from ~ln(128)=4.85 to well under 3.85 in 40 steps
     assert gpt.generate(model, "def ", tokens=5).startswith("def ")
@@ -106,23 +113,26 @@ def _cli(name, args, monkeypatch, capsys, world_size):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    code = run_cli(recipe_command(RECIPES[name]), args)
+    code = run_cli(["run", name, *args])
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, args, world, message", [
-    ("pipeline", ["--pp", "3"], 2, "--pp 3: the world size 2 must be a multiple of the pipeline stages"),
-    ("pipeline", ["--pp", "8"], 8, "has 6 blocks, fewer than the 8 pipeline stages"),
-    ("pipeline", ["--schedule", "interleaved1f1b"], 4, "has 6 blocks, fewer than the 8 pipeline stages"),
-    ("pipeline", ["--batch-size", "30", "--microbatches", "4"], 2, "--microbatches 4: must divide --batch-size 30"),
-    ("pipeline", ["--microbatches", "1"], 2, "--microbatches 1: 1f1b needs at least one per stage (2)"),
-    ("pipeline", ["--precision", "bf16"], 2, "--precision bf16: pipeline supports fp32"),
-    ("pipeline", ["--model", "mlp", "--data", "digits", "--pp", "8"], 8, "has 4 blocks, fewer than the 8"),
-    ("tensor_parallel", [], 3, "tensor parallel size 3 must divide the 4 attention heads"),
-    ("fsdp_tp", ["--tp", "2"], 3, "--tp 2: the world size 3 is not a multiple of it"),
-    ("tensor_parallel", ["--model", "mlp", "--data", "digits"], 2, "tensor parallelism needs model.blocks with"),
-    ("fsdp", ["--accum", "2"], 2, "--accum 2: fsdp does not support it yet"),
-])
+@pytest.mark.parametrize(
+    "name, args, world, message",
+    [
+        ("pipeline", ["--pp", "3"], 2, "--pp 3: the world size 2 must be a multiple of the pipeline stages"),
+        ("pipeline", ["--pp", "8"], 8, "has 6 blocks, fewer than the 8 pipeline stages"),
+        ("pipeline", ["--schedule", "interleaved1f1b"], 4, "has 6 blocks, fewer than the 8 pipeline stages"),
+        ("pipeline", ["--batch-size", "30", "--microbatches", "4"], 2, "--microbatches 4: must divide --batch-size 30"),
+        ("pipeline", ["--microbatches", "1"], 2, "--microbatches 1: 1f1b needs at least one per stage (2)"),
+        ("pipeline", ["--precision", "bf16"], 2, "--precision bf16: pipeline supports fp32"),
+        ("pipeline", ["--model", "mlp", "--data", "digits", "--pp", "8"], 8, "has 4 blocks, fewer than the 8"),
+        ("tensor_parallel", [], 3, "tensor parallel size 3 must divide the 4 attention heads"),
+        ("fsdp_tp", ["--tp", "2"], 3, "--tp 2: the world size 3 is not a multiple of it"),
+        ("tensor_parallel", ["--model", "mlp", "--data", "digits"], 2, "tensor parallelism needs model.blocks"),
+        ("fsdp", ["--accum", "2"], 2, "--accum 2: fsdp does not support it yet"),
+    ],
+)
 def test_bad_configs_fail_before_any_process_group(monkeypatch, capsys, name, args, world, message):
     code, err = _cli(name, args, monkeypatch, capsys, world)
     assert code == 1 and message in err and err.startswith("error: ") and err.count("\n") == 1, err
@@ -138,15 +148,20 @@ def test_mesh_sizes_must_multiply_to_the_world_size():
 
 def test_interleaved_micro_batch_rounds():
     with pytest.raises(RecipeError, match=r"--microbatches 5: interleaved1f1b on 2 ranks needs a multiple of 2.*use 4"):
-        pipeline.check_pipeline(world_size=2, pp=2, schedule="interleaved1f1b", num_blocks=6, batch_size=10,
-                                microbatches=5)
-    pipeline.check_pipeline(world_size=4, pp=2, schedule="interleaved1f1b", num_blocks=6, batch_size=8,
-                            microbatches=8)
+        pipeline.check_pipeline(
+            world_size=2, pp=2, schedule="interleaved1f1b", num_blocks=6, batch_size=10, microbatches=5
+        )
+    pipeline.check_pipeline(world_size=4, pp=2, schedule="interleaved1f1b", num_blocks=6, batch_size=8, microbatches=8)
 
 
 def test_gpt_trains_under_the_ddp_recipe(tmp_path, monkeypatch, capsys):
     """One process, no launcher: the ddp recipe takes --model gpt --data text like any factory."""
-    code, err = _cli("ddp", ["--model", "gpt", "--data", "text", "--max-steps", "3", "--batch-size", "8",
-                             "--out", str(tmp_path)], monkeypatch, capsys, 1)
+    code, err = _cli(
+        "ddp",
+        ["--model", "gpt", "--data", "text", "--max-steps", "3", "--batch-size", "8", "--out", str(tmp_path)],
+        monkeypatch,
+        capsys,
+        1,
+    )
     assert code == 0, err
     assert list(tmp_path.glob("*/model.safetensors"))

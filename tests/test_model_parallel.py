@@ -9,11 +9,21 @@ Adam's step divides by sqrt(v), which magnifies such float32 rounding for near-z
 gradients; a real mistake (a missing 1/M scale, a lost shard, a wrong micro-batch) is off by
 1e-3 or more.
 """
-import pytest
-from mp_reference import assert_same_weights, reference, run_recipe
 
-from core.config import TrainConfig
+import pytest
+
 from world import GlooWorld
+
+try:  # the recipe tests' helpers; while the recipes are being ported (issue 12) they fail alone, the rest still run
+    from mp_reference import assert_same_weights, reference, run_recipe
+
+    from core.config import TrainConfig
+except ImportError as err:
+    _PORT_PENDING = err
+
+    def TrainConfig(**_):  # noqa: N802
+        raise _PORT_PENDING
+
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -24,9 +34,8 @@ def world2():
         yield world
 
 
-def _cfg(tmp_path, **changes) -> TrainConfig:
-    base = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1,
-                out=str(tmp_path))
+def _cfg(tmp_path, **changes) -> "TrainConfig":
+    base = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1, out=str(tmp_path))
     return TrainConfig(**{**base, **changes})
 
 
@@ -65,6 +74,169 @@ def test_fsdp_tp_on_two_ranks_equals_single_process(world2, one_share, tmp_path)
 
 def test_ranks_agree_on_the_reported_loss(world2, tmp_path):
     """The loss comes from the last stage, reduced over ranks: both ranks return the same summary."""
-    first, second = world2.run(run_recipe, "pipeline", _cfg(tmp_path, max_steps=2),
-                               dict(schedule="1f1b", microbatches=2, pp=2, balance="time"))
+    first, second = world2.run(
+        run_recipe, "pipeline", _cfg(tmp_path, max_steps=2), dict(schedule="1f1b", microbatches=2, pp=2, balance="time")
+    )
     assert first["train_loss"] == second["train_loss"] and first["val_loss"] == second["val_loss"]
+
+
+# --- the full step (issue 14.4): accumulation, clipping and precision under fully_shard and pipelines -------
+# Each is checked against core.steps.step_amp on one process over the same global batch, with clipping that
+# bites (max norm 0.05, below the gradients' norm): a norm taken over one shard or stage would scale wrongly.
+
+CLIP = 0.05
+
+
+def _tiny_gpt():
+    import torch
+
+    from core.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab=40, context=16, dim=32, heads=2, layers=2)
+
+
+def _token_batches(steps: int = 2, size: int = 8):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [(x, torch.roll(x, -1, 1)) for x in (torch.randint(0, 40, (size, 16), generator=g) for _ in range(steps))]
+
+
+def _one_process(batches, *, k: int, precision: str = "fp32"):
+    """step_amp on the whole global batch, cut into k micro-batches."""
+    import torch
+
+    from core import steps
+
+    model = _tiny_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms = []
+    for x, y in batches:
+        micro = list(zip(x.chunk(k), y.chunk(k)))
+        _, stats = steps.step_amp(
+            model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP, precision=precision
+        )
+        norms.append(stats.grad_norm)
+    return model.state_dict(), norms
+
+
+def fsdp_accum_clip(topo):
+    """fully_shard over 2 ranks, K=2 micro-batches per rank, the reduce-scatter only on the second (fsdp_sync)."""
+    import torch
+
+    from core import parallel, steps
+
+    batches = _token_batches()
+    expected, expected_norms = _one_process(batches, k=1)
+    model = parallel.apply_fsdp(_tiny_gpt(), mesh=parallel.build_mesh(topo, {"dp": 2}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms = []
+    for x, y in batches:
+        mine = x.chunk(2)[topo.rank], y.chunk(2)[topo.rank]
+        micro = list(zip(mine[0].chunk(2), mine[1].chunk(2)))
+        _, stats = steps.step_amp(
+            model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP, sync=parallel.fsdp_sync
+        )
+        norms.append(stats.grad_norm)
+    full = parallel.full_state_dict(model)
+    return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+def pipeline_accum_clip(topo, precision):
+    """2 stages, K=2 accumulated batches of 2 micro-batches each, clipped over both stages."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    from core import pipeline, steps
+
+    batches = _token_batches()
+    expected, _ = _one_process(batches, k=4, precision=precision)
+    stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
+    sched = pipeline.build_schedule(
+        "1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=4, loss_fn=steps.cross_entropy
+    )
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    for x, y in batches:
+        accumulated = [(x[:4], y[:4]), (x[4:], y[4:])]  # K=2 batches through a schedule of 2 x 2 micro-batches
+        pipeline.step_pipeline(
+            sched,
+            accumulated,
+            optimizer=optimizer,
+            holds_last=topo.rank == 1,
+            precision=precision,
+            clip=CLIP,
+            pp_group=torch.distributed.group.WORLD,
+        )
+    full = pipeline.gather_state_dict([stage])
+    return {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+def _assert_pairs(pairs, **tol):
+    import torch
+
+    for key, (got, want) in pairs.items():
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.world
+def test_fsdp_accumulation_and_clip_equal_one_process(world2):
+    (norms, expected_norms, pairs), _ = world2.run(fsdp_accum_clip)
+    assert min(expected_norms) > CLIP  # the clip bites
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    _assert_pairs(pairs, **TOL)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("precision, tol", [("fp32", TOL), ("bf16", dict(atol=1e-3, rtol=1e-2))])
+def test_pipeline_accumulation_clip_and_precision_equal_one_process(world2, precision, tol):
+    pairs, _ = world2.run(pipeline_accum_clip, precision)
+    _assert_pairs(pairs, **tol)
+
+
+def tp_accum_clip(topo, via_step_amp: bool):
+    """tensor parallel over 2 ranks (both see the whole batch), K=2 micro-batches, the clip's norm over the
+    DTensor shards and the plain (replicated) layers the TP plan leaves out, together."""
+    import torch
+
+    from core import parallel, steps
+
+    batches = _token_batches()
+    expected, expected_norms = _one_process(batches, k=2)
+    model = parallel.apply_tp(_tiny_gpt(), parallel.build_mesh(topo, {"tp": 2}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms = []
+    for x, y in batches:
+        micro = list(zip(x.chunk(2), y.chunk(2)))
+        if via_step_amp:
+            norms.append(
+                steps.step_amp(model, micro, optimizer=optimizer, loss_fn=steps.cross_entropy, clip=CLIP)[1].grad_norm
+            )
+            continue
+        optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path, with parallel.clip_grad_norm
+        steps.accumulate_grads(model, micro, loss_fn=steps.cross_entropy)
+        norms.append(float(parallel.clip_grad_norm(model.parameters(), CLIP)))
+        optimizer.step()
+    full = parallel.full_state_dict(model)
+    return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+@pytest.mark.world
+@pytest.mark.parametrize(
+    "via_step_amp",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="core.steps.clip_grad_norm refuses TP's mix of "
+                "DTensor and plain grads until it uses core.parallel.clip_grad_norm",
+            ),
+        ),
+    ],
+)
+def test_tensor_parallel_accumulation_and_clip_equal_one_process(world2, via_step_amp):
+    (norms, expected_norms, pairs), _ = world2.run(tp_accum_clip, via_step_amp)
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    _assert_pairs(pairs, **TOL)

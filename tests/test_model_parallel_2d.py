@@ -1,11 +1,21 @@
 """Layer 2 on 4 gloo ranks: the 2-D meshes. pipeline with pp=2 x dp=2 and fsdp_tp with dp=2 x tp=2
 give the parameters one process gets on the same global batches (each step: both data shares).
 Tolerance as in test_model_parallel.py: atol 2e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
-import pytest
-from mp_reference import assert_same_weights, reference, run_recipe
 
-from core.config import TrainConfig
+import pytest
+
 from world import GlooWorld
+
+try:  # the recipe tests' helpers; while the recipes are being ported (issue 12) they fail alone, the rest still run
+    from mp_reference import assert_same_weights, reference, run_recipe
+
+    from core.config import TrainConfig
+except ImportError as err:
+    _PORT_PENDING = err
+
+    def TrainConfig(**_):  # noqa: N802
+        raise _PORT_PENDING
+
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -21,14 +31,16 @@ def two_shares(tmp_path_factory):
     return reference(_cfg(tmp_path_factory.mktemp("ref")), replicas=2)
 
 
-def _cfg(tmp_path) -> TrainConfig:
-    return TrainConfig(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1,
-                       out=str(tmp_path))
+def _cfg(tmp_path) -> "TrainConfig":
+    return TrainConfig(
+        model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1, out=str(tmp_path)
+    )
 
 
 def test_pipeline_times_data_parallel(world4, two_shares, tmp_path):
-    summaries = world4.run(run_recipe, "pipeline", _cfg(tmp_path),
-                           dict(schedule="1f1b", microbatches=4, pp=2, balance="params"))
+    summaries = world4.run(
+        run_recipe, "pipeline", _cfg(tmp_path), dict(schedule="1f1b", microbatches=4, pp=2, balance="params")
+    )
     assert (summaries[0]["pp"], summaries[0]["dp"], summaries[0]["global_batch"]) == (2, 2, 16)
     assert_same_weights(summaries[0], two_shares, **TOL)
 
@@ -37,3 +49,77 @@ def test_fsdp_times_tensor_parallel(world4, two_shares, tmp_path):
     summaries = world4.run(run_recipe, "fsdp_tp", _cfg(tmp_path), dict(tp=2))
     assert (summaries[0]["tp"], summaries[0]["dp"]) == (2, 2)
     assert_same_weights(summaries[0], two_shares, **TOL)
+
+
+def pipeline_dp_accum_clip(topo):
+    """pp=2 x dp=2: each replica accumulates K=2 batches of its half through 2 stages; the clip's norm is taken
+    over the pp group only (after the dp average the replicas hold equal gradients: counting them would double it)."""
+    import torch
+    from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
+    from torch.distributed.pipelining import PipelineStage
+
+    from core import parallel, pipeline, steps
+
+    batches = _token_batches(size=16)
+    expected, _ = _one_process(batches, k=1)
+    mesh = parallel.build_mesh(topo, {"dp": 2, "pp": 2})
+    dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
+    stages = [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())]
+    sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=steps.cross_entropy)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    for x, y in batches:
+        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        pipeline.step_pipeline(
+            sched,
+            [(x[:4], y[:4]), (x[4:], y[4:])],
+            optimizer=optimizer,
+            holds_last=pp_rank == 1,
+            dp_group=mesh["dp"].get_group(),
+            dp_size=2,
+            clip=CLIP,
+            pp_group=mesh["pp"].get_group(),
+        )
+    full = pipeline.gather_state_dict([stage])
+    return {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+def test_pipeline_times_data_parallel_accumulation_and_clip(world4):
+    from test_model_parallel import _assert_pairs
+
+    pairs = world4.run(pipeline_dp_accum_clip)[0]
+    _assert_pairs(pairs, **TOL)
+
+
+def fsdp_tp_accum_clip(topo):
+    """dp=2 x tp=2: TP inside a pair, fully_shard across pairs, K=2 micro-batches under fsdp_sync, the clip's
+    norm over the 2-D DTensor shards."""
+    import torch
+    from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
+
+    from core import parallel, steps
+
+    batches = _token_batches(size=16)
+    expected, expected_norms = _one_process(batches, k=1)
+    mesh = parallel.build_mesh(topo, {"dp": 2, "tp": 2})
+    model = parallel.apply_fsdp(parallel.apply_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms, dp_rank = [], mesh["dp"].get_local_rank()
+    for x, y in batches:
+        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path with parallel.clip_grad_norm: the TP layers'
+        steps.accumulate_grads(
+            model, list(zip(x.chunk(2), y.chunk(2))), loss_fn=steps.cross_entropy, sync=parallel.fsdp_sync
+        )  # grads live on the dp x tp mesh, the others on dp's
+        norms.append(float(parallel.clip_grad_norm(model.parameters(), CLIP)))
+        optimizer.step()
+    full = parallel.full_state_dict(model)
+    return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
+
+
+def test_fsdp_tp_accumulation_and_clip(world4):
+    from test_model_parallel import _assert_pairs
+
+    norms, expected_norms, pairs = world4.run(fsdp_tp_accum_clip)[0]
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    _assert_pairs(pairs, **TOL)
