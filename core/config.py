@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-
 class RecipeError(Exception):
     """A problem the user can fix; printed as one `error:` line with a non-zero exit."""
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from core.config import RecipeError
 from core.dist import broadcast_object
-from core.parallel import clip_grad_norm
+from core.grads import clip_grad_norm
 from core.steps import Tally, autocast, batch_metrics, summarize
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from core import ckpt, dcp, steps
-from core.models import unwrap
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object, reduce_sum
+from core.models import unwrap
 
 RUN_NAME = r"{}-(\d+)"
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from core.dist import reduce_sum
+from core.grads import clip_grad_norm, grad_sync  # noqa: F401  (grad_sync: recipes pass it)
 from core.loss import (  # noqa: F401  (re-exported: recipes call steps.make_loss, steps.forward_loss, ...)
     IGNORE,
     Loss,
@@ -132,21 +131,6 @@ def make_scaler(precision: str, *, device: torch.device, **options) -> torch.amp
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16", **options)
 
 
-@contextmanager
-def grad_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
-    """Whether the forward and backward inside reduce gradients across ranks.
-
-    The hook point for accumulation: DDP (also under torch.compile, which forwards attributes to it)
-    skips its all-reduce under no_sync() and keeps adding to .grad locally; a model without
-    no_sync() has nothing to hold back. Another wrapper passes its own function of this shape to
-    `step_amp(sync=...)` (fully_shard's: model.set_requires_gradient_sync(False) ... (True)).
-    """
-    no_sync = getattr(model, "no_sync", None)
-    if enabled or no_sync is None:
-        yield
-    else:
-        with no_sync():
-            yield
 
 
 def data_parallel_group(model: nn.Module, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
@@ -189,38 +173,6 @@ def accumulate_grads(
             (loss if scaler is None else scaler.scale(loss)).backward()
         sums = {k: sums[k] + v if k in sums else v for k, v in metrics.items()}
     return sums
-
-
-@torch.no_grad()
-def clip_grad_norm(
-    parameters: Iterable[torch.Tensor],
-    max_norm: float,
-    *,
-    norm_type: float = 2.0,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """The total norm of all ranks' gradients; when max_norm > 0, scale them so it is at most max_norm.
-
-    "All ranks' gradients" depends on how parameters are laid out:
-      replicated (DDP): every rank holds the same averaged gradient, so the local norm is the total;
-      DTensor (fully_shard, tensor parallel): torch's norm is a DTensor and full_tensor() reduces it;
-      disjoint plain tensors (pipeline stages): pass `group`, the ranks the parameters are split over.
-    Every rank gets the same norm, so every rank scales by the same factor.
-    """
-    parameters = list(parameters)
-    norm = get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=norm_type)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if group is not None and dist.get_world_size(group) > 1:
-        if math.isinf(norm_type):
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
-        else:  # p-norms combine as (sum of |g|^p)^(1/p)
-            norm = norm.pow(norm_type)
-            dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=group)
-            norm = norm.pow(1.0 / norm_type)
-    if max_norm > 0:
-        clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm
 
 
 @dataclass(frozen=True)
