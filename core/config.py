@@ -89,33 +89,53 @@ class Training(Options):
     """What every recipe takes."""
 
     epochs: int = option(5, "passes over the training set", check=_at_least(0), fix="use 0 or more")
-    max_steps: int = option(0, "stop after this many optimizer steps (0: no limit)", check=_at_least(0),
-                            fix="use 0 (no limit) or more")
-    batch_size: int = option(32, "samples per rank per micro-batch", check=_at_least(1),
-                             fix="use 1 to 2**31 (it is per rank)")
-    lr: float = option(1e-3, "peak learning rate (AdamW, cosine decay to zero)", check=lambda v: 0 < v <= 10,
-                       fix="use a learning rate in (0, 10]")
-    seed: int = option(0, "seed for weights, shuffling and dropout", check=lambda v: 0 <= v < 2**63,
-                       fix="use 0 to 2**63-1")
+    max_steps: int = option(
+        0, "stop after this many optimizer steps (0: no limit)", check=_at_least(0), fix="use 0 (no limit) or more"
+    )
+    batch_size: int = option(
+        32, "samples per rank per micro-batch", check=_at_least(1), fix="use 1 to 2**31 (it is per rank)"
+    )
+    lr: float = option(
+        1e-3,
+        "peak learning rate (AdamW, cosine decay to zero)",
+        check=lambda v: 0 < v <= 10,
+        fix="use a learning rate in (0, 10]",
+    )
+    seed: int = option(
+        0, "seed for weights, shuffling and dropout", check=lambda v: 0 <= v < 2**63, fix="use 0 to 2**63-1"
+    )
     model: str = option("mlp", "built-in model (mlp, cnn, gpt) or module:function returning an nn.Module")
     data: str = option("digits", "built-in data (digits, synthetic, text) or module:function returning (train, val)")
-    loss: str = option("auto", "auto (the model's own loss if it returns one, else cross-entropy), ce, model, "
-                       "or module:function(outputs, batch) -> loss")
-    on_nonfinite: str = option("stop", "a step whose loss or gradients are not finite: stop the run, or skip it",
-                               choices=("stop", "skip"))
+    loss: str = option(
+        "auto",
+        "auto (the model's own loss if it returns one, else cross-entropy), ce, model, "
+        "or module:function(outputs, batch) -> loss",
+    )
+    on_nonfinite: str = option(
+        "stop", "a step whose loss or gradients are not finite: stop the run, or skip it", choices=("stop", "skip")
+    )
     out: str = option("runs", "folder that gets one sub-folder per run")
-    name: str = option("", "run folder name prefix (default: the recipe name)", check=_one_name,
-                       fix="use a plain name, not a path (the folder goes under --out)")
+    name: str = option(
+        "",
+        "run folder name prefix (default: the recipe name)",
+        check=_one_name,
+        fix="use a plain name, not a path (the folder goes under --out)",
+    )
     log_every: int = option(10, "log a train record every N optimizer steps", check=_at_least(1), fix="use 1 or more")
-    timeout_s: float = option(300.0, "seconds a collective or the rendezvous may wait before failing",
-                              check=lambda v: 0 < v <= 86400 * 7, fix="use 1 second to a week")
+    timeout_s: float = option(
+        300.0,
+        "seconds a collective or the rendezvous may wait before failing",
+        check=lambda v: 0 < v <= 86400 * 7,
+        fix="use 1 second to a week",
+    )
 
 
 @dataclass(frozen=True)
 class Checkpointing(Options):
     title = "checkpoints"
-    ckpt_every: int = option(0, "write a checkpoint every N optimizer steps (0: none)", check=_at_least(0),
-                             fix="use 0 or more steps")
+    ckpt_every: int = option(
+        0, "write a checkpoint every N optimizer steps (0: none)", check=_at_least(0), fix="use 0 or more steps"
+    )
     keep: int = option(2, "how many newest checkpoints to keep", check=_at_least(1), fix="keep at least 1")
     resume: str = option("", "'auto' (newest good checkpoint of the newest run) or a checkpoint path")
 
@@ -135,18 +155,27 @@ def _cuda_for(value: str, needs: str) -> bool:
 @dataclass(frozen=True)
 class Precision(Options):
     title = "mixed precision"
-    precision: str = option("fp32", "compute precision (autocast; fp16 adds dynamic loss scaling)",
-                            choices=("fp32", "bf16", "fp16"), check=lambda v: _cuda_for(v, "fp16"),
-                            fix="fp16 needs a CUDA GPU; on CPU use --precision bf16")
+    precision: str = option(
+        "fp32",
+        "compute precision (autocast; fp16 adds dynamic loss scaling)",
+        choices=("fp32", "bf16", "fp16"),
+        check=lambda v: _cuda_for(v, "fp16"),
+        fix="fp16 needs a CUDA GPU; on CPU use --precision bf16",
+    )
 
 
 @dataclass(frozen=True)
 class Accumulation(Options):
     title = "gradient accumulation and clipping"
-    accum: int = option(1, "micro-batches per optimizer step (gradient accumulation)", check=_at_least(1),
-                        fix="use 1 or more")
-    clip: float = option(0.0, "clip the global gradient norm to this (0: no clipping)", check=lambda v: v >= 0,
-                         fix="use 0 (off) or a positive max norm")
+    accum: int = option(
+        1, "micro-batches per optimizer step (gradient accumulation)", check=_at_least(1), fix="use 1 or more"
+    )
+    clip: float = option(
+        0.0,
+        "clip the global gradient norm to this (0: no clipping)",
+        check=lambda v: v >= 0,
+        fix="use 0 (off) or a positive max norm",
+    )
 
 
 @dataclass(frozen=True)
@@ -160,18 +189,28 @@ class DDPOptions(Options):
 def _parser(config: type, prog: str, description: str) -> argparse.ArgumentParser:
     """One --option per field, in a help section per group (Training, Checkpointing, ..., the recipe's own)."""
     parser = _Parser(prog=prog, usage=f"{prog} [OPTIONS]", description=description, allow_abbrev=False)
-    sections = {c: parser.add_argument_group(c.__dict__.get("title", f"{c.__name__} options"))
-                for c in config.__mro__ if c.__dict__.get("__annotations__")}
+    sections = {
+        c: parser.add_argument_group(c.__dict__.get("title", f"{c.__name__} options"))
+        for c in config.__mro__
+        if c.__dict__.get("__annotations__")
+    }
     for f in dataclasses.fields(config):
         home = next(c for c in reversed(config.__mro__) if f.name in c.__dict__.get("__annotations__", {}))
         section, default, help = sections[home], f.default, f.metadata.get("help", "")
         if isinstance(default, bool):
-            section.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                 help=help)
+            section.add_argument(
+                flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help
+            )
         else:
-            section.add_argument(flag(f.name), dest=f.name, type=type(default), default=default, help=help + (
-                f" (default: {default})" if default != "" else ""), choices=f.metadata.get("choices"),
-                metavar=None if f.metadata.get("choices") else type(default).__name__.upper())
+            section.add_argument(
+                flag(f.name),
+                dest=f.name,
+                type=type(default),
+                default=default,
+                help=help + (f" (default: {default})" if default != "" else ""),
+                choices=f.metadata.get("choices"),
+                metavar=None if f.metadata.get("choices") else type(default).__name__.upper(),
+            )
     parser.add_argument("--dry-run", action="store_true", help="check the options and exit without training")
     return parser
 
@@ -181,15 +220,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None = None,
-               description: str = "") -> tuple[Options, bool]:
+def parse_args(
+    config: type, argv: list[str] | None = None, *, prog: str | None = None, description: str = ""
+) -> tuple[Options, bool]:
     """The Config from a command line, and whether --dry-run was given. `--help` prints and exits 0."""
     parser = _parser(config, prog or os.path.basename(sys.argv[0]), description)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         first = unknown[0].split("=")[0]
-        raise UsageError(f"{first}: no such option (see --help)" if first.startswith("-")
-                         else f"unexpected argument {first!r}", option=first)
+        raise UsageError(
+            f"{first}: no such option (see --help)" if first.startswith("-") else f"unexpected argument {first!r}",
+            option=first,
+        )
     values = vars(args)
     return config(**{k: v for k, v in values.items() if k != "dry_run"}), values["dry_run"]
 
@@ -226,14 +268,17 @@ def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: s
     if spec in builtins:
         spec = builtins[spec]
     elif ":" not in spec:
-        raise RecipeError(f"{option} {spec}: not a built-in ({', '.join(sorted(builtins))}) "
-                          f"and not a module:function factory")
+        raise RecipeError(
+            f"{option} {spec}: not a built-in ({', '.join(sorted(builtins))}) and not a module:function factory"
+        )
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # an ImportError, or any error raised while the module runs
-        raise RecipeError(f"{option} {spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
-                          f"is it installed or on PYTHONPATH?") from None
+        raise RecipeError(
+            f"{option} {spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
+            f"is it installed or on PYTHONPATH?"
+        ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise RecipeError(f"{option} {spec}: module {module_name!r} has no function {attr!r}")
@@ -252,4 +297,6 @@ def check_writable(folder: str) -> None:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
             pass
     except OSError as err:
-        raise RecipeError(f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable folder") from None
+        raise RecipeError(
+            f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable folder"
+        ) from None

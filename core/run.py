@@ -12,11 +12,8 @@ ranks first, so what it prints speaks for the job.
 
 from __future__ import annotations
 
-import errno
 import json
-import math
 import os
-import re
 import socket
 import sys
 import time
@@ -27,103 +24,8 @@ import torch
 from core import ckpt, dcp, steps
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object, reduce_sum
+from core.folder import append_line, check_free, disk_error, find_resume, lock_holder, new_run_dir, repair_records
 from core.models import unwrap
-
-RUN_NAME = r"{}-(\d+)"
-
-
-def run_dirs(out: str | os.PathLike, prefix: str) -> list[Path]:
-    """The folders `out/prefix-N`, oldest (lowest N) first."""
-    out = Path(out)
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := re.fullmatch(RUN_NAME.format(re.escape(prefix)),
-                                                                                   p.name))] if out.is_dir() else []
-    return [p for _, p in sorted(found)]
-
-
-def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
-    """`out/prefix-N`, one past the highest, created now so that no other job takes it."""
-    while True:
-        taken = run_dirs(out, prefix)
-        number = int(taken[-1].name.rsplit("-", 1)[1]) + 1 if taken else 1
-        try:
-            (candidate := Path(out) / f"{prefix}-{number}").mkdir(parents=True)
-            return candidate
-        except FileExistsError:  # another job took it between the listing and the mkdir
-            continue
-
-
-def find_resume(resume: str, *, out: str, prefix: str) -> Path | None:
-    """The checkpoint to start from: a path, or for 'auto' the newest good one of the newest run.
-    A group that torchrun restarted after a failure (TORCHELASTIC_RESTART_COUNT > 0) resumes by itself."""
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = "auto"
-    if resume != "auto":
-        return Path(resume) if resume else None
-    runs = run_dirs(out, prefix)
-    return (ckpt.newest_good(runs[-1] / "ckpt") or dcp.latest_sharded(runs[-1])) if runs else None
-
-
-def lock_holder(run_dir: Path) -> dict | None:
-    """Who holds `run_dir` now (host, pid, job), or None when it is free or its holder is gone."""
-    try:
-        holder = json.loads((run_dir / ".lock").read_text())
-    except (OSError, ValueError):
-        return None
-    same_job = holder.get("job") and holder.get("job") == os.environ.get("TORCHELASTIC_RUN_ID")
-    if same_job or (holder.get("host") == socket.gethostname() and not _alive(holder.get("pid", 0))):
-        return None  # this job restarted by torchrun, or a process of this host that is gone: stale
-    return holder
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def check_free(run_dir: Path) -> None:
-    if holder := lock_holder(run_dir):
-        raise RecipeError(f"{run_dir} is in use by PID {holder['pid']} on {holder['host']}; wait for that job to "
-                          f"end, or delete {run_dir / '.lock'} if it is gone")
-
-
-def clean(value):
-    """JSON has no NaN or infinity: strict readers reject them, so a non-finite number is written as null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def append_line(path: Path, record: dict) -> None:
-    """One whole line in one write(), so a crash or a full disk never leaves half a record."""
-    data = (json.dumps({k: clean(v) for k, v in record.items()}) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.write(fd, data) != len(data):
-            raise OSError(errno.ENOSPC, "short write")
-    except OSError as err:
-        raise disk_error(err, path, len(data)) from None
-    finally:
-        os.close(fd)
-
-
-def repair_records(path: Path) -> None:
-    """Drop a torn last line (a crash mid-write), so the next record starts on a line of its own."""
-    if path.is_file() and (data := path.read_bytes()) and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def disk_error(err: OSError, path: Path, needed: int) -> Exception:
-    """A full disk as one line that names the folder and the bytes; any other OSError as it is."""
-    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return err
-    folder = next(p for p in [path.parent, *path.parents] if p.exists())
-    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
-    return RecipeError(f"{path.parent}: the disk is full writing {path.name} ({needed:,} bytes needed, {free:,} "
-                       f"free); free some space or point --out at another disk")
 
 
 class Meter:
@@ -143,16 +45,20 @@ class Meter:
 
     def read(self) -> dict[str, float]:
         """The window's numbers for the whole job. A collective: every rank calls it at the same step."""
-        local = torch.stack([torch.as_tensor(self.sums.get(k, 0.0), dtype=torch.float64, device=self.device)
-                             for k in self.KEYS])
+        local = torch.stack(
+            [torch.as_tensor(self.sums.get(k, 0.0), dtype=torch.float64, device=self.device) for k in self.KEYS]
+        )
         loss_sum, count, samples, correct, scored = reduce_sum(local).tolist()
         seconds = time.perf_counter() - self.started - self.paused_s
         self.sums, self.started, self.paused_s = {}, time.perf_counter(), 0.0
         if count == 0:
             return self.last
         samples = samples or count  # (input, class) pairs: one target per sample
-        self.totals = {"samples": self.totals["samples"] + samples, "tokens": self.totals["tokens"] + count,
-                       "seconds": self.totals["seconds"] + seconds}
+        self.totals = {
+            "samples": self.totals["samples"] + samples,
+            "tokens": self.totals["tokens"] + count,
+            "seconds": self.totals["seconds"] + seconds,
+        }
         accuracy = {"acc": correct / scored} if scored else {}  # a model without logits reports none, not 0
         self.last = {"loss": loss_sum / count, **accuracy, **_rates(samples, count, seconds)}
         return self.last
@@ -178,8 +84,17 @@ class Run:
         return run.finish(model)
     """
 
-    def __init__(self, cfg, topo: Topology, *, recipe: str, global_batch: int, run_dir: Path, resume_from,
-                 mesh: dict | None = None):
+    def __init__(
+        self,
+        cfg,
+        topo: Topology,
+        *,
+        recipe: str,
+        global_batch: int,
+        run_dir: Path,
+        resume_from,
+        mesh: dict | None = None,
+    ):
         self.cfg, self.topo, self.recipe, self.global_batch, self.mesh = cfg, topo, recipe, global_batch, mesh
         self.run_dir, self.resume_from, self.enabled = run_dir, resume_from, topo.is_rank0
         self.meter, self.evaluation, self.skipped = Meter(topo.device), {}, 0
@@ -198,11 +113,27 @@ class Run:
             in_run = resume_from is not None and resume_from.parent.name == "ckpt"  # RUN/ckpt/step-N continues RUN
             run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, cfg.name or recipe)
             choice = (str(run_dir), str(resume_from) if resume_from else None)
-            cls._take(run_dir, fresh=not in_run, config={"recipe": recipe, "world_size": topo.world_size,
-                                                          "global_batch": global_batch, "mesh": mesh, **cfg.to_dict()})
+            cls._take(
+                run_dir,
+                fresh=not in_run,
+                config={
+                    "recipe": recipe,
+                    "world_size": topo.world_size,
+                    "global_batch": global_batch,
+                    "mesh": mesh,
+                    **cfg.to_dict(),
+                },
+            )
         run_dir, resume_from = broadcast_object(choice)
-        return cls(cfg, topo, recipe=recipe, global_batch=global_batch, run_dir=Path(run_dir),
-                   resume_from=Path(resume_from) if resume_from else None, mesh=mesh)
+        return cls(
+            cfg,
+            topo,
+            recipe=recipe,
+            global_batch=global_batch,
+            run_dir=Path(run_dir),
+            resume_from=Path(resume_from) if resume_from else None,
+            mesh=mesh,
+        )
 
     @staticmethod
     def _take(run_dir: Path, *, fresh: bool, config: dict) -> None:
@@ -227,8 +158,10 @@ class Run:
     # Records and the terminal.
     def log(self, kind: str, **fields) -> None:
         if self.enabled:
-            append_line(self.run_dir / "metrics.jsonl",
-                        {"kind": kind, "elapsed_s": round(time.perf_counter() - self.started, 3), **fields})
+            append_line(
+                self.run_dir / "metrics.jsonl",
+                {"kind": kind, "elapsed_s": round(time.perf_counter() - self.started, 3), **fields},
+            )
 
     def print(self, message: str) -> None:
         if self.enabled:
@@ -238,16 +171,28 @@ class Run:
     def resume(self, *, model, optimizer, scheduler=None, scaler=None) -> dict:
         """Load the checkpoint this run continues from (all ranks), or start at zero; returns the progress."""
         if self.resume_from is not None and self.resume_from.is_dir():  # sharded: every rank reads its part
-            loaded = dcp.load_sharded(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
-                                      scaler=scaler)
+            loaded = dcp.load_sharded(
+                self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler
+            )
         elif self.resume_from is not None:  # one file: rank 0 reads it and hands it out
-            loaded = ckpt.load_checkpoint(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
-                                          scaler=scaler, world_size=self.topo.world_size)
+            loaded = ckpt.load_checkpoint(
+                self.resume_from,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                world_size=self.topo.world_size,
+            )
         if self.resume_from is not None:
             self.progress.update(loaded)
             self.resumed_step = self.progress["step"]
-            self.log("resume", checkpoint=str(self.resume_from), step=self.resumed_step,
-                     world_size=self.topo.world_size, global_batch=self.global_batch)
+            self.log(
+                "resume",
+                checkpoint=str(self.resume_from),
+                step=self.resumed_step,
+                world_size=self.topo.world_size,
+                global_batch=self.global_batch,
+            )
             self.print(f"resumed from {self.resume_from} at step {self.resumed_step}")
         self.skipped = self.progress["skipped"]
         return self.progress
@@ -258,13 +203,17 @@ class Run:
             batches = len(loader)
         except TypeError:  # streaming data without a length: only --max-steps can say
             if not self.cfg.max_steps:
-                raise RecipeError("the training data has no length (a streaming data set): set --max-steps so "
-                                  "that the learning-rate schedule has an end") from None
+                raise RecipeError(
+                    "the training data has no length (a streaming data set): set --max-steps so "
+                    "that the learning-rate schedule has an end"
+                ) from None
             return self.cfg.max_steps
         if batches < accum:  # every rank has as many batches as the others: all raise alike
             fix = f"use --accum {batches} or less" if batches else f"use a --batch-size below {self.cfg.batch_size}"
-            raise RecipeError(f"--batch-size {self.cfg.batch_size} --accum {accum}: an epoch has only {batches} "
-                              f"micro-batches per rank on {self.topo.world_size} rank(s); {fix}")
+            raise RecipeError(
+                f"--batch-size {self.cfg.batch_size} --accum {accum}: an epoch has only {batches} "
+                f"micro-batches per rank on {self.topo.world_size} rank(s); {fix}"
+            )
         total = self.cfg.epochs * (batches // accum)
         return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
 
@@ -278,15 +227,26 @@ class Run:
         """After every optimizer step: count it, stop (or skip) on a non-finite loss, log every --log-every."""
         if stats.skipped and not stats.scaled:  # fp16's loss scaler skips overflowing steps as a routine
             if self.stop_on_nonfinite:  # every rank reads the same all-reduced norm: all stop together
-                raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm "
-                                  f"{stats.grad_norm}); lower --lr, set --clip, or pass --on-nonfinite skip")
+                raise RecipeError(
+                    f"step {step}: the loss or the gradients are not finite (gradient norm "
+                    f"{stats.grad_norm}); lower --lr, set --clip, or pass --on-nonfinite skip"
+                )
             self.skipped += 1
         self.meter.add(metrics)
         self.progress.update(step=step, samples=self.progress["samples"] + self.global_batch, skipped=self.skipped)
         if step % self.cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
             last = self.meter.read()
-            self.log("train", step=step, epoch=self.progress["epoch"], lr=lr, grad_norm=stats.grad_norm,
-                     skipped=self.skipped, **({"loss_scale": stats.scale} if stats.scaled else {}), **last, **extra)
+            self.log(
+                "train",
+                step=step,
+                epoch=self.progress["epoch"],
+                lr=lr,
+                grad_norm=stats.grad_norm,
+                skipped=self.skipped,
+                **({"loss_scale": stats.scale} if stats.scaled else {}),
+                **last,
+                **extra,
+            )
             self.print(progress_line(step, total, epoch=self.progress["epoch"], **last))
 
     def checkpoint(self, step: int, *, model, optimizer, scheduler=None, scaler=None) -> None:
@@ -294,19 +254,38 @@ class Run:
         if not getattr(self.cfg, "ckpt_every", 0) or step % self.cfg.ckpt_every:
             return
         paused = time.perf_counter()
-        metadata = {"recipe": self.recipe, "config": json.dumps(self.cfg.to_dict()), "mesh": json.dumps(self.mesh),
-                    "global_batch": str(self.global_batch)}
+        metadata = {
+            "recipe": self.recipe,
+            "config": json.dumps(self.cfg.to_dict()),
+            "mesh": json.dumps(self.mesh),
+            "global_batch": str(self.global_batch),
+        }
         progress = dict(self.progress, global_batch=self.global_batch)
         try:
             if sharded(model):  # every rank writes its own shard: no gather on rank 0
-                dcp.save_sharded(self.run_dir / "ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
-                                 scaler=scaler, progress=progress, keep=self.cfg.keep, metadata=metadata)
+                dcp.save_sharded(
+                    self.run_dir / "ckpt",
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    progress=progress,
+                    keep=self.cfg.keep,
+                    metadata=metadata,
+                )
             else:
                 if self.saver is None:
-                    self.saver = ckpt.CheckpointSaver(self.run_dir / "ckpt", keep=self.cfg.keep,
-                                                      background=getattr(self.cfg, "ckpt_async", False))
-                self.saver.save(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                progress=progress, metadata=metadata)
+                    self.saver = ckpt.CheckpointSaver(
+                        self.run_dir / "ckpt", keep=self.cfg.keep, background=getattr(self.cfg, "ckpt_async", False)
+                    )
+                self.saver.save(
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    progress=progress,
+                    metadata=metadata,
+                )
         except OSError as err:  # a full disk: one line with the numbers, the checkpoints before stay whole
             holders = [*model, optimizer] if isinstance(model, list | tuple) else [model, optimizer]
             raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", _bytes(*holders)) from None
@@ -343,10 +322,18 @@ class Run:
                 ckpt.save_weights(state, weights, metadata={"recipe": self.recipe, "model": self.cfg.model})
             except OSError as err:
                 raise disk_error(err, weights, _bytes(model)) from None
-        summary = {**self.evaluation, "train_loss": self.meter.last.get("loss"), **self.meter.throughput(),
-                   "steps": step, "skipped_steps": self.skipped, "world_size": self.topo.world_size,
-                   "global_batch": self.global_batch, **extra, "weights": str(weights),
-                   "elapsed_s": round(time.perf_counter() - self.started, 3)}
+        summary = {
+            **self.evaluation,
+            "train_loss": self.meter.last.get("loss"),
+            **self.meter.throughput(),
+            "steps": step,
+            "skipped_steps": self.skipped,
+            "world_size": self.topo.world_size,
+            "global_batch": self.global_batch,
+            **extra,
+            "weights": str(weights),
+            "elapsed_s": round(time.perf_counter() - self.started, 3),
+        }
         self.log("summary", **summary)
         self.print("summary " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return summary
@@ -360,8 +347,11 @@ def sharded(model) -> bool:
 def _bytes(*holders) -> int:
     """Roughly what a checkpoint of these modules and optimizers takes on disk."""
     states = [h.state_dict() for h in holders]
-    tensors = [t for s in states for t in (s.values() if "state" not in s else
-                                           (v for p in s["state"].values() for v in p.values()))]
+    tensors = [
+        t
+        for s in states
+        for t in (s.values() if "state" not in s else (v for p in s["state"].values() for v in p.values()))
+    ]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -377,8 +367,12 @@ def model_state(model) -> dict[str, torch.Tensor]:
 
 def progress_line(step: int, total: int, *, epoch: int, **fields) -> str:
     """`step 40/115 epoch 1 loss 0.4123 acc 0.91 1875 samples/s`."""
-    shown = {"loss": "loss {:.4f}", "acc": "acc {:.4f}", "samples_per_s": "{:.0f} samples/s",
-             "tokens_per_s": "{:.0f} tokens/s"}
+    shown = {
+        "loss": "loss {:.4f}",
+        "acc": "acc {:.4f}",
+        "samples_per_s": "{:.0f} samples/s",
+        "tokens_per_s": "{:.0f} tokens/s",
+    }
     parts = [fmt.format(fields[k]) for k, fmt in shown.items() if isinstance(fields.get(k), float)]
     return " ".join([f"step {step}/{total} epoch {epoch}", *parts])
 

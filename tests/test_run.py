@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from core.run import append_line, repair_records
+from core.folder import append_line, repair_records
 from helpers import REPO, recipes_cli, user_env
 
 pytestmark = pytest.mark.e2e

@@ -171,7 +171,7 @@ def test_a_core_module_used_as_a_value_is_refused_in_one_line():
 
 
 def test_lazy_core_imports_inside_functions_are_inlined_too():
-    text = _inline('"""demo."""\n\ndef newest(out):\n    from core.run import run_dirs\n\n'
+    text = _inline('"""demo."""\n\ndef newest(out):\n    from core.folder import run_dirs\n\n'
                    '    return run_dirs(out, "x")\n')
     assert not [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom) and n.module == "core.run"]
     assert _namespace(text)["newest"](os.devnull + "-missing") == []

@@ -13,6 +13,7 @@ will run (the recipe's own wrapper, DDP, FSDP, tensor or pipeline parallel, its 
 and schedule), for every registered recipe, plugins included; a model DDP can't train fails
 with DDP's own error. The price is two launches: seconds on CPU, not minutes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -82,27 +83,54 @@ def probe(model: nn.Module, batch, *, seed: int = 0) -> list[Finding]:
     first = _forward_backward(model, batch, seed=seed)
     unused = [n for n, p in model.named_parameters() if p.requires_grad and n not in first[1]]
     if unused:
-        findings.append(Finding("unused parameters", (
-            f"{_few(unused)} get no gradient, so DDP waits for them and fails at the next step; remove them, "
-            f"freeze them (requires_grad_(False)) or wrap with DDP(..., find_unused_parameters=True)")))
-    norms = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+        findings.append(
+            Finding(
+                "unused parameters",
+                (
+                    f"{_few(unused)} get no gradient, so DDP waits for them and fails at the next step; remove them, "
+                    f"freeze them (requires_grad_(False)) or wrap with DDP(..., find_unused_parameters=True)"
+                ),
+            )
+        )
+    norms = [
+        f"{n} ({type(m).__name__})"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]
     if norms:
-        findings.append(Finding("BatchNorm without SyncBatchNorm", (
-            f"{_few(norms)} normalise{'s' * (len(norms) == 1)} by each rank's share of the batch, not the "
-            f"global batch; use "
-            f"nn.SyncBatchNorm.convert_sync_batchnorm(model) on GPUs, or LayerNorm/GroupNorm")))
+        findings.append(
+            Finding(
+                "BatchNorm without SyncBatchNorm",
+                (
+                    f"{_few(norms)} normalise{'s' * (len(norms) == 1)} by each rank's share of the batch, not the "
+                    f"global batch; use "
+                    f"nn.SyncBatchNorm.convert_sync_batchnorm(model) on GPUs, or LayerNorm/GroupNorm"
+                ),
+            )
+        )
     if not _same(first, _forward_backward(model, batch, seed=seed)):
-        findings.append(Finding("non-deterministic layers", (
-            "two steps with the same seed and batch differ; find the op with "
-            "torch.use_deterministic_algorithms(True), or accept a tolerance")))
+        findings.append(
+            Finding(
+                "non-deterministic layers",
+                (
+                    "two steps with the same seed and batch differ; find the op with "
+                    "torch.use_deterministic_algorithms(True), or accept a tolerance"
+                ),
+            )
+        )
     elif not _same(first, _forward_backward(model, batch, seed=seed + 1)):
         dropout = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
         where = f"dropout ({_few(dropout)})" if dropout else "randomness in forward() (torch.rand*, F.dropout)"
-        findings.append(Finding("dropout or other randomness not seeded per rank", (
-            f"{where} draws from the RNG: every rank is seeded alike, so all ranks draw the same masks, and no "
-            f"seeding draws the masks one process would; seed each rank apart (seed + rank) and compare "
-            f"distributed with single-process with dropout off (p=0)")))
+        findings.append(
+            Finding(
+                "dropout or other randomness not seeded per rank",
+                (
+                    f"{where} draws from the RNG: every rank is seeded alike, so all ranks draw the same masks, and no "
+                    f"seeding draws the masks one process would; seed each rank apart (seed + rank) and compare "
+                    f"distributed with single-process with dropout off (p=0)"
+                ),
+            )
+        )
     findings += _deterministic_check(model, batch, seed=seed)
     return findings
 
@@ -137,8 +165,11 @@ def _error_line(stderr: str) -> str:
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                          "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    }
     env.setdefault("OMP_NUM_THREADS", "1")  # N processes on a few cores: no oversubscription
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -175,8 +206,7 @@ def compare_weights(distributed: Path, single: Path, initial: Path) -> Compariso
     the norm over all weights, while a real break (BatchNorm, dropout) moves nearly all of them."""
     a, b, start = load_file(distributed), load_file(single), load_file(initial)
     if a.keys() != b.keys():
-        return Comparison(float("inf"), f"different parameter names: {_few(sorted(a.keys() ^ b.keys()))}",
-                          float("inf"))
+        return Comparison(float("inf"), f"different parameter names: {_few(sorted(a.keys() ^ b.keys()))}", float("inf"))
     keys = [k for k in sorted(b) if b[k].is_floating_point() and b[k].numel()]
     diffs = {k: (a[k].double() - b[k].double()) for k in keys}
     where = max(keys, key=lambda k: diffs[k].abs().max().item(), default="")
@@ -186,24 +216,52 @@ def compare_weights(distributed: Path, single: Path, initial: Path) -> Compariso
     return Comparison(diffs[where].abs().max().item() if where else 0.0, where, relative)
 
 
-def check_recipe(recipe, *, model: str, data: str, nproc: int = 2, steps: int = 3, batch_size: int = 8,
-                 seed: int = 0, timeout_s: float = 600.0) -> Report:
+def check_recipe(
+    recipe,
+    *,
+    model: str,
+    data: str,
+    nproc: int = 2,
+    steps: int = 3,
+    batch_size: int = 8,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+) -> Report:
     """Probe the model, then run `recipe` on `nproc` processes and on one, on the same global batch."""
-    report = Report([f"check {recipe.name} --model {model} --data {data}: {steps} steps on {nproc} processes "
-                     f"against 1 process on the same global batch"])
+    report = Report(
+        [
+            f"check {recipe.name} --model {model} --data {data}: {steps} steps on {nproc} processes "
+            f"against 1 process on the same global batch"
+        ]
+    )
     torch.manual_seed(seed)
     built, batch = build_model(model), sample_batch(data, size=batch_size)  # a bad spec: one RecipeError line
     try:
         report.findings = probe(built, batch, seed=seed)
     except Exception as err:  # the model can't train on this data at all: no point in launching anything
         first = (str(err).strip().splitlines() or [""])[0]
-        raise RecipeError(f"--model {model} --data {data}: one training step fails ({type(err).__name__}: "
-                          f"{first}); fix the model or the data first") from None
-    args = ["-m", "recipes", "run", recipe.name, "--model", model, "--data", data, "--seed", str(seed),
-            "--log-every", str(steps), "--timeout-s", str(min(timeout_s, 300.0))]
+        raise RecipeError(
+            f"--model {model} --data {data}: one training step fails ({type(err).__name__}: "
+            f"{first}); fix the model or the data first"
+        ) from None
+    args = [
+        "-m",
+        "recipes",
+        "run",
+        recipe.name,
+        "--model",
+        model,
+        "--data",
+        data,
+        "--seed",
+        str(seed),
+        "--log-every",
+        str(steps),
+        "--timeout-s",
+        str(min(timeout_s, 300.0)),
+    ]
     with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
-        runs, failure = _three_runs(args, tmp=tmp, nproc=nproc, steps=steps, batch_size=batch_size,
-                                    timeout_s=timeout_s)
+        runs, failure = _three_runs(args, tmp=tmp, nproc=nproc, steps=steps, batch_size=batch_size, timeout_s=timeout_s)
         if failure:
             return _verdict(report, failure)
         found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
@@ -222,12 +280,27 @@ def check_recipe(recipe, *, model: str, data: str, nproc: int = 2, steps: int = 
     return _verdict(report, None if report.equivalent else "the weights or the loss differ beyond the tolerance")
 
 
-def _three_runs(args: list[str], *, tmp: str, nproc: int, steps: int, batch_size: int,
-                timeout_s: float) -> tuple[list[dict], str]:
+def _three_runs(
+    args: list[str], *, tmp: str, nproc: int, steps: int, batch_size: int, timeout_s: float
+) -> tuple[list[dict], str]:
     """The recipe on `nproc` processes, on one with the global batch, and its weights before any step."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    distributed, why = _finish(_start([*torchrun, *args, "--max-steps", str(steps), "--batch-size", str(batch_size),
-                                       "--out", f"{tmp}/distributed"]), out=f"{tmp}/distributed", timeout_s=timeout_s)
+    distributed, why = _finish(
+        _start(
+            [
+                *torchrun,
+                *args,
+                "--max-steps",
+                str(steps),
+                "--batch-size",
+                str(batch_size),
+                "--out",
+                f"{tmp}/distributed",
+            ]
+        ),
+        out=f"{tmp}/distributed",
+        timeout_s=timeout_s,
+    )
     if distributed is None:
         return [], f"the run on {nproc} processes failed: {why}"
     distributed.setdefault("global_batch", batch_size * nproc)
@@ -235,8 +308,10 @@ def _three_runs(args: list[str], *, tmp: str, nproc: int, steps: int, batch_size
     # One process on the global batch, and the weights before any step (--epochs 0), side by side.
     single = _start([sys.executable, *args, "--max-steps", str(steps), "--batch-size", batch, "--out", f"{tmp}/single"])
     initial = _start([sys.executable, *args, "--epochs", "0", "--batch-size", batch, "--out", f"{tmp}/initial"])
-    (single, why), (initial, why_initial) = (_finish(single, out=f"{tmp}/single", timeout_s=timeout_s),
-                                             _finish(initial, out=f"{tmp}/initial", timeout_s=timeout_s))
+    (single, why), (initial, why_initial) = (
+        _finish(single, out=f"{tmp}/single", timeout_s=timeout_s),
+        _finish(initial, out=f"{tmp}/initial", timeout_s=timeout_s),
+    )
     if single is None or initial is None:
         return [], f"the single-process run (batch {batch}) failed: {why or why_initial}"
     return [distributed, single, initial], ""
@@ -244,15 +319,19 @@ def _three_runs(args: list[str], *, tmp: str, nproc: int, steps: int, batch_size
 
 def _verdict(report: Report, failure: str | None) -> Report:
     if failure is None:
-        report.lines.append("equivalent: yes: distributed training of this model matches one process"
-                            + (" (but see the warnings)" if report.findings else ""))
+        report.lines.append(
+            "equivalent: yes: distributed training of this model matches one process"
+            + (" (but see the warnings)" if report.findings else "")
+        )
         report.lines += [f"warning: {f.cause}: {f.detail}" for f in report.findings]
         return report
     report.lines.append(f"equivalent: NO: {failure}")
     for finding in report.findings:
         report.lines.append(f"likely cause: {finding.cause}: {finding.detail}")
     if not report.findings:
-        report.lines.append("likely cause: none of the usual ones (unused parameters, BatchNorm, randomness, "
-                            "non-deterministic ops) is in the model; look for code that depends on the rank or "
-                            "on the batch size, e.g. a loss summed instead of averaged over the batch")
+        report.lines.append(
+            "likely cause: none of the usual ones (unused parameters, BatchNorm, randomness, "
+            "non-deterministic ops) is in the model; look for code that depends on the rank or "
+            "on the batch size, e.g. a loss summed instead of averaged over the batch"
+        )
     return report

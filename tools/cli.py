@@ -36,7 +36,9 @@ def cli():
 def list_recipes():
     """A table of the recipes: name, what it builds on, multi-node, what it shows."""
     rows = [("name", "builds on", "multi-node", "what it shows")]
-    rows += [(r.name, r.builds_on or "-", "yes" if r.multi_node else "no", r.summary) for _, r in sorted(RECIPES.items())]
+    rows += [
+        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", r.summary) for _, r in sorted(RECIPES.items())
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
@@ -48,14 +50,17 @@ def list_recipes():
 def run_recipe(name: str | None, args: tuple[str, ...]):
     """Run recipe NAME: `run NAME --help` lists its options. Under torchrun every rank runs it."""
     if name in (None, "-h", "--help"):
-        click.echo("usage: python -m recipes run NAME [OPTIONS]   (NAME --help: its options)\n\nrecipes: "
-                   + ", ".join(sorted(RECIPES)))
+        click.echo(
+            "usage: python -m recipes run NAME [OPTIONS]   (NAME --help: its options)\n\nrecipes: "
+            + ", ".join(sorted(RECIPES))
+        )
         return
     recipe = _recipe(name)
     module = recipe.load()
     try:
-        cfg, dry_run = parse_args(module.Config, list(args), prog=f"python -m recipes run {name}",
-                                  description=recipe.summary)
+        cfg, dry_run = parse_args(
+            module.Config, list(args), prog=f"python -m recipes run {name}", description=recipe.summary
+        )
     except UsageError as err:
         if err.option and err.option.startswith("--"):
             others = [n for n in takers(err.option) if n != name]
@@ -76,8 +81,9 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
 @click.argument("name")
 @click.argument("dest", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="overwrite DEST if it exists")
-@click.option("--standalone", is_flag=True, help="one file with the core code it uses inlined: needs only torch "
-              "and safetensors")
+@click.option(
+    "--standalone", is_flag=True, help="one file with the core code it uses inlined: needs only torch and safetensors"
+)
 def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
     """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone)."""
     recipe = _recipe(name)
@@ -89,8 +95,13 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
         from tools.standalone import standalone_source
 
         defaults = recipe.load().Config()  # the copy carries the recipe's default model and data, no other built-in
-        text = standalone_source(text, name=name, dest=dest, nproc=2 if recipe.multi_node else 1,
-                                 keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data})
+        text = standalone_source(
+            text,
+            name=name,
+            dest=dest,
+            nproc=2 if recipe.multi_node else 1,
+            keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
+        )
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     click.echo(f"copied {name} to {dest}; run it with: {launch}")
@@ -123,8 +134,9 @@ def check_command(name: str, model: str | None, data: str | None, nproc: int, st
     report = check_recipe(recipe, model=model, data=data, nproc=nproc, steps=steps, batch_size=batch_size, seed=seed)
     click.echo(report.text)
     if not report.equivalent:  # exit status 1, with one `error:` line, like any other failure
-        raise click.ClickException(f"{name} --model {model} --data {data}: {nproc} processes do not train like "
-                                   f"one; see the likely cause above")
+        raise click.ClickException(
+            f"{name} --model {model} --data {data}: {nproc} processes do not train like one; see the likely cause above"
+        )
 
 
 @cli.command("diff")
@@ -137,12 +149,16 @@ def diff_recipes(base: str, name: str):
         click.echo(f"# {name} builds on {base}: the lines below are what it adds")
     else:
         parent = f"it builds on {new.builds_on}" if new.builds_on else "it builds on no other recipe"
-        click.echo(f"# {name} does not build on {base} ({parent}; try: python -m recipes diff "
-                   f"{new.builds_on or base} {name})")
-    lines = difflib.unified_diff(Path(old.source_file).read_text().splitlines(),
-                                 Path(new.source_file).read_text().splitlines(),
-                                 f"{base}: {Path(old.source_file).name}", f"{name}: {Path(new.source_file).name}",
-                                 lineterm="")
+        click.echo(
+            f"# {name} does not build on {base} ({parent}; try: python -m recipes diff {new.builds_on or base} {name})"
+        )
+    lines = difflib.unified_diff(
+        Path(old.source_file).read_text().splitlines(),
+        Path(new.source_file).read_text().splitlines(),
+        f"{base}: {Path(old.source_file).name}",
+        f"{name}: {Path(new.source_file).name}",
+        lineterm="",
+    )
     colours = {"+": "green", "-": "red", "@": "cyan"}
     for line in lines:  # click.echo drops the colour when stdout is not a terminal
         header = line.startswith(("+++", "---"))
@@ -152,8 +168,9 @@ def diff_recipes(base: str, name: str):
 
 @cli.command("plot")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
-@click.option("-o", "--out", default="plot.png", show_default=True, type=click.Path(dir_okay=False),
-              help="the PNG to write")
+@click.option(
+    "-o", "--out", default="plot.png", show_default=True, type=click.Path(dir_okay=False), help="the PNG to write"
+)
 def plot_command(run_dirs: tuple[str, ...], out: str):
     """Plot loss, validation accuracy and throughput against step for one or more run folders."""
     from tools.plot import plot_runs  # matplotlib loads only for this command

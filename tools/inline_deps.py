@@ -22,6 +22,7 @@ from tools.inline_refs import (
     _scope_bindings,
 )
 
+
 def _key(target: tuple) -> tuple:
     return target[:3] if target[0] == "def" else ("ext", *target[1])
 
@@ -162,8 +163,11 @@ class _Inliner:
             fixed = key[:2] == ("ext", "import") and key in self.submodules
             for candidate in [preferred] if fixed else self._candidates(key, preferred):
                 refs = self.refs_by_key[key]
-                if candidate not in taken and candidate not in _RESERVED and all(candidate not in r.shadow
-                                                                                 for r in refs):
+                if (
+                    candidate not in taken
+                    and candidate not in _RESERVED
+                    and all(candidate not in r.shadow for r in refs)
+                ):
                     break
             else:
                 raise StandaloneError(f"cannot give {'.'.join(key[1:])} a name that clashes with nothing")
@@ -189,8 +193,9 @@ class _Inliner:
         """Inlined statements: module by module (a module after those it imports), each in source
         order, moved only where a statement needs another one when it runs (decorators, bases...)."""
         rank = {m: i for i, m in enumerate(self._module_order())}
-        chunks = sorted((c for c in self.included.values() if c.module != RECIPE),
-                        key=lambda c: (rank[c.module], c.index))
+        chunks = sorted(
+            (c for c in self.included.values() if c.module != RECIPE), key=lambda c: (rank[c.module], c.index)
+        )
         position = {(c.module, c.index): i for i, c in enumerate(chunks)}
         needs = {i: set() for i in range(len(chunks))}
         for i, chunk in enumerate(chunks):
@@ -232,8 +237,6 @@ class _Inliner:
 
 
 # --- emitting the file ----------------------------------------------------------------------------
-
-
 
 
 def _keep_builtins(module: str, source: bytes, keep: dict[str, str]) -> bytes:

@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from core.config import RecipeError
 
 RECIPE = "__recipe__"  # the module name the recipe itself gets here
-_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
-           ast.DictComp, ast.GeneratorExp)
+_SCOPES = (
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Lambda,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+    ast.GeneratorExp,
+)
 _RESERVED = set(dir(builtins)) | {"__file__", "__builtins__"}  # a global named so would hijack them
 
 
@@ -85,8 +93,10 @@ def _scope_bindings(body: Iterable[ast.AST], packages: tuple[str, ...]) -> tuple
                 if isinstance(node, ast.ImportFrom) and _inlined(module, packages) and not node.level:
                     aliases[alias.asname or alias.name] = ("ref", module, alias.name)
                 elif isinstance(node, ast.Import) and _inlined(alias.name, packages):
-                    aliases[alias.asname or alias.name.split(".")[0]] = ("mod", alias.name if alias.asname
-                                                                         else alias.name.split(".")[0])
+                    aliases[alias.asname or alias.name.split(".")[0]] = (
+                        "mod",
+                        alias.name if alias.asname else alias.name.split(".")[0],
+                    )
                 else:
                     bound.add(alias.asname or alias.name.split(".")[0])
         elif isinstance(node, ast.ExceptHandler) and node.name:
@@ -128,8 +138,10 @@ class _RefCollector(ast.NodeVisitor):
 
     def record(self, node: ast.expr, target: tuple) -> None:
         if target[0] == "mod":
-            raise StandaloneError(f"{self.module.name} line {node.lineno}: the module {target[1]} is used as a "
-                                  f"value; use its functions by name (module.function) so they can be inlined")
+            raise StandaloneError(
+                f"{self.module.name} line {node.lineno}: the module {target[1]} is used as a "
+                f"value; use its functions by name (module.function) so they can be inlined"
+            )
         shadow = frozenset(n for bound, _ in self._visible() for n in bound)  # aliases go: their imports do
         self.refs.append(Ref(node, target, shadow, at_import=self.deferred == 0))
 
@@ -156,8 +168,11 @@ class _RefCollector(ast.NodeVisitor):
 
     def _function(self, node, params: set[str], body: list) -> None:
         bound, aliases = _scope_bindings(body, self.packages)
-        self.removals += [s for s in ast.walk(ast.Module(body=body, type_ignores=[]))
-                          if isinstance(s, (ast.Import, ast.ImportFrom)) and self._is_core_import(s)]
+        self.removals += [
+            s
+            for s in ast.walk(ast.Module(body=body, type_ignores=[]))
+            if isinstance(s, (ast.Import, ast.ImportFrom)) and self._is_core_import(s)
+        ]
         self.scopes.append(("function", bound | params, aliases))
         self.deferred += 1
         for child in body if isinstance(body, list) else [body]:
@@ -171,11 +186,17 @@ class _RefCollector(ast.NodeVisitor):
         return any(_inlined(a.name, self.packages) for a in node.names)
 
     def _signature(self, node) -> None:
-        for expr in [*getattr(node, "decorator_list", []), *node.args.defaults,
-                     *[d for d in node.args.kw_defaults if d is not None]]:
+        for expr in [
+            *getattr(node, "decorator_list", []),
+            *node.args.defaults,
+            *[d for d in node.args.kw_defaults if d is not None],
+        ]:
             self.visit(expr)
-        annotations = [a.annotation for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
-                                              node.args.vararg, node.args.kwarg) if a and a.annotation]
+        annotations = [
+            a.annotation
+            for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg)
+            if a and a.annotation
+        ]
         self.deferred += self.module.future  # `from __future__ import annotations`: never evaluated
         for expr in [*annotations, *([node.returns] if node.returns else [])]:
             self.visit(expr)
@@ -236,7 +257,9 @@ class _RefCollector(ast.NodeVisitor):
 
 def _is_main_guard(node: ast.stmt) -> bool:
     test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) \
+    return (
+        isinstance(node, ast.If)
+        and isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
         and test.left.id == "__name__"
-
-
+    )

@@ -1,5 +1,6 @@
 """`python -m recipes plot RUN_DIR [RUN_DIR...] -o out.png`: loss, validation accuracy and throughput
 against step, one line per run, from each run's metrics.jsonl (headless: matplotlib's Agg backend)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,11 @@ from pathlib import Path
 
 from core.config import RecipeError
 
-PANELS = (("train", "loss", "train loss"), ("eval", "val_acc", "validation accuracy"),
-          ("train", "samples_per_s", "throughput (samples/s, or tokens/s)"))
+PANELS = (
+    ("train", "loss", "train loss"),
+    ("eval", "val_acc", "validation accuracy"),
+    ("train", "samples_per_s", "throughput (samples/s, or tokens/s)"),
+)
 
 
 def read_records(run_dir: str | Path) -> list[dict]:
@@ -51,8 +55,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             steps, values = series(records, kind, key)
             tokens = key == "samples_per_s" and any("tokens_per_s" in r for r in records)
             if steps:
-                ax.plot(steps, values, marker="o" if len(steps) < 20 else None,
-                        label=f"{name} (tokens/s)" if tokens else name)
+                ax.plot(
+                    steps,
+                    values,
+                    marker="o" if len(steps) < 20 else None,
+                    label=f"{name} (tokens/s)" if tokens else name,
+                )
         ax.set(title=title, xlabel="step")
         if ax.get_legend_handles_labels()[0]:  # a panel with no data (no eval records) gets no legend
             ax.legend(fontsize="small")

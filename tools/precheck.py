@@ -13,7 +13,7 @@ import torch
 
 from core import ckpt, data, models, steps
 from core.config import RecipeError, check_writable
-from core.run import check_free, find_resume
+from core.folder import check_free, find_resume
 
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps")
@@ -38,15 +38,25 @@ def check_resume(recipe: str, cfg) -> None:
     if path.parent.name == "ckpt":
         check_free(path.parent.parent)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    meta = ckpt.check_resume(path, model_shapes=_shapes(cfg.model), recipe=recipe,
-                             precision=getattr(cfg, "precision", "fp32"), world_size=world_size,
-                             global_batch=cfg.batch_size * world_size * getattr(cfg, "accum", 1))
+    meta = ckpt.check_resume(
+        path,
+        model_shapes=_shapes(cfg.model),
+        recipe=recipe,
+        precision=getattr(cfg, "precision", "fp32"),
+        world_size=world_size,
+        global_batch=cfg.batch_size * world_size * getattr(cfg, "accum", 1),
+    )
     saved = json.loads(meta.get("config", "{}"))
-    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}" for k in TRAJECTORY
-               if k in saved and hasattr(cfg, k) and saved[k] != getattr(cfg, k)]
+    changed = [
+        f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}"
+        for k in TRAJECTORY
+        if k in saved and hasattr(cfg, k) and saved[k] != getattr(cfg, k)
+    ]
     if changed:
-        raise RecipeError(f"{path}: resuming with other options ({', '.join(changed)}) would train another run; "
-                          f"resume with the options it was started with, or start a new run without --resume")
+        raise RecipeError(
+            f"{path}: resuming with other options ({', '.join(changed)}) would train another run; "
+            f"resume with the options it was started with, or start a new run without --resume"
+        )
 
 
 def _shapes(spec: str) -> dict[str, tuple]:

@@ -37,22 +37,56 @@ class Recipe:
 
 _BUILT_IN = [
     Recipe("ddp", "recipes.ddp", "DistributedDataParallel: the base every other recipe builds on"),
-    Recipe("ddp_amp", "recipes.ddp_amp", "ddp + autocast (bf16/fp16), GradScaler, accumulation with no_sync, "
-           "clipping", builds_on="ddp"),
-    Recipe("ddp_monitored", "recipes.ddp_monitored", "ddp + step-time breakdown, MFU, hang watchdog, profiler, "
-           "comm hooks, compile", builds_on="ddp"),
-    Recipe("dp", "recipes.dp", "nn.DataParallel in one process (plain training with <2 GPUs)", builds_on="ddp",
-           multi_node=False),
-    Recipe("fsdp", "recipes.fsdp", "FSDP2 fully_shard per block; sharded checkpoints; bf16; CPU offload",
-           builds_on="ddp_amp"),
-    Recipe("tensor_parallel", "recipes.tensor_parallel", "Megatron-style column/row splits of each block's Linear "
-           "layers (DTensor)", builds_on="fsdp"),
-    Recipe("fsdp_tp", "recipes.fsdp_tp", "2-D mesh: tensor parallel within groups of --tp ranks, FSDP2 across them",
-           builds_on="fsdp"),
-    Recipe("pipeline", "recipes.pipeline", "torch.distributed.pipelining: GPipe / 1F1B / interleaved, pp x dp",
-           builds_on="ddp_amp"),
-    Recipe("pipeline_naive", "recipes.pipeline_naive", "model parallel by hand: stages on devices, one process",
-           builds_on="dp", multi_node=False),
+    Recipe(
+        "ddp_amp",
+        "recipes.ddp_amp",
+        "ddp + autocast (bf16/fp16), GradScaler, accumulation with no_sync, clipping",
+        builds_on="ddp",
+    ),
+    Recipe(
+        "ddp_monitored",
+        "recipes.ddp_monitored",
+        "ddp + step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile",
+        builds_on="ddp",
+    ),
+    Recipe(
+        "dp",
+        "recipes.dp",
+        "nn.DataParallel in one process (plain training with <2 GPUs)",
+        builds_on="ddp",
+        multi_node=False,
+    ),
+    Recipe(
+        "fsdp",
+        "recipes.fsdp",
+        "FSDP2 fully_shard per block; sharded checkpoints; bf16; CPU offload",
+        builds_on="ddp_amp",
+    ),
+    Recipe(
+        "tensor_parallel",
+        "recipes.tensor_parallel",
+        "Megatron-style column/row splits of each block's Linear layers (DTensor)",
+        builds_on="fsdp",
+    ),
+    Recipe(
+        "fsdp_tp",
+        "recipes.fsdp_tp",
+        "2-D mesh: tensor parallel within groups of --tp ranks, FSDP2 across them",
+        builds_on="fsdp",
+    ),
+    Recipe(
+        "pipeline",
+        "recipes.pipeline",
+        "torch.distributed.pipelining: GPipe / 1F1B / interleaved, pp x dp",
+        builds_on="ddp_amp",
+    ),
+    Recipe(
+        "pipeline_naive",
+        "recipes.pipeline_naive",
+        "model parallel by hand: stages on devices, one process",
+        builds_on="dp",
+        multi_node=False,
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ statement is spliced from its source rather than regenerated, so comments and la
 Two definitions with one name (core.models.MLP and core.gpt.MLP) get distinct names; a name is
 never given where a local variable of that name would hide it.
 """
+
 import ast
 import re
 import sys
@@ -21,6 +22,7 @@ from collections.abc import Iterable
 
 from tools.inline_deps import _Inliner, _key
 from tools.inline_refs import RECIPE, Chunk, Module, StandaloneError, _inlined  # noqa: F401 (StandaloneError: API)
+
 
 def _offsets(source: bytes) -> list[int]:
     """Byte offset where each line starts (ast's col_offset is in UTF-8 bytes, so splice bytes)."""
@@ -52,14 +54,14 @@ def _binding_edits(module: Module, chunk: Chunk, names: dict[tuple, str], at) ->
             if node.name in renamed:
                 line = module.source.splitlines()[node.lineno - 1]
                 found = re.compile(rb"(?:def|class)\s+(" + re.escape(node.name.encode()) + rb")\b").search(
-                    line, node.col_offset)
+                    line, node.col_offset
+                )
                 edits.append((at(node.lineno, found.start(1)), at(node.lineno, found.end(1)), renamed[node.name]))
             continue  # what is inside is another scope
         if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             continue
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in renamed:
-            edits.append((at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset),
-                          renamed[node.id]))
+            edits.append((at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset), renamed[node.id]))
         todo.extend(ast.iter_child_nodes(node))
     return edits
 
@@ -76,10 +78,14 @@ def _realign(node: ast.stmt, source: bytes, starts: list[int], edits: list) -> l
     for inner in ast.walk(node):
         if isinstance(inner, (ast.Constant, ast.JoinedStr)) and inner.end_lineno > inner.lineno:
             in_strings |= set(range(inner.lineno + 1, inner.end_lineno + 1))  # never re-indent inside a string
-        items = {ast.Call: lambda n: [*n.args, *n.keywords], ast.List: lambda n: n.elts, ast.Tuple: lambda n: n.elts,
-                 ast.Set: lambda n: n.elts, ast.Dict: lambda n: [*filter(None, n.keys)],
-                 ast.FunctionDef: lambda n: [*n.args.posonlyargs, *n.args.args, *n.args.kwonlyargs],
-                 }.get(type(inner), lambda n: [])(inner)
+        items = {
+            ast.Call: lambda n: [*n.args, *n.keywords],
+            ast.List: lambda n: n.elts,
+            ast.Tuple: lambda n: n.elts,
+            ast.Set: lambda n: n.elts,
+            ast.Dict: lambda n: [*filter(None, n.keys)],
+            ast.FunctionDef: lambda n: [*n.args.posonlyargs, *n.args.args, *n.args.kwonlyargs],
+        }.get(type(inner), lambda n: [])(inner)
         if items:
             first = min(items, key=lambda i: (i.lineno, i.col_offset))
             anchors.append((first.lineno, first.col_offset, inner.end_lineno))
@@ -87,11 +93,16 @@ def _realign(node: ast.stmt, source: bytes, starts: list[int], edits: list) -> l
     for line, column, last in sorted(anchors):
         moved = shift.get(line, 0) + sum(d for c, d in deltas.get(line, []) if c < column)
         for later in range(line + 1, last + 1) if moved else ():
-            text = source[starts[later - 1]:starts[later]]
+            text = source[starts[later - 1] : starts[later]]
             if later not in shift and later not in in_strings and len(text) - len(text.lstrip(b" ")) == column:
                 shift[later] = moved
-    return [(starts[line - 1], starts[line - 1], " " * moved) if moved > 0 else
-            (starts[line - 1], starts[line - 1] - moved, "") for line, moved in shift.items() if moved]
+    return [
+        (starts[line - 1], starts[line - 1], " " * moved)
+        if moved > 0
+        else (starts[line - 1], starts[line - 1] - moved, "")
+        for line, moved in shift.items()
+        if moved
+    ]
 
 
 def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
@@ -104,13 +115,14 @@ def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
     for ref in chunk.refs:
         new = names[_key(ref.target)]
         if not (isinstance(ref.node, ast.Name) and ref.node.id == new):
-            edits.append((at(ref.node.lineno, ref.node.col_offset), at(ref.node.end_lineno, ref.node.end_col_offset),
-                          new))
+            edits.append(
+                (at(ref.node.lineno, ref.node.col_offset), at(ref.node.end_lineno, ref.node.end_col_offset), new)
+            )
     edits += _binding_edits(module, chunk, names, at)
     parents, removed = _parents(chunk.node), {id(s) for s in chunk.removals}
     for stmt in chunk.removals:
-        before = source[starts[stmt.lineno - 1]:at(stmt.lineno, stmt.col_offset)]
-        after = source[at(stmt.end_lineno, stmt.end_col_offset):starts[stmt.end_lineno]].strip()
+        before = source[starts[stmt.lineno - 1] : at(stmt.lineno, stmt.col_offset)]
+        after = source[at(stmt.end_lineno, stmt.end_col_offset) : starts[stmt.end_lineno]].strip()
         alone = not before.strip() and (not after or after.startswith(b"#"))
         if alone and any(id(s) not in removed for s in parents[id(stmt)]):
             edits.append((starts[stmt.lineno - 1], starts[stmt.end_lineno], ""))  # the whole line(s)
@@ -120,7 +132,7 @@ def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
     lo, hi = starts[chunk.gap - 1], starts[chunk.node.end_lineno]
     text = source[lo:hi]
     for begin, end, new in sorted(edits, reverse=True):
-        text = text[:begin - lo] + new.encode() + text[end - lo:]
+        text = text[: begin - lo] + new.encode() + text[end - lo :]
     return text.decode().strip("\n") + "\n"
 
 
@@ -138,16 +150,23 @@ def _import_lines(keys: dict[tuple, str], submodules: dict[tuple, set[str]]) -> 
             froms.setdefault(key[2], set()).add(key[3] if key[3] == name else f"{key[3]} as {name}")
     lines = []
     for stdlib in (True, False):
+
         def here(module: str, stdlib=stdlib) -> bool:
             return (module.split(".")[0] in sys.stdlib_module_names) == stdlib
 
-        group = [f"import {m}" if m == n or n == m.split(".")[0] else f"import {m} as {n}"
-                 for m, n in sorted(plain) if here(m)]
+        group = [
+            f"import {m}" if m == n or n == m.split(".")[0] else f"import {m} as {n}"
+            for m, n in sorted(plain)
+            if here(m)
+        ]
         for module in sorted(m for m in froms if here(m)):
             names = ", ".join(sorted(froms[module]))
             line = f"from {module} import {names}"
-            group.append(line if len(line) <= 120 else
-                         f"from {module} import (\n" + "".join(f"    {n},\n" for n in sorted(froms[module])) + ")")
+            group.append(
+                line
+                if len(line) <= 120
+                else f"from {module} import (\n" + "".join(f"    {n},\n" for n in sorted(froms[module])) + ")"
+            )
         if group:
             lines += group + [""]
     return lines
@@ -155,30 +174,44 @@ def _import_lines(keys: dict[tuple, str], submodules: dict[tuple, set[str]]) -> 
 
 def _launch_lines(docstring: str, dest: str, nproc: int) -> str:
     """`./launch_single_node.sh DEST ...` needs that script; a copy elsewhere is started with torchrun."""
-    pattern = re.compile(rf"^(\s*)(?:NPROC_PER_NODE=(\d+)\s+)?\./launch_single_node\.sh\s+{re.escape(dest)}(?=\s|$)",
-                         re.M)
+    pattern = re.compile(
+        rf"^(\s*)(?:NPROC_PER_NODE=(\d+)\s+)?\./launch_single_node\.sh\s+{re.escape(dest)}(?=\s|$)", re.M
+    )
     lines = docstring.splitlines(keepends=True)
-    converted = [pattern.sub(lambda m: f"{m[1]}torchrun --standalone --nproc-per-node {m[2] or nproc} {dest}", line)
-                 for line in lines]
+    converted = [
+        pattern.sub(lambda m: f"{m[1]}torchrun --standalone --nproc-per-node {m[2] or nproc} {dest}", line)
+        for line in lines
+    ]
     # a launcher line that became the same command as another line of the docstring goes
-    return "".join(new for new, old in zip(converted, lines)
-                   if new == old or new.strip() not in {other.strip() for other in lines})
+    return "".join(
+        new for new, old in zip(converted, lines) if new == old or new.strip() not in {other.strip() for other in lines}
+    )
 
 
 def _requirements(inliner: _Inliner, keys: Iterable[tuple]) -> tuple[list[str], list[str]]:
     """Third-party packages the file imports at the top, and those imported only inside a function."""
     top = {k[2].split(".")[0] for k in keys}
-    lazy = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-            for chunk in inliner.included.values() for n in ast.walk(chunk.node)
-            if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0)
-            for a in n.names if not _inlined(n.module if isinstance(n, ast.ImportFrom) else a.name,
-                                             inliner.packages)}
+    lazy = {
+        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for chunk in inliner.included.values()
+        for n in ast.walk(chunk.node)
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0)
+        for a in n.names
+        if not _inlined(n.module if isinstance(n, ast.ImportFrom) else a.name, inliner.packages)
+    }
     third_party = {m for m in top | lazy if m not in sys.stdlib_module_names}
     return sorted(third_party & top), sorted(third_party - top)
 
 
-def standalone_source(source: str, *, name: str, dest: str, nproc: int = 2, packages: tuple[str, ...] = ("core",),
-                      keep_builtins: dict[str, str] | None = None) -> str:
+def standalone_source(
+    source: str,
+    *,
+    name: str,
+    dest: str,
+    nproc: int = 2,
+    packages: tuple[str, ...] = ("core",),
+    keep_builtins: dict[str, str] | None = None,
+) -> str:
     """The text of one Python file that runs recipe `name` (its `source`) with nothing from `packages`.
 
     `dest` is the file's name as the user runs it (the docstring's launch lines use it); `nproc`
@@ -193,14 +226,17 @@ def standalone_source(source: str, *, name: str, dest: str, nproc: int = 2, pack
     chunks = inliner.ordered_chunks()
     needs, lazy = _requirements(inliner, used)
     files = ", ".join(f"{m.replace('.', '/')}.py" for m in inliner._module_order())
-    docstring = b"".join(recipe.source.splitlines(keepends=True)[:recipe.header_end]).decode()
+    docstring = b"".join(recipe.source.splitlines(keepends=True)[: recipe.header_end]).decode()
     header = textwrap.fill(
         f"A standalone copy of the `{name}` recipe of torch-dist-recipes, made by `python -m recipes cp {name} "
         f"{dest} --standalone`. It needs {', '.join(needs) or 'only the standard library'}"
         + (f" (and {', '.join(lazy)}, imported only inside the functions that use it)" if lazy else "")
         + f". Nothing is imported from torch-dist-recipes: the code the recipe uses of {', '.join(packages)} is "
         f"inlined below, section by section, as it was in {files} when copied. The recipe itself comes last.",
-        width=100, initial_indent="# ", subsequent_indent="# ")
+        width=100,
+        initial_indent="# ",
+        subsequent_indent="# ",
+    )
     top = [_launch_lines(docstring, dest, nproc).rstrip("\n"), header] if docstring else [header]
     future = recipe.future or any(inliner.modules[m].future for m in inliner.contributing)
     imports = ["from __future__ import annotations", ""] * future + _import_lines(used, inliner.submodules)
