@@ -14,6 +14,7 @@ import json
 import os
 import re
 import struct
+import zlib
 from pathlib import Path
 
 import torch
@@ -52,6 +53,13 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """CRC32 of a tensor's bytes, "crc32:8 hex digits" (fixed width). zlib releases the GIL on large
+    buffers, so a thread can hash while another writes; every single-byte change is caught."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return f"crc32:{zlib.crc32(t.view(torch.uint8).numpy().data) if t.numel() else 0:08x}"
 
 
 def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
