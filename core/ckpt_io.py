@@ -1,0 +1,187 @@
+"""The safetensors files of core.ckpt: atomic writes, checksums written in, verified on read.
+
+Every file carries, in its header metadata, `checksums` (JSON: tensor name -> "crc32:8 hex
+digits") and `header_checksum` (CRC32 over the whole header but that one field: tensor
+names, dtypes, shapes, offsets and every metadata string, progress included). The checksums
+are fixed width, so the header is written first with placeholders, the tensors are written
+while a thread hashes them, and the final header overwrites the placeholder in place: the
+hashing costs no pass of its own over the data (see bench/bench_ckpt.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+import torch
+
+from core.config import RecipeError
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_PLACEHOLDER = "crc32:00000000"
+_NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # optimizer averages of squares
+FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
+CKPT_NAME = re.compile(r"step-(\d+)\.safetensors")
+TEMPORARY = re.compile(r"\..+\.tmp-\d+")  # what atomic_write names its temporary file
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """CRC32 of a tensor's bytes, "crc32:8 hex digits" (fixed width). zlib releases the GIL on large
+    buffers, so a thread can hash while another writes; every single-byte change is caught."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return f"crc32:{zlib.crc32(t.view(torch.uint8).numpy().data) if t.numel() else 0:08x}"
+
+
+def header_checksum(header: dict) -> str:
+    """CRC32 of the header in a canonical form, without its own `header_checksum` field."""
+    meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != "header_checksum"}
+    canonical = json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":"))
+    return f"crc32:{zlib.crc32(canonical.encode()):08x}"
+
+
+def atomic_write(path: str | os.PathLike, write) -> Path:
+    """Call `write(file)` on a temporary file, fsync, then rename over `path`: readers see the old
+    file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb", buffering=0) as f:  # large writes go straight to the kernel
+            write(f)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself survive a power cut
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete the `.NAME.tmp-PID` files an interrupted atomic_write left in run_dir and run_dir/ckpt
+    (only those, by name: the caller holds the run's lock, so no write of ours is in flight)."""
+    removed = []
+    for folder in (Path(run_dir), Path(run_dir) / "ckpt"):
+        for path in folder.glob(".*.tmp-*") if folder.is_dir() else []:
+            if TEMPORARY.fullmatch(path.name) and path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def _encode(header: dict) -> memoryview:
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
+    return memoryview(struct.pack("<Q", len(encoded)) + encoded)
+
+
+def write_safetensors(
+    f, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, *, checksums: bool = True
+) -> None:
+    """The safetensors format, written straight from the tensors' memory (CPU, contiguous) into an
+    open file; with `checksums`, hashed by a thread while the main thread writes.
+
+    safetensors.torch.save_file first copies every tensor into a bytes object; at checkpoint
+    sizes that copy halves the write speed, so the (simple, documented) format is written here.
+    """
+    header, offset = {"__metadata__": dict(metadata or {})}, 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    if checksums:
+        header["__metadata__"] |= {
+            "checksums": json.dumps(dict.fromkeys(tensors, _PLACEHOLDER)),
+            "header_checksum": _PLACEHOLDER,
+        }
+    placeholder = _encode(header)
+    _write_all(f, placeholder)
+    sums, failed = {}, []
+    hasher = threading.Thread(target=_hash_into, args=(tensors, sums, failed), daemon=True)
+    if checksums:
+        hasher.start()
+    for tensor in tensors.values():
+        if tensor.numel():
+            _write_all(f, tensor.reshape(-1).view(torch.uint8).numpy().data)  # no copy: the tensor's own bytes
+    if not checksums:
+        return
+    os.fdatasync(f.fileno())  # the disk takes the data while the hasher finishes
+    hasher.join()
+    if failed:
+        raise failed[0]
+    header["__metadata__"]["checksums"] = json.dumps(sums)
+    header["__metadata__"]["header_checksum"] = header_checksum(header)
+    final = _encode(header)
+    assert len(final) == len(placeholder), "checksums are fixed width"
+    os.pwrite(f.fileno(), final, 0)
+
+
+def _hash_into(tensors: dict[str, torch.Tensor], sums: dict, failed: list) -> None:
+    try:
+        sums.update({key: tensor_checksum(tensor) for key, tensor in tensors.items()})
+    except BaseException as err:  # re-raised in the writing thread
+        failed.append(err)
+
+
+def _write_all(f, view: memoryview) -> None:
+    while view:  # an unbuffered write may take less than it was given (Linux: at most ~2 GB a call)
+        view = view[f.write(view) :]
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The raw JSON header of a safetensors file (the caller has checked that it parses)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a
+    value no training state can hold (a non-finite weight or optimizer state, a negative average of squares)."""
+    fix = f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
+    meta = header.get("__metadata__", {})
+    if meta.get("header_checksum") != header_checksum(header):
+        raise RecipeError(
+            f"{path}: the header does not match its checksum (metadata such as progress was edited or damaged); {fix}"
+        )
+    sums = json.loads(meta["checksums"])
+    for key, tensor in tensors.items():
+        if sums.get(key) != tensor_checksum(tensor):
+            raise RecipeError(f"{path}: tensor {key} does not match its checksum (the file is damaged); {fix}")
+        if key.startswith(("model/", "optim/")) and tensor.is_floating_point():
+            if not bool(torch.isfinite(tensor).all()):
+                raise RecipeError(
+                    f"{path}: tensor {key} holds a non-finite value (NaN or inf); the run had "
+                    f"diverged or the file is damaged; {fix}"
+                )
+            if key.rsplit("/", 1)[-1] in _NON_NEGATIVE and bool((tensor < 0).any()):
+                raise RecipeError(f"{path}: tensor {key} holds a negative value (an average of squares cannot); {fix}")
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints in a folder, oldest first (temporary files of an interrupted write are ignored)."""
+    folder = Path(ckpt_dir)
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*.safetensors") if (m := CKPT_NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found)] if folder.is_dir() else []
