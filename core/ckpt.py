@@ -211,17 +211,20 @@ def load_checkpoint(
     if isinstance(payload, str):
         raise RecipeError(payload)
     tensors, meta = payload
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return restore(tensors, meta, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, rank=rank)
+
+
+def restore(tensors: dict, meta: dict, *, model: nn.Module, optimizer, scheduler=None, scaler=None, rank: int = 0):
+    """Put a checkpoint's state into this process as rank `rank`; returns the progress.
+    A rank the saving job did not have keeps its seeded generators (a larger world)."""
     unwrap(model).load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
-    optimizer.load_state_dict(
-        _unflatten_optimizer(
-            {k: v for k, v in tensors.items() if k.startswith("optim/")}, json.loads(meta["optimizer"])
-        )
-    )
+    optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
+    optimizer.load_state_dict(_unflatten_optimizer(optim, json.loads(meta["optimizer"])))
     if scheduler is not None and json.loads(meta["scheduler"]) is not None:
         scheduler.load_state_dict(json.loads(meta["scheduler"]))
     if scaler is not None and json.loads(meta.get("scaler", "null")) is not None:
         scaler.load_state_dict(json.loads(meta["scaler"]))
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if f"rng/{rank}/cpu" in tensors:
         torch.set_rng_state(tensors[f"rng/{rank}/cpu"])
     if torch.cuda.is_available() and f"rng/{rank}/cuda" in tensors:
