@@ -22,12 +22,11 @@ from core.dist import barrier, is_rank0
 from core.models import unwrap
 
 
-def savable(tensors: dict[str, torch.Tensor], *, copy: bool = False) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, and no two entries sharing storage (safetensors refuses tied weights).
-    `copy`: a snapshot of our own, so that training may change the originals while it is written."""
+def savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two entries sharing storage (safetensors refuses tied weights)."""
     out, seen = {}, set()
     for key, tensor in tensors.items():
-        tensor = tensor.detach().to("cpu", copy=copy).contiguous()
+        tensor = tensor.detach().cpu().contiguous()
         storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
         out[key] = tensor.clone() if storage in seen else tensor
         if storage is not None:
@@ -65,8 +64,24 @@ def _rng_states() -> list[dict[str, torch.Tensor]]:
     return everyone
 
 
-def _snapshot(rng: list, *, model, optimizer, progress: dict, scheduler, scaler, metadata, copy: bool):
-    """The tensors and header of a checkpoint; with `copy`, in host memory of its own."""
+def staged(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `tensors` in host buffers kept from the previous save (pinned for a GPU's tensors):
+    training may change the originals while the copy is written. Reusing the buffers matters: the
+    page faults of fresh memory cost as much as the copy itself."""
+    for key in buffers.keys() - tensors.keys():
+        del buffers[key]
+    for key, tensor in tensors.items():
+        buffer = buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies are complete before training changes the originals
+    return {key: buffers[key] for key in tensors}  # in the order of the tensors: the same file as in-line
+
+
+def _snapshot(rng: list, *, model, optimizer, progress: dict, scheduler, scaler, metadata, buffers):
+    """The tensors and header of a checkpoint; with `buffers` (a dict), copied into host memory of our own."""
     optim_tensors, optim_rest = _flatten_optimizer(optimizer.state_dict())
     tensors = {f"model/{k}": v for k, v in unwrap(model).state_dict().items()} | optim_tensors
     tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
@@ -82,7 +97,7 @@ def _snapshot(rng: list, *, model, optimizer, progress: dict, scheduler, scaler,
     }
     if progress.get("global_batch"):
         header["global_batch"] = str(progress["global_batch"])
-    return savable(tensors, copy=copy), header
+    return (savable(tensors) if buffers is None else staged(tensors, buffers)), header
 
 
 class CheckpointSaver:
@@ -101,6 +116,7 @@ class CheckpointSaver:
         self.ckpt_dir, self.keep, self.background = Path(ckpt_dir), keep, background
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._buffers: dict[str, torch.Tensor] = {}  # background: the host copy, reused save after save
 
     def save(
         self,
@@ -124,10 +140,8 @@ class CheckpointSaver:
                 scheduler=scheduler,
                 scaler=scaler,
                 metadata=metadata,
-                copy=self.background,
+                buffers=self._buffers if self.background else None,
             )
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the copies are complete before training changes the originals
             if self.background:
                 self._thread = threading.Thread(target=self._write, args=(path, tensors, header), daemon=True)
                 self._thread.start()

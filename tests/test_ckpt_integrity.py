@@ -112,7 +112,9 @@ def test_every_tensor_and_the_header_carry_checksums_that_hold(tmp_path):
     sums = json.loads(header["__metadata__"]["checksums"])
     tensors, _ = ckpt.read_checkpoint(path)
     assert sums.keys() == tensors.keys() and all(sums[k] == ckpt.tensor_checksum(t) for k, t in tensors.items())
-    assert header["__metadata__"]["header_checksum"].startswith("crc32:")
+    assert header["__metadata__"]["header_checksum"].startswith("crc32:") and all(
+        s.startswith("blocksum64-crc32:") for s in sums.values()
+    )
 
 
 @pytest.mark.fast
