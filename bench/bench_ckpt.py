@@ -1,6 +1,13 @@
 """Checkpoint write and read speed against the disk's own bound, measured side by side in one run.
 
-    python bench/bench_ckpt.py [--mb 100] [--repeats 3] [--dir /tmp]
+    python bench/bench_ckpt.py [--mb 100] [--repeats 3] [--dir /tmp] [--device cpu|cuda]
+
+Two more figures (issue 14): the cost of the checksums (the same write without them; goal:
+at most 10% slower), and the time a training step is blocked by a checkpoint of a train
+state, background (CheckpointSaver(background=True): a host copy) against in-line (the
+whole write); goal: at most 0.2x. The floor of the background figure is a host copy of the
+state, printed too: for a GPU's state that is a pinned device-to-host copy (tens of GB/s); for a
+CPU's state it is a memcpy, which on a small shared machine runs no faster than the write itself.
 
 Rows: the raw sequential write speed of this disk (dd with conv=fdatasync: the physical
 bound), our checkpoint path (core.ckpt.save_weights: safetensors to a temporary name, fsync,
@@ -9,7 +16,9 @@ both from the page cache (dropping caches needs privileges a bench should not as
 load_file maps the file, so its figure is the cost of opening it more than of reading it.
 The figure of merit is ours / raw; the goal is >= 0.80.
 """
+
 import argparse
+import copy
 import os
 import re
 import statistics
@@ -21,12 +30,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from core.ckpt import save_weights
+from core.ckpt import CheckpointSaver, atomic_write, savable, save_weights, write_safetensors
+from core.ckpt_save import staged
 
 
 def dd_write_mb_s(path: Path, mb: int) -> float:
-    out = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
-                         capture_output=True, text=True, check=True).stderr
+    out = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
     seconds = float(re.search(r"([\d.]+) s,", out).group(1))
     return mb / seconds
 
@@ -44,11 +58,27 @@ def torch_save_fsync(state, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def save_without_checksums(state, path: Path) -> None:
+    tensors = savable(state)
+    atomic_write(path, lambda f: write_safetensors(f, tensors, checksums=False))
+
+
+def blocked_s(saver: CheckpointSaver, model, optimizer, step: int) -> float:
+    """The time save() keeps the training loop waiting; the previous write has landed (untimed)."""
+    saver.wait()
+    start = time.perf_counter()
+    saver.save(model=model, optimizer=optimizer, progress={"epoch": 0, "samples": 0, "step": step})
+    blocked = time.perf_counter() - start
+    saver.wait()
+    return blocked
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--device", default="cpu", help="where the train state of the blocked-time rows lives")
     args = parser.parse_args()
 
     # A model-shaped state dict: a few large matrices and many small vectors, args.mb in all.
@@ -61,18 +91,39 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         folder = Path(folder)
-        rows = {"raw dd fdatasync": [], "ours: safetensors save (atomic, fsync)": [], "torch.save + fsync": [],
-                "ours: safetensors load_file": [], "torch.load(weights_only=True)": []}
+        rows = {
+            "raw dd fdatasync": [],
+            "ours: safetensors save (atomic, fsync)": [],
+            "ours without checksums": [],
+            "torch.save + fsync": [],
+            "ours: safetensors load_file": [],
+            "torch.load(weights_only=True)": [],
+        }
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the state is the model's
+        trained = copy.deepcopy(model).to(args.device)
+        copies = []  # a plain host copy of the state: the floor of any background save's blocked time
+        savers = {
+            "in-line": CheckpointSaver(folder / "inline", keep=1),
+            "background": CheckpointSaver(folder / "background", keep=1, background=True),
+        }
+        blocked, buffers = {name: [] for name in savers}, {}
         for i in range(args.repeats):  # interleaved, so a noisy neighbour hits every row alike
             # Each write goes to a new name, as checkpoints do (step-N); replacing an existing 100 MB
             # file instead costs its block freeing inside the rename (we measured ~4x slower).
             ours, theirs = folder / f"w-{i}.safetensors", folder / f"w-{i}.pt"
             rows["raw dd fdatasync"].append(dd_write_mb_s(folder / f"dd-{i}.bin", args.mb) * size_mb / args.mb)
-            rows["ours: safetensors save (atomic, fsync)"].append(size_mb / timed(save_weights, model, ours))
+            rows["ours: safetensors save (atomic, fsync)"].append(
+                size_mb / timed(save_weights, model.state_dict(), ours)
+            )
+            plain = folder / f"p-{i}.safetensors"
+            rows["ours without checksums"].append(size_mb / timed(save_without_checksums, model.state_dict(), plain))
+            for name, saver in savers.items():
+                blocked[name].append(blocked_s(saver, trained, optimizer, i))
+            copies.append(timed(staged, trained.state_dict(), buffers))
             rows["torch.save + fsync"].append(size_mb / timed(torch_save_fsync, model.state_dict(), theirs))
             rows["ours: safetensors load_file"].append(size_mb / timed(load_file, ours))
             rows["torch.load(weights_only=True)"].append(size_mb / timed(torch.load, theirs, weights_only=True))
-            for old in (ours, theirs, folder / f"dd-{i}.bin"):  # pruning, as --keep does: not part of a save
+            for old in (ours, theirs, plain, folder / f"dd-{i}.bin"):  # pruning, as --keep does: not part of a save
                 old.unlink()
     medians = {name: statistics.median(v) for name, v in rows.items()}
     raw = medians["raw dd fdatasync"]
@@ -82,6 +133,15 @@ def main() -> None:
         print(f"{name:42s} {value:8.0f} {value / raw:12.2f}x")
     ratio = medians["ours: safetensors save (atomic, fsync)"] / raw
     print(f"checkpoint write / raw write = {ratio:.2f} (goal >= 0.80): {'ok' if ratio >= 0.8 else 'BELOW GOAL'}")
+    slower = medians["ours without checksums"] / medians["ours: safetensors save (atomic, fsync)"] - 1
+    print(f"checksums: write {100 * slower:+.1f}% time vs without (goal <= +10%): {'ok' if slower <= 0.1 else 'OVER'}")
+    stall = {name: statistics.median(v) for name, v in blocked.items()}
+    ratio = stall["background"] / stall["in-line"]
+    print(f"host copy of the state ({args.device} -> host buffers): {size_mb / statistics.median(copies):.0f} MB/s")
+    print(
+        f"training blocked per checkpoint: in-line {1000 * stall['in-line']:.0f} ms, background "
+        f"{1000 * stall['background']:.0f} ms = {ratio:.2f}x (goal <= 0.20): {'ok' if ratio <= 0.2 else 'OVER'}"
+    )
 
 
 if __name__ == "__main__":

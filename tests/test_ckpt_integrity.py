@@ -1,0 +1,289 @@
+"""Checkpoint integrity (issue 14.5, 11.11), async saves (14.6), another world size (14.2), recipe and
+precision compatibility (14.7), the pre-check (11.2) and stale temporaries (11.4)."""
+
+import json
+import struct
+
+import pytest
+import torch
+from loguru import logger
+from torch.utils.data import DistributedSampler
+
+from core import ckpt
+from core.config import RecipeError
+from tiny import TiedMLP
+from world import GlooWorld
+
+
+def _train_state(seed=0, steps=3):
+    torch.manual_seed(seed)
+    model = TiedMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 64)).square().mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _progress(step, **extra):
+    return {"epoch": 0, "samples": 8 * step, "step": step, "global_batch": 8, **extra}
+
+
+def _save(folder, step, model, optimizer, **kw):
+    return ckpt.save_checkpoint(folder, model=model, optimizer=optimizer, progress=_progress(step), keep=10, **kw)
+
+
+def _data_start(data: bytes, key: str) -> int:
+    (size,) = struct.unpack("<Q", data[:8])
+    return 8 + size + json.loads(data[8 : 8 + size])[key]["data_offsets"][0]
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[_data_start(data, "model/hidden.weight") + 3] ^= 0x40  # a float's high byte: the value off by a lot
+    path.write_bytes(bytes(data))
+
+
+def _nan_bytes(path):
+    data = bytearray(path.read_bytes())
+    start = _data_start(data, "model/hidden.weight")
+    data[start : start + 4] = struct.pack("<f", float("nan"))
+    path.write_bytes(bytes(data))
+
+
+def _edit_progress(path):
+    data = path.read_bytes()
+    assert data.count(b'\\"step\\": 20') == 1
+    path.write_bytes(data.replace(b'\\"step\\": 20', b'\\"step\\": 29'))  # same length: still parses
+
+
+def _saved_nan_weight(path):
+    model, optimizer = _train_state()
+    with torch.no_grad():
+        model.hidden.weight[0, 0] = float("nan")
+    _save(path.parent, 20, model, optimizer)  # honest checksums over a diverged state
+
+
+def _saved_negative_exp_avg_sq(path):
+    model, optimizer = _train_state()
+    optimizer.state[model.hidden.weight]["exp_avg_sq"][0, 0] = -1.0
+    _save(path.parent, 20, model, optimizer)
+
+
+DAMAGE = [
+    (_flip_byte, "tensor model/hidden.weight does not match its checksum"),
+    (_nan_bytes, "tensor model/hidden.weight does not match its checksum"),
+    (_edit_progress, "the header does not match its checksum"),
+    (_saved_nan_weight, "tensor model/hidden.weight holds a non-finite value"),
+    (_saved_negative_exp_avg_sq, "exp_avg_sq holds a negative value"),
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("damage,words", DAMAGE, ids=[d.__name__.strip("_") for d, _ in DAMAGE])
+def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before(tmp_path, damage, words):
+    folder = tmp_path / "ddp-1" / "ckpt"
+    model, optimizer = _train_state()
+    good = _save(folder, 10, model, optimizer)
+    newest = _save(folder, 20, model, optimizer)
+    damage(newest)
+    with pytest.raises(RecipeError) as refused:
+        ckpt.read_checkpoint(newest)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(RecipeError, match=words):
+        ckpt.check_resume(
+            newest, model_shapes=ckpt.shapes_of(model), recipe="ddp", precision="fp32", world_size=1, global_batch=8
+        )
+    lines = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        assert ckpt.choose_resume("auto", out=str(tmp_path), prefix="ddp") == good
+    finally:
+        logger.remove(sink)
+    assert len(lines) == 1 and f"skipping {newest}" in lines[0] and "taking the one before" in lines[0]
+
+
+@pytest.mark.fast
+def test_every_tensor_and_the_header_carry_checksums_that_hold(tmp_path):
+    model, optimizer = _train_state()
+    path = _save(tmp_path, 1, model, optimizer)
+    header = ckpt.read_header(path)
+    sums = json.loads(header["__metadata__"]["checksums"])
+    tensors, _ = ckpt.read_checkpoint(path)
+    assert sums.keys() == tensors.keys() and all(sums[k] == ckpt.tensor_checksum(t) for k, t in tensors.items())
+    assert header["__metadata__"]["header_checksum"].startswith("crc32:") and all(
+        s.startswith("blocksum64-crc32:") for s in sums.values()
+    )
+
+
+@pytest.mark.fast
+def test_async_save_writes_the_same_bytes_and_snapshots_before_returning(tmp_path):
+    model, optimizer = _train_state()
+    sync_path = _save(tmp_path / "sync", 5, model, optimizer)
+    saver = ckpt.CheckpointSaver(tmp_path / "async", keep=2, background=True)
+    async_path = saver.save(model=model, optimizer=optimizer, progress=_progress(5))
+    with torch.no_grad():  # training goes on while the file is written: the file keeps the state of the save
+        model.hidden.weight.add_(1.0)
+    optimizer.state[model.hidden.weight]["exp_avg"].add_(1.0)
+    saver.save(model=model, optimizer=optimizer, progress=_progress(6))  # waits for step 5's write first
+    saver.close()
+    assert async_path.read_bytes() == sync_path.read_bytes()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "async")] == [async_path.name, "step-000006.safetensors"]
+
+
+def _save_in_world(topo, folder, background):
+    model, optimizer = _train_state(seed=0)
+    torch.manual_seed(100 + topo.rank)  # each rank's generator differs: the checkpoint holds both
+    saver = ckpt.CheckpointSaver(folder, keep=2, background=background)
+    saver.save(model=model, optimizer=optimizer, progress=_progress(7, global_batch=16), metadata={"recipe": "ddp"})
+    saver.close()
+    return torch.rand(1).item()  # what rank r's generator gives next
+
+
+@pytest.fixture(scope="module")
+def world2_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("world2")
+    with GlooWorld(2) as world:
+        next_draws = world.run(_save_in_world, str(folder / "sync"), False)
+        world.run(_save_in_world, str(folder / "async"), True)
+    path = folder / "sync" / "step-000007.safetensors"
+    assert path.read_bytes() == (folder / "async" / path.name).read_bytes(), "async == sync in a world of 2"
+    return path, next_draws
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("new_world", [1, 4])
+def test_world2_checkpoint_continues_at_another_world_size(world2_checkpoint, new_world):
+    path, next_draws = world2_checkpoint
+    tensors, meta = ckpt.read_checkpoint(path)
+    assert meta["world_size"] == "2" and meta["global_batch"] == "16"
+    expected = TiedMLP()
+    expected.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    for rank in range(new_world):
+        model, optimizer = _train_state(seed=5)
+        torch.manual_seed(1000 + rank)
+        seeded = torch.get_rng_state()
+        progress = ckpt.restore(tensors, meta, model=model, optimizer=optimizer, rank=rank)
+        assert progress["samples"] == 56 and progress["step"] == 7
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
+        if rank < 2:  # the saved rank's generator continues; a new rank keeps its seeded one, silently
+            assert torch.rand(1).item() == next_draws[rank]
+        else:
+            assert torch.equal(torch.get_rng_state(), seeded)
+    ckpt.check_global_batch(path, meta, global_batch=16, world_size=new_world, accum=1)
+    # Per rank skip samples // W': DistributedSampler then hands out exactly the rest of the global order.
+    data, epoch_order = range(64), lambda w, r: list(DistributedSampler(range(64), w, r, seed=3))
+    consumed = {i for r in range(2) for i in epoch_order(2, r)[: progress["samples"] // 2]}
+    rest = [i for r in range(new_world) for i in epoch_order(new_world, r)[progress["samples"] // new_world :]]
+    assert len(rest) == len(set(rest)) and consumed.isdisjoint(rest) and consumed | set(rest) == set(data)
+
+
+@pytest.mark.world
+def test_load_checkpoint_accepts_another_world_size(world2_checkpoint):
+    path, _ = world2_checkpoint
+    model, optimizer = _train_state(seed=5)
+    assert ckpt.load_checkpoint(path, model=model, optimizer=optimizer, world_size=1)["samples"] == 56
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "batch_size,world,accum,fix",
+    [
+        (8, 1, 1, "--batch-size 16 at 1 rank(s)"),
+        (8, 4, 1, "--batch-size 4 at 4 rank(s)"),
+        (3, 3, 1, "use a number of ranks that divides 16"),
+    ],
+)
+def test_another_global_batch_is_refused_with_the_numbers(tmp_path, batch_size, world, accum, fix):
+    meta = {"world_size": "2", "global_batch": "16", "progress": json.dumps(_progress(7, global_batch=16))}
+    global_batch = batch_size * world * accum
+    with pytest.raises(RecipeError) as refused:
+        ckpt.check_global_batch(tmp_path / "c", meta, global_batch=global_batch, world_size=world, accum=accum)
+    line = str(refused.value)
+    assert "global batch 16" in line and f"is {global_batch}" in line and fix in line and "\n" not in line
+    ckpt.check_global_batch(tmp_path / "c", meta, global_batch=global_batch, world_size=world, allow=True)
+
+
+def _meta(recipe, precision="fp32", scaler=None):
+    return {"recipe": recipe, "config": json.dumps({"precision": precision}), "scaler": json.dumps(scaler)}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "saved,recipe,precision",
+    [
+        (_meta("ddp"), "ddp_amp", "fp32"),
+        (_meta("ddp"), "ddp_amp", "bf16"),
+        (_meta("ddp_amp", "bf16"), "ddp", "fp32"),
+        (_meta("ddp_amp", "fp16", {"scale": 1024.0}), "ddp_amp", "fp16"),
+        (_meta("fsdp"), "fsdp", "fp32"),
+    ],
+)
+def test_compatible_resumes_are_allowed(tmp_path, saved, recipe, precision):
+    ckpt.check_compatible(tmp_path / "c", saved, recipe=recipe, precision=precision)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "saved,recipe,precision,words",
+    [
+        (
+            _meta("ddp_amp", "fp16", {"scale": 1024.0}),
+            "ddp_amp",
+            "bf16",
+            "trained in fp16 and this run asks for --precision bf16",
+        ),
+        (_meta("ddp_amp", "fp16", {"scale": 1024.0}), "ddp", "fp32", "resume with --precision fp16"),
+        (_meta("ddp_amp", "bf16"), "ddp_amp", "fp16", "trained in bf16 and this run asks for --precision fp16"),
+        (_meta("fsdp"), "ddp", "fp32", "a checkpoint of recipe fsdp, and this run is ddp"),
+        (_meta("ddp"), "tensor_parallel", "fp32", "resume it with ddp"),
+    ],
+)
+def test_incompatible_resumes_are_refused_naming_both_sides(tmp_path, saved, recipe, precision, words):
+    with pytest.raises(RecipeError) as refused:
+        ckpt.check_compatible(tmp_path / "c", saved, recipe=recipe, precision=precision)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.fast
+def test_check_resume_refuses_before_any_group_and_writes_nothing(tmp_path):
+    model, optimizer = _train_state()
+    path = _save(tmp_path / "ckpt", 3, model, optimizer, metadata={"recipe": "ddp"})
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    shapes = ckpt.shapes_of(model)
+    meta = ckpt.check_resume(
+        path, model_shapes=shapes, recipe="ddp_amp", precision="fp32", world_size=2, global_batch=8
+    )
+    assert json.loads(meta["progress"])["step"] == 3
+    with pytest.raises(RecipeError, match="global batch 8 .* is 16 .*--batch-size 4 at 2 rank"):
+        ckpt.check_resume(path, model_shapes=shapes, recipe="ddp", precision="fp32", world_size=2, global_batch=16)
+    with pytest.raises(RecipeError, match="this run is fsdp"):
+        ckpt.check_resume(path, model_shapes=shapes, recipe="fsdp", precision="fp32", world_size=1, global_batch=8)
+    with pytest.raises(RecipeError, match="holds another model"):
+        ckpt.check_resume(
+            path, model_shapes={**shapes, "extra": (1,)}, recipe="ddp", precision="fp32", world_size=1, global_batch=8
+        )
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+@pytest.mark.fast
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
+    run_dir = tmp_path / "ddp-1"
+    (run_dir / "ckpt").mkdir(parents=True)
+    stale = [run_dir / ".config.json.tmp-4242", run_dir / "ckpt" / ".step-000009.safetensors.tmp-17"]
+    kept = [
+        run_dir / ".lock",
+        run_dir / "config.json",
+        run_dir / "notes.tmp-12",
+        run_dir / ".x.tmp-abc",
+        run_dir / "ckpt" / "step-000008.safetensors",
+        run_dir / "ckpt" / "step-000009.safetensors.tmp-17",
+        tmp_path / ".other.tmp-5",
+    ]
+    for path in stale + kept:
+        path.write_bytes(b"x")
+    (run_dir / "ckpt" / ".dir.tmp-3").mkdir()  # a folder of that name is not ours to delete
+    assert sorted(ckpt.remove_stale_temporaries(run_dir)) == sorted(stale)
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
+    assert (run_dir / "ckpt" / ".dir.tmp-3").is_dir()
