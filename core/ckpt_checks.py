@@ -85,5 +85,5 @@ def check_global_batch(
     raise RecipeError(
         f"{path}: saved with global batch {saved} ({meta.get('world_size', '?')} ranks) and this job's "
         f"is {global_batch} (--batch-size {per_rank} x {world_size} ranks x --accum {accum}); the run "
-        f"would change: {fix}, or allow the new global batch explicitly"
+        f"would change: {fix}"
     )

@@ -24,7 +24,16 @@ import torch
 from core import ckpt, dcp, steps
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object, reduce_sum
-from core.folder import append_line, check_free, disk_error, find_resume, lock_holder, new_run_dir, repair_records
+from core.folder import (
+    append_line,
+    check_free,
+    disk_error,
+    find_resume,
+    lock_holder,
+    new_run_dir,
+    repair_records,
+    run_dirs,
+)
 from core.models import unwrap
 
 
@@ -110,7 +119,9 @@ class Run:
         choice = None
         if topo.is_rank0:
             resume_from = find_resume(getattr(cfg, "resume", ""), out=cfg.out, prefix=cfg.name or recipe)
-            in_run = resume_from is not None and resume_from.parent.name == "ckpt"  # RUN/ckpt/step-N continues RUN
+            prefix = cfg.name or recipe  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start a new one
+            ours = [d.resolve() for d in run_dirs(cfg.out, prefix)]
+            in_run = resume_from is not None and resume_from.resolve().parent.parent in ours
             run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, cfg.name or recipe)
             choice = (str(run_dir), str(resume_from) if resume_from else None)
             cls._take(
