@@ -7,7 +7,6 @@ read, gathered from every rank in one collective, only when a record is logged.
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import time
@@ -19,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 from torch.utils.flop_counter import FlopCounterMode
 
-from core.steps import Tally, split_outputs, summarize
+from core.steps import split_outputs
 
 PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
 
@@ -150,108 +149,6 @@ def flops_per_sample(build: Callable[[], torch.nn.Module], sample) -> float | No
         return None
 
 
-class Meter:
-    """Collects step metrics on the device; `read()` does one collective and restarts the window.
-
-    Every rank must call `read()` at the same steps: it is a collective. Optional extras:
-    attach(model, optimizer) times each step's phases (and, with `grad_norm=True`, reads the gradient
-    norm at log time); flops_per_sample + peak_flops give MFU. samples_per_s counts examples (the steps'
-    `samples`); tokens_per_s (counted targets, the steps' `count`) is added for a sequence model, one whose
-    targets count more than its samples. tokens_per_sample is only for metrics without `samples` (old steps).
-    """
-
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        flops_per_sample: float | None = None,
-        peak_flops: float | None = None,
-        tokens_per_sample: int = 1,
-    ):
-        self.device = device
-        self.window = Tally(device)
-        self.window_start = time.perf_counter()
-        self.total_samples = 0.0
-        self.total_s = 0.0
-        self.flops, self.peak, self.tokens_per_sample = flops_per_sample, peak_flops, tokens_per_sample
-        self.clock: StepClock | None = None
-        self.params: list[torch.nn.Parameter] = []
-        self.last: dict[str, float | str] = {"loss": float("nan"), "samples_per_s": 0.0, "nonfinite": "loss"}
-
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, grad_norm: bool = True) -> Meter:
-        """Time the phases of every step of `model` + `optimizer` (see StepClock); returns self."""
-        self.clock = StepClock(self.device)
-        self.clock.attach(model, optimizer)
-        self.params = [p for p in model.parameters() if p.requires_grad] if grad_norm else []
-        return self
-
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        self.window.add(metrics)
-
-    def read(self, **extra: float) -> dict[str, float | str]:
-        """Job-wide loss, accuracy (where measured), samples/s, tokens/s, phases, memory, MFU since the last read
-        (the last read's, if no step since). `extra` (e.g. grad_norm=, loss_scale= from core.steps.StepStats) is
-        averaged over ranks. A non-finite value (loss, grad_norm, an extra) stays, and `nonfinite` names it."""
-        local = {"window_s": time.perf_counter() - self.window_start, **self._local(extra)}
-        table = _gather(torch.tensor(list(local.values()), dtype=torch.float64, device=self.device))
-        per_key = dict(zip(local, table.unbind(1)))  # key -> one value per rank
-        sums = {k: float(per_key[k].sum()) for k in self.window.sums}
-        samples = sums.get("samples", 0.0) or sums["count"] / self.tokens_per_sample  # old steps: no `samples`
-        if sums["count"] == 0 and samples == 0:
-            return self.last
-        seconds = max(float(per_key["window_s"].max()), 1e-9)  # the job's window is its slowest rank's
-        self.total_samples += samples
-        self.total_s += seconds
-        self.window, self.window_start = Tally(self.device), time.perf_counter()
-        record: dict[str, float | str] = {**summarize(sums), "samples_per_s": samples / seconds}
-        if sums["count"] > samples or self.tokens_per_sample > 1:  # a sequence model: targets are tokens
-            record["tokens_per_s"] = sums["count"] / seconds
-        record.update(self._phases(per_key))
-        record["peak_mem_mb"] = float(per_key["peak_mem_mb"].max())  # the fullest rank is what runs out
-        record.update({k: float(per_key[k].mean()) for k in extra if extra[k] is not None})
-        if "grad_norm_local" in per_key:
-            record["grad_norm"] = float(per_key["grad_norm_local"].mean())  # equal on every rank under DDP
-        if self.flops and self.peak:  # per sequence for a sequence model: flops per token x tokens alike
-            world = table.shape[0]
-            record["mfu"] = self.flops * record["samples_per_s"] / (self.peak * world)
-        bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
-        if bad:  # a diverged loss, a skipped step's norm: kept (the writer turns them into null) and named
-            record["nonfinite"] = ",".join(bad)
-        self.last = record
-        return self.last
-
-    def _local(self, extra: dict[str, float]) -> dict[str, float | torch.Tensor]:
-        """This rank's numbers, in a fixed order every rank shares."""
-        local: dict[str, float | torch.Tensor] = {k: self.window.sums[k] for k in sorted(self.window.sums)}
-        if self.clock is not None:
-            local.update({f"{k}_ms": v for k, v in self.clock.take().items()})
-        local["peak_mem_mb"] = peak_memory_mb(self.device)
-        if self.params:  # the last step's gradients, still there until the next zero_grad
-            local["grad_norm_local"] = _grad_norm(self.params)
-        local.update({k: float("nan") if v is None else v for k, v in extra.items()})
-        return {k: float(v) for k, v in local.items()}  # log time: the one host sync of the window
-
-    def _phases(self, per_key: dict[str, torch.Tensor]) -> dict[str, float]:
-        if "steps_ms" not in per_key or float(per_key["steps_ms"].sum()) == 0:
-            return {}
-        steps = per_key["steps_ms"].clamp(min=1)
-        mean_per_rank = {p: per_key[f"{p}_ms"] / steps for p in PHASES}
-        record = {f"{p}_ms": float(v.mean()) for p, v in mean_per_rank.items()}
-        record["step_ms_max"] = float(mean_per_rank["step"].max())  # the slowest rank sets the pace
-        return record
-
-    def exclude(self, started: float) -> None:
-        """Leave time spent since `started` (evaluation, checkpointing) out of the throughput."""
-        self.window_start += time.perf_counter() - started
-        if self.clock is not None:
-            self.clock.skip_gap()
-
-    @property
-    def samples_per_s(self) -> float:
-        """Over every window read so far: the job's training throughput."""
-        return self.total_samples / max(self.total_s, 1e-9)
-
-
 def _gather(row: torch.Tensor) -> torch.Tensor:
     """(world, K): every rank's row, on every rank (one all_gather), so sums, means and maxima agree."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -267,9 +164,3 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> float:
         return float("nan")
     norm = get_total_norm(grads)
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded grads: a collective
-
-
-def planned_steps(*, epochs: int, batches_per_epoch: int, accum: int = 1, max_steps: int = 0) -> int:
-    """Optimizer steps the run will take (for the LR schedule)."""
-    total = epochs * max(batches_per_epoch // accum, 1)
-    return min(total, max_steps) if max_steps else total

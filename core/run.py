@@ -23,7 +23,7 @@ import torch
 
 from core import ckpt, dcp, steps
 from core.config import RecipeError
-from core.dist import Topology, broadcast_object, reduce_sum
+from core.dist import Topology, broadcast_object
 from core.folder import (
     append_line,
     check_free,
@@ -40,36 +40,29 @@ from core.models import unwrap
 class Meter:
     """Loss, accuracy and throughput over a logging window, reduced over ranks only when read."""
 
-    KEYS = ("loss_sum", "count", "samples", "correct", "scored")  # scored: targets that accuracy counts
-
     def __init__(self, device: torch.device):
-        self.device, self.sums = device, {}
+        self.window, self.device = steps.Tally(device), device
         self.started, self.paused_s = time.perf_counter(), 0.0
         self.totals = {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
         self.last: dict[str, float] = {}
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value.detach().double()
+        self.window.add(metrics)
 
     def read(self) -> dict[str, float]:
         """The window's numbers for the whole job. A collective: every rank calls it at the same step."""
-        local = torch.stack(
-            [torch.as_tensor(self.sums.get(k, 0.0), dtype=torch.float64, device=self.device) for k in self.KEYS]
-        )
-        loss_sum, count, samples, correct, scored = reduce_sum(local).tolist()
+        sums = self.window.reduce()
         seconds = time.perf_counter() - self.started - self.paused_s
-        self.sums, self.started, self.paused_s = {}, time.perf_counter(), 0.0
-        if count == 0:
+        self.window, self.started, self.paused_s = steps.Tally(self.device), time.perf_counter(), 0.0
+        if sums["count"] == 0:
             return self.last
-        samples = samples or count  # (input, class) pairs: one target per sample
+        samples = sums["samples"] or sums["count"]  # (input, class) pairs: one target per sample
         self.totals = {
             "samples": self.totals["samples"] + samples,
-            "tokens": self.totals["tokens"] + count,
+            "tokens": self.totals["tokens"] + sums["count"],
             "seconds": self.totals["seconds"] + seconds,
         }
-        accuracy = {"acc": correct / scored} if scored else {}  # a model without logits reports none, not 0
-        self.last = {"loss": loss_sum / count, **accuracy, **_rates(samples, count, seconds)}
+        self.last = {**steps.summarize(sums), **_rates(samples, sums["count"], seconds)}
         return self.last
 
     def throughput(self) -> dict[str, float]:

@@ -3,6 +3,7 @@
 Also a test-only model factory: `--model test_monitoring:stall_mlp` with TDR_TEST_STALL=RANK:CALL:SECONDS
 makes that rank's forward stop for SECONDS at its CALL-th call (an Event wait; core/ has no test hooks).
 """
+
 import json
 import os
 import sys
@@ -10,15 +11,15 @@ import threading
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from core import watchdog
-from core.metrics import PHASES, Meter
+from core.metrics import PHASES
 from core.models import MLP
-from core.parallel import wrap_ddp
-from core.run import RunWriter, progress_line
-from core.steps import cross_entropy, step_plain
+from core.monitor import Monitor
+from core.run import Run, progress_line
+from core.steps import make_loss, train_step
 from helpers import REPO, run, user_env
-from world import GlooWorld
 
 TESTS = str(REPO / "tests")
 
@@ -42,73 +43,59 @@ def stall_mlp():
     return StallMLP()
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with GlooWorld(2, timeout_s=90) as world:
-        yield world
+def monitored_training(topo, out, steps):
+    """Each rank trains on different data through ddp_monitored's pieces; returns the train record rank 0 wrote."""
+    from recipes.ddp_monitored import Config
 
-
-def metered_training(topo, steps):
-    """Each rank trains on different data; returns what read() gave this rank, and its local loss sum."""
+    os.environ["TDR_PEAK_TFLOPS"] = "1"  # a made-up peak, so that MFU is computed on CPU
     torch.manual_seed(0)
-    model = MLP(hidden=64, depth=2)
-    ddp = wrap_ddp(model, device=topo.device, comm_hook="none")
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    meter = Meter(topo.device, flops_per_sample=1e6, peak_flops=1e12).attach(ddp, optimizer)
-    gen = torch.Generator().manual_seed(topo.rank)
-    local = 0.0
-    for _ in range(steps):
-        size = 8 + 4 * topo.rank  # ranks with different batch sizes: the sums must still combine exactly
-        batch = torch.randn(size, 64, generator=gen), torch.randint(10, (size,), generator=gen)
-        metrics = step_plain(ddp, batch, optimizer=optimizer, loss_fn=cross_entropy)
-        local += metrics["loss_sum"].item()
-        meter.add(metrics)
-    return meter.read(loss_scale=1024.0 * (topo.rank + 1)), local
+    cfg = Config(out=out, log_every=steps, hang_factor=0, model="tiny:mlp")
+    sizes = [8 + 4 * r for r in range(topo.world_size)]  # ranks with different batch sizes: sums combine exactly
+    with Run.start(cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes)) as run:
+        model = MLP(hidden=32, depth=2)
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(topo.rank)
+        local = 0.0
+        with Monitor(run, ddp, optimizer, cfg=cfg, sample=(torch.zeros(64), 0)) as monitor:
+            for step in range(1, steps + 1):
+                batch = (
+                    torch.randn(sizes[topo.rank], 64, generator=gen),
+                    torch.randint(10, (sizes[topo.rank],), generator=gen),
+                )
+                metrics, stats = train_step(ddp, [batch], optimizer=optimizer, loss_fn=make_loss("ce"))
+                local += metrics["loss_sum"].item()
+                run.step(step, metrics=metrics, stats=stats, lr=1e-3, total=steps, **monitor.step(step))
+        records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"], local
 
 
-def test_metrics_records_carry_their_fields_and_every_rank_agrees(world2):
-    (first, local0), (second, local1) = world2.run(metered_training, 6)
-    assert first == second  # every number is the job's, not one rank's
-    wanted = {"loss", "acc", "samples_per_s", "peak_mem_mb", "grad_norm", "loss_scale", "mfu", "step_ms_max",
-              *(f"{p}_ms" for p in PHASES)}
+def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_path):
+    (records, local0), (_, local1) = world2.run(monitored_training, str(tmp_path), 6)
+    first = records[0]
+    wanted = {
+        "loss",
+        "acc",
+        "samples_per_s",
+        "peak_mem_mb",
+        "grad_norm",
+        "mfu",
+        "step_ms_max",
+        *(f"{p}_ms" for p in PHASES),
+    }
     assert wanted <= first.keys()
     assert first["loss"] == pytest.approx((local0 + local1) / (6 * (8 + 12)))  # both ranks' samples, weighted
-    assert first["loss_scale"] == 1536.0  # averaged over ranks
-    assert first["mfu"] == pytest.approx(1e6 * first["samples_per_s"] / (1e12 * 2))
     parts = sum(first[f"{p}_ms"] for p in ("data", "compute", "comm_wait", "optimizer"))
     assert first["step_ms"] == pytest.approx(parts, rel=1e-6) and first["comm_wait_ms"] > 0
     assert first["step_ms_max"] >= first["step_ms"] > 0 and first["peak_mem_mb"] > 0 and first["grad_norm"] > 0
+    assert 0 < first["mfu"]
 
 
-def test_meter_keeps_its_old_api_without_attach():
-    meter = Meter(torch.device("cpu"))
-    assert meter.read()["samples_per_s"] == 0.0  # nothing yet: the placeholder record
-    meter.add({"loss_sum": torch.tensor(6.0), "correct": torch.tensor(1.0), "count": torch.tensor(3.0)})
-    record = meter.read()
-    assert record["loss"] == 2.0 and record["acc"] == pytest.approx(1 / 3) and "step_ms" not in record
-    assert meter.samples_per_s > 0
-
-
-def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(tmp_path, capsys):
-    assert progress_line(40, 115, width=8, epoch=1, loss=0.41234, samples_per_s=1875.4) == \
-        "step 40/115 [###-----]  35% epoch 1 loss 0.4123 1875 samples/s"
-    tty = RunWriter(tmp_path, enabled=True, tty=True)
-    for step in range(1, 4):
-        tty.progress(step, 3, every=2, loss=1.0)
-    out = capsys.readouterr().out
-    assert out.startswith("\r") and "step 3/3 [" in out and "\n" not in out  # redrawn in place
-    lines = []
-    from loguru import logger
-    sink = logger.add(lines.append, format="{message}")
-    try:
-        plain = RunWriter(tmp_path, enabled=True, tty=False)
-        for step in range(1, 6):
-            plain.progress(step, 5, every=2, loss=1.0, samples_per_s=10.0)
-        RunWriter(tmp_path, enabled=False, tty=False).progress(2, 5, every=2)  # not rank 0: silent
-    finally:
-        logger.remove(sink)
-    assert [line.strip() for line in lines] == [f"step {s}/5 loss 1.0000 10 samples/s" for s in (2, 4, 5)]
-    assert capsys.readouterr().out == ""
+def test_the_progress_line_names_the_step_and_the_job_numbers():
+    assert progress_line(40, 115, epoch=1, loss=0.41234, acc=0.5, samples_per_s=1875.4, tokens_per_s=9e4) == (
+        "step 40/115 epoch 1 loss 0.4123 acc 0.5000 1875 samples/s 90000 tokens/s"
+    )
+    assert progress_line(1, 2, epoch=0) == "step 1/2 epoch 0"  # nothing read yet
 
 
 def test_behind_names_the_rank_with_fewest_collectives():
@@ -121,11 +108,35 @@ def test_behind_names_the_rank_with_fewest_collectives():
 def test_watchdog_fires_on_a_stalled_rank_and_names_it(tmp_path):
     """Rank 1 stops in forward for 8 s; every rank writes its stack, rank 0 says rank 1 is behind."""
     env = user_env(PYTHONPATH=TESTS, TDR_TEST_STALL="1:12:8")
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                "recipes", "run", "ddp", "--model", "test_monitoring:stall_mlp", "--max-steps", "18",
-                "--hang-factor", "3", "--hang-min-s", "1", "--out", str(tmp_path), "--timeout-s", "60"],
-               env=env, timeout=180)
-    run_dir = next(tmp_path.glob("ddp-*"))
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "recipes",
+            "run",
+            "ddp_monitored",
+            "--model",
+            "test_monitoring:stall_mlp",
+            "--max-steps",
+            "18",
+            "--hang-factor",
+            "3",
+            "--hang-min-s",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--timeout-s",
+            "60",
+        ],
+        env=env,
+        timeout=180,
+    )
+    run_dir = next(tmp_path.glob("ddp_monitored-*"))
     report = json.loads((run_dir / "hang-report.json").read_text())
     assert report["behind"] == [1] and report["silent"] == [], report
     assert report["ranks"]["0"]["issued"] > report["ranks"]["1"]["issued"]
@@ -137,9 +148,25 @@ def test_watchdog_fires_on_a_stalled_rank_and_names_it(tmp_path):
 
 
 def test_profile_writes_a_trace_per_rank_and_debug_sets_the_environment(tmp_path, monkeypatch):
-    run([sys.executable, "-m", "recipes", "run", "ddp", "--model", "tiny:mlp", "--max-steps", "12", "--profile",
-         "--debug", "--out", str(tmp_path)], env=user_env(PYTHONPATH=TESTS))
-    trace = json.loads(next(tmp_path.glob("ddp-*/profile/rank0.json")).read_text())
+    run(
+        [
+            sys.executable,
+            "-m",
+            "recipes",
+            "run",
+            "ddp_monitored",
+            "--model",
+            "tiny:mlp",
+            "--max-steps",
+            "12",
+            "--profile",
+            "--debug",
+            "--out",
+            str(tmp_path),
+        ],
+        env=user_env(PYTHONPATH=TESTS),
+    )
+    trace = json.loads(next(tmp_path.glob("ddp_monitored-*/profile/rank0.json")).read_text())
     assert any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
     monkeypatch.setattr(os, "environ", {"TORCH_FR_BUFFER_SIZE": "7"})
     set_now = watchdog.prepare_env(debug=True, out=str(tmp_path))
