@@ -158,33 +158,6 @@ def check_resume(
     return meta
 
 
-def choose_resume(resume: str, *, out: str, prefix: str) -> Path | None:
-    """The checkpoint to start from, decided by rank 0 and broadcast: ranks never disagree.
-
-    "auto" takes the newest good checkpoint of the newest run `out/prefix-N` (none: a fresh
-    run); damaged newer ones are skipped with one line each. A group that torchrun restarted
-    after a failure (TORCHELASTIC_RESTART_COUNT > 0) resumes the same way by itself.
-    """
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = "auto"
-    choice = None
-    if is_rank0() and resume == "auto":
-        from core.run import run_dirs  # run.py imports this module for its writers
-
-        runs = run_dirs(out, prefix)
-        good = newest_good(runs[-1] / "ckpt") if runs else None
-        choice = str(good) if good else None
-    elif resume and resume != "auto":
-        choice = resume
-    choice = broadcast_object(choice)
-    return Path(choice) if choice else None
-
-
-def run_dir_of(checkpoint: Path | None) -> Path | None:
-    """A checkpoint in RUN/ckpt/ continues in RUN; one from elsewhere starts a new run folder."""
-    return checkpoint.parent.parent if checkpoint and checkpoint.parent.name == "ckpt" else None
-
-
 def load_checkpoint(
     path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, scheduler=None, scaler=None
 ) -> dict:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from core import ckpt
+from core.folder import find_resume
 from helpers import REPO, run, user_env
 from tiny import TiedMLP
 
@@ -131,7 +132,7 @@ def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path):
                           cwd=REPO, capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert any(p.name.startswith(".step-000009") for p in (run_dir / "ckpt").iterdir()), "the half-done write"
-    assert ckpt.choose_resume("auto", out=str(tmp_path), prefix="ddp") == good
+    assert find_resume("auto", out=str(tmp_path), prefix="ddp") == good
     ckpt.read_checkpoint(good)  # whole and readable
 
 
