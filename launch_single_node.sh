@@ -48,6 +48,7 @@ else
   rendezvous=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "$rdzv_file" --rdzv-conf store_type=file
               --rdzv-id "single-$$" --local-addr 127.0.0.1)
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # the workers' own store, not one in the agent
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"  # gloo would bind the hostname's address, maybe eth0's
 fi
 # A restarted group must not reuse the first round's store: stale gloo addresses in it make the
 # new workers dial dead ones ("Connection refused"); see pytorch/pytorch#135712.

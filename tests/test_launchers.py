@@ -166,7 +166,9 @@ def is_loopback(addr) -> bool:
 def start_and_wait_for_workers(cmd: list[str], *, out: Path, agent_of) -> tuple[subprocess.Popen, int, list[int]]:
     """Start a long run; return it once two workers exist and training has begun (config.json written)."""
     log = open(out.parent / "launch.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(NPROC_PER_NODE="2"), stdout=log, stderr=subprocess.STDOUT)
+    environ = env(NPROC_PER_NODE="2")
+    del environ["GLOO_SOCKET_IFNAME"]  # the launcher must keep gloo on loopback by itself
+    proc = subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(240):
         agent = agent_of(proc.pid)
         workers = children(agent) if agent else []
