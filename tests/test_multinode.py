@@ -73,9 +73,13 @@ class Node:
         lines = [line for line in self.stderr.splitlines() if line.startswith("error: ")]
         return lines[-1] if lines else ""
 
+    @property
+    def output(self) -> str:  # progress lines go to stdout, the launcher's and torchrun's to stderr
+        return (self.logs / "stdout").read_text(errors="replace") + self.stderr
+
     def wait_for(self, text: str, *, timeout: float = BOUND_S) -> None:
         deadline = time.monotonic() + timeout
-        while text not in self.stderr:
+        while text not in self.output:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"node {self.host.addr} never printed {text!r}\n{self.stderr[-3000:]}")
             time.sleep(0.2)
