@@ -131,12 +131,12 @@ fi
 # One line for the cause of a failure (launch_common.sh), and for a timeout, whether node 0 answers.
 explain() {
   local cause
-  cause=$(failure_cause "$log")
+  cause=$(failure_cause "$log") || true
   if [[ "$cause" == "a collective timed out"* ]]; then
     local ms who="a peer node"
     ms=$(grep -aoE 'Timed out waiting [0-9]+ms' "$log" | sed -n 1p | grep -oE '[0-9]+') || true
     if [[ "$local_ip" != "$master_ip" ]] && ! port_open; then who="node 0 at $master_ip"; fi
-    cause="no answer from $who within $(( ${ms:-0} / 1000 ))s (--timeout-s): the peer is unreachable (network down?) or stuck; see its log"
+    cause="no answer from $who within ${ms:+$(( ms / 1000 ))s }(--timeout-s): the peer is unreachable (network down?) or stuck; see its log"
   fi
   [[ -n "$cause" ]] || cause="see torchrun's report above"
   echo "$cause"
