@@ -248,7 +248,7 @@ def test_elastic_restarted_node_resumes_from_checkpoint(net, single_node, tmp_pa
     assert node0.wait() == 0, node0.stderr[-3000:]
     assert again.wait() == 0, again.stderr[-3000:]
     # Rank 0 is on node 0 (the rendezvous orders nodes by address) and resumed the newest checkpoint.
-    (resumed,) = re.findall(r"resumed from \S+/ckpt/step-(\d+)\.safetensors", node0.stderr)
+    (resumed,) = re.findall(r"resumed from \S+/ckpt/step-(\d+)\.safetensors", node0.output)
     assert int(resumed) == saved[-1], saved  # the newest when the group restarted
     summary = json.loads(next((tmp_path / "runs").glob("*/metrics.jsonl")).read_text().splitlines()[-1])
     assert summary["kind"] == "summary" and summary["world_size"] == 2 and summary["steps"] == 6
