@@ -1,4 +1,5 @@
 """core.dist: joining a group from torchrun's environment, from mp.spawn, or alone."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,8 +27,10 @@ def test_init_pg_from_mp_spawn_on_a_free_port():
     results = ctx.Queue()
     mp.start_processes(_spawned, args=(2, cdist.free_port(), results), nprocs=2, join=True, start_method="spawn")
     rows = sorted(results.get(timeout=10) for _ in range(2))
-    assert rows == [(0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided"),
-                    (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided")]
+    assert rows == [
+        (0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided"),
+        (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided"),
+    ]
 
 
 def test_world_of_one_without_a_launcher(monkeypatch):
