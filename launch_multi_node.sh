@@ -21,18 +21,10 @@
 #                   address of the hostname, which is 127.0.0.1 on many machines, and the job dies
 #                   with "Connection refused".
 set -euo pipefail
-
-fail() { echo "error: $*" >&2; exit 2; }
+source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 note() { echo "launch_multi_node: $*" >&2; }
-is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-recipe="${1:-ddp}"
-shift || true
-if [[ "$recipe" == *.py ]]; then
-  target=("$recipe")
-else
-  target=(-m recipes run "$recipe")
-fi
+pick_target "$@"  # `./launch_multi_node.sh --max-steps 2` means ddp, as on a single node
 
 # Check everything that can be checked here, one line each, before any port is taken.
 nnodes="${NNODES:-1}"
@@ -52,7 +44,7 @@ else
   (( node_rank < nnodes )) || fail "NODE_RANK=$node_rank but NNODES=$nnodes: node ranks run 0..$((nnodes - 1))"
 fi
 port="${MASTER_PORT:-29500}"
-is_uint "$port" && (( port >= 1 && port <= 65535 )) || fail "MASTER_PORT=$port: use a TCP port, 1..65535"
+need_port MASTER_PORT "$port"
 rdzv_timeout="${RDZV_TIMEOUT:-300}"
 is_uint "$rdzv_timeout" && (( rdzv_timeout >= 1 )) || fail "RDZV_TIMEOUT=$rdzv_timeout: use seconds, 1 or more"
 max_restarts="${MAX_RESTARTS:-$([[ -n "$rdzv_id" ]] && echo 3 || echo 0)}"
@@ -62,11 +54,11 @@ if [[ -z "${MASTER_ADDR:-}" ]]; then
 fi
 master="${MASTER_ADDR:-127.0.0.1}"
 
-python "${target[@]}" "$@" --dry-run >/dev/null  # bad recipe options: one line, here
+python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null  # bad recipe options: one line, here
 
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
   nproc="$NPROC_PER_NODE"
-  is_uint "$nproc" && (( nproc >= 1 )) || fail "NPROC_PER_NODE=$nproc: use 1 or more processes"
+  need_count NPROC_PER_NODE "$nproc" 1 "use 1 or more processes"
 else
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   nproc=$(( gpus > 0 ? gpus : 2 ))
@@ -136,40 +128,26 @@ else
               --rdzv-conf "timeout=$rdzv_timeout")
 fi
 
-# One line for the cause of a failure, from what torchrun and the workers printed.
+# One line for the cause of a failure (launch_common.sh), and for a timeout, whether node 0 answers.
 explain() {
-  local line ms
-  if line=$(grep -a '^error: ' "$log" | tail -n 1) && [[ -n "$line" ]]; then
-    echo "${line#error: }"  # a worker's own one-line error (a bad option, NPROC_PER_NODE, ...)
-  elif line=$(grep -aoE '(Connection (reset|closed|refused)[a-z ]*|Broken pipe)[^[]*\[[0-9a-f.:]+\]|\[[0-9a-f.:]+\]:[0-9]+: (Connection (reset|closed|refused)[a-z ]*|Broken pipe)' \
-                "$log" | sed -n 1p) && [[ -n "$line" ]]; then
-    local peer what
-    peer=$(grep -oE '\[[0-9a-f.:]+\]' <<<"$line" | tr -d '[]' | sed -n 1p)
-    what=$(grep -oE 'Connection [a-z]+( by peer)?|Broken pipe' <<<"$line" | sed -n 1p)
-    echo "lost the connection to peer $peer ($what): that node stopped or the network to it failed; see its log"
-  elif ms=$(grep -aoE 'Timed out waiting [0-9]+ms for (send|recv)' "$log" | sed -n 1p | grep -oE '[0-9]+') && [[ -n "$ms" ]]; then
-    local who="a peer node"
+  local cause
+  cause=$(failure_cause "$log") || true
+  if [[ "$cause" == "a collective timed out"* ]]; then
+    local ms who="a peer node"
+    ms=$(grep -aoE 'Timed out waiting [0-9]+ms' "$log" | sed -n 1p | grep -oE '[0-9]+') || true
     if [[ "$local_ip" != "$master_ip" ]] && ! port_open; then who="node 0 at $master_ip"; fi
-    echo "no answer from $who within $(( ms / 1000 ))s (--timeout-s): the peer is unreachable (network down?) or stuck; see its log"
-  else
-    echo "see torchrun's report above"
+    cause="no answer from $who within ${ms:+$(( ms / 1000 ))s }(--timeout-s): the peer is unreachable (network down?) or stuck; see its log"
   fi
+  [[ -n "$cause" ]] || cause="see torchrun's report above"
+  echo "$cause"
 }
 
 # torchrun runs in the background so a TERM/INT to this script reaches it; its stderr is kept so
 # that a failure ends with one line that says what went wrong, after torchrun's own report.
 log=$(mktemp "${TMPDIR:-/tmp}/launch_multi_node.XXXXXX")
 trap 'rm -f "$log"' EXIT
-exec 4> >(tee "$log" >&2)
-tee_pid=$!
-trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
-torchrun "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
-  "${target[@]}" "$@" 2>&4 &
-pid=$!
 rc=0
-wait "$pid" || rc=$?
-while kill -0 "$pid" 2>/dev/null; do wait "$pid" || rc=$?; done  # wait again after a trapped signal
-exec 4>&-
-wait "$tee_pid" 2>/dev/null || true  # all of torchrun's report is out before the closing line
+run_torchrun "$log" "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
+  "${target[@]}" ${args[@]+"${args[@]}"} || rc=$?
 (( rc == 0 )) || echo "error: this node ($local_ip) failed (torchrun exit $rc): $(explain)" >&2
 exit "$rc"

@@ -3,31 +3,31 @@
 #
 #   ./launch_single_node.sh                          # the ddp recipe on the embedded digits data
 #   ./launch_single_node.sh ddp --epochs 3 --lr 3e-3 # a recipe and its options (see: python -m recipes run ddp --help)
+#   ./launch_single_node.sh --max-steps 20           # options alone mean ddp
 #   ./launch_single_node.sh train.py --epochs 3      # a recipe copied out with `python -m recipes cp`
 #
 # Environment:
 #   NPROC_PER_NODE  processes to start (default: the number of GPUs, or 2 on a CPU-only machine)
-#   MASTER_PORT     rendezvous port (default: torchrun picks a free one, so jobs never collide)
+#   MASTER_PORT     rendezvous port (default: none: the ranks meet through a private file and a store
+#                   on 127.0.0.1, so nothing listens beyond this machine and jobs never collide. Set,
+#                   torchrun's store listens on MASTER_PORT on every interface, as torch binds it)
 #   MAX_RESTARTS    how often torchrun restarts the whole group after a failure (default 0)
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
-recipe=ddp
-if [[ $# -gt 0 && "$1" != -* ]]; then  # `./launch_single_node.sh --epochs 3` still means ddp
-  recipe="$1"
-  shift
-fi
-if [[ "$recipe" == *.py ]]; then
-  target=("$recipe")
-else
-  target=(-m recipes run "$recipe")
-fi
+pick_target "$@"
 
-# Bad options fail here, once, with one line, before any process or port is taken.
-python "${target[@]}" "$@" --dry-run >/dev/null
-
+# Check everything here, one line each, before any process or port is taken.
+max_restarts="${MAX_RESTARTS:-0}"
+need_count MAX_RESTARTS "$max_restarts" 0 "use how often to restart the group after a failure, 0 or more"
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
-  nprocs="$NPROC_PER_NODE"
-else
+  need_count NPROC_PER_NODE "$NPROC_PER_NODE" 1 "use the number of processes to start, 1 or more"
+  nprocs=$(( 10#$NPROC_PER_NODE ))
+fi
+[[ -z "${MASTER_PORT:-}" ]] || need_port MASTER_PORT "$MASTER_PORT"
+python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null  # bad recipe options: one line, here
+
+if [[ -z "${nprocs:-}" ]]; then
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   nprocs=$(( gpus > 0 ? gpus : 2 ))
 fi
@@ -37,17 +37,31 @@ esac
 # Share the cores between the processes (torchrun would otherwise set 1 and warn about it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / nprocs > 0 ? $(nproc) / nprocs : 1 ))}"
 
+log=$(mktemp "${TMPDIR:-/tmp}/launch_single_node.XXXXXX")
+rdzv_file="$log.rdzv"
+trap 'rm -f "$log" "$rdzv_file"' EXIT
 if [[ -n "${MASTER_PORT:-}" ]]; then
   rendezvous=(--nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
 else
-  rendezvous=(--standalone)  # a free port on localhost, chosen by torchrun
+  # torchrun --standalone's stores listen on every interface (torch's TCPStore binds them all). Instead:
+  # the agent meets itself in a file, and rank 0 hosts the workers' store on 127.0.0.1 (core.dist.init_pg).
+  rendezvous=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "$rdzv_file" --rdzv-conf store_type=file
+              --rdzv-id "single-$$" --local-addr 127.0.0.1)
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # the workers' own store, not one in the agent
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"  # gloo would bind the hostname's address, maybe eth0's
 fi
-
 # A restarted group must not reuse the first round's store: stale gloo addresses in it make the
 # new workers dial dead ones ("Connection refused"); see pytorch/pytorch#135712.
-if [[ "${MAX_RESTARTS:-0}" != 0 ]]; then
+if (( 10#$max_restarts > 0 )); then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 fi
 
-exec torchrun "${rendezvous[@]}" --nproc-per-node "$nprocs" --max-restarts "${MAX_RESTARTS:-0}" \
-  "${target[@]}" "$@"
+rc=0
+run_torchrun "$log" "${rendezvous[@]}" --nproc-per-node "$nprocs" --max-restarts "$(( 10#$max_restarts ))" \
+  "${target[@]}" ${args[@]+"${args[@]}"} || rc=$?
+if (( rc != 0 )); then
+  cause=$(failure_cause "$log") && [[ -n "$cause" ]] || cause="see torchrun's report above"
+  (( rc <= 128 )) || cause="torchrun was ended by signal $(( rc - 128 )); $cause"
+  echo "error: $recipe failed (torchrun exit $rc): $cause" >&2
+fi
+exit "$rc"

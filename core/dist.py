@@ -2,10 +2,15 @@
 
 The only state here is torch's own process group. Everything else is passed in and returned.
 """
+
 from __future__ import annotations
 
+import ctypes
+import ipaddress
 import os
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,6 +69,50 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def die_with_launcher(*, signum: int = signal.SIGTERM) -> bool:
+    """Under torchrun, have the kernel send `signum` to this worker when its agent dies, even by SIGKILL.
+
+    torchrun starts each worker in a session of its own, so a killed agent's workers would be re-parented
+    and train on. The signal fires when the parent *thread* that spawned us exits: torch 2.13's agent
+    spawns workers (subprocess.Popen) from its main thread, so that is the agent's own death. True when armed.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False  # no launcher to outlive (mp.spawn, a plain `python -m recipes run`, nohup)
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, int(signum), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        return False
+    if parent == 1 or os.getppid() != parent:  # the agent died before prctl: no signal would ever come
+        os.kill(os.getpid(), signum)
+    return True
+
+
+def _loopback_store(addr: str, port: int, *, rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The workers' TCPStore bound to loopback only, where torchrun lets the workers host it on 127.x.
+
+    TCPStore itself listens on every interface, with no authentication; a socket we bind ourselves and hand
+    over (master_listen_fd) keeps a single-node job's store off the network. None: use torch's env:// store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False":
+        return None  # the agent hosts the store (torchrun's default, or static rendezvous): not ours to bind
+    try:
+        if not ipaddress.ip_address(addr).is_loopback:
+            return None
+    except ValueError:
+        return None  # a host name: multi-node, the store must be reachable from the other nodes
+    sock = None
+    if rank == 0:
+        sock = socket.create_server((addr, port), backlog=max(world_size, 128))
+    return dist.TCPStore(
+        addr,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        master_listen_fd=None if sock is None else sock.detach(),  # the store owns the socket from here
+    )
+
+
 def init_pg(
     *,
     rank: int | None = None,
@@ -90,11 +139,12 @@ def init_pg(
             f"NPROC_PER_NODE differs between nodes: this node runs {local_world_size} of {world_size} "
             f"processes on {nodes} nodes; start every node with the same NPROC_PER_NODE"
         )
+    die_with_launcher()  # before anything slow: a worker whose torchrun is gone must not train on
     device = pick_device(local_rank)
     backend = backend or os.environ.get("TDR_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=timeout_s)
+    timeout = tmo = timedelta(seconds=timeout_s)
 
     if "MASTER_ADDR" not in os.environ and master_port is None and world_size == 1:
         # One process and no launcher: an in-memory store, so no port is ever opened.
@@ -105,14 +155,17 @@ def init_pg(
         if not port:
             raise RecipeError("MASTER_PORT is not set: launch with torchrun or pass master_port")
         try:
+            # mp.spawn passes master_port and keeps tcp://; under torchrun, rank 0 may bind the store to loopback
+            store = None if master_port else _loopback_store(addr, port, rank=rank, world_size=world_size, timeout=tmo)
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{addr}:{port}" if master_port else "env://",
+                init_method=None if store else f"tcp://{addr}:{port}" if master_port else "env://",
+                store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,
             )
-        except (RuntimeError, TimeoutError) as err:  # DistNetworkError and DistStoreError are RuntimeErrors
+        except (RuntimeError, TimeoutError, OSError) as err:  # Dist*Error are RuntimeErrors; OSError: port taken
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise RecipeError(
                 f"rank {rank} could not join the job at {addr}:{port} within {timeout_s:g}s "
@@ -121,10 +174,23 @@ def init_pg(
     return Topology(rank, local_rank, world_size, local_world_size, node_rank, device, backend)
 
 
-def cleanup_pg() -> None:
-    """Leave the process group; safe to call twice or when it was never joined."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def cleanup_pg(*, timeout_s: float = 60.0) -> None:
+    """Leave the process group; safe to call twice or when it was never joined.
+
+    After a run that ended well, the ranks first meet at a barrier bounded by `timeout_s`: a rank that
+    destroys its group, and exits, while a peer still talks to it (rank 0 may host the store) can leave
+    that peer's C++ threads mid-operation at exit (std::terminate: "terminate called without an active
+    exception"). With an exception in flight there is no barrier: the peers are elsewhere, and the
+    error must not wait for them.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1 and sys.exc_info()[1] is None:
+        try:
+            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - a peer that died or hung: leave anyway, the run's own outcome stands
+            pass
+    dist.destroy_process_group()
 
 
 def is_rank0() -> bool:

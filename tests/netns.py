@@ -12,6 +12,7 @@ end: no route out. Every process started through `popen` runs in its own session
 (also when the test fails or is interrupted) those sessions are killed, then the namespaces
 are deleted, which deletes both veth ends with them.
 """
+
 from __future__ import annotations
 
 import os
@@ -141,10 +142,37 @@ class TwoHosts:
 
     def shape(self, host: Host, *, rate: str = "50mbit", burst: str = "256kb", latency: str = "400ms") -> None:
         """Limit what `host` sends to `rate` (token bucket); shape both hosts for a symmetric link."""
-        subprocess.run(["ip", "netns", "exec", host.name, "tc", "qdisc", "replace", "dev", host.ifname, "root",
-                        "tbf", "rate", rate, "burst", burst, "latency", latency],
-                       capture_output=True, text=True, timeout=20, check=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                host.name,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                host.ifname,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                latency,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
 
     def unshape(self, host: Host) -> None:
-        subprocess.run(["ip", "netns", "exec", host.name, "tc", "qdisc", "del", "dev", host.ifname, "root"],
-                       capture_output=True, text=True, timeout=20, check=False)
+        subprocess.run(
+            ["ip", "netns", "exec", host.name, "tc", "qdisc", "del", "dev", host.ifname, "root"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )

@@ -1,4 +1,5 @@
 """core.dist: joining a group from torchrun's environment, from mp.spawn, or alone."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,8 +27,10 @@ def test_init_pg_from_mp_spawn_on_a_free_port():
     results = ctx.Queue()
     mp.start_processes(_spawned, args=(2, cdist.free_port(), results), nprocs=2, join=True, start_method="spawn")
     rows = sorted(results.get(timeout=10) for _ in range(2))
-    assert rows == [(0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided"),
-                    (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided")]
+    assert rows == [
+        (0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided"),
+        (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided"),
+    ]
 
 
 def test_world_of_one_without_a_launcher(monkeypatch):
@@ -81,3 +84,35 @@ def test_unreachable_master_fails_within_the_timeout(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="could not join the job at 127.0.0.1"):
         cdist.init_pg(timeout_s=3)
+
+
+def _leaving(rank, port, events, failing):
+    """Rank 0 leaves first and records whether rank 1 had arrived at cleanup by the time it got out."""
+    cdist.init_pg(rank=rank, world_size=2, master_port=port, timeout_s=60)
+    if rank == 1:
+        events["rank0_out"].wait(timeout=5 if failing else 0.5)  # failing: rank 0 must not wait for us
+        events["rank1_in"].set()
+        cdist.cleanup_pg(timeout_s=5 if failing else 60)
+        return
+    try:
+        try:
+            if failing:
+                raise ValueError("this rank failed")
+        finally:
+            cdist.cleanup_pg(timeout_s=60)  # with an exception in flight: no barrier, leave at once
+    except ValueError:
+        pass
+    events["order"].put(events["rank1_in"].is_set())
+    events["rank0_out"].set()
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("failing", [False, True])
+def test_cleanup_waits_for_the_peers_only_after_a_good_run(failing):
+    """After a good run the ranks meet before destroying the group (nothing of a peer's is still in flight when
+    a rank exits: the tensor_parallel SIGABRT at exit); after an error nobody waits for peers that are elsewhere."""
+    ctx = mp.get_context("spawn")
+    events = {"rank1_in": ctx.Event(), "rank0_out": ctx.Event(), "order": ctx.Queue()}
+    mp.start_processes(_leaving, args=(cdist.free_port(), events, failing), nprocs=2, join=True, start_method="spawn")
+    rank1_was_in = events["order"].get(timeout=10)
+    assert rank1_was_in is (not failing)

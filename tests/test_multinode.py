@@ -14,6 +14,7 @@ Cost: every training run starts 2 launchers, 2 torchrun agents and their workers
 few and short (6 steps): one run covers both a slow and a normal link, and the two fault
 scenarios share one test, run side by side (one waits out --timeout-s while the other finishes).
 """
+
 from __future__ import annotations
 
 import json
@@ -73,9 +74,13 @@ class Node:
         lines = [line for line in self.stderr.splitlines() if line.startswith("error: ")]
         return lines[-1] if lines else ""
 
+    @property
+    def output(self) -> str:  # progress lines go to stdout, the launcher's and torchrun's to stderr
+        return (self.logs / "stdout").read_text(errors="replace") + self.stderr
+
     def wait_for(self, text: str, *, timeout: float = BOUND_S) -> None:
         deadline = time.monotonic() + timeout
-        while text not in self.stderr:
+        while text not in self.output:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"node {self.host.addr} never printed {text!r}\n{self.stderr[-3000:]}")
             time.sleep(0.2)
@@ -112,8 +117,11 @@ def single_node(tmp_path_factory):
     def reference(nproc: int) -> dict[str, torch.Tensor]:
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"reference{nproc}")
-            run([str(REPO / "launch_single_node.sh"), "ddp", *OPTS, "--out", str(out)],
-                env=user_env(NPROC_PER_NODE=str(nproc)), timeout=BOUND_S)
+            run(
+                [str(REPO / "launch_single_node.sh"), "ddp", *OPTS, "--out", str(out)],
+                env=user_env(NPROC_PER_NODE=str(nproc)),
+                timeout=BOUND_S,
+            )
             done[nproc] = weights_of(out)
         return done[nproc]
 
@@ -175,9 +183,16 @@ def test_node_killed_or_link_cut_every_node_exits_saying_why(net, tmp_path):
 @needs_netns
 def test_nproc_per_node_differs(net, tmp_path):
     a, b = net.hosts
-    nodes = [Node(net, host, ["ddp", *OPTS, "--out", str(tmp_path / "runs")],
-                  node_env(a.addr, NODE_RANK=str(rank), NPROC_PER_NODE=str(2 - rank)), tmp_path / host.name)
-             for rank, host in enumerate(net.hosts)]
+    nodes = [
+        Node(
+            net,
+            host,
+            ["ddp", *OPTS, "--out", str(tmp_path / "runs")],
+            node_env(a.addr, NODE_RANK=str(rank), NPROC_PER_NODE=str(2 - rank)),
+            tmp_path / host.name,
+        )
+        for rank, host in enumerate(net.hosts)
+    ]
     for node in nodes:
         assert node.wait() != 0
         assert "NPROC_PER_NODE differs between nodes" in node.last_error, node.stderr[-3000:]
@@ -195,22 +210,36 @@ def test_master_unreachable(net, tmp_path):
 @needs_netns
 def test_master_port_in_use(net, tmp_path):
     a, _ = net.hosts
-    squatter = net.popen(a, ["python", "-c", "import socket, time; s = socket.create_server(('', 29500)); "
-                                             "print('up', flush=True); time.sleep(60)"])
+    squatter = net.popen(
+        a,
+        [
+            "python",
+            "-c",
+            "import socket, time; s = socket.create_server(('', 29500)); print('up', flush=True); time.sleep(60)",
+        ],
+    )
     assert squatter.stdout.readline().strip() == "up"
     node0 = Node(net, a, ["ddp", *OPTS], node_env(a.addr, NODE_RANK="0"), tmp_path / "a")
     assert node0.wait() == 2
-    assert node0.last_error == "error: MASTER_PORT=29500 is already in use on this node: " \
-                               "pick another port (the same on every node)"
+    assert (
+        node0.last_error == "error: MASTER_PORT=29500 is already in use on this node: "
+        "pick another port (the same on every node)"
+    )
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"NODE_RANK": "2"}, "error: NODE_RANK=2 but NNODES=2: node ranks run 0..1"),
-    ({"NODE_RANK": "x"}, "error: NODE_RANK=x: use this node's rank, 0..1"),
-    ({"NNODES": "1:2"}, "error: NNODES=1:2 is elastic (MIN:MAX): also set RDZV_ID to a job id shared by every node"),
-    ({"MASTER_ADDR": ""}, "error: MASTER_ADDR is not set: set it to node 0's address on every node"),
-    ({"MASTER_PORT": "70000"}, "error: MASTER_PORT=70000: use a TCP port, 1..65535"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NODE_RANK": "2"}, "error: NODE_RANK=2 but NNODES=2: node ranks run 0..1"),
+        ({"NODE_RANK": "x"}, "error: NODE_RANK=x: use this node's rank, 0..1"),
+        (
+            {"NNODES": "1:2"},
+            "error: NNODES=1:2 is elastic (MIN:MAX): also set RDZV_ID to a job id shared by every node",
+        ),
+        ({"MASTER_ADDR": ""}, "error: MASTER_ADDR is not set: set it to node 0's address on every node"),
+        ({"MASTER_PORT": "70000"}, "error: MASTER_PORT=70000: use a TCP port, 1..65535"),
+    ],
+)
 def test_bad_environment_one_line_before_torchrun(env, message):
     # No namespaces needed: these fail in the launcher before any Python or port.
     proc = run([LAUNCHER, "ddp"], env={**node_env("127.0.0.1"), **env}, check=False, timeout=30)
@@ -239,12 +268,17 @@ def test_elastic_restarted_node_resumes_from_checkpoint(net, single_node, tmp_pa
     saved = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "runs").glob("*/ckpt/*.safetensors"))
     # The same command on the same host, started afresh (its TORCHELASTIC_RESTART_COUNT is 0): it
     # joins node 0's second rendezvous round and takes rank 0's decision to resume.
-    again = Node(net, node1.host, ["ddp", *opts, "--out", str(tmp_path / "runs")],
-                 node_env(node0.host.addr, **elastic), tmp_path / "restarted")
+    again = Node(
+        net,
+        node1.host,
+        ["ddp", *opts, "--out", str(tmp_path / "runs")],
+        node_env(node0.host.addr, **elastic),
+        tmp_path / "restarted",
+    )
     assert node0.wait() == 0, node0.stderr[-3000:]
     assert again.wait() == 0, again.stderr[-3000:]
     # Rank 0 is on node 0 (the rendezvous orders nodes by address) and resumed the newest checkpoint.
-    (resumed,) = re.findall(r"resumed from \S+/ckpt/step-(\d+)\.safetensors", node0.stderr)
+    (resumed,) = re.findall(r"resumed from \S+/ckpt/step-(\d+)\.safetensors", node0.output)
     assert int(resumed) == saved[-1], saved  # the newest when the group restarted
     summary = json.loads(next((tmp_path / "runs").glob("*/metrics.jsonl")).read_text().splitlines()[-1])
     assert summary["kind"] == "summary" and summary["world_size"] == 2 and summary["steps"] == 6

@@ -5,6 +5,7 @@ the stub getent makes the job's node names mean 127.0.0.1; the stub torchrun rec
 was given (and node 0's stub listens on the rendezvous port, as the real one would, so that
 node 1's launcher finds it there).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,15 @@ def fake_slurm(tmp_path: Path, **extra: str) -> dict[str, str]:
         path = bin_dir / name
         path.write_text(text)
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[01-02]",
-                 SLURM_SUBMIT_DIR=str(REPO), NPROC_PER_NODE="3", RDZV_TIMEOUT="60")
+    slurm = dict(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="node[01-02]",
+        SLURM_SUBMIT_DIR=str(REPO),
+        NPROC_PER_NODE="3",
+        RDZV_TIMEOUT="60",
+    )
     return user_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RECORD=str(record), **{**slurm, **extra})
 
 
@@ -73,9 +81,26 @@ def test_sbatch_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path):
     for node in (0, 1):
         got = json.loads((record / f"torchrun.{node}.json").read_text())
         assert got["args"] == [
-            "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--rdzv-conf", "timeout=60", "--nproc-per-node", "3", "--max-restarts", "0",
-            "-m", "recipes", "run", "ddp", "--epochs", "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--rdzv-conf",
+            "timeout=60",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "0",
+            "-m",
+            "recipes",
+            "run",
+            "ddp",
+            "--epochs",
+            "1",
         ], (record / f"node{node}.out").read_text()
         assert got["env"]["MASTER_ADDR"] == "node01"  # as SLURM named it; the launcher resolved it for torchrun
         assert got["env"]["GLOO_SOCKET_IFNAME"] == got["env"]["NCCL_SOCKET_IFNAME"] == "lo"
