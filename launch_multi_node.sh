@@ -54,8 +54,6 @@ if [[ -z "${MASTER_ADDR:-}" ]]; then
 fi
 master="${MASTER_ADDR:-127.0.0.1}"
 
-python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null  # bad recipe options: one line, here
-
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
   nproc="$NPROC_PER_NODE"
   need_count NPROC_PER_NODE "$nproc" 1 "use 1 or more processes"
@@ -63,6 +61,8 @@ else
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   nproc=$(( gpus > 0 ? gpus : 2 ))
 fi
+# Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
+WORLD_SIZE=$(( nproc * ${max_nodes} )) python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
 
 # The network: which address is MASTER_ADDR, is it this node, and which interface reaches it.
 if [[ "$master" =~ ^[0-9.]+$ ]]; then

@@ -25,8 +25,6 @@ if [[ -n "${NPROC_PER_NODE:-}" ]]; then
   nprocs=$(( 10#$NPROC_PER_NODE ))
 fi
 [[ -z "${MASTER_PORT:-}" ]] || need_port MASTER_PORT "$MASTER_PORT"
-python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null  # bad recipe options: one line, here
-
 if [[ -z "${nprocs:-}" ]]; then
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   nprocs=$(( gpus > 0 ? gpus : 2 ))
@@ -34,6 +32,8 @@ fi
 case "$recipe" in
   dp|pipeline_naive) nprocs=1 ;;  # one process drives every local device
 esac
+# Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
+WORLD_SIZE="$nprocs" python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
 # Share the cores between the processes (torchrun would otherwise set 1 and warn about it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / nprocs > 0 ? $(nproc) / nprocs : 1 ))}"
 
