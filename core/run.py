@@ -213,11 +213,8 @@ class Run:
                 ) from None
             return self.cfg.max_steps
         if batches < accum:  # every rank has as many batches as the others: all raise alike
-            fix = f"use --accum {batches} or less" if batches else f"use a --batch-size below {self.cfg.batch_size}"
-            raise RecipeError(
-                f"--batch-size {self.cfg.batch_size} --accum {accum}: an epoch has only {batches} "
-                f"micro-batches per rank on {self.topo.world_size} rank(s); {fix}"
-            )
+            raise RecipeError(_too_few_batches(loader, batches, batch_size=self.cfg.batch_size, accum=accum,
+                                               world_size=self.topo.world_size))
         total = self.cfg.epochs * (batches // accum)
         return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
 
@@ -341,6 +338,16 @@ class Run:
         self.log("summary", **summary)
         self.print("summary " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return summary
+
+
+def _too_few_batches(loader, batches: int, *, batch_size: int, accum: int, world_size: int) -> str:
+    what = f"--batch-size {batch_size}" + (f" --accum {accum}" if accum > 1 else "")
+    if batches:
+        return f"{what}: an epoch has only {batches} micro-batches per rank; use --accum {batches} or less"
+    per_rank = len(loader.dataset) // world_size
+    fix = f"use --batch-size {per_rank} or less" if per_rank else f"use fewer than {world_size} rank(s)"
+    return (f"{what}: the training set ({len(loader.dataset)} samples) gives each of {world_size} rank(s) "
+            f"{per_rank}, not one whole batch; {fix}")
 
 
 def sharded(model) -> bool:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from core import ckpt
 from core.data import digits
 from core.parallel import wrap_ddp
+from core.run import _too_few_batches
 from core.steps import (
     accumulate_grads,
     clip_grad_norm,
@@ -345,7 +346,25 @@ def test_static_graph_with_accumulation_is_refused(tmp_path):
 def test_accum_larger_than_an_epoch_is_refused(tmp_path):
     proc = recipes_cli("run", "ddp_amp", "--accum", "100", "--batch-size", "64", "--out", str(tmp_path),
                        check=False, timeout=120)
-    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: --accum 100"), proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "--accum 100: an epoch has only 23 micro-batches per rank" in line, proc.stderr
+    assert "use --accum 23 or less" in line
+
+
+def test_a_data_set_smaller_than_one_batch_advises_what_fits(tmp_path):
+    proc = recipes_cli("run", "ddp_amp", "--data", "test_amp_accum_clip:one_sample", "--accum", "2",
+                       "--out", str(tmp_path), check=False, timeout=120, env=user_env(PYTHONPATH=str(REPO / "tests")))
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and line.endswith("an epoch has only 1 micro-batches per rank; use --accum 1 or less")
+    loader = torch.utils.data.DataLoader(one_sample()[0])  # on 2 ranks, the one sample is dropped: no batch at all
+    line = _too_few_batches(loader, 0, batch_size=32, accum=2, world_size=2)
+    assert "(1 samples) gives each of 2 rank(s) 0, not one whole batch; use fewer than 2 rank(s)" in line
+    assert "--accum 0" not in line
+
+
+def one_sample():
+    inputs, targets = torch.rand(1, 64), torch.zeros(1, dtype=torch.int64)
+    return torch.utils.data.TensorDataset(inputs, targets), None
 
 
 def test_scaler_state_round_trips_through_a_checkpoint(tmp_path):
