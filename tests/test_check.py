@@ -9,6 +9,7 @@ built-in models and the user's own, fails naming the cause on an unused paramete
 "the run crashed" with the run's error line when a run crashes. tests/check_user.py is the user's module.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from core.config import RecipeError
 from core.models import build_model
-from helpers import recipes_cli, user_env
+from helpers import REPO, recipes_cli, user_env
 from tools.check import REL_TOL, Crash, Report, _error_line, _verdict, check_recipe, compare_weights
 from tools.probes import Finding, probe, sample_batch, sample_batches
 from tools.registry import RECIPES
@@ -176,7 +177,8 @@ def test_what_fails_before_any_launch_is_one_line(model, data, message):
 def _check(*args, tmp_path):
     """`python -m recipes check ...` from a folder holding the user's own module, as a user runs it."""
     shutil.copy(Path(check_user.__file__), tmp_path / "usermodels.py")
-    return recipes_cli("check", *args, cwd=tmp_path, env=user_env(PYTHONPATH=str(tmp_path)), check=False, timeout=420)
+    env = user_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))  # this checkout, not an installed one
+    return recipes_cli("check", *args, cwd=tmp_path, env=env, check=False, timeout=420)
 
 
 def _agrees(proc):
@@ -216,7 +218,8 @@ def test_check_fails_on_an_unused_parameter_and_names_the_option(tmp_path):
 def test_the_advised_option_fixes_the_unused_parameter(tmp_path, monkeypatch):
     shutil.copy(Path(check_user.__file__), tmp_path / "usermodels.py")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(tmp_path)  # the probes import it here, the runs through PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO)]))
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     report = check_recipe(RECIPES["ddp"], model="usermodels:unused", data="digits", options=["--static-graph"])
     assert report.equivalent, report.text
