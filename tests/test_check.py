@@ -1,48 +1,32 @@
 """`python -m recipes check NAME`: is a model safe to train distributed?
 
-Layer 1: the probes on small models in this process (each cause found and named, nothing found
-on the built-in models) and the weight comparison on made-up tensors. Layer 3: the command itself,
-which runs the recipe under torchrun and as one process: it passes on the built-in models and
-fails, exit status 1, naming the cause, on a model with an unused parameter and one with BatchNorm.
+Fast: the probes, in this process, on the built-in models and on a user's own as they really come (a
+transformers causal LM and classifier from tiny configs, a nanoGPT-style model, dict batches, streams with and
+without a length), with the loss the recipe takes; each cause found and named with a fix in options that exist;
+the weight comparison; the verdict on a crashed run; every problem before a launch one RecipeError line.
+End to end: the command itself, which runs the recipe under torchrun and as one process: it agrees on the
+built-in models and the user's own, fails naming the cause on an unused parameter and on BatchNorm, and says
+"the run crashed" with the run's error line when a run crashes. tests/check_user.py is the user's module.
 """
-import sys
 
+import os
+import shutil
+from pathlib import Path
+
+import check_user
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tools.check import REL_TOL, check_recipe, compare_weights, probe, sample_batch
 from core.config import RecipeError
 from core.models import build_model
-from helpers import recipes_cli, user_env
+from helpers import REPO, recipes_cli, user_env
+from tools.check import REL_TOL, Crash, Report, _error_line, _verdict, check_recipe, compare_weights
+from tools.probes import Finding, probe, sample_batch, sample_batches
 from tools.registry import RECIPES
 
-USER_MODELS = '''
-from torch import nn
-
-
-class Unused(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-        self.spare = nn.Linear(32, 10)  # forward() never calls it
-
-    def forward(self, x):
-        return self.net(x)
-
-
-def unused():
-    return Unused()
-
-
-def batchnorm():
-    return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
-
-
-def dropout():
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
-'''
+DDP = frozenset({"find_unused_parameters", "static_graph", "sync_batchnorm"})  # the ddp recipes' DDPOptions
 
 
 class Drifting(nn.Module):
@@ -59,41 +43,76 @@ class Drifting(nn.Module):
         return self.linear(x) * (1 + 1e-3 * self.calls)
 
 
-def _user_models(tmp_path):
-    (tmp_path / "usermodels.py").write_text(USER_MODELS)
-    sys.path.insert(0, str(tmp_path))
-    import usermodels
-
-    sys.path.remove(str(tmp_path))
-    return usermodels
-
-
 @pytest.fixture(scope="module")
 def digits_batch():
     return sample_batch("digits", size=8)
 
 
-@pytest.mark.parametrize("model,data", [("mlp", "digits"), ("cnn", "digits"), ("gpt", "text")])
-def test_probes_find_nothing_in_the_built_in_models(model, data):
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "model,data",
+    [
+        ("mlp", "digits"),
+        ("cnn", "digits"),
+        ("gpt", "text"),
+        ("check_user:gpt2", "check_user:lm_stream"),  # ModelOutput with its own loss; dicts; a stream with __len__
+        ("check_user:bert", "check_user:classify"),  # a classifier; map-style dicts padded by the factory's collate
+        ("check_user:nano", "check_user:pair_stream"),  # (logits, loss); pairs; a stream without __len__
+    ],
+)
+def test_probes_find_nothing_in_models_that_train_alike(model, data):
     torch.manual_seed(0)
-    assert probe(build_model(model), sample_batch(data, size=4)) == []
+    first, other = sample_batches(data, size=4, count=2)
+    assert probe(build_model(model), first, other=other, takes=DDP) == []
 
 
-@pytest.mark.parametrize("factory,cause,names", [
-    ("unused", "unused parameters", "spare.weight, spare.bias"),
-    ("batchnorm", "BatchNorm without SyncBatchNorm", "1 (BatchNorm1d)"),
-    ("dropout", "dropout or other randomness not seeded per rank", "dropout (2)"),
-])
-def test_probes_name_the_cause_and_the_layer(tmp_path, digits_batch, factory, cause, names):
-    findings = probe(getattr(_user_models(tmp_path), factory)(), digits_batch)
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "factory,cause,names",
+    [
+        ("unused", "unused parameters", "spare.weight, spare.bias"),
+        ("batchnorm", "BatchNorm without SyncBatchNorm", "1 (BatchNorm1d)"),
+        ("dropout", "dropout or other randomness not seeded per rank", "dropout (2)"),
+    ],
+)
+def test_probes_name_the_cause_and_the_layer(digits_batch, factory, cause, names):
+    findings = probe(getattr(check_user, factory)(), digits_batch)
     assert [f.cause for f in findings] == [cause]
     assert names in findings[0].detail
 
 
+@pytest.mark.fast
 def test_probes_see_a_layer_that_is_not_deterministic(digits_batch):
     assert [f.cause for f in probe(Drifting(), digits_batch)] == ["non-deterministic layers"]
 
 
+@pytest.mark.fast
+def test_unused_parameters_get_the_option_that_fixes_them(digits_batch):
+    """Unused in every step: --static-graph (or --find-unused-parameters); a set that varies: only the latter.
+    Never a DDP(...) keyword no option sets; a recipe without DDP's options gets neither."""
+    (always,) = probe(check_user.unused(), digits_batch, takes=DDP)
+    assert "--static-graph" in always.detail and "--find-unused-parameters" in always.detail and always.crashes
+    x, y = digits_batch
+    (varies,) = probe(check_user.Switch(), (x + 1, y), other=(x - 1, y), takes=DDP)
+    assert "up.weight" in varies.detail and "down.weight" in varies.detail
+    assert "pass --find-unused-parameters (--static-graph needs the same set every step)" in varies.detail
+    (other_recipe,) = probe(check_user.unused(), digits_batch, takes=())
+    assert "--" not in other_recipe.detail and not other_recipe.crashes
+    assert all("find_unused_parameters=" not in f.detail for f in (always, varies, other_recipe))
+
+
+@pytest.mark.fast
+def test_batchnorm_advice_fits_the_machine_and_the_recipe(digits_batch):
+    def advice(**kwargs):
+        return probe(check_user.batchnorm(), digits_batch, **kwargs)[0].detail
+
+    assert "pass --sync-batchnorm" in advice(takes=DDP, cuda=True)
+    on_cpu = advice(takes=DDP, cuda=False)
+    assert "needs CUDA" in on_cpu and "LayerNorm/GroupNorm" in on_cpu and "pass --sync-batchnorm" not in on_cpu
+    assert "--sync-batchnorm" not in advice(takes=(), cuda=True)
+
+
+@pytest.mark.fast
 def test_weights_are_compared_against_how_far_training_moved_them(tmp_path):
     gen = torch.Generator().manual_seed(0)
     start = {"w": torch.randn(1000, generator=gen), "b": torch.zeros(10)}
@@ -110,41 +129,127 @@ def test_weights_are_compared_against_how_far_training_moved_them(tmp_path):
     assert compare_weights(paths["single"], paths["single"], paths["start"]).relative == 0.0
 
 
-# --- the command, end to end --------------------------------------------------------------------------
+@pytest.mark.fast
+def test_a_crashed_run_is_reported_as_a_crash_with_its_error_line():
+    crash = Crash("the run on 2 processes", "crashed", "error: --data x: boom", "torchrun ... -m recipes run ddp")
+    alone = _verdict(Report(["check"]), crash=crash).text
+    assert "the run crashed: error: --data x: boom" in alone and "none of the usual" not in alone
+    assert "rerun it alone to see the whole error: torchrun" in alone
+    unused = Finding("unused parameters", "spare.weight get no gradient", crashes=True)
+    norm = Finding("BatchNorm without SyncBatchNorm", "0 (BatchNorm1d)")
+    report = _verdict(Report(["check"], [unused, norm]), crash=crash)
+    assert "likely cause: unused parameters" in report.text and "warning: BatchNorm" in report.text
+    assert report.reason == "the run on 2 processes crashed: error: --data x: boom" and not report.equivalent
+
+
+@pytest.mark.fast
+def test_the_error_line_is_the_runs_own_one_sentence():
+    ddp = "[rank1]: RuntimeError: Expected to have finished reduction in the prior iteration. " + "More. " * 60
+    stderr = f"W1203 some warning\nTraceback (most recent call last):\n  File x\n{ddp}\n[rank0]: OtherError: later"
+    line = _error_line(stderr)  # whole sentences, up to 240 characters
+    assert line.startswith("RuntimeError: Expected to have finished reduction in the prior iteration. More.")
+    assert line.endswith("More.") and len(line) <= 240
+    assert _error_line("noise\nerror: --model m: the factory raised X\nValueError: y") == (
+        "error: --model m: the factory raised X"
+    )
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "model,data,message",
+    [
+        ("mlp", "text", r"--model mlp --data text: one training step fails \(RuntimeError"),
+        ("check_user:raising", "digits", r"one training step fails \(RuntimeError: unflatten"),
+        ("mlp", "check_user:broken_data", r"--data check_user:broken_data: the factory raised FileNotFoundError"),
+        ("mlp", "check_user:failing_stream", r"reading the training set raised ConnectionError: stream closed"),
+        ("check_user:bert", "digits", r"--model check_user:bert --data digits: one training step fails"),
+    ],
+)
+def test_what_fails_before_any_launch_is_one_line(model, data, message):
+    with pytest.raises(RecipeError, match=message) as raised:
+        check_recipe(RECIPES["ddp"], model=model, data=data)
+    assert "\n" not in str(raised.value)
+
+
+# --- the command, end to end: each case one `check`, two launches ----------------------------------------
 
 
 def _check(*args, tmp_path):
-    """`python -m recipes check ...` from a folder holding the user's own models, as a user runs it."""
-    (tmp_path / "usermodels.py").write_text(USER_MODELS)
-    return recipes_cli("check", *args, cwd=tmp_path, env=user_env(PYTHONPATH=str(tmp_path)), check=False,
-                       timeout=420)
+    """`python -m recipes check ...` from a folder holding the user's own module, as a user runs it."""
+    shutil.copy(Path(check_user.__file__), tmp_path / "usermodels.py")
+    env = user_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))  # this checkout, not an installed one
+    return recipes_cli("check", *args, cwd=tmp_path, env=env, check=False, timeout=420)
 
 
-@pytest.mark.parametrize("args", [["ddp"], ["ddp", "--model", "cnn"], ["fsdp"]],
-                         ids=["ddp-mlp", "ddp-cnn", "fsdp-gpt"])
-def test_check_passes_on_the_built_in_models(args, tmp_path):
-    proc = _check(*args, tmp_path=tmp_path)
+def _agrees(proc):
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "equivalent: yes" in proc.stdout
+    assert "equivalent: yes" in proc.stdout and "Traceback" not in proc.stderr
     assert "largest parameter difference" in proc.stdout and "training loss difference" in proc.stdout
-    assert "tolerance" in proc.stdout
 
 
-def test_check_fails_on_an_unused_parameter_and_names_it(tmp_path):
+@pytest.mark.e2e
+@pytest.mark.parametrize("args", [["ddp"], ["fsdp"]], ids=["ddp-mlp", "fsdp-gpt"])
+def test_check_passes_on_the_built_in_models(args, tmp_path):
+    _agrees(_check(*args, tmp_path=tmp_path))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "model,data",
+    [("gpt2", "lm_stream"), ("bert", "classify"), ("nano", "pair_stream")],
+    ids=["causal-lm-dicts-sized-stream", "classifier-dicts-collate", "nanogpt-pairs-stream"],
+)
+def test_check_agrees_on_models_and_data_as_they_come(model, data, tmp_path):
+    _agrees(_check("ddp", "--model", f"usermodels:{model}", "--data", f"usermodels:{data}", tmp_path=tmp_path))
+
+
+@pytest.mark.e2e
+def test_check_fails_on_an_unused_parameter_and_names_the_option(tmp_path):
     proc = _check("ddp", "--model", "usermodels:unused", tmp_path=tmp_path)
     assert proc.returncode == 1
-    assert "equivalent: NO" in proc.stdout
+    assert "equivalent: NO: the run on 2 processes crashed" in proc.stdout
+    assert "the run crashed: RuntimeError: Expected to have finished reduction" in proc.stdout
     assert "likely cause: unused parameters: spare.weight, spare.bias" in proc.stdout
+    assert "pass --static-graph" in proc.stdout and "find_unused_parameters=True" not in proc.stdout
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+@pytest.mark.e2e
+def test_the_advised_option_fixes_the_unused_parameter(tmp_path, monkeypatch):
+    shutil.copy(Path(check_user.__file__), tmp_path / "usermodels.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(tmp_path)  # the probes import it here, the runs through PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO)]))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    report = check_recipe(RECIPES["ddp"], model="usermodels:unused", data="digits", options=["--static-graph"])
+    assert report.equivalent, report.text
+    assert "warning: unused parameters" in report.text  # still said: they never train
+
+
+@pytest.mark.e2e
 def test_check_fails_on_batchnorm_and_names_it(tmp_path):
     proc = _check("ddp", "--model", "usermodels:batchnorm", tmp_path=tmp_path)
     assert proc.returncode == 1
     assert "weights apart / moved by training" in proc.stdout and "OUTSIDE" in proc.stdout
     assert "likely cause: BatchNorm without SyncBatchNorm: 1 (BatchNorm1d)" in proc.stdout
+    expected = "pass --sync-batchnorm" if torch.cuda.is_available() else "needs CUDA"
+    assert expected in proc.stdout
 
 
-def test_a_model_that_cannot_train_on_the_data_fails_before_any_launch():
-    with pytest.raises(RecipeError, match=r"--model mlp --data text: one training step fails \(RuntimeError"):
-        check_recipe(RECIPES["ddp"], model="mlp", data="text")
+@pytest.mark.e2e
+def test_a_run_that_crashes_is_named_as_a_crash_with_its_error(tmp_path):
+    proc = _check("ddp", "--model", "usermodels:crashing", tmp_path=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert "equivalent: NO: the run on 2 processes crashed" in proc.stdout
+    assert "the run crashed: error: --model usermodels:crashing: the factory raised RuntimeError: " in proc.stdout
+    assert "none of the usual" not in proc.stdout
+
+
+@pytest.mark.e2e
+def test_the_command_prints_one_error_line_not_a_traceback(tmp_path):
+    proc = _check("ddp", "--data", "usermodels:failing_stream", tmp_path=tmp_path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: --data usermodels:failing_stream: reading the training set raised ConnectionError: "
+        "stream closed by the server"
+    ]
