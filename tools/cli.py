@@ -114,29 +114,30 @@ def retarget_commands(text: str, name: str, dest: str) -> str:
     return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
 
 
-@cli.command("check")
+@cli.command("check", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
 @click.option("--model", default=None, help="built-in name or module:function (default: the recipe's)")
 @click.option("--data", default=None, help="built-in name or module:function (default: the recipe's)")
+@click.option("--loss", default="auto", show_default=True, help="as the recipe's --loss")
 @click.option("--nproc", default=2, show_default=True, help="processes of the distributed run")
 @click.option("--steps", default=3, show_default=True, help="optimizer steps of each run")
 @click.option("--batch-size", default=8, show_default=True, help="per rank; the single process gets the global batch")
 @click.option("--seed", default=0, show_default=True)
-def check_command(name: str, model: str | None, data: str | None, nproc: int, steps: int, batch_size: int, seed: int):
-    """Does your model train the same on NPROC processes as on one? Exit status 1 (and the likely cause) if not."""
+@click.argument("options", nargs=-1, type=click.UNPROCESSED)
+def check_command(name: str, model: str | None, data: str | None, loss: str, nproc: int, steps: int, batch_size: int,
+                  seed: int, options: tuple[str, ...]):
+    """Does your model train the same on NPROC processes as on one? Exit status 1 (and the likely cause) if not.
+    Further OPTIONS (e.g. --static-graph) go to every run of the recipe."""
     from tools.check import check_recipe  # loads nothing for the other commands
 
     recipe = _recipe(name)
     if nproc < 2 or steps < 1 or batch_size < 1:
         raise click.UsageError("--nproc must be 2 or more, --steps and --batch-size 1 or more")
-    defaults = recipe.load().Config()
-    model, data = model or defaults.model, data or defaults.data
-    report = check_recipe(recipe, model=model, data=data, nproc=nproc, steps=steps, batch_size=batch_size, seed=seed)
+    report = check_recipe(recipe, model=model, data=data, nproc=nproc, steps=steps, batch_size=batch_size, seed=seed,
+                          loss=loss, options=options)
     click.echo(report.text)
     if not report.equivalent:  # exit status 1, with one `error:` line, like any other failure
-        raise click.ClickException(
-            f"{name} --model {model} --data {data}: {nproc} processes do not train like one; see the likely cause above"
-        )
+        raise click.ClickException(f"check {name}: {report.reason}")
 
 
 @cli.command("diff")
