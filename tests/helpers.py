@@ -1,4 +1,5 @@
 """Running the real commands as a user would: subprocesses with a timeout, in a clean environment."""
+
 from __future__ import annotations
 
 import os
@@ -10,21 +11,30 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def user_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                          "MASTER_PORT", "NPROC_PER_NODE", "MAX_RESTARTS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "MAX_RESTARTS")
+    }
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
 
-def run(args: list[str], *, cwd: Path | str = REPO, timeout: float = 240, env: dict | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], *, cwd: Path | str = REPO, timeout: float = 240, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run a command; on failure (when check) the assertion shows its stdout and stderr."""
     proc = subprocess.run(args, cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
     if check:
         output = f"--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr}"
         assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{output}"
     return proc
+
+
+def torchrun(*args: str, nproc: int = 2) -> list[str]:
+    """The command line of `torchrun --standalone --nproc-per-node NPROC ARGS` in this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
 
 
 def recipes_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:

@@ -13,12 +13,12 @@ import os
 import shutil
 from pathlib import Path
 
-import check_user
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+import check_user
 from core.config import RecipeError
 from core.models import build_model
 from helpers import REPO, recipes_cli, user_env

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from core import ckpt
 from core.folder import find_resume
-from helpers import REPO, run, user_env
+from helpers import REPO, run, torchrun, user_env
 from tiny import TiedMLP
 
 TESTS = str(Path(__file__).parent)
@@ -137,8 +137,7 @@ def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path):
 
 
 def _recipe(*args, nproc=2, cwd, timeout=180, check=True, env=None):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "recipes", "run", *args]
+    command = torchrun("-m", "recipes", "run", *args, nproc=nproc)
     return run(command, cwd=cwd, timeout=timeout, check=check, env=env or user_env(PYTHONPATH=PATHS))
 
 

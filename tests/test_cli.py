@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from core.models import MLP
-from helpers import REPO, recipes_cli, run, user_env
+from helpers import REPO, recipes_cli, run, torchrun, user_env
 from tools.registry import RECIPES
 
 
@@ -72,22 +72,7 @@ def test_bad_input_under_the_launcher_is_one_line(tmp_path, recipe):
 def test_bad_input_under_torchrun_leaves_no_rank_hanging(tmp_path):
     # Straight under torchrun (no launcher pre-check): every rank fails before joining, torchrun exits.
     proc = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "recipes",
-            "run",
-            "ddp",
-            "--model",
-            "nosuchpkg:build",
-            "--out",
-            str(tmp_path),
-        ],
+        torchrun("-m", "recipes", "run", "ddp", "--model", "nosuchpkg:build", "--out", str(tmp_path)),
         cwd=tmp_path,
         check=False,
         timeout=120,

@@ -10,8 +10,8 @@ from torch.utils.data import TensorDataset
 
 from core.config import Accumulation, Precision, RecipeError, Training, resolve_factory
 from core.data import ResumableSampler, ShardSampler, build_data, digits
-from core.models import MODELS, build_model, unwrap
 from core.folder import new_run_dir, run_dirs
+from core.models import MODELS, build_model, unwrap
 
 pytestmark = pytest.mark.fast
 

@@ -10,7 +10,6 @@ import ipaddress
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 from torch import nn
 
 from core.dist import free_port
-from helpers import REPO, run, user_env
+from helpers import REPO, run, torchrun, user_env
 
 SINGLE, MULTI = str(REPO / "launch_single_node.sh"), str(REPO / "launch_multi_node.sh")
 BOUND_S = 30  # a worker still alive this long after its launcher died is an orphan
@@ -198,20 +197,7 @@ LONG = ["ddp", "--model", "tiny:mlp", "--epochs", "1000", "--batch-size", "8", "
 @pytest.mark.e2e
 def test_kill_9_of_torchrun_ends_its_workers(tmp_path):
     out = tmp_path / "runs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "recipes",
-        "run",
-        *LONG,
-        "--out",
-        str(out),
-    ]
+    cmd = torchrun("-m", "recipes", "run", *LONG, "--out", str(out))
     proc, agent, workers = start_and_wait_for_workers(cmd, out=out, agent_of=lambda pid: pid)
     os.kill(agent, signal.SIGKILL)
     proc.wait(timeout=BOUND_S)

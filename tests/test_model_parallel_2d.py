@@ -7,9 +7,8 @@ import pytest
 from world import GlooWorld
 
 try:  # the recipe tests' helpers; while the recipes are being ported (issue 12) they fail alone, the rest still run
-    from mp_reference import assert_same_weights, reference, run_recipe
-
     from core.config import TrainConfig
+    from mp_reference import assert_same_weights, reference, run_recipe
 except ImportError as err:
     _PORT_PENDING = err
 

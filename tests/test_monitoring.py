@@ -19,7 +19,7 @@ from core.models import MLP
 from core.monitor import Monitor
 from core.run import Run, progress_line
 from core.steps import make_loss, train_step
-from helpers import REPO, run, user_env
+from helpers import REPO, run, torchrun, user_env
 
 TESTS = str(REPO / "tests")
 
@@ -109,13 +109,7 @@ def test_watchdog_fires_on_a_stalled_rank_and_names_it(tmp_path):
     """Rank 1 stops in forward for 8 s; every rank writes its stack, rank 0 says rank 1 is behind."""
     env = user_env(PYTHONPATH=TESTS, TDR_TEST_STALL="1:12:8")
     proc = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
+        torchrun(
             "-m",
             "recipes",
             "run",
@@ -132,7 +126,7 @@ def test_watchdog_fires_on_a_stalled_rank_and_names_it(tmp_path):
             str(tmp_path),
             "--timeout-s",
             "60",
-        ],
+        ),
         env=env,
         timeout=180,
     )

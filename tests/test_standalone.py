@@ -20,10 +20,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from tools.standalone import StandaloneError, standalone_source
-from helpers import run, user_env
-from tools.registry import RECIPES
+from helpers import run, torchrun, user_env
 from tools.cli import cli
+from tools.registry import RECIPES
+from tools.standalone import StandaloneError, standalone_source
 
 NAMES = sorted(RECIPES)
 
@@ -116,7 +116,7 @@ def _options(help_text: str) -> list[str]:
 def test_copy_trains_exactly_like_the_recipe(project, name, tmp_path):
     path = project / "project" / f"{name}.py"
     nproc = _world_size(path.read_text())
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    launch = torchrun(nproc=nproc)
     copied = run([*launch, str(path), *TRAIN_ARGS, "--out", str(tmp_path / "copy")], cwd=path.parent,
                  env=_env(project), timeout=300)
     run([*launch, "-m", "recipes", "run", name, *TRAIN_ARGS, "--out", str(tmp_path / "package")], cwd=tmp_path,
