@@ -128,12 +128,30 @@ def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
             edits.append((starts[stmt.lineno - 1], starts[stmt.end_lineno], ""))  # the whole line(s)
         else:
             edits.append((at(stmt.lineno, stmt.col_offset), at(stmt.end_lineno, stmt.end_col_offset), "pass"))
+    if module.name != RECIPE:  # the copy keeps each helper's one-line summary; the whole story is in core
+        edits += _docstring_edits(chunk.node, source, at)
     edits += _realign(chunk.node, source, starts, edits)
     lo, hi = starts[chunk.gap - 1], starts[chunk.node.end_lineno]
     text = source[lo:hi]
     for begin, end, new in sorted(edits, reverse=True):
         text = text[: begin - lo] + new.encode() + text[end - lo :]
     return text.decode().strip("\n") + "\n"
+
+
+def _docstring_edits(node: ast.stmt, source: bytes, at) -> list[tuple[int, int, str]]:
+    """Each multi-line docstring of a function or class in `node` cut to its first line, as written."""
+    edits = []
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None) if isinstance(inner, (ast.FunctionDef, ast.ClassDef)) else None
+        doc = body[0] if body and isinstance(body[0], ast.Expr) else None
+        if doc is None or not isinstance(doc.value, ast.Constant) or doc.end_lineno == doc.lineno:
+            continue
+        begin, end = at(doc.lineno, doc.col_offset), at(doc.end_lineno, doc.end_col_offset)
+        first = source[begin:end].split(b"\n", 1)[0].decode().rstrip()  # '"""Summary', prefix and quotes as written
+        quote = first.lstrip("rRuU")[:3]
+        if quote in ('"""', "'''") and len(first.lstrip("rRuU")) > 3:  # not a `"""` alone on its line
+            edits.append((begin, end, first + quote))
+    return edits
 
 
 def _import_lines(keys: dict[tuple, str], submodules: dict[tuple, set[str]]) -> list[str]:
