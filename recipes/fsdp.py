@@ -1,106 +1,115 @@
-"""fsdp: fully sharded data parallel (FSDP2, fully_shard), one block at a time.
+"""fsdp: ddp_amp with the model fully sharded (FSDP2, fully_shard), one block at a time.
 
     ./launch_single_node.sh fsdp --max-steps 100
-    ./launch_single_node.sh fsdp --precision bf16 --offload cpu
-    torchrun --standalone --nproc-per-node 2 -m recipes run fsdp
-    python -m recipes run fsdp --max-steps 50     # one process: nothing to shard, same arithmetic
-
-Builds on: ddp (the same data split and loop; parameters, gradients and optimizer state sharded).
+    ./launch_single_node.sh fsdp --precision bf16 --accum 4 --clip 1.0
+    torchrun --standalone --nproc-per-node 2 -m recipes run fsdp --ckpt-every 50
+    python -m recipes run fsdp --max-steps 50     # one process: nothing to shard, the same arithmetic
 
 DDP keeps a whole copy of the weights, gradients and AdamW state on every rank. fully_shard on
-each block, then on the root, keeps 1/N of each on a rank: a block's weights are all-gathered
-just before its forward (and again before its backward) and freed after; its gradients are
-reduce-scattered, averaged, so each rank steps the optimizer on its own shard only. The step
-equals DDP's, and one process's on the global batch (batch size x world size).
---precision bf16 computes in bf16 with gradients reduced in fp32 (MixedPrecisionPolicy);
---offload cpu keeps the shards and the optimizer step in CPU memory. Rank 0 gathers the full
-weights at the end into one safetensors file that loads into the plain model.
-Defaults: --model gpt --data text (any model with `model.blocks` works).
+each repeated block (GPT-2's transformer.h, Llama's model.layers, or --blocks NAME), then on the
+root, keeps 1/N of each on a rank: a block's weights are all-gathered just before its forward
+(and again before its backward) and freed after; its gradients are reduce-scattered, averaged,
+so each rank steps AdamW on its own shard only. The step equals one process's on the global
+batch (batch size x world size x accum). --accum K holds the reduce-scatter back for the first
+K-1 micro-batches (set_requires_gradient_sync); --clip takes the norm over all shards;
+--precision bf16 computes in bf16 and reduces gradients in fp32 (MixedPrecisionPolicy);
+--offload keeps the shards and the optimizer step in CPU memory (GPUs). Checkpoints are
+sharded: every rank writes its own shard, and a run resumes at another world size.
+Rank 0 gathers the full weights at the end into one safetensors file.
 """
-import time
+
+import itertools
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from core import data, dist, models, parallel, steps
-from core.cli import main_for
-from core.config import RecipeError, TrainConfig
-from core.gpt import RECIPE_DEFAULTS
-from core.log import setup_logging
-from core.metrics import Meter, planned_steps
-from core.registry import Option, register
-from core.run import RunWriter
+from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
+from core.run import Run
 
 
-@register("fsdp", summary="FSDP2 fully_shard per block; bf16 MixedPrecisionPolicy; optional CPU offload",
-          builds_on="ddp", defaults=RECIPE_DEFAULTS,
-          options={"offload": Option("none", "where the parameter shards live between uses", ("none", "cpu"))})
-def main(cfg: TrainConfig, *, offload: str = "none") -> dict:
-    parallel.refuse_unsupported(cfg, "fsdp", precisions=("fp32", "bf16"))
-    if offload == "cpu" and not torch.cuda.is_available():
-        raise RecipeError("--offload cpu: there is no GPU, so the shards are in CPU memory already; "
-                          "use --offload none")
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)
+@dataclass(frozen=True)
+class Config(Training, Checkpointing, Precision, Accumulation):
+    """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
+
+    model: str = with_default(Training, "model", "gpt")
+    data: str = with_default(Training, "data", "text")
+    epochs: int = with_default(Training, "epochs", 1)
+    lr: float = with_default(Training, "lr", 3e-3)
+    offload: bool = option(False, "keep the parameter shards and the optimizer step in CPU memory (GPUs)")
+    blocks: str = option("", "the nn.ModuleList of blocks to shard one by one, e.g. transformer.h (default: found)")
+
+
+def mesh(cfg: Config, world_size: int) -> dict[str, int]:
+    """The device mesh: every rank holds a shard (data parallel over all of them)."""
+    return {"dp": world_size}
+
+
+def check(cfg: Config) -> None:
+    """Everything refusable, before any process starts: precision, offload, the blocks on a meta-device model."""
+    if cfg.precision == "fp16":  # fully_shard's sharded gradients need a loss scaler that agrees over the shards
+        raise RecipeError("--precision fp16: fsdp has no loss scaling over sharded gradients; use --precision bf16")
+    if cfg.offload and not torch.cuda.is_available():
+        raise RecipeError("--offload: there is no GPU, so the shards are in CPU memory already; drop --offload")
+    with torch.device("meta"):  # shapes only: the model's blocks are found (or --blocks refused) without memory
+        parallel.find_blocks(models.build_model(cfg.model), name=cfg.blocks or None)
+
+
+def main(cfg: Config) -> dict:
+    check(cfg)
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
     try:
-        return train(cfg, topo, offload=offload)
+        global_batch = cfg.batch_size * topo.world_size * cfg.accum
+        with Run.start(cfg, topo, recipe="fsdp", global_batch=global_batch, mesh=mesh(cfg, topo.world_size)) as run:
+            return train(cfg, topo, run)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: TrainConfig, topo: dist.Topology, *, offload: str = "none") -> dict:
-    log = setup_logging(topo.rank)
-    run = RunWriter.create(cfg.out, cfg.name, topo)
-    run.write_config({"recipe": "fsdp", "world_size": topo.world_size, "offload": offload, **cfg.to_dict()})
-    # Our logits are views; nothing modifies them in place, which is what this warning is about.
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-
-    # Build. The same seed on every rank gives the same weights; fully_shard keeps each rank's slice.
+def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
+    # Build. The same seed on every rank gives the same weights; fully_shard keeps each rank's slice of them.
     torch.manual_seed(cfg.seed)
-    train_set, val_set = data.build_data(cfg.data)
+    train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    mesh = parallel.build_mesh(topo, {"dp": topo.world_size})
-    parallel.apply_fsdp(model, mesh=mesh, precision=cfg.precision, offload=offload == "cpu")
-    train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed)
-    val_loader = None if val_set is None else data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds the shards
-    total = planned_steps(epochs=cfg.epochs, batches_per_epoch=len(train_loader), max_steps=cfg.max_steps)
+    dp_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
+    parallel.apply_fsdp(model, mesh=dp_mesh, precision=cfg.precision, offload=cfg.offload, blocks=cfg.blocks or None)
+    train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
+    val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
+    total = run.total_steps(train_loader, accum=cfg.accum)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.cross_entropy
-    log.info(f"fsdp: {topo.world_size} rank(s) on {topo.device.type}, {cfg.precision}, offload={offload}, "
-             f"global batch {cfg.batch_size * topo.world_size}, {total} steps -> {run.run_dir}")
+    loss_fn = steps.make_loss(cfg.loss)
+    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)  # every rank reads its own shard
 
-    # Train.
-    meter, step, evaluation = Meter(topo.device), 0, {}
-    for epoch in range(cfg.epochs):
-        train_loader.sampler.set_epoch(epoch)
-        for batch in train_loader:
-            meter.add(steps.step_plain(model, data.to_device(batch, topo.device), optimizer=optimizer, loss_fn=loss_fn))
+    # Train. K micro-batches a step; the gradients are reduce-scattered in the last one's backward only.
+    step = progress["step"]
+    for epoch in range(progress["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+            break
+        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
+        groups = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        for micro_batches in itertools.islice(groups, total - step):
+            # bf16 lives in fully_shard's MixedPrecisionPolicy (apply_fsdp), so no autocast here
+            metrics, stats = steps.train_step(
+                model,
+                micro_batches,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                clip=cfg.clip,
+                sync=parallel.fsdp_sync,
+                dp_group=dp_mesh.get_group(),
+            )
             scheduler.step()
             step += 1
-            if step % cfg.log_every == 0:  # a collective: every rank reads the meter at the same step
-                run.log("train", step=step, epoch=epoch, lr=scheduler.get_last_lr()[0], **meter.read())
-            run.progress(step, total, every=cfg.log_every, epoch=epoch, **meter.last)
-            if step == cfg.max_steps:
-                break
-        if val_loader:
-            started = time.perf_counter()
-            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
-            meter.exclude(started)
-            run.log("eval", step=step, epoch=epoch, **evaluation)
-            log.info(f"epoch {epoch} val_loss {evaluation['val_loss']:.4f} val_acc {evaluation['val_acc']:.4f}")
-        if step == cfg.max_steps:
-            break
+            run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
+            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)  # every rank its shard
+        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
 
-    # Save: all ranks gather the shards into rank 0's plain model, which writes one safetensors file.
-    last = meter.read()
-    plain = parallel.gather_into(models.build_model(cfg.model), model)
-    weights = run.save_weights(plain, metadata={"recipe": "fsdp", "model": cfg.model})
-    summary = {**evaluation, "train_loss": last["loss"], "samples_per_s": meter.samples_per_s, "steps": step,
-               "world_size": topo.world_size, "global_batch": cfg.batch_size * topo.world_size,
-               "weights": str(weights)}
-    run.summary(**summary)
-    return summary
+    # Every rank sends its shards; rank 0 writes the whole model as one file.
+    return run.finish(model)
 
 
 if __name__ == "__main__":
-    main_for(main)
+    cli_main(main, Config, check=check)

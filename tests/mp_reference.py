@@ -1,5 +1,6 @@
-"""Shared by the model-parallel tests: run a recipe's train() on a gloo rank, and the same
+"""Shared by the model-parallel tests: run a recipe's train() on a gloo rank as its main() would, and the same
 training as one plain process on the same global batches."""
+
 from __future__ import annotations
 
 import importlib
@@ -8,35 +9,59 @@ import torch
 from safetensors.torch import load_file
 
 from core import data, models, steps
-from core.config import TrainConfig
 from core.dist import Topology
+from core.run import Run
+
+BASE = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
 
 
-def run_recipe(topo, name: str, cfg: TrainConfig, options: dict) -> dict:
-    """On each rank: recipes.<name>.train as main() would call it; returns rank 0's summary."""
+def config(name: str, **changes):
+    """recipes.<name>.Config with the tests' small run (3 steps of 8 samples per rank) and `changes`."""
+    return importlib.import_module(f"recipes.{name}").Config(**{**BASE, **changes})
+
+
+def run_recipe(topo, name: str, cfg) -> dict:
+    """On each rank: recipes.<name>.train inside Run.start, as main() calls it; returns the summary."""
     module = importlib.import_module(f"recipes.{name}")
-    if name == "fsdp":  # builds its own model inside train()
-        return module.train(cfg, topo, **options)
-    torch.manual_seed(cfg.seed)  # what main() does before init_pg
-    return module.train(cfg, topo, models.build_model(cfg.model), **options)
+    plan = module.mesh(cfg, topo.world_size)
+    global_batch = cfg.batch_size * plan["dp"] * cfg.accum
+    with Run.start(cfg, topo, recipe=name, global_batch=global_batch, mesh=plan) as run:
+        return module.train(cfg, topo, run)
 
 
-def reference(cfg: TrainConfig, *, replicas: int) -> dict[str, torch.Tensor]:
-    """One process, one model, each step on the concatenation of the `replicas` data shares."""
+def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
+    """One process, one model, each step on the concatenation of the `replicas` data shares' next --accum
+    batches, clipped at --clip, under autocast at --precision."""
     torch.manual_seed(cfg.seed)
     model = models.build_model(cfg.model)
-    train_set, _ = data.build_data(cfg.data)
-    loaders = [data.make_loader(train_set, Topology(r, r, replicas, replicas, 0, torch.device("cpu"), "gloo"),
-                                batch_size=cfg.batch_size, seed=cfg.seed) for r in range(replicas)]
+    train_set, _, _ = data.build_data(cfg.data)
+    loaders = [
+        data.make_loader(
+            train_set,
+            Topology(r, r, replicas, replicas, 0, torch.device("cpu"), "gloo"),
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+        )
+        for r in range(replicas)
+    ]
     for loader in loaders:
         loader.sampler.set_epoch(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.max_steps)
-    for _, shares in zip(range(cfg.max_steps), zip(*loaders)):
-        batch = tuple(torch.cat(parts) for parts in zip(*shares))
-        steps.step_plain(model, batch, optimizer=optimizer, loss_fn=steps.cross_entropy)
+    accum = getattr(cfg, "accum", 1)
+    for _, shares in zip(range(cfg.max_steps), zip(*(_groups(loader, accum) for loader in loaders))):
+        batch = tuple(torch.cat(parts) for parts in zip(*(b for share in shares for b in share)))
+        steps.train_step(
+            model, [batch], optimizer=optimizer, loss_fn=steps.cross_entropy, clip=cfg.clip, precision=cfg.precision
+        )
         scheduler.step()
     return model.state_dict()
+
+
+def _groups(loader, k: int):
+    batches = iter(loader)
+    while group := [b for _, b in zip(range(k), batches)]:
+        yield group
 
 
 def assert_same_weights(summary: dict, expected: dict[str, torch.Tensor], *, atol: float, rtol: float) -> None:
