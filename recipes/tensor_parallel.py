@@ -1,108 +1,109 @@
-"""tensor_parallel: Megatron-style tensor parallelism with DTensor (parallelize_module).
+"""tensor_parallel: fsdp's loop with Megatron-style tensor parallelism instead (DTensor, parallelize_module).
 
     ./launch_single_node.sh tensor_parallel --max-steps 100
-    ./launch_single_node.sh tensor_parallel --sequence-parallel on
-    torchrun --standalone --nproc-per-node 2 -m recipes run tensor_parallel
+    ./launch_single_node.sh tensor_parallel --sequence-parallel --accum 2 --clip 1.0
+    torchrun --standalone --nproc-per-node 2 -m recipes run tensor_parallel --ckpt-every 50
     python -m recipes run tensor_parallel --max-steps 50   # one process: a tp size of 1
 
-Builds on: ddp (the same loop; the model is split across ranks instead of copied).
-
-Every rank holds a slice of every block: attention's q, k, v and the MLP's first layer are
-split by output column (ColwiseParallel: each rank computes its own heads and hidden units),
-the layers after them by input row (RowwiseParallel: partial sums, all-reduced). That is one
-all-reduce per sub-layer forward and one backward, so tensor parallelism belongs inside a node
-on a fast link. All ranks of the group see the same batch: the global batch is --batch-size.
---sequence-parallel on keeps the residual stream split along the sequence between
-sub-layers (LayerNorm on a shard), turning each all-reduce into reduce-scatter + all-gather.
-Defaults: --model gpt --data text (the model must have the GPT's attn/mlp Linear layers).
+Every rank holds a slice of every block: attention's q, k, v and the MLP's first layer are split
+by output column (ColwiseParallel: each rank computes its own heads and hidden units), the layers
+after them by input row (RowwiseParallel: partial sums, all-reduced). That is one all-reduce per
+sub-layer forward and one backward, so tensor parallelism belongs inside a node on a fast link.
+All ranks see the same batch: the global batch is --batch-size x --accum. --sequence-parallel keeps
+the residual stream split along the sequence between sub-layers (LayerNorm on a shard), turning
+each all-reduce into a reduce-scatter and an all-gather. --clip takes the norm over the shards and
+the layers the plan leaves whole; checkpoints are sharded (every rank writes its slices) and resume
+on the same number of ranks. The model needs the GPT's attn.q/k/v/proj and mlp.fc/proj layers.
 """
+
 import dataclasses
+import itertools
 import os
-import time
+from dataclasses import dataclass
 
 import torch
 
 from core import data, dist, models, parallel, steps
-from core.cli import main_for
-from core.config import TrainConfig
-from core.gpt import RECIPE_DEFAULTS
-from core.log import setup_logging
-from core.metrics import Meter, planned_steps
-from core.registry import Option, register
-from core.run import RunWriter
+from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
+from core.run import Run
 
 
-@register("tensor_parallel", summary="Megatron column/row-parallel attention and MLP (DTensor), opt. sequence parallel",
-          builds_on="ddp", defaults=RECIPE_DEFAULTS,
-          options={"sequence_parallel": Option("off", "split LayerNorm and the residual stream along the sequence",
-                                               choices=("off", "on"))})
-def main(cfg: TrainConfig, *, sequence_parallel: str = "off") -> dict:
-    parallel.refuse_unsupported(cfg, "tensor_parallel")
-    torch.manual_seed(cfg.seed)  # the same weights on every rank before they are sliced
-    model = models.build_model(cfg.model)
-    parallel.check_tp(model, int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=sequence_parallel == "on")
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)
+@dataclass(frozen=True)
+class Config(Training, Checkpointing, Precision, Accumulation):
+    """The shared options and sequence parallelism; the tiny GPT on the embedded text by default."""
+
+    model: str = with_default(Training, "model", "gpt")
+    data: str = with_default(Training, "data", "text")
+    epochs: int = with_default(Training, "epochs", 1)
+    lr: float = with_default(Training, "lr", 3e-3)
+    sequence_parallel: bool = option(False, "split LayerNorm and the residual stream along the sequence")
+
+
+def mesh(cfg: Config, world_size: int) -> dict[str, int]:
+    """The device mesh: one tensor-parallel group of every rank, no data parallelism."""
+    return {"dp": 1, "tp": world_size}
+
+
+def check(cfg: Config) -> None:
+    """Everything refusable, before any process starts: precision, and the model's structure on the meta device."""
+    if cfg.precision == "fp16":  # each rank's loss scaler would judge only its own shards' gradients
+        raise RecipeError("--precision fp16: tensor_parallel has no loss scaling over sharded gradients; use bf16")
+    with torch.device("meta"):  # shapes only: the heads and MLP units must split into tp whole shards
+        model = models.build_model(cfg.model)
+    parallel.check_tp(model, int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)
+
+
+def main(cfg: Config) -> dict:
+    check(cfg)
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
     try:
-        return train(cfg, topo, model, sequence_parallel=sequence_parallel == "on")
+        global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
+        with Run.start(
+            cfg, topo, recipe="tensor_parallel", global_batch=global_batch, mesh=mesh(cfg, topo.world_size)
+        ) as run:
+            return train(cfg, topo, run)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: TrainConfig, topo: dist.Topology, model: torch.nn.Module, *, sequence_parallel: bool = False) -> dict:
-    log = setup_logging(topo.rank)
-    run = RunWriter.create(cfg.out, cfg.name, topo)
-    run.write_config({"recipe": "tensor_parallel", "world_size": topo.world_size,
-                      "sequence_parallel": sequence_parallel, **cfg.to_dict()})
-
-    # Build: slice the model over a 1-D mesh of all ranks; parameters become DTensor shards.
-    mesh = parallel.build_mesh(topo, {"tp": topo.world_size})
-    model = parallel.apply_tp(model.to(topo.device), mesh, sequence_parallel=sequence_parallel)
-    train_set, val_set = data.build_data(cfg.data)
+def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+    # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
+    torch.manual_seed(cfg.seed)
+    train_set, val_set, collate = data.build_data(cfg.data)
+    model = models.build_model(cfg.model).to(topo.device)
+    tp_mesh = parallel.build_mesh(topo, {"tp": topo.world_size})
+    parallel.apply_tp(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)  # the parallelize_module plan
     one_group = dataclasses.replace(topo, rank=0, world_size=1)  # every rank loads the group's whole batch
-    train_loader = data.make_loader(train_set, one_group, batch_size=cfg.batch_size, seed=cfg.seed)
-    val_loader = None if val_set is None else data.make_loader(val_set, one_group, batch_size=cfg.batch_size,
-                                                               train=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each shard on its own rank
-    total = planned_steps(epochs=cfg.epochs, batches_per_epoch=len(train_loader), max_steps=cfg.max_steps)
+    train_loader = data.make_loader(train_set, one_group, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
+    val_loader = data.make_loader(val_set, one_group, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each slice on its own rank
+    total = run.total_steps(train_loader, accum=cfg.accum)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.cross_entropy
-    log.info(f"tensor_parallel: tp={topo.world_size} sequence_parallel={sequence_parallel} on {topo.device.type}, "
-             f"global batch {cfg.batch_size}, {total} steps -> {run.run_dir}")
+    loss_fn = steps.make_loss(cfg.loss)
+    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)  # every rank reads its slices
 
-    # Train: the same loop as ddp; only rank 0 counts the batch, the others hold the same one.
-    meter, step, evaluation = Meter(topo.device), 0, {}
-    for epoch in range(cfg.epochs):
-        train_loader.sampler.set_epoch(epoch)
-        for batch in train_loader:
-            metrics = steps.step_plain(model, data.to_device(batch, topo.device), optimizer=optimizer, loss_fn=loss_fn)
-            if topo.is_rank0:
-                meter.add(metrics)
+    # Train. The ranks hold one batch: rank 0 alone counts it in the logged loss and throughput.
+    step = progress["step"]
+    for epoch in range(progress["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+            break
+        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
+        groups = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        for micro_batches in itertools.islice(groups, total - step):
+            metrics, stats = steps.train_step(
+                model, micro_batches, optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, clip=cfg.clip
+            )
             scheduler.step()
             step += 1
-            if step % cfg.log_every == 0:  # a collective: every rank reads the meter at the same step
-                run.log("train", step=step, epoch=epoch, lr=scheduler.get_last_lr()[0], **meter.read())
-            run.progress(step, total, every=cfg.log_every, epoch=epoch, **meter.last)
-            if step == cfg.max_steps:
-                break
-        if val_loader:
-            started = time.perf_counter()
-            # every rank counts the same samples: the means are right, the sums N times too big
-            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
-            meter.exclude(started)
-            run.log("eval", step=step, epoch=epoch, **evaluation)
-            log.info(f"epoch {epoch} val_loss {evaluation['val_loss']:.4f} val_acc {evaluation['val_acc']:.4f}")
-        if step == cfg.max_steps:
-            break
+            run.step(
+                step, metrics=metrics if topo.is_rank0 else {}, stats=stats, lr=scheduler.get_last_lr()[0], total=total
+            )
+            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)  # every rank its slices
+        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)  # every rank the same batches: the means are right
 
-    # Save: gather the shards into rank 0's plain model, written as one safetensors file.
-    last = meter.read()
-    plain = parallel.gather_into(models.build_model(cfg.model), model)
-    weights = run.save_weights(plain, metadata={"recipe": "tensor_parallel", "model": cfg.model})
-    summary = {**evaluation, "train_loss": last["loss"], "samples_per_s": meter.samples_per_s, "steps": step,
-               "world_size": topo.world_size, "global_batch": cfg.batch_size, "weights": str(weights)}
-    run.summary(**summary)
-    return summary
+    # Every rank sends its slices; rank 0 writes the whole model as one file.
+    return run.finish(model)
 
 
 if __name__ == "__main__":
-    main_for(main)
+    cli_main(main, Config, check=check)
