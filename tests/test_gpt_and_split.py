@@ -2,6 +2,7 @@
 model-parallel recipes raise before any process group or training exists."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,10 +114,15 @@ def _cli(name, args, monkeypatch, capsys, world_size):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tiny:tied, a test model factory
     code = run_cli(["run", name, *args])
     return code, capsys.readouterr().err
 
 
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="--offload is refused only without a GPU")
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "name, args, world, message",
     [
@@ -125,12 +131,16 @@ def _cli(name, args, monkeypatch, capsys, world_size):
         ("pipeline", ["--schedule", "interleaved1f1b"], 4, "has 6 blocks, fewer than the 8 pipeline stages"),
         ("pipeline", ["--batch-size", "30", "--microbatches", "4"], 2, "--microbatches 4: must divide --batch-size 30"),
         ("pipeline", ["--microbatches", "1"], 2, "--microbatches 1: 1f1b needs at least one per stage (2)"),
-        ("pipeline", ["--precision", "bf16"], 2, "--precision bf16: pipeline supports fp32"),
+        ("pipeline", ["--loss", "model"], 2, "--loss model: pipeline computes cross-entropy on the last stage"),
         ("pipeline", ["--model", "mlp", "--data", "digits", "--pp", "8"], 8, "has 4 blocks, fewer than the 8"),
+        ("pipeline", ["--model", "tiny:tied"], 2, "pipelining needs every parameter in `model.blocks`"),
         ("tensor_parallel", [], 3, "tensor parallel size 3 must divide the 4 attention heads"),
         ("fsdp_tp", ["--tp", "2"], 3, "--tp 2: the world size 3 is not a multiple of it"),
+        ("fsdp_tp", ["--tp", "8"], 8, "tensor parallel size 8 must divide the 4 attention heads"),
         ("tensor_parallel", ["--model", "mlp", "--data", "digits"], 2, "tensor parallelism needs model.blocks"),
-        ("fsdp", ["--accum", "2"], 2, "--accum 2: fsdp does not support it yet"),
+        ("fsdp", ["--blocks", "layers"], 2, "--blocks layers: GPT has no nn.ModuleList or nn.Sequential there"),
+        ("fsdp_tp", ["--blocks", "h"], 2, "--blocks h: GPT has no nn.ModuleList or nn.Sequential there"),
+        pytest.param("fsdp", ["--offload"], 2, "--offload: there is no GPU", marks=NO_GPU),
     ],
 )
 def test_bad_configs_fail_before_any_process_group(monkeypatch, capsys, name, args, world, message):

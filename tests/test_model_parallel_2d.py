@@ -3,20 +3,12 @@ give the parameters one process gets on the same global batches (each step: both
 Tolerance as in test_model_parallel.py: atol 2e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
 
 import pytest
+from mp_reference import assert_same_weights, config, reference, run_recipe
 
 from world import GlooWorld
 
-try:  # the recipe tests' helpers; while the recipes are being ported (issue 12) they fail alone, the rest still run
-    from core.config import TrainConfig
-    from mp_reference import assert_same_weights, reference, run_recipe
-except ImportError as err:
-    _PORT_PENDING = err
-
-    def TrainConfig(**_):  # noqa: N802
-        raise _PORT_PENDING
-
-
 TOL = dict(atol=2e-5, rtol=1e-4)
+pytestmark = [pytest.mark.world, pytest.mark.slow]  # 4 processes on a 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +18,28 @@ def world4():
 
 
 @pytest.fixture(scope="module")
-def two_shares(tmp_path_factory):
-    return reference(_cfg(tmp_path_factory.mktemp("ref")), replicas=2)
-
-
-def _cfg(tmp_path) -> "TrainConfig":
-    return TrainConfig(
-        model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1, out=str(tmp_path)
-    )
+def two_shares():
+    return reference(config("fsdp"), replicas=2)
 
 
 def test_pipeline_times_data_parallel(world4, two_shares, tmp_path):
-    summaries = world4.run(
-        run_recipe, "pipeline", _cfg(tmp_path), dict(schedule="1f1b", microbatches=4, pp=2, balance="params")
-    )
+    summaries = world4.run(run_recipe, "pipeline", config("pipeline", out=str(tmp_path), microbatches=4, pp=2))
     assert (summaries[0]["pp"], summaries[0]["dp"], summaries[0]["global_batch"]) == (2, 2, 16)
     assert_same_weights(summaries[0], two_shares, **TOL)
 
 
 def test_fsdp_times_tensor_parallel(world4, two_shares, tmp_path):
-    summaries = world4.run(run_recipe, "fsdp_tp", _cfg(tmp_path), dict(tp=2))
+    summaries = world4.run(run_recipe, "fsdp_tp", config("fsdp_tp", out=str(tmp_path), tp=2))
     assert (summaries[0]["tp"], summaries[0]["dp"]) == (2, 2)
     assert_same_weights(summaries[0], two_shares, **TOL)
+
+
+def test_fsdp_tp_recipe_with_accumulation_and_clip(world4, tmp_path):
+    """dp=2 x tp=2, the recipe's whole step: K=2 micro-batches of 4 a group, a clip that bites."""
+    cfg = config("fsdp_tp", out=str(tmp_path), tp=2, accum=2, clip=0.05, batch_size=4)
+    summaries = world4.run(run_recipe, "fsdp_tp", cfg)
+    assert summaries[0]["global_batch"] == 16
+    assert_same_weights(summaries[0], reference(cfg, replicas=2), **TOL)
 
 
 def pipeline_dp_accum_clip(topo):
