@@ -9,6 +9,7 @@ divides by sqrt(v), which magnifies such float32 rounding for near-zero gradient
 1/M scale, a lost shard, a wrong micro-batch) is off by 1e-3 or more.
 """
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from mp_reference import assert_same_weights, config, reference, run_recipe
 from safetensors.torch import load_file
 
+from core import data, models, steps
 from world import GlooWorld
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -89,6 +91,27 @@ def test_ranks_agree_on_the_reported_loss(world2, tmp_path):
 def _norms(summary) -> list[float]:
     records = (Path(summary["weights"]).parent / "metrics.jsonl").read_text().splitlines()
     return [r["grad_norm"] for r in map(json.loads, records) if r["kind"] == "train"]
+
+
+EVAL_IN_STEP = pytest.mark.skipif(
+    "in_step" not in inspect.signature(steps.evaluate).parameters,
+    reason="needs core.steps.evaluate(in_step=) and Run.evaluate passing in_step=sharded(model) (lead's files)",
+)
+
+
+@pytest.mark.world
+@EVAL_IN_STEP
+def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
+    """359 validation samples in batches of 1: rank 0 has 180 forwards, rank 1 179, each one a collective. The
+    shorter rank repeats its last batch uncounted, so the job ends and val_loss is the whole set's, counted once."""
+    cfg = config("fsdp", out=str(tmp_path), model="mlp", data="digits", batch_size=1, max_steps=1)
+    summary = world2.run(run_recipe, "fsdp", cfg)[0]
+    model = models.build_model("mlp")
+    model.load_state_dict(load_file(summary["weights"]))
+    val = torch.utils.data.DataLoader(data.build_data("digits")[1], batch_size=64)
+    expected = steps.evaluate(model, val, loss_fn=steps.cross_entropy, device=torch.device("cpu"))
+    assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+    assert summary["val_acc"] == pytest.approx(expected["val_acc"])
 
 
 # --- resume (issue 14.1, 14.2, 11.1): a run that stopped after a checkpoint continues to the same weights ------
