@@ -33,6 +33,8 @@ from core.run import Run
 class Config(Training, Checkpointing, Precision, Accumulation):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
+    title = "fully sharded data parallel"
+
     model: str = with_default(Training, "model", "gpt")
     data: str = with_default(Training, "data", "text")
     epochs: int = with_default(Training, "epochs", 1)

@@ -30,6 +30,8 @@ from core.run import Run
 class Config(Training, Checkpointing, Precision, Accumulation):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
+    title = "2-D parallelism"
+
     model: str = with_default(Training, "model", "gpt")
     data: str = with_default(Training, "data", "text")
     epochs: int = with_default(Training, "epochs", 1)

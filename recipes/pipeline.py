@@ -37,6 +37,8 @@ from core.run import Run
 class Config(Training, Checkpointing, Precision, Accumulation):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
+    title = "pipeline parallelism"
+
     model: str = with_default(Training, "model", "gpt")
     data: str = with_default(Training, "data", "text")
     epochs: int = with_default(Training, "epochs", 1)
