@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_reference import assert_same_weights, config, reference, run_recipe
 from safetensors.torch import load_file
 
 from core import data, models, steps
+from mp_reference import assert_same_weights, config, reference, run_recipe
 from world import GlooWorld
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -147,6 +147,32 @@ def test_resume_at_the_same_world_size_is_bitwise(world2, tmp_path, name):
     assert resumed["steps"] == 4 and _same(load_file(resumed["weights"]), weights)
     again = world2.run(run_recipe, name, cfg.replace(resume="auto"))[0]  # 11.1: nothing past --max-steps
     assert again["already_finished"] and _same(load_file(finished["weights"]), weights)
+
+
+PLANNED_MESH = pytest.mark.xfail(
+    strict=True, reason="tools.precheck.planned_mesh reads --tp/--pp only: it should call the recipe's mesh(cfg, W)"
+)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fsdp",
+        "fsdp_tp",
+        pytest.param("tensor_parallel", marks=PLANNED_MESH),
+        pytest.param("pipeline", marks=PLANNED_MESH),
+    ],
+)
+def test_the_pre_check_accepts_a_resume_at_the_same_world_size(world2, tmp_path, monkeypatch, name):
+    """What the launchers run before torchrun (WORLD_SIZE set, no process group) lets the same job resume."""
+    from tools.precheck import check_resume
+
+    options = {**RESUMABLE[name], **({"pp": 0} if name == "pipeline" else {})}  # pipeline: the default, all ranks
+    cfg = config(name, out=str(tmp_path), max_steps=2, ckpt_every=2, **options)
+    world2.run(run_recipe, name, cfg)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_resume(name, cfg.replace(resume="auto"))
 
 
 @pytest.mark.world

@@ -3,8 +3,8 @@ give the parameters one process gets on the same global batches (each step: both
 Tolerance as in test_model_parallel.py: atol 2e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
 
 import pytest
-from mp_reference import assert_same_weights, config, reference, run_recipe
 
+from mp_reference import assert_same_weights, config, reference, run_recipe
 from world import GlooWorld
 
 TOL = dict(atol=2e-5, rtol=1e-4)

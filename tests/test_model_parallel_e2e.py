@@ -1,5 +1,6 @@
 """Layer 3: the model-parallel recipes as a user runs them, through launch_single_node.sh on 2 CPU
 processes: the loss falls, and rank 0's model.safetensors loads into the plain GPT."""
+
 import json
 
 import pytest
@@ -10,14 +11,31 @@ from core.gpt import gpt
 from helpers import REPO, run, user_env
 
 
-@pytest.mark.parametrize("recipe, options", [
-    ("pipeline", ["--schedule", "1f1b", "--microbatches", "8"]),
-    ("tensor_parallel", []),
-    ("fsdp", []),
-])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "recipe, options",
+    [
+        ("pipeline", ["--schedule", "1f1b", "--microbatches", "8"]),
+        ("tensor_parallel", []),
+        ("fsdp", []),
+    ],
+)
 def test_recipe_trains_the_gpt_on_two_processes(tmp_path, recipe, options):
-    proc = run([str(REPO / "launch_single_node.sh"), recipe, *options, "--max-steps", "25", "--log-every", "5",
-                "--out", str(tmp_path)], env=user_env(NPROC_PER_NODE="2"), timeout=240)
+    proc = run(
+        [
+            str(REPO / "launch_single_node.sh"),
+            recipe,
+            *options,
+            "--max-steps",
+            "25",
+            "--log-every",
+            "5",
+            "--out",
+            str(tmp_path),
+        ],
+        env=user_env(NPROC_PER_NODE="2"),
+        timeout=240,
+    )
     assert "summary " in proc.stdout
     (run_dir,) = tmp_path.iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
