@@ -51,7 +51,7 @@ class Config(Training, Checkpointing, Precision, Accumulation):
     )
     schedule: str = option("1f1b", "pipeline schedule", choices=pipeline.SCHEDULES)
     microbatches: int = option(
-        4, "micro-batches per batch (must divide --batch-size)", check=lambda v: v >= 1, fix="use 1 or more"
+        4, "micro-batches per batch (must divide the batch size)", check=lambda v: v >= 1, fix="use 1 or more"
     )
     balance: str = option(
         "params", "balance the stages by parameter count or measured time", choices=("params", "time")
