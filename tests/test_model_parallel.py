@@ -176,6 +176,21 @@ def test_the_pre_check_accepts_a_resume_at_the_same_world_size(world2, tmp_path,
 
 
 @pytest.mark.world
+def test_a_checkpoint_under_another_recipe_or_precision_is_refused_in_one_line(world2, tmp_path, monkeypatch):
+    """14.7: the pre-check names both sides: an fsdp checkpoint under tensor_parallel, a bf16 one resumed in fp32."""
+    from core.config import RecipeError
+    from tools.precheck import check_resume
+
+    cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=2, precision="bf16")
+    path = Path(world2.run(run_recipe, "fsdp", cfg)[0]["weights"]).parent / "ckpt" / "step-000002"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match="written by recipe fsdp, this is tensor_parallel; resume it with `fsdp`"):
+        check_resume("tensor_parallel", config("tensor_parallel", out=str(tmp_path), resume=str(path)))
+    with pytest.raises(RecipeError, match=r"other options \(--precision bf16 -> fp32\)"):
+        check_resume("fsdp", cfg.replace(resume=str(path), precision="fp32"))
+
+
+@pytest.mark.world
 def test_fsdp_resumes_from_two_ranks_on_one(world2, world1, tmp_path):
     """14.2: a 2-rank checkpoint continues on 1 rank at the same global batch (16 = 2 x 8 = 1 x 16)."""
     cfg = config("fsdp", out=str(tmp_path / "whole"), max_steps=4, ckpt_every=2, keep=5)
