@@ -108,7 +108,12 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
     # Build: cut the blocks into stages and keep this rank's (two, looped, for interleaved1f1b).
     model, per_rank = models.build_model(cfg.model), 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
-    sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)])  # one micro-batch
+    timed = cfg.balance == "time"  # --balance time measures the blocks on one micro-batch of inputs
+    sample = (
+        torch.stack([x for x, _ in data.first_samples(train_set, cfg.batch_size // cfg.microbatches)])
+        if timed
+        else None
+    )
     split = dict(num_stages=num_stages, balance=cfg.balance, sample=sample)
     stages = [pipeline.split_pipeline(model, stage_index=i, **split).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
