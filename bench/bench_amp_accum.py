@@ -11,6 +11,7 @@ disturbed by other load on the machine) and the median round. Printed:
                 every micro-batch (the same gradients: only the communication differs);
   precision:    bf16 autocast vs fp32, one micro-batch per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,7 @@ def timed_steps(model, optimizer, batches, *, precision: str, sync, n: int) -> f
     dist.barrier()
     started = time.perf_counter()
     for _ in range(n):
-        steps.step_amp(model, batches, optimizer=optimizer, loss_fn=steps.cross_entropy, precision=precision,
-                       sync=sync)
+        steps.step_amp(model, batches, optimizer=optimizer, loss_fn=steps.cross_entropy, precision=precision, sync=sync)
     dist.barrier()
     return (time.perf_counter() - started) / n
 
@@ -60,15 +60,21 @@ def worker(rank: int, args, port: int, results) -> None:
         model = parallel.wrap_ddp(models.build_model(args.model).to(topo.device), device=topo.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(rank)
-        batches = [(torch.rand(args.batch_size, 64, generator=gen).to(topo.device),
-                    torch.randint(10, (args.batch_size,), generator=gen).to(topo.device)) for _ in range(args.k)]
+        batches = [
+            (
+                torch.rand(args.batch_size, 64, generator=gen).to(topo.device),
+                torch.randint(10, (args.batch_size,), generator=gen).to(topo.device),
+            )
+            for _ in range(args.k)
+        ]
         times = {name: [] for name in SETTINGS}
         for precision, k, sync in SETTINGS.values():  # warm-up: allocator, autocast caches, buckets
             timed_steps(model, optimizer, batches[:k], precision=precision, sync=sync, n=2)
         for _ in range(args.rounds):
             for name, (precision, k, sync) in SETTINGS.items():
-                times[name].append(timed_steps(model, optimizer, batches[:k], precision=precision, sync=sync,
-                                               n=args.steps))
+                times[name].append(
+                    timed_steps(model, optimizer, batches[:k], precision=precision, sync=sync, n=args.steps)
+                )
         if rank == 0:
             results.put({name: (min(t), statistics.median(t)) for name, t in times.items()})
     finally:
@@ -77,16 +83,21 @@ def worker(rank: int, args, port: int, results) -> None:
 
 def report(times: dict[str, tuple[float, float]], args) -> str:
     """The table and the two ratios, each from the fastest rounds and from the median rounds."""
-    lines = [f"{args.nproc} ranks, model {args.model}, batch {args.batch_size}/rank, {args.rounds} rounds x "
-             f"{args.steps} steps; ms per optimizer step:", f"  {'setting':30s} {'fastest':>8s} {'median':>8s}"]
+    lines = [
+        f"{args.nproc} ranks, model {args.model}, batch {args.batch_size}/rank, {args.rounds} rounds x "
+        f"{args.steps} steps; ms per optimizer step:",
+        f"  {'setting':30s} {'fastest':>8s} {'median':>8s}",
+    ]
     lines += [f"  {name:30s} {best * 1e3:8.2f} {median * 1e3:8.2f}" for name, (best, median) in times.items()]
 
     def ratio(a: str, b: str) -> str:
         return " / ".join(f"{times[a][i] / times[b][i]:.2f}" for i in (0, 1)) + " (fastest / median)"
 
     saved = 1 - times["accum no_sync"][0] / times["accum sync every micro-batch"][0]
-    lines.append(f"accumulation K={args.k}: no_sync / sync-every-micro-batch = "
-                 f"{ratio('accum no_sync', 'accum sync every micro-batch')}: no_sync saves {100 * saved:.0f}%")
+    lines.append(
+        f"accumulation K={args.k}: no_sync / sync-every-micro-batch = "
+        f"{ratio('accum no_sync', 'accum sync every micro-batch')}: no_sync saves {100 * saved:.0f}%"
+    )
     lines.append(f"precision: bf16 / fp32 = {ratio('bf16', 'fp32')} on this machine")
     return "\n".join(lines)
 

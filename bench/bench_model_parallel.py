@@ -13,6 +13,7 @@ Idle is measured inside the pipeline: a stage is busy from the start to the end 
 its parameters (an autograd marker and post-accumulate-grad hooks); idle = 1 - busy / step time.
 The theory assumes equal stages and free communication, so measured idle sits somewhat above it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,9 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
     from torch.distributed.pipelining import PipelineStage
 
     stage = BusyTimer(pipeline.split_pipeline(model, num_stages=2, stage_index=topo.rank)).to(topo.device)
-    sched = pipeline.build_schedule(schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m,
-                                    loss_fn=steps.cross_entropy)
+    sched = pipeline.build_schedule(
+        schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m, loss_fn=steps.cross_entropy
+    )
     optimizer = torch.optim.SGD(stage.parameters(), lr=1e-3)
     x = torch.randint(128, (m * micro, 64), device=topo.device)
     busy = wall = 0.0
@@ -100,11 +102,11 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of parameters, gradients and optimizer state this rank holds (local shards only)."""
+
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
-    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters()
-                                                         if p.grad is not None]
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
     tensors += [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -137,8 +139,17 @@ def worker(rank: int, port: int, args, queue) -> None:
         for schedule in ("gpipe", "1f1b"):
             for m in (2, 4, 8, 16):
                 idle = bubble(topo, schedule=schedule, m=m, steps_=args.steps)
-                queue.put({"bench": "bubble", "schedule": schedule, "p": 2, "m": m, "stage": rank,
-                           "idle": round(idle, 3), "theory": round(1 / (m + 1), 3)})
+                queue.put(
+                    {
+                        "bench": "bubble",
+                        "schedule": schedule,
+                        "p": 2,
+                        "m": m,
+                        "stage": rank,
+                        "idle": round(idle, 3),
+                        "theory": round(1 / (m + 1), 3),
+                    }
+                )
         for kind in ("ddp", "fsdp"):
             queue.put({"bench": "memory", "kind": kind, "rank": rank, **memory(topo, kind=kind)})
     finally:
@@ -159,8 +170,11 @@ def main() -> None:
     print("\nschedule  m   theory  idle(stage 0)  idle(stage 1)")
     for schedule in ("gpipe", "1f1b"):
         for m in (2, 4, 8, 16):
-            idle = {r["stage"]: r["idle"] for r in rows if r["bench"] == "bubble" and r["schedule"] == schedule
-                    and r["m"] == m}
+            idle = {
+                r["stage"]: r["idle"]
+                for r in rows
+                if r["bench"] == "bubble" and r["schedule"] == schedule and r["m"] == m
+            }
             print(f"{schedule:8}  {m:<3} {1 / (m + 1):.3f}   {idle[0]:.3f}          {idle[1]:.3f}")
     print("\nkind  rank  train state MiB  peak MiB (CUDA only)")
     for r in sorted((r for r in rows if r["bench"] == "memory"), key=lambda r: (r["kind"], r["rank"])):

@@ -14,6 +14,7 @@ repeat and the table shows medians over repeats, so a neighbour's load hits ever
 Ratios are step-time ratios (lower is better): recipe / hand-written (the goal: <= 1.03), option /
 recipe defaults; scaling efficiency = samples/s at 2 ranks / (2 x samples/s at 1 rank).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,8 +86,17 @@ def recipe_run(topo: Topology, args, changes: dict, marks: list, out: str) -> No
     from core.run import RunWriter
     from recipes import ddp
 
-    cfg = TrainConfig(model=args.model, data=args.data, batch_size=args.batch_size, max_steps=args.steps, epochs=100,
-                      log_every=10, out=out, name="bench", **changes)
+    cfg = TrainConfig(
+        model=args.model,
+        data=args.data,
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        epochs=100,
+        log_every=10,
+        out=out,
+        name="bench",
+        **changes,
+    )
     logger.disable("core"), logger.disable("recipes")  # the table, not the recipe's progress lines
     log = RunWriter.log
 
@@ -108,8 +118,13 @@ def worker(rank, world_size, store_path, variants, args, result_dir):
     os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     watchdog.prepare_env(watchdog=True)  # as the recipe's main() does before init_pg (the hand loop gets it too)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
     topo = Topology(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo")
     try:
         for i in variants:
@@ -136,8 +151,13 @@ def steady_step_s(marks: list[tuple[int, float, float]], *, warmup: int) -> list
 def measure(world_size: int, variants: list[int], args) -> dict[int, list[float]]:
     """[wall, CPU] seconds per steady-state step of each variant, in one fresh world of `world_size` ranks."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, nprocs=world_size, start_method="spawn", join=True,
-                           args=(world_size, str(Path(tmp) / "store"), variants, args, tmp))
+        mp.start_processes(
+            worker,
+            nprocs=world_size,
+            start_method="spawn",
+            join=True,
+            args=(world_size, str(Path(tmp) / "store"), variants, args, tmp),
+        )
         return {i: json.loads((Path(tmp) / f"{i}.json").read_text()) for i in variants}
 
 
@@ -154,11 +174,15 @@ def main() -> None:
     for repeat in range(args.repeats):
         for world in (2, 1):
             mine = [i for i, v in enumerate(VARIANTS) if v[1] == world]
-            order = mine[repeat % len(mine):] + mine[:repeat % len(mine)]  # rotated: no variant always first
+            order = mine[repeat % len(mine) :] + mine[: repeat % len(mine)]  # rotated: no variant always first
             for i, (wall, cpu) in measure(world, order, args).items():
                 times[i].append([wall, cpu])
-                print(f"repeat {repeat + 1}/{args.repeats}: {VARIANTS[i][0]} x{world}: {wall * 1e3:.2f} ms/step, "
-                      f"CPU {cpu * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+                print(
+                    f"repeat {repeat + 1}/{args.repeats}: {VARIANTS[i][0]} x{world}: {wall * 1e3:.2f} ms/step, "
+                    f"CPU {cpu * 1e3:.2f} ms/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
     report(times, args)
 
 
@@ -175,22 +199,32 @@ def report(times: dict[int, list[list[float]]], args) -> None:
     def ratio(i: int, base: int, k: int) -> float:
         return statistics.median(a[k] / b[k] for a, b in zip(times[i], times[base]))
 
-    print(f"\n{args.model} on {args.data}, batch {args.batch_size} per rank, gloo on CPU (one thread per rank), "
-          f"steps {args.warmup}-{args.steps}, {args.repeats} interleaved repeats (torch {torch.__version__})\n")
+    print(
+        f"\n{args.model} on {args.data}, batch {args.batch_size} per rank, gloo on CPU (one thread per rank), "
+        f"steps {args.warmup}-{args.steps}, {args.repeats} interleaved repeats (torch {torch.__version__})\n"
+    )
     print("| variant | ranks | wall ms/step | samples/s | wall ratio | CPU ms/step (rank 0) | CPU ratio | against |")
     print("|---|---|---|---|---|---|---|---|")
     for i, (label, world, runner, _) in enumerate(VARIANTS):
         base = None if runner == "hand" else hand[world] if i == default[world] else default[world]
         shown = ["-", "-"] if base is None else [f"{ratio(i, base, k):.3f}" for k in (0, 1)]
         against = "-" if base is None else "hand-written" if base == hand[world] else "recipe defaults"
-        print(f"| {label} | {world} | {med(i, 0) * 1e3:.2f} | {args.batch_size * world / med(i, 0):.0f} | {shown[0]} "
-              f"| {med(i, 1) * 1e3:.2f} | {shown[1]} | {against} |")
+        print(
+            f"| {label} | {world} | {med(i, 0) * 1e3:.2f} | {args.batch_size * world / med(i, 0):.0f} | {shown[0]} "
+            f"| {med(i, 1) * 1e3:.2f} | {shown[1]} | {against} |"
+        )
     for name, one, two in (("hand-written", hand[1], hand[2]), ("recipe", default[1], default[2])):
         print(f"\nscaling efficiency 1 -> 2 ranks (wall), {name}: {med(one, 0) / med(two, 0):.2f}", end="")
-    print(f"\nrecipe over hand-written at 2 ranks: wall {ratio(default[2], hand[2], 0):.3f}, "
-          f"CPU {ratio(default[2], hand[2], 1):.3f} (goal <= 1.03)")
-    print("per-repeat wall ms/step: " + "; ".join(f"{VARIANTS[i][0]} x{VARIANTS[i][1]}: "
-                                                   + " ".join(f"{t[0] * 1e3:.1f}" for t in times[i]) for i in times))
+    print(
+        f"\nrecipe over hand-written at 2 ranks: wall {ratio(default[2], hand[2], 0):.3f}, "
+        f"CPU {ratio(default[2], hand[2], 1):.3f} (goal <= 1.03)"
+    )
+    print(
+        "per-repeat wall ms/step: "
+        + "; ".join(
+            f"{VARIANTS[i][0]} x{VARIANTS[i][1]}: " + " ".join(f"{t[0] * 1e3:.1f}" for t in times[i]) for i in times
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ is a token-bucket filter (tc tbf) on both ends. Each run goes through launch_mul
 a user would start it; the step time is the median gap between rank 0's train records, whose
 `elapsed_s` every rank agrees on (metrics are reduced). Root only (namespaces).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,16 @@ def run_job(net: netns.TwoHosts, out: Path, recipe_args: list[str], *, timeout: 
     a, _ = net.hosts
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(OMP_NUM_THREADS="1", NNODES="2", NPROC_PER_NODE="2", MASTER_ADDR=a.addr, MASTER_PORT="29500")
-    procs = [net.popen(host, [str(REPO / "launch_multi_node.sh"), "ddp", *recipe_args, "--out", str(out)],
-                       env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for rank, host in enumerate(net.hosts)]
+    procs = [
+        net.popen(
+            host,
+            [str(REPO / "launch_multi_node.sh"), "ddp", *recipe_args, "--out", str(out)],
+            env={**env, "NODE_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for rank, host in enumerate(net.hosts)
+    ]
     for proc in procs:
         _, err = proc.communicate(timeout=timeout)
         if proc.returncode:
@@ -50,8 +58,20 @@ def main() -> None:
     args = parser.parse_args()
     if why := netns.unavailable():
         raise SystemExit(f"error: {why}")
-    recipe_args = ["--model", args.model, "--epochs", "100", "--max-steps", str(args.steps), "--batch-size", "8",
-                   "--log-every", "1", "--timeout-s", "120"]
+    recipe_args = [
+        "--model",
+        args.model,
+        "--epochs",
+        "100",
+        "--max-steps",
+        str(args.steps),
+        "--batch-size",
+        "8",
+        "--log-every",
+        "1",
+        "--timeout-s",
+        "120",
+    ]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, rate in (("unlimited", None), (args.rate, args.rate)):

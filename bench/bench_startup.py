@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     times: dict[str, list[float]] = {name: [] for name in COMMANDS}
     for repeat in range(args.repeats):
-        names = list(COMMANDS)[repeat % len(COMMANDS):] + list(COMMANDS)[:repeat % len(COMMANDS)]  # rotate
+        names = list(COMMANDS)[repeat % len(COMMANDS) :] + list(COMMANDS)[: repeat % len(COMMANDS)]  # rotate
         for name in names:
             started = time.perf_counter()
             subprocess.run(COMMANDS[name], cwd=REPO, check=True, capture_output=True)

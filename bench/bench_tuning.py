@@ -8,6 +8,7 @@ every repeat; the table shows the median steady-state step time (rank 0's clock 
 points at --warmup and --steps) and, on a GPU, the peak memory of allocated tensors the recipe logs
 (on CPU the recipe can only log the process's lifetime peak RSS, which says nothing per variant).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ def measure(changes: dict, args, topo) -> tuple[float, float]:
             sys.stdout = stdout
         records = [json.loads(line) for line in (Path(out) / "bench-1" / "metrics.jsonl").read_text().splitlines()]
     at = {r["step"]: r for r in records if r["kind"] == "train"}
-    return (at[args.steps]["elapsed_s"] - at[args.warmup]["elapsed_s"]) / (args.steps - args.warmup), \
-        at[args.steps]["peak_mem_mb"]
+    return (at[args.steps]["elapsed_s"] - at[args.warmup]["elapsed_s"]) / (args.steps - args.warmup), at[args.steps][
+        "peak_mem_mb"
+    ]
 
 
 def main() -> None:
@@ -78,8 +80,10 @@ def main() -> None:
     finally:
         dist.cleanup_pg()
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    print(f"\nddp recipe, 1 process on {where}, steps {args.warmup}-{args.steps}, median of {args.repeats} "
-          f"interleaved repeats (torch {torch.__version__})\n")
+    print(
+        f"\nddp recipe, 1 process on {where}, steps {args.warmup}-{args.steps}, median of {args.repeats} "
+        f"interleaved repeats (torch {torch.__version__})\n"
+    )
     print("| variant | step ms | vs plain | peak memory MB |")
     print("|---|---|---|---|")
     base = {}

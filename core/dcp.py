@@ -15,6 +15,7 @@ then renames the folder to step-N. A kill at any moment leaves the older checkpo
 folder without a valid checkpoint.json is never picked. Loading at another world size reshards
 (DCP reads each rank's new slices from the saved chunks). All ranks must see the same folder.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -134,9 +135,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_sharded(ckpt_dir: str | os.PathLike, *, model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer,
-                 progress: dict, scheduler=None, scaler=None, keep: int = 2,
-                 metadata: dict[str, str] | None = None) -> Path:
+def save_sharded(
+    ckpt_dir: str | os.PathLike,
+    *,
+    model: nn.Module | list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    progress: dict,
+    scheduler=None,
+    scaler=None,
+    keep: int = 2,
+    metadata: dict[str, str] | None = None,
+) -> Path:
     """Write ckpt_dir/step-N/ (N = progress["step"]), every rank its own shard; keep the newest `keep`.
 
     A collective. `model`: the (sharded) model, or a list of this rank's pipeline stages."""
@@ -152,13 +161,19 @@ def save_sharded(ckpt_dir: str | os.PathLike, *, model: nn.Module | list[nn.Modu
     dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     everyone, shapes = _gather((_file_checksums(tmp), scalars)), _shapes(tensors)  # every rank's file is closed
     if _rank() == 0:
-        info = {"format": FORMAT, "world_size": _world(), "torch": torch.__version__, "progress": progress,
-                "metadata": dict(metadata or {}), "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                                   for g in groups],
-                "optim_scalars": {k: v for _, s in everyone for k, v in s.items()},
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-                "checksums": {name: sums for files, _ in everyone for name, sums in files.items()}, "shapes": shapes}
+        info = {
+            "format": FORMAT,
+            "world_size": _world(),
+            "torch": torch.__version__,
+            "progress": progress,
+            "metadata": dict(metadata or {}),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+            "optim_scalars": {k: v for _, s in everyone for k, v in s.items()},
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "checksums": {name: sums for files, _ in everyone for name, sums in files.items()},
+            "shapes": shapes,
+        }
         _write_json(tmp / DONE, info)
         aside = ckpt_dir / f".step-{progress['step']:06d}.old.tmp"
         if final.exists():  # the same step saved again (a run resumed from before it): swap it out first
@@ -178,14 +193,20 @@ def _read_info(path: Path) -> dict:
         info = json.loads((path / DONE).read_text())
         sealed = info.pop("self_checksum")
     except (OSError, ValueError, KeyError, AttributeError) as err:
-        raise RecipeError(f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); "
-                          f"resume from another step-N folder in {path.parent}") from None
+        raise RecipeError(
+            f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); "
+            f"resume from another step-N folder in {path.parent}"
+        ) from None
     if _digest(info) != sealed:
-        raise RecipeError(f"{path / DONE}: its checksum does not match its contents (edited or corrupted); "
-                          f"resume from another step-N folder in {path.parent}")
+        raise RecipeError(
+            f"{path / DONE}: its checksum does not match its contents (edited or corrupted); "
+            f"resume from another step-N folder in {path.parent}"
+        )
     if info.get("format") != FORMAT:
-        raise RecipeError(f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from a checkpoint "
-                          f"written by this project's sharded save")
+        raise RecipeError(
+            f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from a checkpoint "
+            f"written by this project's sharded save"
+        )
     return info
 
 
@@ -214,23 +235,32 @@ def check_sharded(path: str | os.PathLike) -> dict:
     save_sharded's metadata strings "recipe", "global_batch", "mesh" (JSON); unrecorded: None, None, {}."""
     info = _read_info(Path(path))
     meta = info["metadata"]
-    return {"world_size": info["world_size"], "recipe": meta.get("recipe"),
-            "global_batch": int(meta["global_batch"]) if "global_batch" in meta else None,
-            "mesh": json.loads(meta.get("mesh", "{}")), "progress": info["progress"], "metadata": meta,
-            "shapes": {k: tuple(v) for k, v in info["shapes"].items()}}
+    return {
+        "world_size": info["world_size"],
+        "recipe": meta.get("recipe"),
+        "global_batch": int(meta["global_batch"]) if "global_batch" in meta else None,
+        "mesh": json.loads(meta.get("mesh", "{}")),
+        "progress": info["progress"],
+        "metadata": meta,
+        "shapes": {k: tuple(v) for k, v in info["shapes"].items()},
+    }
 
 
 def refuse_mismatch(path: str | os.PathLike, found: dict, *, recipe: str, mesh: dict[str, int]) -> None:
     """One RecipeError line when this job can't load check_sharded's `found`: another recipe, or a mesh
     whose non-"dp" dimensions (tp, pp: no resharding) differ. dp may change: DCP reshards it."""
     if found["recipe"] is not None and found["recipe"] != recipe:
-        raise RecipeError(f"--resume {path}: written by recipe {found['recipe']}, this is {recipe}; "
-                          f"resume it with `{found['recipe']}` or start a new run")
+        raise RecipeError(
+            f"--resume {path}: written by recipe {found['recipe']}, this is {recipe}; "
+            f"resume it with `{found['recipe']}` or start a new run"
+        )
     for dim in sorted((found["mesh"].keys() | mesh.keys()) - {"dp"}):
         was, now = found["mesh"].get(dim, 1), mesh.get(dim, 1)
         if was != now:
-            raise RecipeError(f"--resume {path}: saved with {dim}={was}, this job has {dim}={now}; {dim} "
-                              f"shards can't be resharded: launch with {dim}={was} or start a new run")
+            raise RecipeError(
+                f"--resume {path}: saved with {dim}={was}, this job has {dim}={now}; {dim} "
+                f"shards can't be resharded: launch with {dim}={was} or start a new run"
+            )
 
 
 def _verify_files(path: Path, info: dict) -> None:
@@ -238,7 +268,7 @@ def _verify_files(path: Path, info: dict) -> None:
     names = sorted(info["checksums"])
     extra = sorted({p.name for p in path.glob("*.safetensors")} - set(names))  # DCP's reader would read them too
     problems = [f"{name} is not one of its files" for name in extra[:1] if _rank() == 0]
-    for name in names[_rank()::_world()]:
+    for name in names[_rank() :: _world()]:
         try:
             with safe_open(str(path / name), framework="pt") as f:
                 for key, want in info["checksums"][name].items():
@@ -252,16 +282,20 @@ def _verify_files(path: Path, info: dict) -> None:
     problems = sorted(p for mine in _gather(problems) for p in mine)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise RecipeError(f"{path}: {problems[0]}{more}; the checkpoint is damaged: resume from an older "
-                          f"step-N folder in {path.parent}")
+        raise RecipeError(
+            f"{path}: {problems[0]}{more}; the checkpoint is damaged: resume from an older "
+            f"step-N folder in {path.parent}"
+        )
 
 
 def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) -> dict:
     """The optimizer state dict for set_state_dict: loaded tensors, saved scalars and hyper-parameters
     over this rank's own param groups (their "params" differ between pipeline stages)."""
     if len(groups) != len(info["param_groups"]):
-        raise RecipeError(f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
-                          f"{len(groups)}; resume with the optimizer setup it was saved with")
+        raise RecipeError(
+            f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
+            f"{len(groups)}; resume with the optimizer setup it was saved with"
+        )
     state: dict[str, dict] = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):
@@ -271,13 +305,21 @@ def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) 
         fqn, name = key.rsplit("/", 1)
         if fqn in state:
             state[fqn][name] = value
-    groups = [{**mine, **{k: tuple(v) if isinstance(v, list) else v for k, v in was.items()}}
-              for mine, was in zip(groups, info["param_groups"])]  # JSON made tuples (betas) lists
+    groups = [
+        {**mine, **{k: tuple(v) if isinstance(v, list) else v for k, v in was.items()}}
+        for mine, was in zip(groups, info["param_groups"])
+    ]  # JSON made tuples (betas) lists
     return {"state": state, "param_groups": groups}
 
 
-def load_sharded(path: str | os.PathLike, *, model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer,
-                 scheduler=None, scaler=None) -> dict:
+def load_sharded(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module | list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    scaler=None,
+) -> dict:
     """Restore the train state saved by save_sharded on every rank, resharding where the world size
     changed (DTensor models), and return the progress dict. A collective."""
     path = Path(path)

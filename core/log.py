@@ -3,6 +3,7 @@
 Rank 0 logs INFO and up (the job's story); the other ranks only WARNING and up, so a
 problem on any rank is seen while N copies of the same progress line are not.
 """
+
 from __future__ import annotations
 
 import sys

@@ -23,11 +23,13 @@ class Monitor:
         self.params = [p for p in model.parameters() if p.requires_grad]
         peak = metrics.peak_flops(run.topo.device, getattr(cfg, "precision", "fp32"))  # MFU on a known GPU only
         inputs = sample[0] if isinstance(sample, tuple | list) else sample
-        self.flops = peak and inputs is not None and metrics.flops_per_sample(lambda: models.build_model(cfg.model),
-                                                                              inputs)
+        self.flops = (
+            peak and inputs is not None and metrics.flops_per_sample(lambda: models.build_model(cfg.model), inputs)
+        )
         self.peak = peak
-        self.watch = watchdog.Watchdog(run.run_dir, run.topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s,
-                                       timeout_s=cfg.timeout_s)
+        self.watch = watchdog.Watchdog(
+            run.run_dir, run.topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s
+        )
         self.profiler = watchdog.profiler(run.run_dir, run.topo, enabled=cfg.profile)
         run.on_pause.append(self.paused)
 

@@ -213,8 +213,11 @@ class Run:
                 ) from None
             return self.cfg.max_steps
         if batches < accum:  # every rank has as many batches as the others: all raise alike
-            raise RecipeError(_too_few_batches(loader, batches, batch_size=self.cfg.batch_size, accum=accum,
-                                               world_size=self.topo.world_size))
+            raise RecipeError(
+                _too_few_batches(
+                    loader, batches, batch_size=self.cfg.batch_size, accum=accum, world_size=self.topo.world_size
+                )
+            )
         total = self.cfg.epochs * (batches // accum)
         return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
 
@@ -302,7 +305,9 @@ class Run:
         if loader is None:
             return {}
         paused = time.perf_counter()
-        self.evaluation = steps.evaluate(model, loader, loss_fn=loss_fn, device=self.topo.device)
+        self.evaluation = steps.evaluate(  # sharded: each forward is a collective, every rank runs as many
+            model, loader, loss_fn=loss_fn, device=self.topo.device, in_step=sharded(model)
+        )
         self._paused(paused)
         self.log("eval", step=step, epoch=self.progress["epoch"], **self.evaluation)
         self.print(f"epoch {self.progress['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in self.evaluation.items()))
@@ -346,8 +351,10 @@ def _too_few_batches(loader, batches: int, *, batch_size: int, accum: int, world
         return f"{what}: an epoch has only {batches} micro-batches per rank; use --accum {batches} or less"
     per_rank = len(loader.dataset) // world_size
     fix = f"use --batch-size {per_rank} or less" if per_rank else f"use fewer than {world_size} rank(s)"
-    return (f"{what}: the training set ({len(loader.dataset)} samples) gives each of {world_size} rank(s) "
-            f"{per_rank}, not one whole batch; {fix}")
+    return (
+        f"{what}: the training set ({len(loader.dataset)} samples) gives each of {world_size} rank(s) "
+        f"{per_rank}, not one whole batch; {fix}"
+    )
 
 
 def sharded(model) -> bool:

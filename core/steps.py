@@ -30,6 +30,7 @@ from core.loss import (  # noqa: F401  (re-exported: recipes call steps.make_los
     make_loss,
     split_outputs,
 )
+from core.stream import in_step as in_step_batches
 
 
 def batch_metrics(outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -87,14 +88,20 @@ def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, *, loss_fn, device: torch.device) -> dict[str, float]:
+def evaluate(
+    model: nn.Module, loader: Iterable, *, loss_fn, device: torch.device, in_step: bool = False
+) -> dict[str, float]:
     """Loss (summed over every counted target, divided by their count) and accuracy where it exists, over the
-    whole validation set, every rank's share counted once: val_loss, and val_acc only for class logits."""
+    whole validation set, every rank's share counted once: val_loss, and val_acc only for class logits.
+    in_step: each forward is a collective (fully_shard, tensor parallel), so every rank runs as many batches;
+    a rank whose share ran out repeats its last one, not counted (core.stream.in_step)."""
     was_training = model.training
     model.eval()
     loss_fn, tally = as_loss(loss_fn), Tally(device)
-    for batch in loader:
-        tally.add(forward_loss(model, _to_device(batch, device), loss_fn=loss_fn, normalizer=1.0)[1])
+    for batch, counted in in_step_batches(loader, device=device) if in_step else ((b, True) for b in loader):
+        metrics = forward_loss(model, _to_device(batch, device), loss_fn=loss_fn, normalizer=1.0)[1]
+        if counted:
+            tally.add(metrics)
     model.train(was_training)
     return summarize(tally.reduce(), prefix="val_")
 
@@ -129,8 +136,6 @@ def make_scaler(precision: str, *, device: torch.device, **options) -> torch.amp
     growth_interval, ...). The scaler's state_dict() belongs in every checkpoint.
     """
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16", **options)
-
-
 
 
 def data_parallel_group(model: nn.Module, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:

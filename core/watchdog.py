@@ -12,6 +12,7 @@ collectives it has issued and the last one (flight recorder), and posts the same
 process group's store. Rank 0 collects the summaries and logs which ranks are behind: the ones with
 the fewest collectives issued, i.e. the ones the others are waiting for.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -41,8 +42,10 @@ def prepare_env(*, debug: bool = False, out: str = "runs", watchdog: bool = True
         # DETAIL also wraps gloo's group in a checker, and with it DDP's constructor segfaults (torch 2.13, CPU)
         wanted.update(TORCH_DISTRIBUTED_DEBUG="DETAIL" if nccl else "INFO", TORCH_FR_BUFFER_SIZE="2000")
         if nccl:  # the NCCL flight recorder: each rank dumps its last collectives when one times out
-            wanted.update(TORCH_NCCL_DUMP_ON_TIMEOUT="1",
-                          TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(Path(out).resolve() / "flight-recorder-rank"))
+            wanted.update(
+                TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+                TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(Path(out).resolve() / "flight-recorder-rank"),
+            )
     for key, value in wanted.items():
         os.environ.setdefault(key, value)  # the user's own setting wins
     if debug:
@@ -70,8 +73,16 @@ def collectives(group=None) -> dict:
 class Watchdog:
     """One thread per rank (see the module docstring), running inside `with`; `beat(step)` after every step."""
 
-    def __init__(self, run_dir: Path, topo: Topology, *, factor: float, min_s: float, timeout_s: float,
-                 poll_s: float | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        topo: Topology,
+        *,
+        factor: float,
+        min_s: float,
+        timeout_s: float,
+        poll_s: float | None = None,
+    ):
         self.run_dir, self.topo = Path(run_dir), topo
         self.factor, self.min_s, self.cap_s = factor, min_s, 0.9 * timeout_s  # report before the collective fails
         self.poll_s = poll_s or min(1.0, min_s / 4)
@@ -116,15 +127,23 @@ class Watchdog:
                 self._fire(stalled)
 
     def _fire(self, stalled: float) -> None:
-        info = {"rank": self.topo.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
-                "stalled_s": round(stalled, 1), "threshold_s": round(self.threshold(), 1), **collectives()}
+        info = {
+            "rank": self.topo.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "step": self.step,
+            "stalled_s": round(stalled, 1),
+            "threshold_s": round(self.threshold(), 1),
+            **collectives(),
+        }
         path = self.run_dir / f"hang-rank{self.topo.rank}.txt"
         with open(path, "w") as f:
             f.write(json.dumps(info) + "\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)  # C-level: works while the main thread is stuck
-        logger.warning(f"watchdog: step {self.step + 1} has run {stalled:.0f}s (threshold {info['threshold_s']}s); "
-                       f"stack in {path}")
+        logger.warning(
+            f"watchdog: step {self.step + 1} has run {stalled:.0f}s (threshold {info['threshold_s']}s); stack in {path}"
+        )
         if self.store is not None:
             self.store.set(f"rank{self.topo.rank}", json.dumps(info))
         if self.topo.is_rank0:
@@ -158,8 +177,10 @@ def behind(infos: dict[int, dict], *, world_size: int) -> dict:
     if len(late) == len(progress) and not silent:
         message = f"all {world_size} ranks stalled at the same point (step {slowest[0]}, {slowest[1]} collectives)"
     else:
-        message = (f"rank(s) {', '.join(map(str, late))} behind: step {slowest[0]}, {slowest[1]} collectives "
-                   f"issued; the others are ahead, waiting for them")
+        message = (
+            f"rank(s) {', '.join(map(str, late))} behind: step {slowest[0]}, {slowest[1]} collectives "
+            f"issued; the others are ahead, waiting for them"
+        )
     if silent:
         message += f"; rank(s) {', '.join(map(str, silent))} sent no report (stuck holding the GIL, or dead)"
     return {"behind": late, "silent": silent, "message": message}
@@ -176,9 +197,11 @@ def profiler(run_dir: Path, topo: Topology, *, enabled: bool, skip: int = 5, act
     folder = Path(run_dir) / "profile"
     folder.mkdir(parents=True, exist_ok=True)
     return torch.profiler.profile(
-        activities=activities, record_shapes=True,
+        activities=activities,
+        record_shapes=True,
         schedule=torch.profiler.schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1),
-        on_trace_ready=lambda prof: prof.export_chrome_trace(str(folder / f"rank{topo.rank}.json")))
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(folder / f"rank{topo.rank}.json")),
+    )
 
 
 class _NoProfiler:

@@ -21,7 +21,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from core import data, dist, models, parallel, steps
-from core.config import Accumulation, AsyncCheckpoints, Checkpointing, DDPOptions, Precision, RecipeError, Training, cli_main, with_default
+from core.config import (
+    Accumulation,
+    AsyncCheckpoints,
+    Checkpointing,
+    DDPOptions,
+    Precision,
+    RecipeError,
+    Training,
+    cli_main,
+    with_default,
+)
 from core.run import Run
 
 
@@ -34,8 +44,10 @@ class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions, Precision, A
 
 def check(cfg: Config) -> None:
     if cfg.static_graph and cfg.accum > 1:  # DDP's static graph asserts (or skips the all-reduce) under no_sync()
-        raise RecipeError(f"--static-graph with --accum {cfg.accum}: DDP's static graph breaks under no_sync() "
-                          f"(pytorch/pytorch#143580); drop --static-graph or use --accum 1")
+        raise RecipeError(
+            f"--static-graph with --accum {cfg.accum}: DDP's static graph breaks under no_sync() "
+            f"(pytorch/pytorch#143580); drop --static-graph or use --accum 1"
+        )
 
 
 def main(cfg: Config) -> dict:
@@ -78,8 +90,15 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
         data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
         groups = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = steps.train_step(ddp_model, micro_batches, optimizer=optimizer, loss_fn=loss_fn,
-                                              precision=cfg.precision, scaler=scaler, clip=cfg.clip)
+            metrics, stats = steps.train_step(
+                ddp_model,
+                micro_batches,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                precision=cfg.precision,
+                scaler=scaler,
+                clip=cfg.clip,
+            )
             scheduler.step()
             step += 1
             run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)

@@ -29,19 +29,31 @@ from core.run import Run
 class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions):
     """ddp's options, and the monitoring and tuning ones."""
 
-    comm_hook: str = option("none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank",
-                            choices=comm.HOOKS)
-    bucket_mb: float = option(25.0, "DDP gradient bucket size in MB (one all-reduce per bucket)",
-                              check=lambda v: 0 < v <= 1e5, fix="use a size in MB from above 0 to 100000 (25: DDP's)")
+    comm_hook: str = option(
+        "none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank", choices=comm.HOOKS
+    )
+    bucket_mb: float = option(
+        25.0,
+        "DDP gradient bucket size in MB (one all-reduce per bucket)",
+        check=lambda v: 0 < v <= 1e5,
+        fix="use a size in MB from above 0 to 100000 (25: DDP's)",
+    )
     grad_as_bucket_view: bool = option(False, "gradients are views into DDP's buckets (saves a copy and memory)")
     compile: bool = option(False, "torch.compile the model (after DDP wraps it)")
     activation_checkpointing: bool = option(False, "recompute each block's activations in backward (less memory)")
     channels_last: bool = option(False, "channels-last memory format for conv models (GPU)")
-    hang_factor: float = option(20.0, "watchdog: dump every rank's stack when a step takes this many times the "
-                                "median step (0: off)", check=lambda v: v == 0 or 1 < v <= 1e6,
-                                fix="use 0 (off) or a multiple above 1 of the median step")
-    hang_min_s: float = option(60.0, "watchdog: never call a step shorter than this many seconds a hang",
-                               check=lambda v: 0 < v <= 1e7, fix="use a positive number of seconds")
+    hang_factor: float = option(
+        20.0,
+        "watchdog: dump every rank's stack when a step takes this many times the median step (0: off)",
+        check=lambda v: v == 0 or 1 < v <= 1e6,
+        fix="use 0 (off) or a multiple above 1 of the median step",
+    )
+    hang_min_s: float = option(
+        60.0,
+        "watchdog: never call a step shorter than this many seconds a hang",
+        check=lambda v: 0 < v <= 1e7,
+        fix="use a positive number of seconds",
+    )
     debug: bool = option(False, "TORCH_DISTRIBUTED_DEBUG, and the NCCL flight recorder on GPU")
     profile: bool = option(False, "write a torch.profiler trace of a few steps, one file per rank")
 
@@ -63,8 +75,9 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
     model = models.build_model(cfg.model).to(topo.device)
     model = parallel.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
     # The order is torch's: change the plain model, wrap it, register the hook, compile the wrapper.
-    model = tuning.before_wrap(model, channels_last=cfg.channels_last,
-                               activation_checkpointing=cfg.activation_checkpointing)
+    model = tuning.before_wrap(
+        model, channels_last=cfg.channels_last, activation_checkpointing=cfg.activation_checkpointing
+    )
     ddp_model = DistributedDataParallel(
         model,
         device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
@@ -95,8 +108,9 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
                 metrics, stats = steps.train_step(train_model, [batch], optimizer=optimizer, loss_fn=loss_fn)
                 scheduler.step()
                 step += 1
-                run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total,
-                         **monitor.step(step))
+                run.step(
+                    step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total, **monitor.step(step)
+                )
                 run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)
             run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
 

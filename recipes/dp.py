@@ -29,8 +29,10 @@ class Config(Training, Checkpointing, AsyncCheckpoints):
 
 def check(cfg: Config) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RecipeError(f"dp runs in one process but was started with WORLD_SIZE={os.environ['WORLD_SIZE']}; "
-                          f"use the ddp recipe for several processes")
+        raise RecipeError(
+            f"dp runs in one process but was started with WORLD_SIZE={os.environ['WORLD_SIZE']}; "
+            f"use the ddp recipe for several processes"
+        )
 
 
 def main(cfg: Config) -> dict:

@@ -13,6 +13,7 @@ different micro-batches at once (torch.distributed.pipelining, one process per s
 runs across nodes. On a CPU-only machine (or one GPU) this is plain single-device training.
 Defaults: --model gpt --data text (any model whose forward is `model.blocks(x)` works). Builds on dp.
 """
+
 import itertools
 import os
 from dataclasses import dataclass
@@ -62,9 +63,11 @@ class PipelineParallelModel(nn.Module):
 
 def check(cfg: Config) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RecipeError(f"pipeline_naive runs in one process but was started with WORLD_SIZE="
-                          f"{os.environ['WORLD_SIZE']}; run `python -m recipes run pipeline_naive`, or use "
-                          f"the pipeline recipe for several processes")
+        raise RecipeError(
+            f"pipeline_naive runs in one process but was started with WORLD_SIZE="
+            f"{os.environ['WORLD_SIZE']}; run `python -m recipes run pipeline_naive`, or use "
+            f"the pipeline recipe for several processes"
+        )
     with torch.device("meta"):
         pipeline.check_block_model(models.build_model(cfg.model), num_stages=1)
 
@@ -85,8 +88,10 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
     model = PipelineParallelModel(models.build_model(cfg.model), devices)
     output_device = model.placement[-1][0]  # targets meet the logits on the last device
-    run.print(f"pipeline_naive: blocks per device {[(str(d), len(ix)) for d, ix in model.placement]}; "
-              f"one device busy at a time")
+    run.print(
+        f"pipeline_naive: blocks per device {[(str(d), len(ix)) for d, ix in model.placement]}; "
+        f"one device busy at a time"
+    )
     train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
     val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)

@@ -3,6 +3,7 @@
 Layer 2 checks run in one gloo world of 4 ranks; a world of N <= 4 is a subgroup of it
 (DDP takes `process_group=`), so every N is checked without starting another world.
 """
+
 import json
 import math
 import sys
@@ -68,7 +69,7 @@ def _micro_batches(x, y, *, rank: int, world: int, sizes: list[int]):
     out, start = [], 0
     for size in sizes:
         lo = start + rank * size
-        out.append((x[lo:lo + size], y[lo:lo + size]))
+        out.append((x[lo : lo + size], y[lo : lo + size]))
         start += world * size
     return out
 
@@ -79,6 +80,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 # 1. K micro-batches on N ranks == one step on the whole global batch.
 
+
 def accumulate_on_subworld(topo, seed, world, sizes, steps):
     if topo.rank >= world:
         _group(world)  # every rank takes part in creating groups, then ranks outside it sit this one out
@@ -88,8 +90,12 @@ def accumulate_on_subworld(topo, seed, world, sizes, steps):
     grads = []
     for step in range(steps):
         x, y = _data(seed + step, world * sum(sizes))
-        step_amp(model, _micro_batches(x, y, rank=topo.rank, world=world, sizes=sizes),
-                 optimizer=optimizer, loss_fn=cross_entropy)
+        step_amp(
+            model,
+            _micro_batches(x, y, rank=topo.rank, world=world, sizes=sizes),
+            optimizer=optimizer,
+            loss_fn=cross_entropy,
+        )
         grads.append(_grads(model))
     return grads, [p.detach().clone() for p in model.parameters()]
 
@@ -116,6 +122,7 @@ def test_accumulation_equals_one_global_batch(world4, world, sizes):
 
 # 2. Exactly one all-reduce per optimizer step under no_sync (counted by a comm hook).
 
+
 def _counting_hook(state, bucket):
     state["calls"] += 1
     return default_hooks.allreduce_hook(state["group"], bucket)
@@ -135,8 +142,13 @@ def count_allreduces(topo, *, use_no_sync: bool, k: int, steps: int):
 
     for step in range(steps):
         x, y = _data(step, 2 * 3 * k)
-        step_amp(model, _micro_batches(x, y, rank=topo.rank, world=2, sizes=[3] * k), optimizer=optimizer,
-                 loss_fn=cross_entropy, sync=grad_sync if use_no_sync else always_sync)
+        step_amp(
+            model,
+            _micro_batches(x, y, rank=topo.rank, world=2, sizes=[3] * k),
+            optimizer=optimizer,
+            loss_fn=cross_entropy,
+            sync=grad_sync if use_no_sync else always_sync,
+        )
     return state["calls"], [p.detach().clone() for p in model.parameters()]
 
 
@@ -151,6 +163,7 @@ def test_no_sync_all_reduces_once_per_optimizer_step(world4):
 
 
 # 3. Dynamic loss scaling: an inf gradient skips the step and backs the scale off.
+
 
 def scaler_skips_inf(topo, *, inf_rank: int):
     group = _group(2)
@@ -170,8 +183,11 @@ def scaler_skips_inf(topo, *, inf_rank: int):
     clean = []
     for step in range(2):
         x, y = _data(step + 1, 4)
-        clean.append(step_amp(model, [(x, y)], optimizer=optimizer, loss_fn=cross_entropy,
-                              precision="fp16", scaler=scaler, clip=1.0)[1])
+        clean.append(
+            step_amp(
+                model, [(x, y)], optimizer=optimizer, loss_fn=cross_entropy, precision="fp16", scaler=scaler, clip=1.0
+            )[1]
+        )
         scales.append(scaler.get_scale())
     moved = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return bad, unchanged, scales, clean, moved
@@ -193,8 +209,14 @@ def fp32_nan_step(topo):
     x, y = _data(0, 4)
     x[1] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
-    _, stats = step_amp(model, [(x, y)], optimizer=optimizer, loss_fn=cross_entropy, precision="bf16",
-                        scaler=make_scaler("bf16", device=CPU))
+    _, stats = step_amp(
+        model,
+        [(x, y)],
+        optimizer=optimizer,
+        loss_fn=cross_entropy,
+        precision="bf16",
+        scaler=make_scaler("bf16", device=CPU),
+    )
     return stats, all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -204,6 +226,7 @@ def test_bf16_nan_step_is_skipped_not_trained_on(world4):
 
 
 # 4. Clipping: the total norm over all ranks, whatever the parameter layout.
+
 
 def _reference_clipped(seed, n, max_norm, norm_type=2.0):
     model = _model(seed)
@@ -238,7 +261,7 @@ def clip_disjoint_shards(topo, seed, max_norm, norm_type):
     """Each rank owns every 4th parameter (as pipeline stages own their layers)."""
     model = _model(seed)
     cross_entropy(model(_data(seed, 12)[0]), _data(seed, 12)[1]).backward()
-    mine = list(model.parameters())[topo.rank::topo.world_size]
+    mine = list(model.parameters())[topo.rank :: topo.world_size]
     norm = clip_grad_norm(mine, max_norm, norm_type=norm_type, group=dist.group.WORLD)
     return norm, {i: p.grad for i, p in enumerate(model.parameters()) if i % topo.world_size == topo.rank}
 
@@ -278,6 +301,7 @@ def test_clip_over_dtensor_shards_equals_whole_model(world4):
 
 # Layer 1: pure functions.
 
+
 def test_micro_batch_groups_drop_the_incomplete_tail():
     loader = [(torch.full((2,), i), torch.full((2,), i)) for i in range(10)]
     groups = list(micro_batch_groups(loader, 4, device=CPU))
@@ -292,6 +316,7 @@ def test_scaler_enabled_only_for_fp16():
 
 
 # Layer 3: the recipe as a user runs it.
+
 
 def nan_digits():
     """digits with every 200th training image made of NaNs: a loss that goes non-finite mid-run."""
@@ -309,8 +334,22 @@ def _summary(run_dir) -> dict:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the launcher is a bash script run with torchrun")
 def test_launcher_bf16_accum_clip_reaches_accuracy(tmp_path):
-    run(["./launch_single_node.sh", "ddp_amp", "--precision", "bf16", "--accum", "4", "--clip", "1.0",
-         "--out", str(tmp_path)], env=user_env(NPROC_PER_NODE="2"), timeout=240)
+    run(
+        [
+            "./launch_single_node.sh",
+            "ddp_amp",
+            "--precision",
+            "bf16",
+            "--accum",
+            "4",
+            "--clip",
+            "1.0",
+            "--out",
+            str(tmp_path),
+        ],
+        env=user_env(NPROC_PER_NODE="2"),
+        timeout=240,
+    )
     (run_dir,) = tmp_path.iterdir()
     summary = _summary(run_dir)
     assert summary["val_acc"] >= 0.95, summary  # ddp reaches the same bar on the same data
@@ -333,8 +372,9 @@ def test_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
 
 
 def test_fp16_on_cpu_names_bf16():
-    proc = recipes_cli("run", "ddp_amp", "--precision", "fp16", "--dry-run", check=False,
-                       env=user_env(CUDA_VISIBLE_DEVICES=""))
+    proc = recipes_cli(
+        "run", "ddp_amp", "--precision", "fp16", "--dry-run", check=False, env=user_env(CUDA_VISIBLE_DEVICES="")
+    )
     assert proc.returncode != 0 and "--precision bf16" in proc.stderr.strip().splitlines()[-1]
 
 
@@ -344,16 +384,28 @@ def test_static_graph_with_accumulation_is_refused(tmp_path):
 
 
 def test_accum_larger_than_an_epoch_is_refused(tmp_path):
-    proc = recipes_cli("run", "ddp_amp", "--accum", "100", "--batch-size", "64", "--out", str(tmp_path),
-                       check=False, timeout=120)
+    proc = recipes_cli(
+        "run", "ddp_amp", "--accum", "100", "--batch-size", "64", "--out", str(tmp_path), check=False, timeout=120
+    )
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "--accum 100: an epoch has only 23 micro-batches per rank" in line, proc.stderr
     assert "use --accum 23 or less" in line
 
 
 def test_a_data_set_smaller_than_one_batch_advises_what_fits(tmp_path):
-    proc = recipes_cli("run", "ddp_amp", "--data", "test_amp_accum_clip:one_sample", "--accum", "2",
-                       "--out", str(tmp_path), check=False, timeout=120, env=user_env(PYTHONPATH=str(REPO / "tests")))
+    proc = recipes_cli(
+        "run",
+        "ddp_amp",
+        "--data",
+        "test_amp_accum_clip:one_sample",
+        "--accum",
+        "2",
+        "--out",
+        str(tmp_path),
+        check=False,
+        timeout=120,
+        env=user_env(PYTHONPATH=str(REPO / "tests")),
+    )
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and line.endswith("an epoch has only 1 micro-batches per rank; use --accum 1 or less")
     loader = torch.utils.data.DataLoader(one_sample()[0])  # on 2 ranks, the one sample is dropped: no batch at all
@@ -377,17 +429,39 @@ def test_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     x[0, 0] = float("inf")
     step_amp(model, [(x, y)], optimizer=optimizer, loss_fn=cross_entropy, precision="fp16", scaler=scaler)
     step_amp(model, [_data(1, 4)], optimizer=optimizer, loss_fn=cross_entropy, precision="fp16", scaler=scaler)
-    path = ckpt.save_checkpoint(tmp_path, model=model, optimizer=optimizer, scaler=scaler,
-                                progress={"epoch": 0, "batch": 2, "step": 2})
+    path = ckpt.save_checkpoint(
+        tmp_path, model=model, optimizer=optimizer, scaler=scaler, progress={"epoch": 0, "batch": 2, "step": 2}
+    )
     fresh = make_scaler("fp16", device=CPU)
-    ckpt.load_checkpoint(path, model=_model(1), optimizer=torch.optim.SGD(_model(1).parameters(), lr=0.1),
-                         scaler=fresh, world_size=1)
+    ckpt.load_checkpoint(
+        path, model=_model(1), optimizer=torch.optim.SGD(_model(1).parameters(), lr=0.1), scaler=fresh, world_size=1
+    )
     assert fresh.state_dict() == scaler.state_dict() and fresh.get_scale() == 2.0**11
 
 
 def _amp_run(out, *args):
-    command = [sys.executable, "-m", "recipes", "run", "ddp_amp", "--model", "tiny:mlp", "--precision", "bf16",
-               "--accum", "4", "--batch-size", "100", "--clip", "0.5", "--max-steps", "7", "--out", str(out), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "recipes",
+        "run",
+        "ddp_amp",
+        "--model",
+        "tiny:mlp",
+        "--precision",
+        "bf16",
+        "--accum",
+        "4",
+        "--batch-size",
+        "100",
+        "--clip",
+        "0.5",
+        "--max-steps",
+        "7",
+        "--out",
+        str(out),
+        *args,
+    ]
     run(command, cwd=out, env=user_env(PYTHONPATH=str(REPO / "tests")), timeout=120)
 
 
@@ -404,12 +478,17 @@ def test_resume_with_accumulation_is_bitwise_exact(amp_finished, tmp_path, stop)
     moved = tmp_path / f"step-{stop:06d}.safetensors"
     moved.write_bytes((amp_finished / "ckpt" / moved.name).read_bytes())
     _amp_run(tmp_path, "--resume", str(moved))
-    resumed, finished = load_file(tmp_path / "ddp_amp-1" / "model.safetensors"), load_file(
-        amp_finished / "model.safetensors")
+    resumed, finished = (
+        load_file(tmp_path / "ddp_amp-1" / "model.safetensors"),
+        load_file(amp_finished / "model.safetensors"),
+    )
     assert resumed.keys() == finished.keys() and all(torch.equal(resumed[k], finished[k]) for k in finished)
 
 
 def test_bench_prints_both_ratios():
-    proc = run([sys.executable, "bench/bench_amp_accum.py", "--model", "tiny:mlp", "--rounds", "1", "--steps", "1"],
-               env=user_env(PYTHONPATH=str(REPO / "tests")), timeout=120)
+    proc = run(
+        [sys.executable, "bench/bench_amp_accum.py", "--model", "tiny:mlp", "--rounds", "1", "--steps", "1"],
+        env=user_env(PYTHONPATH=str(REPO / "tests")),
+        timeout=120,
+    )
     assert "no_sync / sync-every-micro-batch = " in proc.stdout and "bf16 / fp32 = " in proc.stdout, proc.stdout

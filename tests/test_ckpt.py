@@ -1,4 +1,5 @@
 """Checkpoints: round trips, atomic writes, exact resume, restarts after SIGKILL, bad files."""
+
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ def _random(dtype, shape, seed):
     if dtype == torch.bool:
         return torch.randint(2, shape, generator=gen).bool()
     if dtype == torch.int64:
-        return torch.randint(-2**40, 2**40, shape, generator=gen)
+        return torch.randint(-(2**40), 2**40, shape, generator=gen)
     return torch.randn(shape, generator=gen).to(dtype)
 
 
@@ -46,8 +47,11 @@ class Holder(torch.nn.Module):
 
 
 @settings(max_examples=60, deadline=None)
-@given(specs=st.lists(st.tuples(st.sampled_from(DTYPES), SHAPES), min_size=1, max_size=5),
-       seed=st.integers(0, 1000), share=st.booleans())
+@given(
+    specs=st.lists(st.tuples(st.sampled_from(DTYPES), SHAPES), min_size=1, max_size=5),
+    seed=st.integers(0, 1000),
+    share=st.booleans(),
+)
 def test_weights_round_trip_bitwise(tmp_path_factory, specs, seed, share):
     tensors = [_random(dtype, shape, seed + i) for i, (dtype, shape) in enumerate(specs)]
     holder = Holder(tensors, [(0, 0)] if share else [])
@@ -57,8 +61,10 @@ def test_weights_round_trip_bitwise(tmp_path_factory, specs, seed, share):
     assert loaded.keys() == holder.state_dict().keys()
     for key, value in holder.state_dict().items():
         assert loaded[key].dtype == value.dtype and loaded[key].shape == value.shape
-        assert torch.equal(loaded[key].view(-1).view(torch.uint8) if value.numel() else loaded[key],
-                           value.reshape(-1).view(torch.uint8) if value.numel() else value), key
+        assert torch.equal(
+            loaded[key].view(-1).view(torch.uint8) if value.numel() else loaded[key],
+            value.reshape(-1).view(torch.uint8) if value.numel() else value,
+        ), key
 
 
 def test_tied_weights_load_into_the_plain_model(tmp_path):
@@ -84,12 +90,18 @@ def _train_state(seed=0):
 
 def test_train_state_round_trips_in_a_world_of_one(tmp_path):
     model, optimizer, scheduler = _train_state()
-    path = ckpt.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
-                                progress={"epoch": 1, "batch": 4, "step": 3})
+    path = ckpt.save_checkpoint(
+        tmp_path / "ckpt",
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        progress={"epoch": 1, "batch": 4, "step": 3},
+    )
     expected_rng = torch.rand(3)  # what the generator gives right after the save
     other_model, other_optimizer, other_scheduler = _train_state(seed=1)
-    progress = ckpt.load_checkpoint(path, model=other_model, optimizer=other_optimizer, scheduler=other_scheduler,
-                                    world_size=1)
+    progress = ckpt.load_checkpoint(
+        path, model=other_model, optimizer=other_optimizer, scheduler=other_scheduler, world_size=1
+    )
     assert progress == {"epoch": 1, "batch": 4, "step": 3}
     assert torch.equal(torch.rand(3), expected_rng), "the RNG continues where it was"
     for a, b in zip(model.state_dict().values(), other_model.state_dict().values()):
@@ -107,8 +119,9 @@ def test_train_state_round_trips_in_a_world_of_one(tmp_path):
 def test_keep_prunes_old_checkpoints_only_after_writing(tmp_path):
     model, optimizer, _ = _train_state()
     for step in range(1, 6):
-        ckpt.save_checkpoint(tmp_path, model=model, optimizer=optimizer, keep=2,
-                             progress={"epoch": 0, "batch": step, "step": step})
+        ckpt.save_checkpoint(
+            tmp_path, model=model, optimizer=optimizer, keep=2, progress={"epoch": 0, "batch": step, "step": step}
+        )
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000004.safetensors", "step-000005.safetensors"]
 
 
@@ -126,10 +139,15 @@ ckpt.save_checkpoint({folder!r}, model=model, optimizer=optimizer, progress={{"e
 def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "ddp-1"
     model, optimizer, _ = _train_state()
-    good = ckpt.save_checkpoint(run_dir / "ckpt", model=model, optimizer=optimizer,
-                                progress={"epoch": 0, "batch": 5, "step": 5})
-    proc = subprocess.run([sys.executable, "-c", KILL_IN_RENAME.format(tests=TESTS, folder=str(run_dir / "ckpt"))],
-                          cwd=REPO, capture_output=True, timeout=60)
+    good = ckpt.save_checkpoint(
+        run_dir / "ckpt", model=model, optimizer=optimizer, progress={"epoch": 0, "batch": 5, "step": 5}
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_IN_RENAME.format(tests=TESTS, folder=str(run_dir / "ckpt"))],
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+    )
     assert proc.returncode == -signal.SIGKILL
     assert any(p.name.startswith(".step-000009") for p in (run_dir / "ckpt").iterdir()), "the half-done write"
     assert find_resume("auto", out=str(tmp_path), prefix="ddp") == good
@@ -153,8 +171,20 @@ def _same(a, b):
 def finished_run(tmp_path_factory):
     """One 2-rank ddp run of 30 steps (over an epoch boundary: 22 steps an epoch) with a checkpoint every step."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    _recipe("ddp", "--model", "tiny:mlp", "--max-steps", "30", "--ckpt-every", "1", "--keep", "100",
-            "--out", str(out), cwd=out)
+    _recipe(
+        "ddp",
+        "--model",
+        "tiny:mlp",
+        "--max-steps",
+        "30",
+        "--ckpt-every",
+        "1",
+        "--keep",
+        "100",
+        "--out",
+        str(out),
+        cwd=out,
+    )
     return out / "ddp-1"
 
 
@@ -162,14 +192,18 @@ def finished_run(tmp_path_factory):
 def test_resume_from_any_step_is_bitwise_exact(finished_run, tmp_path, stop):
     moved = tmp_path / f"step-{stop:06d}.safetensors"  # outside the run: the resumed run gets its own folder
     moved.write_bytes((finished_run / "ckpt" / moved.name).read_bytes())
-    _recipe("ddp", "--model", "tiny:mlp", "--max-steps", "30", "--resume", str(moved), "--out", str(tmp_path),
-            cwd=tmp_path)
+    _recipe(
+        "ddp", "--model", "tiny:mlp", "--max-steps", "30", "--resume", str(moved), "--out", str(tmp_path), cwd=tmp_path
+    )
     assert _same(_weights(tmp_path / "ddp-1" / "model.safetensors"), _weights(finished_run / "model.safetensors"))
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _bad(path: Path, kind: str, source: Path) -> Path:
@@ -185,15 +219,36 @@ def _bad(path: Path, kind: str, source: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind,words", [
-    ("truncated", "truncated or corrupted"), ("corrupted", "truncated or corrupted"),
-    ("pickle", "a pickle (torch.save) file"), ("plain weights", "not a checkpoint of this project"),
-])
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("truncated", "truncated or corrupted"),
+        ("corrupted", "truncated or corrupted"),
+        ("pickle", "a pickle (torch.save) file"),
+        ("plain weights", "not a checkpoint of this project"),
+    ],
+)
 def test_bad_checkpoint_file_is_one_line_and_nothing_is_overwritten(finished_run, tmp_path, kind, words):
     before = _digest(finished_run)
     bad = _bad(tmp_path / "bad.safetensors", kind, finished_run / "ckpt" / "step-000030.safetensors")
-    proc = run([sys.executable, "-m", "recipes", "run", "ddp", "--model", "tiny:mlp", "--resume", str(bad),
-                "--out", str(tmp_path)], cwd=tmp_path, check=False, env=user_env(PYTHONPATH=PATHS))
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "recipes",
+            "run",
+            "ddp",
+            "--model",
+            "tiny:mlp",
+            "--resume",
+            str(bad),
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        check=False,
+        env=user_env(PYTHONPATH=PATHS),
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and words in proc.stderr
     assert _digest(finished_run) == before and not (tmp_path / "ddp-1").exists()
@@ -201,8 +256,18 @@ def test_bad_checkpoint_file_is_one_line_and_nothing_is_overwritten(finished_run
 
 def test_checkpoint_of_another_model_names_the_keys(finished_run, tmp_path):
     before = _digest(finished_run)
-    proc = run([str(REPO / "launch_single_node.sh"), "ddp", "--model", "mlp", "--resume",
-                str(finished_run / "ckpt" / "step-000030.safetensors")], cwd=tmp_path, check=False)
+    proc = run(
+        [
+            str(REPO / "launch_single_node.sh"),
+            "ddp",
+            "--model",
+            "mlp",
+            "--resume",
+            str(finished_run / "ckpt" / "step-000030.safetensors"),
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode != 0
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and "holds another model" in line and "Traceback" not in proc.stderr
@@ -212,9 +277,22 @@ def test_checkpoint_of_another_model_names_the_keys(finished_run, tmp_path):
 
 
 def test_checkpoint_of_another_global_batch_is_refused(finished_run, tmp_path):
-    proc = run([sys.executable, "-m", "recipes", "run", "ddp", "--model", "tiny:mlp", "--resume",
-                str(finished_run / "ckpt" / "step-000010.safetensors")], cwd=tmp_path, check=False,
-               env=user_env(PYTHONPATH=PATHS))
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "recipes",
+            "run",
+            "ddp",
+            "--model",
+            "tiny:mlp",
+            "--resume",
+            str(finished_run / "ckpt" / "step-000010.safetensors"),
+        ],
+        cwd=tmp_path,
+        check=False,
+        env=user_env(PYTHONPATH=PATHS),
+    )
     assert proc.returncode != 0 and "saved with global batch" in proc.stderr and "--batch-size" in proc.stderr
 
 
@@ -228,8 +306,11 @@ def _worker_pids(launcher_pid: int) -> list[int]:
                 environ = (entry / "environ").read_bytes()
             except OSError:
                 continue
-            if b"recipes" in cmdline and b"LOCAL_RANK=1" in environ.split(b"\0") and \
-                    f"TDR_TEST_JOB={launcher_pid}".encode() in environ.split(b"\0"):
+            if (
+                b"recipes" in cmdline
+                and b"LOCAL_RANK=1" in environ.split(b"\0")
+                and f"TDR_TEST_JOB={launcher_pid}".encode() in environ.split(b"\0")
+            ):
                 found.append(int(entry.name))
     return found
 
@@ -238,9 +319,27 @@ def test_sigkill_of_a_worker_restarts_and_finishes_with_the_same_weights(finishe
     """MAX_RESTARTS=1: torchrun restarts the group, which resumes from the newest checkpoint by itself."""
     marker = str(os.getpid())
     env = user_env(PYTHONPATH=PATHS, MAX_RESTARTS="1", NPROC_PER_NODE="2", TDR_TEST_JOB=marker)
-    job = subprocess.Popen([str(REPO / "launch_single_node.sh"), "ddp", "--model", "tiny:mlp", "--max-steps", "30",
-                            "--ckpt-every", "1", "--keep", "3", "--log-every", "1"],
-                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [
+            str(REPO / "launch_single_node.sh"),
+            "ddp",
+            "--model",
+            "tiny:mlp",
+            "--max-steps",
+            "30",
+            "--ckpt-every",
+            "1",
+            "--keep",
+            "3",
+            "--log-every",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ckpt_dir, killed, deadline = tmp_path / "runs" / "ddp-1" / "ckpt", False, time.monotonic() + 120
     while not killed and job.poll() is None and time.monotonic() < deadline:
         if ckpt.list_checkpoints(ckpt_dir):  # training is under way: kill rank 1 mid-run
@@ -252,5 +351,6 @@ def test_sigkill_of_a_worker_restarts_and_finishes_with_the_same_weights(finishe
     assert killed, "the job finished before a worker could be killed"
     assert job.returncode == 0, stderr
     assert "resumed from" in stdout + stderr  # Run prints its progress to stdout
-    assert _same(_weights(tmp_path / "runs" / "ddp-1" / "model.safetensors"),
-                 _weights(finished_run / "model.safetensors"))
+    assert _same(
+        _weights(tmp_path / "runs" / "ddp-1" / "model.safetensors"), _weights(finished_run / "model.safetensors")
+    )

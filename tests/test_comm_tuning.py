@@ -5,6 +5,7 @@ Exact options (hook `none`, bucket size, gradient views, static graph) match bit
 rounding; fp16 compression and PowerSGD are approximate, and are held to a stated tolerance on the
 loss curve. Layer 1/3: activation checkpointing, channels-last and torch.compile against the plain model.
 """
+
 import sys
 
 import pytest
@@ -56,7 +57,7 @@ def train_ddp(topo, hook, ddp_options):
     share = GLOBAL_BATCH // topo.world_size
     losses = []
     for x, y in _batches(1):
-        mine = (x[topo.rank * share:(topo.rank + 1) * share], y[topo.rank * share:(topo.rank + 1) * share])
+        mine = (x[topo.rank * share : (topo.rank + 1) * share], y[topo.rank * share : (topo.rank + 1) * share])
         metrics = step_plain(ddp, mine, optimizer=optimizer, loss_fn=cross_entropy)
         loss = metrics["loss_sum"].clone()
         torch.distributed.all_reduce(loss)
@@ -70,13 +71,16 @@ def reference(world2):
     return world2.run(train_ddp, None, {})[0]
 
 
-@pytest.mark.parametrize("hook, options", [
-    ("none", {}),
-    (None, {"bucket_cap_mb": 0.05}),  # many small buckets: more all-reduces, same sums
-    (None, {"gradient_as_bucket_view": True}),
-    (None, {"static_graph": True}),
-    ("none", {"bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": True}),
-])
+@pytest.mark.parametrize(
+    "hook, options",
+    [
+        ("none", {}),
+        (None, {"bucket_cap_mb": 0.05}),  # many small buckets: more all-reduces, same sums
+        (None, {"gradient_as_bucket_view": True}),
+        (None, {"static_graph": True}),
+        ("none", {"bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": True}),
+    ],
+)
 def test_exact_options_train_like_the_builtin_reducer(world2, reference, hook, options):
     ref_losses, ref_state = reference
     (losses, state), (_, other) = world2.run(train_ddp, hook, options)
@@ -106,8 +110,9 @@ def test_options_are_cli_flags():
     cfg, _ = parse_args(Config, ["--compile", "--grad-as-bucket-view", "--bucket-mb", "4", "--comm-hook", "fp16"])
     assert cfg.compile is True and cfg.grad_as_bucket_view is True
     assert cfg.static_graph is False and cfg.bucket_mb == 4.0 and cfg.comm_hook == "fp16"
-    proc = run([sys.executable, "-m", "recipes", "run", "ddp_monitored", "--comm-hook", "zstd", "--dry-run"],
-               check=False)
+    proc = run(
+        [sys.executable, "-m", "recipes", "run", "ddp_monitored", "--comm-hook", "zstd", "--dry-run"], check=False
+    )
     assert proc.returncode == 2 and "zstd" in proc.stderr
     with pytest.raises(RecipeError, match="--bucket-mb 0"):
         Config(bucket_mb=0)

@@ -22,8 +22,13 @@ class TrainConfig(Training, Precision, Accumulation):
 
 
 @settings(max_examples=200, deadline=None)
-@given(world_size=st.integers(1, 8), length=st.integers(0, 200), seed=st.integers(0, 2**31),
-       epoch=st.integers(0, 5), drop_last=st.booleans())
+@given(
+    world_size=st.integers(1, 8),
+    length=st.integers(0, 200),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 5),
+    drop_last=st.booleans(),
+)
 def test_sampler_partitions_the_data_set(world_size, length, seed, epoch, drop_last):
     data = TensorDataset(torch.arange(length))
     per_rank = []
@@ -89,10 +94,17 @@ def test_unwrap_removes_wrappers():
     assert unwrap(torch.nn.DataParallel(plain)) is plain and unwrap(plain) is plain
 
 
-@pytest.mark.parametrize("option,value,words", [
-    ("batch_size", 0, "--batch-size 0"), ("epochs", -1, "--epochs -1"), ("lr", 0.0, "--lr 0.0"),
-    ("accum", 0, "--accum 0"), ("precision", "fp8", "--precision fp8"), ("log_every", 0, "--log-every 0"),
-])
+@pytest.mark.parametrize(
+    "option,value,words",
+    [
+        ("batch_size", 0, "--batch-size 0"),
+        ("epochs", -1, "--epochs -1"),
+        ("lr", 0.0, "--lr 0.0"),
+        ("accum", 0, "--accum 0"),
+        ("precision", "fp8", "--precision fp8"),
+        ("log_every", 0, "--log-every 0"),
+    ],
+)
 def test_config_names_the_bad_option(option, value, words):
     with pytest.raises(RecipeError, match=words):
         TrainConfig(**{option: value})
@@ -115,8 +127,11 @@ def test_factories_resolve_builtins_and_module_functions():
 
     assert resolve_factory("mlp", MODELS, option="--model") is mlp  # a built-in is imported when asked for
     assert resolve_factory("core.models:cnn", MODELS, option="--model") is cnn
-    for spec, words in [("nosuchpkg.mod:build", "cannot import 'nosuchpkg.mod'"),
-                        ("core.models:nothing", "has no function 'nothing'"), ("resnet", "not a built-in")]:
+    for spec, words in [
+        ("nosuchpkg.mod:build", "cannot import 'nosuchpkg.mod'"),
+        ("core.models:nothing", "has no function 'nothing'"),
+        ("resnet", "not a built-in"),
+    ]:
         with pytest.raises(RecipeError, match=words):
             resolve_factory(spec, MODELS, option="--model")
 

@@ -5,6 +5,7 @@ and continues from the loaded checkpoint in a freshly built model and optimizer,
 the weights and optimizer state of the run that never stopped, bit for bit, at the same world
 size; at another world size within float rounding (the gradient sums run in another order).
 """
+
 import json
 import shutil
 
@@ -87,7 +88,8 @@ def _full(model, optimizer) -> dict:
 def _shares(kind: str, topo) -> slice:
     """This rank's rows of the global batch: split over the dp ranks (fsdp: all; fsdp_tp: groups of 2)."""
     dp_rank, dp = {"fsdp": (topo.rank, topo.world_size), "fsdp_tp": (topo.rank // 2, topo.world_size // 2)}.get(
-        kind, (0, 1))
+        kind, (0, 1)
+    )
     per = GLOBAL_BATCH // dp
     return slice(dp_rank * per, (dp_rank + 1) * per)
 
@@ -103,10 +105,19 @@ def train_save_resume(topo, kind: str, ckpt_dir: str, *, stop: int, total: int) 
         _step(kind, model, optimizer, scheduler, step, shares=shares)
         if step + 1 == stop:
             rng = torch.get_rng_state()
-            path = dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                    progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH},
-                                    metadata={"recipe": kind, "global_batch": str(GLOBAL_BATCH),
-                                              "mesh": json.dumps({"dp": topo.world_size})})
+            path = dcp.save_sharded(
+                ckpt_dir,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH},
+                metadata={
+                    "recipe": kind,
+                    "global_batch": str(GLOBAL_BATCH),
+                    "mesh": json.dumps({"dp": topo.world_size}),
+                },
+            )
             torch.manual_seed(1234)  # the load must put the generator back
     never_stopped = _full(model, optimizer)
     model, optimizer, scheduler = _build(kind, topo.world_size)
@@ -116,8 +127,13 @@ def train_save_resume(topo, kind: str, ckpt_dir: str, *, stop: int, total: int) 
     for step in range(progress["step"], total):
         _step(kind, model, optimizer, scheduler, step, shares=shares)
     resumed = _full(model, optimizer)
-    return {"path": str(path), "progress": progress, "never_stopped": never_stopped, "resumed": resumed,
-            "lr": scheduler.get_last_lr()}
+    return {
+        "path": str(path),
+        "progress": progress,
+        "never_stopped": never_stopped,
+        "resumed": resumed,
+        "lr": scheduler.get_last_lr(),
+    }
 
 
 def _assert_bitwise(a: dict, b: dict) -> None:
@@ -150,8 +166,14 @@ def save_then_continue(topo, ckpt_dir: str, *, stop: int, total: int) -> dict:
     model, optimizer, scheduler = _build("fsdp", topo.world_size, lr=1e-3)
     for step in range(stop):
         _step("fsdp", model, optimizer, scheduler, step, shares=shares)
-    dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, keep=1,
-                     progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH})
+    dcp.save_sharded(
+        ckpt_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        keep=1,
+        progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH},
+    )
     at_save = _full(model, optimizer)
     for step in range(stop, total):
         _step("fsdp", model, optimizer, scheduler, step, shares=shares)
@@ -224,8 +246,10 @@ def test_corrupted_shard_is_refused_on_every_rank(world2, tmp_path):
     assert shard.name in errors[0] and "tensor " in errors[0]
     shard.write_bytes(bytes(data[:100]))  # truncated
     assert "unreadable" in world2.run(load_only, path)[0]
-    assert "holds another model (shape mismatches: blocks.0.pos.weight (16, 32) vs (8, 32)" in world2.run(
-        load_only, str(tmp_path / "ckpt" / "step-000001"), "fsdp", context=8)[0]
+    assert (
+        "holds another model (shape mismatches: blocks.0.pos.weight (16, 32) vs (8, 32)"
+        in world2.run(load_only, str(tmp_path / "ckpt" / "step-000001"), "fsdp", context=8)[0]
+    )
 
 
 def save_nan(topo, ckpt_dir: str) -> str:
@@ -247,8 +271,17 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
     good = ckpt / "step-000002"
     good.mkdir(parents=True)
     meta = {"recipe": "fsdp_tp", "global_batch": "16", "mesh": '{"dp": 1, "tp": 2}'}
-    dcp._write_json(good / dcp.DONE, {"format": dcp.FORMAT, "world_size": 2, "progress": {"step": 2},
-                                      "metadata": meta, "checksums": {}, "shapes": {"w": [2, 3]}})
+    dcp._write_json(
+        good / dcp.DONE,
+        {
+            "format": dcp.FORMAT,
+            "world_size": 2,
+            "progress": {"step": 2},
+            "metadata": meta,
+            "checksums": {},
+            "shapes": {"w": [2, 3]},
+        },
+    )
     (ckpt / "step-000009").mkdir()  # a folder without its completion file
     shutil.copytree(good, ckpt / ".step-000010.tmp")  # a save killed before the rename
     shutil.copytree(good, ckpt / "step-000011")
@@ -257,7 +290,12 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
     assert dcp.latest_sharded(tmp_path / "nothing") is None
     info = dcp.check_sharded(good)
     assert (info["world_size"], info["recipe"], info["global_batch"], info["mesh"], info["shapes"]) == (
-        2, "fsdp_tp", 16, {"dp": 1, "tp": 2}, {"w": (2, 3)})
+        2,
+        "fsdp_tp",
+        16,
+        {"dp": 1, "tp": 2},
+        {"w": (2, 3)},
+    )
     dcp.refuse_mismatch(good, info, recipe="fsdp_tp", mesh={"dp": 4, "tp": 2})  # dp reshards
     with pytest.raises(RecipeError, match="saved with tp=2, this job has tp=4"):
         dcp.refuse_mismatch(good, info, recipe="fsdp_tp", mesh={"dp": 1, "tp": 4})

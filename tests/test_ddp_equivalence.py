@@ -1,4 +1,5 @@
 """Layer 2: DDP on 2 gloo ranks, each on half a global batch, equals one process on all of it."""
+
 import pytest
 import torch
 from torch import nn
@@ -23,8 +24,10 @@ def _model(seed: int) -> nn.Module:
 
 def _batches(seed: int, steps: int, global_batch: int):
     gen = torch.Generator().manual_seed(seed + 1)
-    return [(torch.randn(global_batch, 8, generator=gen), torch.randint(3, (global_batch,), generator=gen))
-            for _ in range(steps)]
+    return [
+        (torch.randn(global_batch, 8, generator=gen), torch.randint(3, (global_batch,), generator=gen))
+        for _ in range(steps)
+    ]
 
 
 def _train(model, batches, *, lr=0.05):
@@ -37,8 +40,10 @@ def _train(model, batches, *, lr=0.05):
 def train_ddp_share(topo, seed, steps, global_batch):
     """This rank's contiguous share of every global batch, through DDP."""
     share = global_batch // topo.world_size
-    mine = [(x[topo.rank * share:(topo.rank + 1) * share], y[topo.rank * share:(topo.rank + 1) * share])
-            for x, y in _batches(seed, steps, global_batch)]
+    mine = [
+        (x[topo.rank * share : (topo.rank + 1) * share], y[topo.rank * share : (topo.rank + 1) * share])
+        for x, y in _batches(seed, steps, global_batch)
+    ]
     return _train(wrap_ddp(_model(seed), device=topo.device), mine)
 
 

@@ -9,7 +9,6 @@ divides by sqrt(v), which magnifies such float32 rounding for near-zero gradient
 1/M scale, a lost shard, a wrong micro-batch) is off by 1e-3 or more.
 """
 
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -93,14 +92,7 @@ def _norms(summary) -> list[float]:
     return [r["grad_norm"] for r in map(json.loads, records) if r["kind"] == "train"]
 
 
-EVAL_IN_STEP = pytest.mark.skipif(
-    "in_step" not in inspect.signature(steps.evaluate).parameters,
-    reason="needs core.steps.evaluate(in_step=) and Run.evaluate passing in_step=sharded(model) (lead's files)",
-)
-
-
 @pytest.mark.world
-@EVAL_IN_STEP
 def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
     """359 validation samples in batches of 1: rank 0 has 180 forwards, rank 1 179, each one a collective. The
     shorter rank repeats its last batch uncounted, so the job ends and val_loss is the whole set's, counted once."""
@@ -149,19 +141,14 @@ def test_resume_at_the_same_world_size_is_bitwise(world2, tmp_path, name):
     assert again["already_finished"] and _same(load_file(finished["weights"]), weights)
 
 
-PLANNED_MESH = pytest.mark.xfail(
-    strict=True, reason="tools.precheck.planned_mesh reads --tp/--pp only: it should call the recipe's mesh(cfg, W)"
-)
-
-
 @pytest.mark.world
 @pytest.mark.parametrize(
     "name",
     [
         "fsdp",
         "fsdp_tp",
-        pytest.param("tensor_parallel", marks=PLANNED_MESH),
-        pytest.param("pipeline", marks=PLANNED_MESH),
+        "tensor_parallel",
+        "pipeline",
     ],
 )
 def test_the_pre_check_accepts_a_resume_at_the_same_world_size(world2, tmp_path, monkeypatch, name):

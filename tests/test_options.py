@@ -123,8 +123,14 @@ def _recording(config):
 
 
 WALK = {  # small runs that take every code path an option steers: checkpoints, evaluation, the logs
-    "ddp": {}, "ddp_amp": {"accum": 2, "clip": 1.0}, "ddp_monitored": {}, "dp": {}, "pipeline_naive": {},
-    "fsdp": {"accum": 2, "clip": 1.0}, "tensor_parallel": {"tp": 1}, "fsdp_tp": {"tp": 1},
+    "ddp": {},
+    "ddp_amp": {"accum": 2, "clip": 1.0},
+    "ddp_monitored": {},
+    "dp": {},
+    "pipeline_naive": {},
+    "fsdp": {"accum": 2, "clip": 1.0},
+    "tensor_parallel": {"tp": 1},
+    "fsdp_tp": {"tp": 1},
     "pipeline": {"pp": 1, "microbatches": 2},
 }
 NEVER_READ_IN_ONE_PROCESS = {"debug"}  # read before the process group exists, by main(): checked below
@@ -136,8 +142,15 @@ def test_every_option_is_read_by_the_run(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TDR_DEVICE", "cpu")
     module = RECIPES[name].load()
     fields = _fields(name)
-    values = {"max_steps": 2, "epochs": 1, "batch_size": 8, "ckpt_every": 1, "log_every": 1, "out": str(tmp_path),
-              **{k: v for k, v in WALK.get(name, {}).items() if k in fields}}
+    values = {
+        "max_steps": 2,
+        "epochs": 1,
+        "batch_size": 8,
+        "ckpt_every": 1,
+        "log_every": 1,
+        "out": str(tmp_path),
+        **{k: v for k, v in WALK.get(name, {}).items() if k in fields},
+    }
     cfg = _recording(module.Config)(**values)
     try:
         module.main(cfg)
@@ -149,9 +162,11 @@ def test_every_option_is_read_by_the_run(name, tmp_path, monkeypatch):
 
 @pytest.mark.fast
 def test_recipes_import_nothing_heavy_until_run():
-    code = ("import sys, tools.cli, tools.registry, recipes; "
-            "assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert not [m for m in sys.modules if m.startswith('recipes.')], 'a recipe imported'")
+    code = (
+        "import sys, tools.cli, tools.registry, recipes; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert not [m for m in sys.modules if m.startswith('recipes.')], 'a recipe imported'"
+    )
     import subprocess
 
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

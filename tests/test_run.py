@@ -20,12 +20,14 @@ def _env():
 
 
 def _run(tmp_path, *args, check=True):
-    return recipes_cli("run", "ddp", *TINY, "--out", str(tmp_path / "runs"), *args, cwd=tmp_path, env=_env(),
-                       check=check)
+    return recipes_cli(
+        "run", "ddp", *TINY, "--out", str(tmp_path / "runs"), *args, cwd=tmp_path, env=_env(), check=check
+    )
 
 
 def _strict(path):
     """Every line of metrics.jsonl parsed as strict JSON (no NaN, no Infinity)."""
+
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
@@ -49,26 +51,56 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(finished, 
     before = _snapshot(run_dir)
     env = _env() | ({"TORCHELASTIC_RESTART_COUNT": "1"} if how == "torchrun restart" else {})
     extra = ["--resume", "auto"] if how == "--resume auto" else []
-    proc = recipes_cli("run", "ddp", *TINY, "--out", str(finished / "runs"), "--max-steps", "6", "--ckpt-every", "3",
-                       *extra, cwd=finished, env=env)
+    proc = recipes_cli(
+        "run",
+        "ddp",
+        *TINY,
+        "--out",
+        str(finished / "runs"),
+        "--max-steps",
+        "6",
+        "--ckpt-every",
+        "3",
+        *extra,
+        cwd=finished,
+        env=env,
+    )
     assert "already finished at step 6" in proc.stdout
     after = _snapshot(run_dir)
-    assert after[run_dir.relative_to(run_dir) / "model.safetensors"] == before[run_dir.relative_to(run_dir) /
-                                                                               "model.safetensors"]
+    assert (
+        after[run_dir.relative_to(run_dir) / "model.safetensors"]
+        == before[run_dir.relative_to(run_dir) / "model.safetensors"]
+    )
     assert not [r for r in _strict(run_dir / "metrics.jsonl") if r["kind"] == "train" and r["step"] > 6]
     assert sorted(p.name for p in (finished / "runs").iterdir()) == ["ddp-1"]
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--model", "cnn"], "holds another model"),
-    (["--lr", "0.01"], "--lr 0.001 -> 0.01"),
-    (["--seed", "3"], "--seed 0 -> 3"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--model", "cnn"], "holds another model"),
+        (["--lr", "0.01"], "--lr 0.001 -> 0.01"),
+        (["--seed", "3"], "--seed 0 -> 3"),
+    ],
+)
 def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(finished, args, words):
     before = _snapshot(finished / "runs")
     cli_args = [a for a in TINY if a not in ("--model", "tiny:mlp")] if "--model" in args else TINY
-    proc = recipes_cli("run", "ddp", *cli_args, "--out", str(finished / "runs"), "--max-steps", "6", "--resume",
-                       "auto", *args, cwd=finished, env=_env(), check=False)
+    proc = recipes_cli(
+        "run",
+        "ddp",
+        *cli_args,
+        "--out",
+        str(finished / "runs"),
+        "--max-steps",
+        "6",
+        "--resume",
+        "auto",
+        *args,
+        cwd=finished,
+        env=_env(),
+        check=False,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.count("error: ") == 1 and words in proc.stderr
     assert _snapshot(finished / "runs") == before
@@ -93,16 +125,43 @@ def test_records_are_one_write_each_and_torn_lines_repair(tmp_path):
 
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
-    proc = recipes_cli("run", "ddp", "--model", "tiny:exploding", "--max-steps", "6", "--log-every", "1",
-                       "--out", str(tmp_path / "runs"), cwd=tmp_path, env=_env(), check=False)
+    proc = recipes_cli(
+        "run",
+        "ddp",
+        "--model",
+        "tiny:exploding",
+        "--max-steps",
+        "6",
+        "--log-every",
+        "1",
+        "--out",
+        str(tmp_path / "runs"),
+        cwd=tmp_path,
+        env=_env(),
+        check=False,
+    )
     assert proc.returncode == 1 and "error: step 3: the loss or the gradients are not finite" in proc.stderr
     assert "Traceback" not in proc.stderr
     _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
 
 
 def test_skip_on_non_finite_skips_and_counts(tmp_path):
-    proc = recipes_cli("run", "ddp", "--model", "tiny:exploding", "--max-steps", "5", "--log-every", "1",
-                       "--on-nonfinite", "skip", "--out", str(tmp_path / "runs"), cwd=tmp_path, env=_env())
+    proc = recipes_cli(
+        "run",
+        "ddp",
+        "--model",
+        "tiny:exploding",
+        "--max-steps",
+        "5",
+        "--log-every",
+        "1",
+        "--on-nonfinite",
+        "skip",
+        "--out",
+        str(tmp_path / "runs"),
+        cwd=tmp_path,
+        env=_env(),
+    )
     assert "skipped_steps=3" in proc.stdout
     records = _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
     assert [r["loss"] for r in records if r["kind"] == "train"][-1] is None
@@ -113,14 +172,37 @@ def test_a_folder_held_by_a_live_job_is_refused_and_a_stale_lock_is_taken_over(f
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         lock.write_text(json.dumps({"host": os.uname().nodename, "pid": holder.pid, "job": None}))
-        proc = recipes_cli("run", "ddp", *TINY, "--out", str(finished / "runs"), "--max-steps", "6", "--resume",
-                           "auto", cwd=finished, env=_env(), check=False)
+        proc = recipes_cli(
+            "run",
+            "ddp",
+            *TINY,
+            "--out",
+            str(finished / "runs"),
+            "--max-steps",
+            "6",
+            "--resume",
+            "auto",
+            cwd=finished,
+            env=_env(),
+            check=False,
+        )
         assert proc.returncode == 1 and f"is in use by PID {holder.pid}" in proc.stderr
     finally:
         holder.kill()
         holder.wait()
-    proc = recipes_cli("run", "ddp", *TINY, "--out", str(finished / "runs"), "--max-steps", "6", "--resume", "auto",
-                       cwd=finished, env=_env())  # the holder is gone: its lock is stale
+    proc = recipes_cli(
+        "run",
+        "ddp",
+        *TINY,
+        "--out",
+        str(finished / "runs"),
+        "--max-steps",
+        "6",
+        "--resume",
+        "auto",
+        cwd=finished,
+        env=_env(),
+    )  # the holder is gone: its lock is stale
     assert "already finished" in proc.stdout and not lock.exists()
 
 
@@ -131,8 +213,21 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)]).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        proc = recipes_cli("run", "ddp", "--max-steps", "4", "--ckpt-every", "2", "--log-every", "1",  # 26 MB each
-                           "--out", str(disk / "runs"), cwd=tmp_path, env=_env(), check=False)
+        proc = recipes_cli(
+            "run",
+            "ddp",
+            "--max-steps",
+            "4",
+            "--ckpt-every",
+            "2",
+            "--log-every",
+            "1",  # 26 MB each
+            "--out",
+            str(disk / "runs"),
+            cwd=tmp_path,
+            env=_env(),
+            check=False,
+        )
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         line = proc.stderr.strip().splitlines()[-1]
         assert line.startswith("error: ") and "the disk is full" in line and "bytes needed" in line

@@ -7,6 +7,7 @@ first launch command (1 for dp and pipeline_naive, 4 for fsdp_tp), next to the p
 as many processes, and the final weights must be equal bit for bit: the same code doing the same
 arithmetic in the same order, so there is nothing for a tolerance to absorb.
 """
+
 import ast
 import os
 import re
@@ -35,9 +36,12 @@ def _first_command(text: str) -> str:
 
 # A copy trains on the process count of its first launch command; above 2 (fsdp_tp's 2 x 2 mesh) that
 # oversubscribes a 2-core machine and takes about twice as long as the others: marked slow, still run.
-SLOW = {name for name, recipe in RECIPES.items()
-        if (found := re.match(r"NPROC_PER_NODE=(\d+)", _first_command(Path(recipe.source_file).read_text())))
-        and int(found[1]) > 2}
+SLOW = {
+    name
+    for name, recipe in RECIPES.items()
+    if (found := re.match(r"NPROC_PER_NODE=(\d+)", _first_command(Path(recipe.source_file).read_text())))
+    and int(found[1]) > 2
+}
 TRAIN_ARGS = ["--max-steps", "3", "--batch-size", "8", "--epochs", "1", "--timeout-s", "60"]
 
 
@@ -48,7 +52,8 @@ def project(tmp_path_factory) -> Path:
     for package in ("core", "recipes"):  # found before the installed package, and refusing to load
         (root / "blocked" / package).mkdir(parents=True)
         (root / "blocked" / package / "__init__.py").write_text(
-            f"raise ImportError('a standalone copy imported {package!r} from torch-dist-recipes')\n")
+            f"raise ImportError('a standalone copy imported {package!r} from torch-dist-recipes')\n"
+        )
     (root / "project").mkdir()
     for name in NAMES:
         result = CliRunner().invoke(cli, ["cp", name, str(root / "project" / f"{name}.py"), "--standalone"])
@@ -76,8 +81,9 @@ def test_copy_is_one_whole_file(project, name):
     path = project / "project" / f"{name}.py"
     text = path.read_text()
     tree = ast.parse(text)
-    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
-               [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    ]
     assert not [m for m in imported if m and m.split(".")[0] in ("core", "recipes")], imported
     doc = ast.get_docstring(tree)
     assert doc.startswith(f"{name}:") and "Builds on:" in doc
@@ -85,21 +91,27 @@ def test_copy_is_one_whole_file(project, name):
     assert first.startswith(("torchrun ", "python ")) and str(path) in first, first
     assert "-m recipes" not in doc and "launch_single_node.sh" not in doc
     if shutil.which("ruff"):  # no undefined, unused or redefined names after the merge
-        lint = subprocess.run(["ruff", "check", "--no-cache", "--isolated", "--select", "F", str(path)],
-                              capture_output=True, text=True, timeout=60)
+        lint = subprocess.run(
+            ["ruff", "check", "--no-cache", "--isolated", "--select", "F", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert lint.returncode == 0, lint.stdout
 
 
 def test_copies_parse_the_same_options(project):
     """`--help` of every copy (one interpreter runs them all) lists the packaged recipe's options."""
-    script = ("import runpy, sys\n"
-              "for path in sys.argv[1:]:\n"
-              "    sys.argv = [path, '--help']\n"
-              "    try:\n"
-              "        runpy.run_path(path, run_name='__main__')\n"
-              "    except SystemExit:\n"
-              "        pass\n"
-              "    print('=====', flush=True)\n")
+    script = (
+        "import runpy, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    sys.argv = [path, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(path, run_name='__main__')\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    print('=====', flush=True)\n"
+    )
     files = [str(project / "project" / f"{name}.py") for name in NAMES]
     proc = run([sys.executable, "-c", script, *files], cwd=project / "project", env=_env(project))
     for name, copied in zip(NAMES, proc.stdout.split("=====\n")):
@@ -117,10 +129,17 @@ def test_copy_trains_exactly_like_the_recipe(project, name, tmp_path):
     path = project / "project" / f"{name}.py"
     nproc = _world_size(path.read_text())
     launch = torchrun(nproc=nproc)
-    copied = run([*launch, str(path), *TRAIN_ARGS, "--out", str(tmp_path / "copy")], cwd=path.parent,
-                 env=_env(project), timeout=300)
-    run([*launch, "-m", "recipes", "run", name, *TRAIN_ARGS, "--out", str(tmp_path / "package")], cwd=tmp_path,
-        timeout=300)
+    copied = run(
+        [*launch, str(path), *TRAIN_ARGS, "--out", str(tmp_path / "copy")],
+        cwd=path.parent,
+        env=_env(project),
+        timeout=300,
+    )
+    run(
+        [*launch, "-m", "recipes", "run", name, *TRAIN_ARGS, "--out", str(tmp_path / "package")],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert "summary " in copied.stdout
     mine = load_file(tmp_path / "copy" / f"{name}-1" / "model.safetensors")
     theirs = load_file(tmp_path / "package" / f"{name}-1" / "model.safetensors")
@@ -157,7 +176,8 @@ def test_two_core_names_alike_get_distinct_names_and_locals_are_never_hidden():
         "MLP = 'mine'\n\n\n"
         "def build():\n"
         "    gpt_MLP = 3  # gpt.MLP can't be MLP (taken) and must not become this local's name either\n"
-        "    return models.MLP(hidden=8, depth=1), gpt.MLP(4, 8), gpt_MLP\n")
+        "    return models.MLP(hidden=8, depth=1), gpt.MLP(4, 8), gpt_MLP\n"
+    )
     namespace = _namespace(text)
     plain, block, local = namespace["build"]()
     assert namespace["MLP"] == "mine"  # the recipe's own names win
@@ -171,8 +191,9 @@ def test_a_core_module_used_as_a_value_is_refused_in_one_line():
 
 
 def test_lazy_core_imports_inside_functions_are_inlined_too():
-    text = _inline('"""demo."""\n\ndef newest(out):\n    from core.folder import run_dirs\n\n'
-                   '    return run_dirs(out, "x")\n')
+    text = _inline(
+        '"""demo."""\n\ndef newest(out):\n    from core.folder import run_dirs\n\n    return run_dirs(out, "x")\n'
+    )
     assert not [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom) and n.module == "core.run"]
     assert _namespace(text)["newest"](os.devnull + "-missing") == []
 
@@ -195,9 +216,11 @@ def test_diff_against_what_a_recipe_builds_on(name):
 
 def test_diff_says_when_b_does_not_build_on_a():
     result = CliRunner().invoke(cli, ["diff", "ddp", "fsdp_tp"])
-    assert result.output.splitlines()[0] == (f"# fsdp_tp does not build on ddp (it builds on "
-                                             f"{RECIPES['fsdp_tp'].builds_on}; try: python -m recipes diff "
-                                             f"{RECIPES['fsdp_tp'].builds_on} fsdp_tp)")
+    assert result.output.splitlines()[0] == (
+        f"# fsdp_tp does not build on ddp (it builds on "
+        f"{RECIPES['fsdp_tp'].builds_on}; try: python -m recipes diff "
+        f"{RECIPES['fsdp_tp'].builds_on} fsdp_tp)"
+    )
     assert CliRunner().invoke(cli, ["diff", "ddp", "nope"]).exit_code != 0
 
 

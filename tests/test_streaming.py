@@ -64,8 +64,13 @@ def stream_steps(n: int, world_size: int, batch: int, *, consumed: int = 0) -> l
 
 @pytest.mark.fast
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(0, 300), ws=st.sampled_from([(1, 2), (2, 4), (4, 2), (2, 1), (2, 3), (3, 4), (1, 1)]),
-       unit=st.integers(1, 4), stopped=st.integers(0, 30), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(0, 300),
+    ws=st.sampled_from([(1, 2), (2, 4), (4, 2), (2, 1), (2, 3), (3, 4), (1, 1)]),
+    unit=st.integers(1, 4),
+    stopped=st.integers(0, 30),
+    seed=st.integers(0, 2**16),
+)
 def test_a_resume_at_another_world_size_trains_the_same_samples_each_step(n, ws, unit, stopped, seed):
     world, world2 = ws
     global_batch = math.lcm(world, world2) * unit
@@ -77,14 +82,19 @@ def test_a_resume_at_another_world_size_trains_the_same_samples_each_step(n, ws,
     whole = min(n // world * world, n // world2 * world2) // global_batch
     assert resumed[: max(whole - stopped, 0)] == full[stopped:whole]
     assert all(len(step) == global_batch for step in full[:whole])
-    assert data.batches_per_epoch(data.make_loader(TensorDataset(torch.arange(n)), topology(0, world),
-                                                   batch_size=global_batch // world)) == len(full)
+    assert data.batches_per_epoch(
+        data.make_loader(TensorDataset(torch.arange(n)), topology(0, world), batch_size=global_batch // world)
+    ) == len(full)
 
 
 @pytest.mark.fast
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(0, 300), ws=st.sampled_from([(1, 2), (2, 4), (4, 2), (2, 1), (2, 3), (3, 4)]),
-       unit=st.integers(1, 4), stopped=st.integers(0, 30))
+@given(
+    n=st.integers(0, 300),
+    ws=st.sampled_from([(1, 2), (2, 4), (4, 2), (2, 1), (2, 3), (3, 4)]),
+    unit=st.integers(1, 4),
+    stopped=st.integers(0, 30),
+)
 def test_a_stream_resumes_at_another_world_size_on_the_same_global_order(n, ws, unit, stopped):
     world, world2 = ws
     global_batch = math.lcm(world, world2) * unit
@@ -159,8 +169,9 @@ class RankStream(IterableDataset):
 
 
 def _train_two_epochs(topo, sizes, sized, workers):
-    loader = data.make_loader(RankStream(sizes, topo.rank, sized=sized), topo, batch_size=3,
-                              collate_fn=torch.tensor, num_workers=workers)
+    loader = data.make_loader(
+        RankStream(sizes, topo.rank, sized=sized), topo, batch_size=3, collate_fn=torch.tensor, num_workers=workers
+    )
     counts = []
     for epoch in range(2):
         data.set_epoch(loader, epoch)
@@ -196,9 +207,20 @@ def range_stream(n):
 def test_two_workers_per_rank_read_each_rank_share_in_order(train):
     # No process group here (daemonic gloo ranks cannot start DataLoader workers): each rank's share alone.
     for rank in range(2):
-        read = [[b.tolist() for b in data.make_loader(range_stream(23), topology(rank, 2), batch_size=3,
-                                                      collate_fn=torch.tensor, num_workers=workers, train=train)]
-                for workers in (0, 2)]
+        read = [
+            [
+                b.tolist()
+                for b in data.make_loader(
+                    range_stream(23),
+                    topology(rank, 2),
+                    batch_size=3,
+                    collate_fn=torch.tensor,
+                    num_workers=workers,
+                    train=train,
+                )
+            ]
+            for workers in (0, 2)
+        ]
         assert read[0] == read[1] and sorted(x for b in read[1] for x in b)[:9] == list(range(rank, 18, 2))
 
 

@@ -1,4 +1,5 @@
 """Small factories for end-to-end tests (`--model tiny:mlp`), so checkpoints are quick to write."""
+
 from torch import nn
 
 from core.models import MLP

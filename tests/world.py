@@ -16,6 +16,7 @@ with GLOO_SOCKET_IFNAME=lo and a short timeout, and destroys it when the world c
 A check that raises on any rank fails the test with that rank's traceback; one that hangs
 fails it after `timeout_s`, and the world is torn down rather than left hanging.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,7 @@ def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], ta
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     topo = Topology(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo")
     try:
         while (task := tasks.get()) is not None:
@@ -66,8 +66,19 @@ class GlooWorld:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, daemon=True, args=(
-                rank, self.world_size, store_path, list(sys.path), self._tasks[rank], self._results, self.timeout_s))
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(
+                    rank,
+                    self.world_size,
+                    store_path,
+                    list(sys.path),
+                    self._tasks[rank],
+                    self._results,
+                    self.timeout_s,
+                ),
+            )
             for rank in range(self.world_size)
         ]
         for proc in self._procs:
@@ -84,8 +95,9 @@ class GlooWorld:
                 rank, ok, value = self._results.get(timeout=self.timeout_s)
             except queue.Empty:
                 self.close(kill=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on every rank within {self.timeout_s}s "
-                                   f"(finished: {sorted(by_rank)})") from None
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on every rank within {self.timeout_s}s (finished: {sorted(by_rank)})"
+                ) from None
             by_rank[rank] = value
             if not ok:
                 failures.append(f"rank {rank}:\n{value}")

@@ -124,8 +124,17 @@ def retarget_commands(text: str, name: str, dest: str) -> str:
 @click.option("--batch-size", default=8, show_default=True, help="per rank; the single process gets the global batch")
 @click.option("--seed", default=0, show_default=True)
 @click.argument("options", nargs=-1, type=click.UNPROCESSED)
-def check_command(name: str, model: str | None, data: str | None, loss: str, nproc: int, steps: int, batch_size: int,
-                  seed: int, options: tuple[str, ...]):
+def check_command(
+    name: str,
+    model: str | None,
+    data: str | None,
+    loss: str,
+    nproc: int,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    options: tuple[str, ...],
+):
     """Does your model train the same on NPROC processes as on one? Exit status 1 (and the likely cause) if not.
     Further OPTIONS (e.g. --static-graph) go to every run of the recipe."""
     from tools.check import check_recipe  # loads nothing for the other commands
@@ -133,8 +142,17 @@ def check_command(name: str, model: str | None, data: str | None, loss: str, npr
     recipe = _recipe(name)
     if nproc < 2 or steps < 1 or batch_size < 1:
         raise click.UsageError("--nproc must be 2 or more, --steps and --batch-size 1 or more")
-    report = check_recipe(recipe, model=model, data=data, nproc=nproc, steps=steps, batch_size=batch_size, seed=seed,
-                          loss=loss, options=options)
+    report = check_recipe(
+        recipe,
+        model=model,
+        data=data,
+        nproc=nproc,
+        steps=steps,
+        batch_size=batch_size,
+        seed=seed,
+        loss=loss,
+        options=options,
+    )
     click.echo(report.text)
     if not report.equivalent:  # exit status 1, with one `error:` line, like any other failure
         raise click.ClickException(f"check {name}: {report.reason}")

@@ -7,7 +7,6 @@ single-process `python -m recipes run` runs it first too. Nothing is written by 
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
@@ -29,41 +28,47 @@ def precheck(recipe, module, cfg) -> None:
     models.check_model_factory(cfg.model)
     steps.make_loss(cfg.loss)
     if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        check_resume(recipe.name, cfg)
+        check_resume(recipe.name, module, cfg)
 
 
-def check_resume(recipe: str, cfg) -> None:
+def check_resume(recipe: str, module, cfg) -> None:
     path = find_resume(cfg.resume, out=cfg.out, prefix=cfg.name or recipe)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run
     if path.parent.name == "ckpt":
         check_free(path.parent.parent)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = planned_mesh(cfg, world_size)
+    mesh = module.mesh(cfg, world_size) if hasattr(module, "mesh") else {"dp": world_size}  # the recipe's own
     global_batch = cfg.batch_size * mesh["dp"] * getattr(cfg, "accum", 1)
     if path.is_dir():  # a sharded checkpoint: a DCP folder, one shard per rank
         found = dcp.check_sharded(path)
         dcp.refuse_mismatch(path, found, recipe=recipe, mesh=mesh)
         ckpt.check_model_matches(path, found["shapes"], _shapes(cfg.model))
         meta = {**found["metadata"], "world_size": str(found["world_size"])}
-        ckpt.check_global_batch(path, meta, global_batch=global_batch, world_size=mesh["dp"],
-                                accum=getattr(cfg, "accum", 1))
+        ckpt.check_global_batch(
+            path, meta, global_batch=global_batch, world_size=mesh["dp"], accum=getattr(cfg, "accum", 1)
+        )
     else:
-        meta = ckpt.check_resume(path, model_shapes=_shapes(cfg.model), recipe=recipe,
-                                 precision=getattr(cfg, "precision", "fp32"), world_size=world_size,
-                                 global_batch=global_batch, accum=getattr(cfg, "accum", 1))
+        meta = ckpt.check_resume(
+            path,
+            model_shapes=_shapes(cfg.model),
+            recipe=recipe,
+            precision=getattr(cfg, "precision", "fp32"),
+            world_size=world_size,
+            global_batch=global_batch,
+            accum=getattr(cfg, "accum", 1),
+        )
     saved = json.loads(meta.get("config", "{}"))
-    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}" for k in TRAJECTORY
-               if k in saved and hasattr(cfg, k) and saved[k] != getattr(cfg, k)]
+    changed = [
+        f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}"
+        for k in TRAJECTORY
+        if k in saved and hasattr(cfg, k) and saved[k] != getattr(cfg, k)
+    ]
     if changed:
-        raise RecipeError(f"{path}: resuming with other options ({', '.join(changed)}) would train another run; "
-                          f"resume with the options it was started with, or start a new run without --resume")
-
-
-def planned_mesh(cfg, world_size: int) -> dict[str, int]:
-    """The mesh this job will build: tensor (--tp) and pipeline (--pp) sizes, and data parallel over the rest."""
-    mesh = {dim: getattr(cfg, dim) for dim in ("tp", "pp") if getattr(cfg, dim, 0)}
-    return {"dp": max(world_size // math.prod(mesh.values()), 1), **mesh}
+        raise RecipeError(
+            f"{path}: resuming with other options ({', '.join(changed)}) would train another run; "
+            f"resume with the options it was started with, or start a new run without --resume"
+        )
 
 
 def _shapes(spec: str) -> dict[str, tuple]:
