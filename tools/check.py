@@ -205,7 +205,8 @@ def _three_runs(
     if distributed is None:
         return [], Crash(f"the run on {nproc} processes", how, why, "torchrun " + " ".join(command[2:]))
     distributed.setdefault("global_batch", batch_size * nproc)
-    batch = str(distributed["global_batch"])  # as the recipe itself counts it (tensor parallel: one batch)
+    accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
+    batch = str(distributed["global_batch"] // accum)  # as the recipe counts it (tensor parallel: one batch)
     # One process on the global batch, and the weights before any step (--epochs 0), side by side. --max-steps
     # on both: a stream without a length needs it even for no step.
     commands = {

@@ -1,0 +1,48 @@
+"""The models and data people really have, through the recipes: 2 CPU ranks against one process.
+
+`python -m recipes check` runs a recipe under torchrun on 2 processes and as one process on the
+same global batch, and compares the weights and the loss. Here it runs on a `transformers` GPT-2
+and BERT built from tiny configs (no download) and a nanoGPT-style model, with dict and pair
+batches and streaming data sets (tests/check_user.py), under the recipes that take them. The
+standalone copy of ddp trains a transformers model bit for bit like the packaged recipe.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import REPO, recipes_cli, run, torchrun, user_env
+from tools.check import check_recipe
+from tools.registry import RECIPES
+
+pytestmark = pytest.mark.e2e
+CASES = [  # recipe, model, data, options
+    ("ddp_amp", "check_user:gpt2", "check_user:lm_stream", ["--accum", "2"]),  # own loss, dicts, a sized stream
+    ("ddp_amp", "check_user:nano", "check_user:pair_stream", ["--accum", "2", "--precision", "bf16"]),  # unsized
+    ("fsdp", "check_user:gpt2", "check_user:lm_stream", ["--accum", "2", "--clip", "1.0"]),
+    ("fsdp", "check_user:bert", "check_user:classify", []),  # a classifier, dicts padded by the factory's collate
+]
+
+
+@pytest.mark.parametrize("recipe,model,data,options", CASES, ids=[f"{c[0]}-{c[1][11:]}" for c in CASES])
+def test_two_ranks_train_like_one_process(recipe, model, data, options, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests'}:{REPO}")  # the user's module, for every launched run
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    report = check_recipe(RECIPES[recipe], model=model, data=data, options=tuple(options), steps=3, batch_size=4)
+    assert report.equivalent, report.text
+
+
+def test_a_standalone_copy_trains_a_transformers_model_like_the_recipe(tmp_path):
+    copy = tmp_path / "train.py"
+    recipes_cli("cp", "ddp", str(copy), "--standalone")
+    args = ["--model", "check_user:gpt2", "--data", "check_user:lm_stream", "--max-steps", "3", "--batch-size", "4"]
+    env = user_env(PYTHONPATH=str(REPO / "tests"))  # the user's module; the copy itself imports nothing of ours
+    run([*torchrun(str(copy)), *args, "--out", str(tmp_path / "copy")], cwd=tmp_path, env=env, timeout=300)
+    run(
+        [*torchrun("-m", "recipes", "run", "ddp"), *args, "--out", str(tmp_path / "package")],
+        cwd=tmp_path,
+        env=user_env(PYTHONPATH=f"{REPO / 'tests'}:{REPO}"),
+        timeout=300,
+    )
+    mine, theirs = (load_file(tmp_path / side / "ddp-1" / "model.safetensors") for side in ("copy", "package"))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
