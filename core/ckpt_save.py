@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, write_safetensors
-from core.config import RecipeError
 from core.dist import barrier, is_rank0
 from core.models import unwrap
 
@@ -168,9 +167,7 @@ class CheckpointSaver:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            if isinstance(err, OSError):
-                raise RecipeError(f"writing a checkpoint in {self.ckpt_dir} failed: {err}") from err
-            raise err
+            raise err  # an OSError (a full disk) as it is: the caller says it in one line with its numbers
 
     def close(self) -> None:
         self.wait()

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import zlib
 from pathlib import Path
 
 import torch
@@ -34,22 +33,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from core.ckpt import check_model_matches
+from core.ckpt_io import tensor_checksum
 from core.config import RecipeError
 from core.dist import barrier
 
 FORMAT = "torch-dist-recipes/dcp/1"
 DONE = "checkpoint.json"
 STEP_DIR = re.compile(r"step-(\d+)")
-
-
-try:
-    from core.ckpt_io import tensor_checksum
-except ImportError:  # branch ckpt adds it (core/ckpt_io.py); until it lands on main, the same function here
-
-    def tensor_checksum(t: torch.Tensor) -> str:
-        """CRC32 of the tensor's bytes."""
-        t = t.detach().cpu().contiguous().reshape(-1)
-        return f"crc32:{zlib.crc32(t.view(torch.uint8).numpy().data) if t.numel() else 0:08x}"
 
 
 def _rank() -> int:

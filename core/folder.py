@@ -111,10 +111,10 @@ def repair_records(path: Path) -> None:
 
 
 def disk_error(err: OSError, path: Path, needed: int) -> Exception:
-    """A full disk as one line that names the folder and the bytes; any other OSError as it is."""
-    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return err
+    """A failed write as one line: for a full disk with the folder and the bytes, else with the OS's reason."""
     folder = next(p for p in [path.parent, *path.parents] if p.exists())
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return RecipeError(f"{folder}: writing {path.name} failed ({err.strerror or err}); check the folder")
     free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
     return RecipeError(
         f"{path.parent}: the disk is full writing {path.name} ({needed:,} bytes needed, {free:,} "

@@ -155,7 +155,10 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         if self.saver is not None:
-            self.saver.close()  # a background checkpoint write finishes before the job ends
+            try:
+                self.saver.close()  # a background checkpoint write finishes before the job ends
+            except OSError as err:
+                raise disk_error(err, self.run_dir / "ckpt" / "step", 0) from None
         if self.enabled and (lock_holder(self.run_dir) or {}).get("pid") in (None, os.getpid()):
             (self.run_dir / ".lock").unlink(missing_ok=True)  # ours, or stale: the folder is free again
 

@@ -9,6 +9,7 @@ divides by sqrt(v), which magnifies such float32 rounding for near-zero gradient
 1/M scale, a lost shard, a wrong micro-batch) is off by 1e-3 or more.
 """
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -159,7 +160,7 @@ def test_the_pre_check_accepts_a_resume_at_the_same_world_size(world2, tmp_path,
     cfg = config(name, out=str(tmp_path), max_steps=2, ckpt_every=2, **options)
     world2.run(run_recipe, name, cfg)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    check_resume(name, cfg.replace(resume="auto"))
+    check_resume(name, importlib.import_module(f"recipes.{name}"), cfg.replace(resume="auto"))
 
 
 @pytest.mark.world
@@ -172,9 +173,13 @@ def test_a_checkpoint_under_another_recipe_or_precision_is_refused_in_one_line(w
     path = Path(world2.run(run_recipe, "fsdp", cfg)[0]["weights"]).parent / "ckpt" / "step-000002"
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="written by recipe fsdp, this is tensor_parallel; resume it with `fsdp`"):
-        check_resume("tensor_parallel", config("tensor_parallel", out=str(tmp_path), resume=str(path)))
+        check_resume(
+            "tensor_parallel",
+            importlib.import_module("recipes.tensor_parallel"),
+            config("tensor_parallel", out=str(tmp_path), resume=str(path)),
+        )
     with pytest.raises(RecipeError, match=r"other options \(--precision bf16 -> fp32\)"):
-        check_resume("fsdp", cfg.replace(resume=str(path), precision="fp32"))
+        check_resume("fsdp", importlib.import_module("recipes.fsdp"), cfg.replace(resume=str(path), precision="fp32"))
 
 
 @pytest.mark.world

@@ -66,7 +66,8 @@ def monitored_training(topo, out, steps):
                 metrics, stats = train_step(ddp, [batch], optimizer=optimizer, loss_fn=make_loss("ce"))
                 local += metrics["loss_sum"].item()
                 run.step(step, metrics=metrics, stats=stats, lr=1e-3, total=steps, **monitor.step(step))
-        records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics_file = run.run_dir / "metrics.jsonl"  # rank 0 writes it; every rank returns what it says
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()] if topo.is_rank0 else []
     return [r for r in records if r["kind"] == "train"], local
 
 

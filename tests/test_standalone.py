@@ -52,7 +52,7 @@ def project(tmp_path_factory) -> Path:
     for package in ("core", "recipes"):  # found before the installed package, and refusing to load
         (root / "blocked" / package).mkdir(parents=True)
         (root / "blocked" / package / "__init__.py").write_text(
-            f"raise ImportError('a standalone copy imported {package!r} from torch-dist-recipes')\n"
+            f'raise ImportError("a standalone copy imported {package!r} from torch-dist-recipes")\n'
         )
     (root / "project").mkdir()
     for name in NAMES:
@@ -86,7 +86,7 @@ def test_copy_is_one_whole_file(project, name):
     ]
     assert not [m for m in imported if m and m.split(".")[0] in ("core", "recipes")], imported
     doc = ast.get_docstring(tree)
-    assert doc.startswith(f"{name}:") and "Builds on:" in doc
+    assert doc.startswith(f"{name}:")
     first = next(line.strip() for line in doc.splitlines()[1:] if line.strip())
     assert first.startswith(("torchrun ", "python ")) and str(path) in first, first
     assert "-m recipes" not in doc and "launch_single_node.sh" not in doc
@@ -203,9 +203,7 @@ def test_lazy_core_imports_inside_functions_are_inlined_too():
 
 @pytest.mark.parametrize("name", [n for n in NAMES if RECIPES[n].builds_on])
 def test_diff_against_what_a_recipe_builds_on(name):
-    base = RECIPES[name].builds_on
-    doc = ast.get_docstring(ast.parse(Path(RECIPES[name].source_file).read_text()))
-    assert re.search(rf"^Builds on: .*\b{base}\b", doc, re.M), f"{name}'s docstring doesn't name {base}"
+    base = RECIPES[name].builds_on  # the registry says what a recipe builds on; its docstring says what it does
     result = CliRunner().invoke(cli, ["diff", base, name])  # not a terminal: no colour codes
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
