@@ -27,10 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from core.ckpt import check_model_matches
 from core.ckpt_io import tensor_checksum
@@ -79,6 +77,8 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
 
 def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Flat tensors for DCP, the optimizer's param groups and its non-tensor per-parameter state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # here: only sharded recipes load DCP
+
     model_sd, optim_sd = get_state_dict(_root(model), optimizer)
     tensors = {f"model/{k}": v for k, v in model_sd.items()}
     scalars = {}
@@ -139,6 +139,8 @@ def save_sharded(
     """Write ckpt_dir/step-N/ (N = progress["step"]), every rank its own shard; keep the newest `keep`.
 
     A collective. `model`: the (sharded) model, or a list of this rank's pipeline stages."""
+    import torch.distributed.checkpoint as dcp  # here: only sharded recipes load DCP
+
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / f"step-{progress['step']:06d}", ckpt_dir / f".step-{progress['step']:06d}.tmp"
     if _rank() == 0:
@@ -312,6 +314,9 @@ def load_sharded(
 ) -> dict:
     """Restore the train state saved by save_sharded on every rank, resharding where the world size
     changed (DTensor models), and return the progress dict. A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict  # here: only sharded recipes load DCP
+
     path = Path(path)
     info = _read_info(path)
     tensors, groups, _ = _train_tensors(model, optimizer)

@@ -4,12 +4,12 @@ two mixed, and disjoint plain tensors split over a group (pipeline stages)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 
@@ -30,12 +30,19 @@ def grad_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
             yield
 
 
+def _dtensor() -> type | tuple:
+    """DTensor's class once torch.distributed.tensor is loaded (whoever made a DTensor loaded it), else no class:
+    a ddp job never imports the DTensor machinery (a second of start-up)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module.DTensor if module is not None else ()
+
+
 def _by_mesh(items: list, tensor_of) -> dict:
     """Items grouped by their tensor's DeviceMesh (None: plain tensors): torch's foreach kernels take one kind."""
     kinds: dict = {}
     for item in items:
         g = tensor_of(item)
-        kinds.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(item)
+        kinds.setdefault(g.device_mesh if isinstance(g, _dtensor()) else None, []).append(item)
     return kinds
 
 
@@ -50,7 +57,7 @@ def total_norm(grads: list[torch.Tensor], *, norm_type: float = 2.0) -> torch.Te
     parts = []
     for part in _by_mesh(grads, lambda g: g).values():
         norm = get_total_norm(part, norm_type=norm_type)
-        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        parts.append(norm.full_tensor() if isinstance(norm, _dtensor()) else norm)
     if not parts:
         return torch.zeros(())
     return parts[0] if len(parts) == 1 else get_total_norm(parts, norm_type=norm_type)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import data, dist, models, parallel, steps
+from core import comm, data, dist, models, steps
 from core.config import (
     Accumulation,
     AsyncCheckpoints,
@@ -66,7 +66,7 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    model = parallel.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
+    model = comm.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
     ddp_model = DistributedDataParallel(
         model,
         device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
@@ -106,7 +106,7 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
         run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
 
     # Rank 0 alone writes the weights: every rank vouches that it holds the same ones.
-    return run.finish(model, **parallel.replicas_report(model))
+    return run.finish(model, **comm.replicas_report(model))
 
 
 if __name__ == "__main__":

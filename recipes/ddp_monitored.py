@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import comm, data, dist, models, parallel, steps, tuning, watchdog
+from core import comm, data, dist, models, steps, tuning, watchdog
 from core.config import AsyncCheckpoints, Checkpointing, DDPOptions, Training, cli_main, option
 from core.monitor import Monitor
 from core.run import Run
@@ -73,7 +73,7 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    model = parallel.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
+    model = comm.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
     # The order is torch's: change the plain model, wrap it, register the hook, compile the wrapper.
     model = tuning.before_wrap(
         model, channels_last=cfg.channels_last, activation_checkpointing=cfg.activation_checkpointing
@@ -115,7 +115,7 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
             run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
 
     # Rank 0 alone writes the weights: every rank vouches that it holds the same ones.
-    return run.finish(model, **parallel.replicas_report(model))
+    return run.finish(model, **comm.replicas_report(model))
 
 
 if __name__ == "__main__":
