@@ -361,8 +361,13 @@ def _too_few_batches(loader, batches: int, *, batch_size: int, accum: int, world
 
 
 def sharded(model) -> bool:
-    """Pipeline stages (a list) or DTensor parameters: checkpoints are written by every rank, through DCP."""
-    return isinstance(model, list | tuple) or any(type(p).__name__ == "DTensor" for p in model.parameters())
+    """Pipeline stages (a list), fully_shard or DTensor parameters: checkpoints are written by every rank (DCP).
+    fully_shard leaves the root's parameters gathered, as plain tensors, after a forward without backward
+    (evaluation): its reshard() method says what they are then."""
+    if isinstance(model, list | tuple):
+        return True
+    plain = unwrap(model)
+    return hasattr(plain, "reshard") or any(type(p).__name__ == "DTensor" for p in plain.parameters())
 
 
 def _bytes(*holders) -> int:
@@ -379,7 +384,7 @@ def _bytes(*holders) -> int:
 def model_state(model) -> dict[str, torch.Tensor]:
     """The plain model's full state dict: gathered from DTensor shards to rank 0 (a collective), or as it is."""
     plain = unwrap(model)
-    if any(type(p).__name__ == "DTensor" for p in plain.parameters()):
+    if sharded(plain):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -103,6 +103,8 @@ def evaluate(
         if counted:
             tally.add(metrics)
     model.train(was_training)
+    if hasattr(model, "reshard"):  # fully_shard keeps the root gathered after a forward with no backward: free it
+        model.reshard()
     return summarize(tally.reduce(), prefix="val_")
 
 
