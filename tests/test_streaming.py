@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 from core import data
 from core.dist import Topology
 from core.stream import StreamShard
-from tests.world import GlooWorld
+from world import GlooWorld
 
 
 class Stream(IterableDataset):
