@@ -203,3 +203,34 @@ def restore(tensors: dict, meta: dict, *, model: nn.Module, optimizer, scheduler
     if torch.cuda.is_available() and f"rng/{rank}/cuda" in tensors:
         torch.cuda.set_rng_state(tensors[f"rng/{rank}/cuda"])
     return json.loads(meta["progress"])
+
+
+def sharded(model) -> bool:
+    """Pipeline stages (a list), fully_shard or DTensor parameters: checkpoints are written by every rank (DCP).
+    fully_shard leaves the root's parameters gathered, as plain tensors, after a forward without backward
+    (evaluation): its reshard() method says what they are then."""
+    if isinstance(model, list | tuple):
+        return True
+    plain = unwrap(model)
+    return hasattr(plain, "reshard") or any(type(p).__name__ == "DTensor" for p in plain.parameters())
+
+
+def state_bytes(*holders) -> int:
+    """Roughly what a checkpoint of these modules and optimizers takes on disk."""
+    states = [h.state_dict() for h in holders]
+    tensors = [
+        t
+        for s in states
+        for t in (s.values() if "state" not in s else (v for p in s["state"].values() for v in p.values()))
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def model_state(model) -> dict[str, torch.Tensor]:
+    """The plain model's full state dict: gathered from DTensor shards to rank 0 (a collective), or as it is."""
+    plain = unwrap(model)
+    if sharded(plain):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return plain.state_dict()

@@ -50,10 +50,6 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _positive(v):
-    return v > 0
-
-
 def _at_least(n: int):
     return lambda v: n <= v <= 2**31
 

@@ -273,3 +273,15 @@ def batches_per_epoch(loader) -> int | None:
     sampler = loader.sampler
     samples = sampler.num_samples if isinstance(sampler, DistributedSampler) else len(sampler)
     return samples // loader.batch_size if loader.drop_last else -(-samples // loader.batch_size)
+
+
+def too_few_batches(loader, batches: int, *, batch_size: int, accum: int, world_size: int) -> str:
+    what = f"--batch-size {batch_size}" + (f" --accum {accum}" if accum > 1 else "")
+    if batches:
+        return f"{what}: an epoch has only {batches} micro-batches per rank; use --accum {batches} or less"
+    per_rank = len(loader.dataset) // world_size
+    fix = f"use --batch-size {per_rank} or less" if per_rank else f"use fewer than {world_size} rank(s)"
+    return (
+        f"{what}: the training set ({len(loader.dataset)} samples) gives each of {world_size} rank(s) "
+        f"{per_rank}, not one whole batch; {fix}"
+    )

@@ -120,3 +120,16 @@ def disk_error(err: OSError, path: Path, needed: int) -> Exception:
         f"{path.parent}: the disk is full writing {path.name} ({needed:,} bytes needed, {free:,} "
         f"free); free some space or point --out at another disk"
     )
+
+
+def take_folder(run_dir: Path, *, fresh: bool, config: dict) -> None:
+    """Rank 0 holds `run_dir` for this job: the lock, stale temporaries and a torn record gone, config.json for a
+    fresh run (a resumed run keeps the config it was started with: the pre-check refused changes)."""
+    check_free(run_dir)
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("TORCHELASTIC_RUN_ID")}
+    ckpt.atomic_write(run_dir / ".lock", lambda f: f.write(json.dumps(holder).encode()))
+    ckpt.remove_stale_temporaries(run_dir)  # left by a write that a kill interrupted
+    repair_records(run_dir / "metrics.jsonl")
+    if fresh:
+        text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
+        ckpt.atomic_write(run_dir / "config.json", lambda f: f.write(text))

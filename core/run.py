@@ -14,67 +14,25 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from core import ckpt, dcp, steps
+from core.ckpt import model_state, sharded, state_bytes
 from core.config import RecipeError
+from core.data import too_few_batches
 from core.dist import Topology, broadcast_object
 from core.folder import (
     append_line,
-    check_free,
     disk_error,
     find_resume,
     lock_holder,
     new_run_dir,
-    repair_records,
     run_dirs,
+    take_folder,
 )
-from core.models import unwrap
-
-
-class Meter:
-    """Loss, accuracy and throughput over a logging window, reduced over ranks only when read."""
-
-    def __init__(self, device: torch.device):
-        self.window, self.device = steps.Tally(device), device
-        self.started, self.paused_s = time.perf_counter(), 0.0
-        self.totals = {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
-        self.last: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        self.window.add(metrics)
-
-    def read(self) -> dict[str, float]:
-        """The window's numbers for the whole job. A collective: every rank calls it at the same step."""
-        sums = self.window.reduce()
-        seconds = time.perf_counter() - self.started - self.paused_s
-        self.window, self.started, self.paused_s = steps.Tally(self.device), time.perf_counter(), 0.0
-        if sums["count"] == 0:
-            return self.last
-        samples = sums["samples"] or sums["count"]  # (input, class) pairs: one target per sample
-        self.totals = {
-            "samples": self.totals["samples"] + samples,
-            "tokens": self.totals["tokens"] + sums["count"],
-            "seconds": self.totals["seconds"] + seconds,
-        }
-        self.last = {**steps.summarize(sums), **_rates(samples, sums["count"], seconds)}
-        return self.last
-
-    def throughput(self) -> dict[str, float]:
-        """Over every window read so far: the job's training throughput."""
-        return _rates(self.totals["samples"], self.totals["tokens"], self.totals["seconds"])
-
-
-def _rates(samples: float, tokens: float, seconds: float) -> dict[str, float]:
-    rates = {"samples_per_s": samples / max(seconds, 1e-9)}
-    if tokens != samples:  # a sequence model: one target per token
-        rates["tokens_per_s"] = tokens / max(seconds, 1e-9)
-    return rates
+from core.meter import Meter, fmt_value, progress_line
 
 
 class Run:
@@ -117,7 +75,7 @@ class Run:
             in_run = resume_from is not None and resume_from.resolve().parent.parent in ours
             run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, cfg.name or recipe)
             choice = (str(run_dir), str(resume_from) if resume_from else None)
-            cls._take(
+            take_folder(
                 run_dir,
                 fresh=not in_run,
                 config={
@@ -138,17 +96,6 @@ class Run:
             resume_from=Path(resume_from) if resume_from else None,
             mesh=mesh,
         )
-
-    @staticmethod
-    def _take(run_dir: Path, *, fresh: bool, config: dict) -> None:
-        check_free(run_dir)
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("TORCHELASTIC_RUN_ID")}
-        ckpt.atomic_write(run_dir / ".lock", lambda f: f.write(json.dumps(holder).encode()))
-        ckpt.remove_stale_temporaries(run_dir)  # left by a write that a kill interrupted
-        repair_records(run_dir / "metrics.jsonl")
-        if fresh:  # a resumed run keeps the config it was started with (the pre-check refused changes)
-            text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
-            ckpt.atomic_write(run_dir / "config.json", lambda f: f.write(text))
 
     def __enter__(self) -> Run:
         return self
@@ -217,7 +164,7 @@ class Run:
             return self.cfg.max_steps
         if batches < accum:  # every rank has as many batches as the others: all raise alike
             raise RecipeError(
-                _too_few_batches(
+                too_few_batches(
                     loader, batches, batch_size=self.cfg.batch_size, accum=accum, world_size=self.topo.world_size
                 )
             )
@@ -295,7 +242,7 @@ class Run:
                 )
         except OSError as err:  # a full disk: one line with the numbers, the checkpoints before stay whole
             holders = [*model, optimizer] if isinstance(model, list | tuple) else [model, optimizer]
-            raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", _bytes(*holders)) from None
+            raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", state_bytes(*holders)) from None
         self._paused(paused)
 
     def _paused(self, since: float) -> None:
@@ -330,7 +277,7 @@ class Run:
             try:
                 ckpt.save_weights(state, weights, metadata={"recipe": self.recipe, "model": self.cfg.model})
             except OSError as err:
-                raise disk_error(err, weights, _bytes(model)) from None
+                raise disk_error(err, weights, state_bytes(model)) from None
         summary = {
             **self.evaluation,
             "train_loss": self.meter.last.get("loss"),
@@ -344,64 +291,5 @@ class Run:
             "elapsed_s": round(time.perf_counter() - self.started, 3),
         }
         self.log("summary", **summary)
-        self.print("summary " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
+        self.print("summary " + " ".join(f"{k}={fmt_value(v)}" for k, v in summary.items()))
         return summary
-
-
-def _too_few_batches(loader, batches: int, *, batch_size: int, accum: int, world_size: int) -> str:
-    what = f"--batch-size {batch_size}" + (f" --accum {accum}" if accum > 1 else "")
-    if batches:
-        return f"{what}: an epoch has only {batches} micro-batches per rank; use --accum {batches} or less"
-    per_rank = len(loader.dataset) // world_size
-    fix = f"use --batch-size {per_rank} or less" if per_rank else f"use fewer than {world_size} rank(s)"
-    return (
-        f"{what}: the training set ({len(loader.dataset)} samples) gives each of {world_size} rank(s) "
-        f"{per_rank}, not one whole batch; {fix}"
-    )
-
-
-def sharded(model) -> bool:
-    """Pipeline stages (a list), fully_shard or DTensor parameters: checkpoints are written by every rank (DCP).
-    fully_shard leaves the root's parameters gathered, as plain tensors, after a forward without backward
-    (evaluation): its reshard() method says what they are then."""
-    if isinstance(model, list | tuple):
-        return True
-    plain = unwrap(model)
-    return hasattr(plain, "reshard") or any(type(p).__name__ == "DTensor" for p in plain.parameters())
-
-
-def _bytes(*holders) -> int:
-    """Roughly what a checkpoint of these modules and optimizers takes on disk."""
-    states = [h.state_dict() for h in holders]
-    tensors = [
-        t
-        for s in states
-        for t in (s.values() if "state" not in s else (v for p in s["state"].values() for v in p.values()))
-    ]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def model_state(model) -> dict[str, torch.Tensor]:
-    """The plain model's full state dict: gathered from DTensor shards to rank 0 (a collective), or as it is."""
-    plain = unwrap(model)
-    if sharded(plain):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return plain.state_dict()
-
-
-def progress_line(step: int, total: int, *, epoch: int, **fields) -> str:
-    """`step 40/115 epoch 1 loss 0.4123 acc 0.91 1875 samples/s`."""
-    shown = {
-        "loss": "loss {:.4f}",
-        "acc": "acc {:.4f}",
-        "samples_per_s": "{:.0f} samples/s",
-        "tokens_per_s": "{:.0f} tokens/s",
-    }
-    parts = [fmt.format(fields[k]) for k, fmt in shown.items() if isinstance(fields.get(k), float)]
-    return " ".join([f"step {step}/{total} epoch {epoch}", *parts])
-
-
-def _fmt(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

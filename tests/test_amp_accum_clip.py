@@ -20,9 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from core import ckpt
-from core.data import digits
+from core.data import digits, too_few_batches
 from core.parallel import wrap_ddp
-from core.run import _too_few_batches
 from core.steps import (
     accumulate_grads,
     clip_grad_norm,
@@ -409,7 +408,7 @@ def test_a_data_set_smaller_than_one_batch_advises_what_fits(tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and line.endswith("an epoch has only 1 micro-batches per rank; use --accum 1 or less")
     loader = torch.utils.data.DataLoader(one_sample()[0])  # on 2 ranks, the one sample is dropped: no batch at all
-    line = _too_few_batches(loader, 0, batch_size=32, accum=2, world_size=2)
+    line = too_few_batches(loader, 0, batch_size=32, accum=2, world_size=2)
     assert "(1 samples) gives each of 2 rank(s) 0, not one whole batch; use fewer than 2 rank(s)" in line
     assert "--accum 0" not in line
 

@@ -13,9 +13,9 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 from core.config import RecipeError
 from core.loss import forward_loss, global_count, make_loss, model_loss_traits, split_outputs
+from core.meter import Meter
 from core.metrics import flops_per_sample
 from core.parallel import wrap_ddp
-from core.run import Meter
 from core.steps import cross_entropy, evaluate, step_plain, train_step
 from world import GlooWorld
 

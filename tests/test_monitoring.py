@@ -14,10 +14,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from core import watchdog
+from core.meter import progress_line
 from core.metrics import PHASES
 from core.models import MLP
 from core.monitor import Monitor
-from core.run import Run, progress_line
+from core.run import Run
 from core.steps import make_loss, train_step
 from helpers import REPO, run, torchrun, user_env
 
