@@ -34,10 +34,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import data, models, steps, watchdog  # noqa: E402
-from core.config import TrainConfig  # noqa: E402
 from core.dist import Topology  # noqa: E402
 
-# (label, world size, runner, TrainConfig changes): the recipe's comm options as their CLI flags
+# (label, world size, runner, ddp_monitored Config changes): the recipe's comm options as their CLI flags
 VARIANTS = [
     ("hand-written DDP loop", 2, "hand", {}),
     ("ddp recipe (defaults)", 2, "recipe", {}),
@@ -55,7 +54,7 @@ VARIANTS = [
 def hand_loop(topo: Topology, args, marks: list[float]) -> None:
     """What one would write by hand: DDP, DistributedSampler, AdamW + cosine, a reduced loss every 10 steps."""
     torch.manual_seed(0)
-    train_set, _ = data.build_data(args.data)
+    train_set, _, _ = data.build_data(args.data)
     model = torch.nn.parallel.DistributedDataParallel(models.build_model(args.model))
     sampler = torch.utils.data.DistributedSampler(train_set, shuffle=True, seed=0, drop_last=True)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
@@ -83,10 +82,10 @@ def hand_loop(topo: Topology, args, marks: list[float]) -> None:
 def recipe_run(topo: Topology, args, changes: dict, marks: list, out: str) -> None:
     from loguru import logger
 
-    from core.run import RunWriter
-    from recipes import ddp
+    from core.run import Run
+    from recipes import ddp_monitored as ddp  # the comm options are ddp_monitored's
 
-    cfg = TrainConfig(
+    cfg = ddp.Config(
         model=args.model,
         data=args.data,
         batch_size=args.batch_size,
@@ -98,19 +97,20 @@ def recipe_run(topo: Topology, args, changes: dict, marks: list, out: str) -> No
         **changes,
     )
     logger.disable("core"), logger.disable("recipes")  # the table, not the recipe's progress lines
-    log = RunWriter.log
+    log = Run.log
 
     def observed(self, kind, **fields):  # the same clocks at the same points as the hand loop's marks
         if kind == "train":
             marks.append((fields["step"], time.perf_counter(), time.process_time()))
         return log(self, kind, **fields)
 
-    stdout, sys.stdout, RunWriter.log = sys.stdout, open(os.devnull, "w"), observed  # nor its summary line
+    stdout, sys.stdout, Run.log = sys.stdout, open(os.devnull, "w"), observed  # nor its summary line
     try:
-        ddp.train(cfg, topo)
+        with Run.start(cfg, topo, recipe="ddp_monitored", global_batch=cfg.batch_size * topo.world_size) as run:
+            ddp.train(cfg, topo, run)
     finally:
         sys.stdout.close()
-        sys.stdout, RunWriter.log = stdout, log
+        sys.stdout, Run.log = stdout, log
 
 
 def worker(rank, world_size, store_path, variants, args, result_dir):

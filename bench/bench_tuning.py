@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loguru import logger  # noqa: E402
 
 from core import dist  # noqa: E402
-from core.config import TrainConfig  # noqa: E402
-from recipes import ddp  # noqa: E402
+from core.run import Run  # noqa: E402
+from recipes import ddp_monitored as ddp  # noqa: E402  (the tuning options are ddp_monitored's)
 
-# (label, TrainConfig changes); batch sizes where the option has work to do
+# (label, ddp_monitored Config changes); batch sizes where the option has work to do
 VARIANTS = [
     ("mlp", {"model": "mlp", "data": "synthetic"}),
     ("mlp --activation-checkpointing", {"model": "mlp", "data": "synthetic", "activation_checkpointing": True}),
@@ -47,10 +47,11 @@ def measure(changes: dict, args, topo) -> tuple[float, float]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # this variant's peak, not the process's so far
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainConfig(max_steps=args.steps, epochs=100, log_every=10, out=out, name="bench", **changes)
+        cfg = ddp.Config(max_steps=args.steps, epochs=100, log_every=10, out=out, name="bench", **changes)
         stdout, sys.stdout = sys.stdout, open(os.devnull, "w")  # the table, not the summary line
         try:
-            ddp.train(cfg, topo)
+            with Run.start(cfg, topo, recipe="ddp_monitored", global_batch=cfg.batch_size * topo.world_size) as run:
+                ddp.train(cfg, topo, run)
         finally:
             sys.stdout.close()
             sys.stdout = stdout
