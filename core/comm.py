@@ -149,15 +149,3 @@ def wrap_ddp(model: nn.Module, *, device: torch.device, comm_hook: str | None = 
     if comm_hook is not None:
         register(ddp, comm_hook, backend=torch.distributed.get_backend())
     return ddp
-
-
-def wrap_dp(model: nn.Module) -> tuple[nn.Module, str]:
-    """nn.DataParallel over all visible GPUs, in one process; with fewer than two, the model as it is.
-
-    Returns the model and one line saying which it did.
-    """
-    gpus = torch.cuda.device_count()
-    if gpus < 2:
-        where = "one GPU" if gpus == 1 else "CPU"
-        return model, f"DataParallel needs 2+ GPUs; found {gpus}: training on {where} as plain single-device training"
-    return nn.DataParallel(model), f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections import Counter
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -22,7 +20,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from core.comm import prepare_batchnorm, replicas_report, wrap_ddp, wrap_dp  # noqa: F401  DDP's, here too
+from core.ckpt import model_state as full_state_dict  # noqa: F401  (gathered to rank 0, one implementation)
+from core.comm import prepare_batchnorm, replicas_report, wrap_ddp  # noqa: F401  DDP's, here too
 from core.config import RecipeError
 from core.grads import clip_grad_norm, total_norm  # noqa: F401  (here too: every layout's norm)
 
@@ -181,54 +180,3 @@ def fsdp_sync(model: nn.Module, *, enabled: bool):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, gathered from DTensor shards (TP, FSDP or both) to rank 0's CPU.
-
-    A collective: every rank calls it; rank 0 gets the full tensors, the others an empty dict."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-# Shared options that only some recipes implement; the others refuse them rather than ignore them.
-NOT_EVERYWHERE = (
-    "accum",
-    "clip",
-    "ckpt_every",
-    "resume",
-    "comm_hook",
-    "bucket_mb",
-    "grad_as_bucket_view",
-    "static_graph",
-    "compile",
-    "activation_checkpointing",
-    "channels_last",
-    "debug",
-    "profile",
-)
-
-
-def refuse_unsupported(
-    cfg, recipe: str, *, precisions: tuple[str, ...] = ("fp32",), options: tuple[str, ...] = NOT_EVERYWHERE
-) -> None:
-    """Shared options this recipe does not implement fail now, with one line, instead of being ignored."""
-    if cfg.precision not in precisions:
-        raise RecipeError(
-            f"--precision {cfg.precision}: {recipe} supports {', '.join(precisions)}; use --precision {precisions[-1]}"
-        )
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name in options:
-        if getattr(cfg, name) != defaults[name]:
-            raise RecipeError(
-                f"--{name.replace('_', '-')} {getattr(cfg, name)}: {recipe} does not support it yet; "
-                f"leave it at {defaults[name]!r}"
-            )
-
-
-def gather_into(plain: nn.Module, model: nn.Module) -> nn.Module:
-    """Load the sharded `model`'s full weights into rank 0's `plain` copy (a collective; the other
-    ranks' `plain` is left as it is and never written)."""
-    full = full_state_dict(model)
-    if full:
-        plain.load_state_dict(full)
-    return plain
