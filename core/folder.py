@@ -15,7 +15,7 @@ import re
 import socket
 from pathlib import Path
 
-from core import ckpt, dcp
+from core import ckpt
 from core.config import RecipeError
 
 RUN_NAME = r"{}-(\d+)"
@@ -44,15 +44,15 @@ def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
             continue
 
 
-def find_resume(resume: str, *, out: str, prefix: str) -> Path | None:
-    """The checkpoint to start from: a path, or for 'auto' the newest good one of the newest run.
+def find_resume(resume: str, *, out: str, prefix: str, newest) -> Path | None:
+    """The checkpoint to start from: a path, or for 'auto' newest(run folder) of the newest run.
     A group that torchrun restarted after a failure (TORCHELASTIC_RESTART_COUNT > 0) resumes by itself."""
     if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "auto"
     if resume != "auto":
         return Path(resume) if resume else None
     runs = run_dirs(out, prefix)
-    return (ckpt.newest_good(runs[-1] / "ckpt") or dcp.latest_sharded(runs[-1])) if runs else None
+    return newest(runs[-1]) if runs else None
 
 
 def lock_holder(run_dir: Path) -> dict | None:

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from core import ckpt, dcp, steps
+from core import ckpt, steps
 from core.ckpt import model_state, sharded, state_bytes
 from core.config import RecipeError
 from core.data import too_few_batches
@@ -69,7 +69,9 @@ class Run:
         """Rank 0 picks the folder (a new one, or the resumed checkpoint's), takes its lock and tells the others."""
         choice = None
         if topo.is_rank0:
-            resume_from = find_resume(getattr(cfg, "resume", ""), out=cfg.out, prefix=cfg.name or recipe)
+            resume_from = find_resume(
+                getattr(cfg, "resume", ""), out=cfg.out, prefix=cfg.name or recipe, newest=cls.newest_checkpoint
+            )
             prefix = cfg.name or recipe  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start a new one
             ours = [d.resolve() for d in run_dirs(cfg.out, prefix)]
             in_run = resume_from is not None and resume_from.resolve().parent.parent in ours
@@ -124,21 +126,8 @@ class Run:
     # The training loop's side effects.
     def resume(self, *, model, optimizer, scheduler=None, scaler=None) -> dict:
         """Load the checkpoint this run continues from (all ranks), or start at zero; returns the progress."""
-        if self.resume_from is not None and self.resume_from.is_dir():  # sharded: every rank reads its part
-            loaded = dcp.load_sharded(
-                self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler
-            )
-        elif self.resume_from is not None:  # one file: rank 0 reads it and hands it out
-            loaded = ckpt.load_checkpoint(
-                self.resume_from,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                scaler=scaler,
-                world_size=self.topo.world_size,
-            )
         if self.resume_from is not None:
-            self.progress.update(loaded)
+            self.progress.update(self._load(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler))
             self.resumed_step = self.progress["step"]
             self.log(
                 "resume",
@@ -216,34 +205,32 @@ class Run:
         }
         progress = dict(self.progress, global_batch=self.global_batch)
         try:
-            if sharded(model):  # every rank writes its own shard: no gather on rank 0
-                dcp.save_sharded(
-                    self.run_dir / "ckpt",
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    scaler=scaler,
-                    progress=progress,
-                    keep=self.cfg.keep,
-                    metadata=metadata,
-                )
-            else:
-                if self.saver is None:
-                    self.saver = ckpt.CheckpointSaver(
-                        self.run_dir / "ckpt", keep=self.cfg.keep, background=getattr(self.cfg, "ckpt_async", False)
-                    )
-                self.saver.save(
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    scaler=scaler,
-                    progress=progress,
-                    metadata=metadata,
-                )
+            self._save(
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                progress=progress,
+                metadata=metadata,
+            )
         except OSError as err:  # a full disk: one line with the numbers, the checkpoints before stay whole
             holders = [*model, optimizer] if isinstance(model, list | tuple) else [model, optimizer]
             raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", state_bytes(*holders)) from None
         self._paused(paused)
+
+    # The checkpoint format: one file that rank 0 writes (core.sharded_run.ShardedRun: a shard per rank).
+    @staticmethod
+    def newest_checkpoint(run_dir: Path) -> Path | None:
+        return ckpt.newest_good(run_dir / "ckpt")
+
+    def _load(self, **state) -> dict:  # rank 0 reads the file and hands it out
+        return ckpt.load_checkpoint(self.resume_from, world_size=self.topo.world_size, **state)
+
+    def _save(self, **state) -> None:
+        if self.saver is None:
+            background = getattr(self.cfg, "ckpt_async", False)
+            self.saver = ckpt.CheckpointSaver(self.run_dir / "ckpt", keep=self.cfg.keep, background=background)
+        self.saver.save(**state)
 
     def _paused(self, since: float) -> None:
         self.meter.paused_s += time.perf_counter() - since

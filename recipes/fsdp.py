@@ -26,7 +26,7 @@ import torch
 
 from core import data, dist, models, parallel, steps
 from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
-from core.run import Run
+from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,15 @@ def main(cfg: Config) -> dict:
     topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
     try:
         global_batch = cfg.batch_size * topo.world_size * cfg.accum
-        with Run.start(cfg, topo, recipe="fsdp", global_batch=global_batch, mesh=mesh(cfg, topo.world_size)) as run:
+        with ShardedRun.start(
+            cfg, topo, recipe="fsdp", global_batch=global_batch, mesh=mesh(cfg, topo.world_size)
+        ) as run:
             return train(cfg, topo, run)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
     # Build. The same seed on every rank gives the same weights; fully_shard keeps each rank's slice of them.
     torch.manual_seed(cfg.seed)

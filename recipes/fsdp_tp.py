@@ -23,7 +23,7 @@ import torch
 
 from core import data, dist, models, parallel, steps
 from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
-from core.run import Run
+from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,13 @@ def main(cfg: Config) -> dict:
     try:
         plan = mesh(cfg, topo.world_size)
         global_batch = cfg.batch_size * plan["dp"] * cfg.accum  # a tp group shares one batch
-        with Run.start(cfg, topo, recipe="fsdp_tp", global_batch=global_batch, mesh=plan) as run:
+        with ShardedRun.start(cfg, topo, recipe="fsdp_tp", global_batch=global_batch, mesh=plan) as run:
             return train(cfg, topo, run)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
     # Build: slice within each tp group first, then shard those slices across the dp groups.
     torch.manual_seed(cfg.seed)

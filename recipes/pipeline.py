@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from core import data, dist, models, parallel, pipeline, steps
 from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
-from core.run import Run
+from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,13 @@ def main(cfg: Config) -> dict:
     try:
         plan = mesh(cfg, topo.world_size)
         global_batch = cfg.batch_size * plan["dp"] * cfg.accum  # the stages of one pipeline share its batch
-        with Run.start(cfg, topo, recipe="pipeline", global_batch=global_batch, mesh=plan) as run:
+        with ShardedRun.start(cfg, topo, recipe="pipeline", global_batch=global_batch, mesh=plan) as run:
             return train(cfg, topo, run)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
     # Data: every stage of one pipeline reads the same batches; the dp pipelines read disjoint shares.
     torch.manual_seed(cfg.seed)  # the same weights on every rank; each keeps its own stages
     train_set, val_set, collate = data.build_data(cfg.data)

@@ -25,7 +25,7 @@ import torch
 
 from core import data, dist, models, parallel, steps
 from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
-from core.run import Run
+from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def main(cfg: Config) -> dict:
     topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
     try:
         global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
-        with Run.start(
+        with ShardedRun.start(
             cfg, topo, recipe="tensor_parallel", global_batch=global_batch, mesh=mesh(cfg, topo.world_size)
         ) as run:
             return train(cfg, topo, run)
@@ -68,7 +68,7 @@ def main(cfg: Config) -> dict:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)

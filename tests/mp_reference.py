@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from core import data, models, steps
 from core.dist import Topology
-from core.run import Run
+from core.sharded_run import ShardedRun
 
 BASE = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
 
@@ -25,7 +25,7 @@ def run_recipe(topo, name: str, cfg) -> dict:
     module = importlib.import_module(f"recipes.{name}")
     plan = module.mesh(cfg, topo.world_size)
     global_batch = cfg.batch_size * plan["dp"] * cfg.accum
-    with Run.start(cfg, topo, recipe=name, global_batch=global_batch, mesh=plan) as run:
+    with ShardedRun.start(cfg, topo, recipe=name, global_batch=global_batch, mesh=plan) as run:
         return module.train(cfg, topo, run)
 
 

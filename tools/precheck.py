@@ -14,6 +14,7 @@ import torch
 from core import ckpt, data, dcp, models, steps
 from core.config import RecipeError, check_writable
 from core.folder import check_free, find_resume
+from core.sharded_run import ShardedRun  # either kind of checkpoint
 
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps")
@@ -32,7 +33,7 @@ def precheck(recipe, module, cfg) -> None:
 
 
 def check_resume(recipe: str, module, cfg) -> None:
-    path = find_resume(cfg.resume, out=cfg.out, prefix=cfg.name or recipe)
+    path = find_resume(cfg.resume, out=cfg.out, prefix=cfg.name or recipe, newest=ShardedRun.newest_checkpoint)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run
     if path.parent.name == "ckpt":
