@@ -116,6 +116,7 @@ class CheckpointSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # background: the host copy, reused save after save
+        self.path: Path | None = None  # the checkpoint written last (or being written): what an error is about
 
     def save(
         self,
@@ -129,7 +130,7 @@ class CheckpointSaver:
     ) -> Path:
         self.wait()
         rng = _rng_states()  # the collective part stays in the caller's thread
-        path = self.ckpt_dir / f"step-{progress['step']:06d}.safetensors"
+        path = self.path = self.ckpt_dir / f"step-{progress['step']:06d}.safetensors"
         if is_rank0():
             tensors, header = _snapshot(
                 rng,

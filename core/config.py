@@ -85,12 +85,8 @@ class Training(Options):
     """What every recipe takes."""
 
     epochs: int = option(5, "passes over the training set", check=_at_least(0), fix="use 0 or more")
-    max_steps: int = option(
-        0, "stop after this many optimizer steps (0: no limit)", check=_at_least(0), fix="use 0 (no limit) or more"
-    )
-    batch_size: int = option(
-        32, "samples per rank per micro-batch", check=_at_least(1), fix="use 1 to 2**31 (it is per rank)"
-    )
+    max_steps: int = option(0, "stop after N optimizer steps (0: no limit)", check=_at_least(0), fix="use 0 or more")
+    batch_size: int = option(32, "samples per rank per micro-batch", check=_at_least(1), fix="use 1 to 2**31")
     lr: float = option(
         1e-3,
         "peak learning rate (AdamW, cosine decay to zero)",
@@ -98,7 +94,7 @@ class Training(Options):
         fix="use a learning rate in (0, 10]",
     )
     seed: int = option(
-        0, "seed for weights, shuffling and dropout", check=lambda v: 0 <= v < 2**63, fix="use 0 to 2**63-1"
+        0, "seed for weights, shuffling, dropout", check=lambda v: 0 <= v < 2**63, fix="use 0 to 2**63-1"
     )
     model: str = option("mlp", "built-in model (mlp, cnn, gpt) or module:function returning an nn.Module")
     data: str = option("digits", "built-in data (digits, synthetic, text) or module:function returning (train, val)")
@@ -129,9 +125,7 @@ class Training(Options):
 @dataclass(frozen=True)
 class Checkpointing(Options):
     title = "checkpoints"
-    ckpt_every: int = option(
-        0, "write a checkpoint every N optimizer steps (0: none)", check=_at_least(0), fix="use 0 or more steps"
-    )
+    ckpt_every: int = option(0, "checkpoint every N optimizer steps (0: none)", check=_at_least(0), fix="use 0 or more")
     keep: int = option(2, "how many newest checkpoints to keep", check=_at_least(1), fix="keep at least 1")
     resume: str = option("", "'auto' (newest good checkpoint of the newest run) or a checkpoint path")
 
@@ -163,14 +157,9 @@ class Precision(Options):
 @dataclass(frozen=True)
 class Accumulation(Options):
     title = "gradient accumulation and clipping"
-    accum: int = option(
-        1, "micro-batches per optimizer step (gradient accumulation)", check=_at_least(1), fix="use 1 or more"
-    )
+    accum: int = option(1, "micro-batches per optimizer step (accumulation)", check=_at_least(1), fix="use 1 or more")
     clip: float = option(
-        0.0,
-        "clip the global gradient norm to this (0: no clipping)",
-        check=lambda v: v >= 0,
-        fix="use 0 (off) or a positive max norm",
+        0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0 or more"
     )
 
 
@@ -240,14 +229,26 @@ def cli_main(main: Callable, config: type, argv: list[str] | None = None, *, che
             check(cfg)
         if dry_run:
             print(f"ok: {cfg.to_dict()}")
-            return
-        main(cfg)
+        else:
+            main(cfg)
+        code = 0
     except UsageError as err:
-        sys.exit(fail(str(err), 2))
+        code = fail(str(err), 2)
     except RecipeError as err:
-        sys.exit(fail(str(err), 1))
+        code = fail(str(err), 1)
     except KeyboardInterrupt:
-        sys.exit(fail("interrupted", 130))
+        code = fail("interrupted", 130)
+    leave(code)
+
+
+def leave(code: int) -> None:
+    """End the process now, skipping the interpreter's teardown. DistributedDataParallel keeps its process
+    group, and gloo's worker threads, alive past destroy_process_group; a worker still releasing the last
+    collective's tensors once teardown stops handing out the GIL aborts a run that ended well (SIGABRT,
+    "terminate called without an active exception", pytorch/pytorch#179291). Our files are closed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def fail(message: str, code: int) -> int:

@@ -107,7 +107,7 @@ class Run:
             try:
                 self.saver.close()  # a background checkpoint write finishes before the job ends
             except OSError as err:
-                raise disk_error(err, self.run_dir / "ckpt" / "step", 0) from None
+                raise disk_error(err, self.saver.path, 0) from None
         if self.enabled and (lock_holder(self.run_dir) or {}).get("pid") in (None, os.getpid()):
             (self.run_dir / ".lock").unlink(missing_ok=True)  # ours, or stale: the folder is free again
 
@@ -215,7 +215,8 @@ class Run:
             )
         except OSError as err:  # a full disk: one line with the numbers, the checkpoints before stay whole
             holders = [*model, optimizer] if isinstance(model, list | tuple) else [model, optimizer]
-            raise disk_error(err, self.run_dir / "ckpt" / f"step-{step:06d}", state_bytes(*holders)) from None
+            failed = self.saver.path if self.saver and self.saver.path else self.run_dir / "ckpt" / f"step-{step:06d}"
+            raise disk_error(err, failed, state_bytes(*holders)) from None  # async: maybe the previous one
         self._paused(paused)
 
     # The checkpoint format: one file that rank 0 writes (core.sharded_run.ShardedRun: a shard per rank).
@@ -237,13 +238,18 @@ class Run:
         for callback in self.on_pause:
             callback()
 
-    def evaluate(self, model, loader, *, loss_fn, step: int) -> dict:
-        """Validation loss (and accuracy) over every rank's share, once each; its time is not training time."""
+    def evaluate(self, model, loader, *, loss_fn=None, step: int, compute=None) -> dict:
+        """Validation loss (and accuracy) over every rank's share, once each; its time is not training time.
+        `compute`: the recipe's own evaluation, called with no arguments (a pipeline's runs its schedule)."""
         if loader is None:
             return {}
         paused = time.perf_counter()
-        self.evaluation = steps.evaluate(  # sharded: each forward is a collective, every rank runs as many
-            model, loader, loss_fn=loss_fn, device=self.topo.device, in_step=sharded(model)
+        self.evaluation = (
+            compute()
+            if compute is not None
+            else steps.evaluate(  # sharded: each forward is a collective, every rank runs as many
+                model, loader, loss_fn=loss_fn, device=self.topo.device, in_step=sharded(model)
+            )
         )
         self._paused(paused)
         self.log("eval", step=step, epoch=self.progress["epoch"], **self.evaluation)

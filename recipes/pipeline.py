@@ -20,6 +20,7 @@ norm over all stages; --precision bf16 runs the stages under autocast. Checkpoin
 """
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -128,7 +129,7 @@ def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
     run.print(f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
     # Train. Every rank calls the schedule with the whole batch; the first stage reads the inputs, the last the targets.
-    step, evaluation = progress["step"], {}
+    step = progress["step"]
     for epoch in range(progress["epoch"], cfg.epochs):
         if step >= total:  # --max-steps reached; a resumed run that had finished stops here
             break
@@ -150,13 +151,13 @@ def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
             step += 1
             run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
             run.checkpoint(step, model=stages, optimizer=optimizer, scheduler=scheduler)  # every rank its stages
-        if val_loader is not None:  # forward only, through the same schedule
-            evaluation = evaluate(schedule, val_loader, accum=cfg.accum, holds_last=holds_last, device=topo.device)
-            run.log("eval", step=step, epoch=epoch, **evaluation)
-            run.print(f"epoch {epoch} " + " ".join(f"{k} {v:.4f}" for k, v in evaluation.items()))
+        forward_only = functools.partial(  # through the same schedule
+            evaluate, schedule, val_loader, accum=cfg.accum, holds_last=holds_last, device=topo.device
+        )
+        run.evaluate(stages, val_loader, step=step, compute=forward_only)
 
     # The stages' tensors, merged on rank 0 into the plain model's state dict and written as one file.
-    return run.finish(stages, state=pipeline.gather_state_dict(stages), **evaluation, pp=pp, dp=dp)
+    return run.finish(stages, state=pipeline.gather_state_dict(stages), pp=pp, dp=dp)
 
 
 def pipeline_step(schedule, micro_batches, *, optimizer, holds_last, precision, clip, dp, dp_group, pp_group):

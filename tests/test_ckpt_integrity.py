@@ -11,7 +11,7 @@ from torch.utils.data import DistributedSampler
 
 from core import ckpt
 from core.config import RecipeError
-from core.folder import find_resume
+from core.folder import disk_error, find_resume
 from core.run import Run
 from tiny import TiedMLP
 from world import GlooWorld
@@ -289,3 +289,15 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     assert sorted(ckpt.remove_stale_temporaries(run_dir)) == sorted(stale)
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
     assert (run_dir / "ckpt" / ".dir.tmp-3").is_dir()
+
+
+@pytest.mark.fast
+def test_a_failed_background_write_is_named_by_its_own_step(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    model, optimizer = _train_state()
+    saver = ckpt.CheckpointSaver(tmp_path / "file" / "ckpt", keep=2, background=True)
+    saver.save(model=model, optimizer=optimizer, progress=_progress(2))  # fails in the background
+    with pytest.raises(OSError) as failed:
+        saver.save(model=model, optimizer=optimizer, progress=_progress(4))  # says so before writing step 4
+    assert saver.path.name == "step-000002.safetensors"
+    assert "writing step-000002.safetensors failed" in str(disk_error(failed.value, saver.path, 0))

@@ -199,3 +199,22 @@ def test_third_party_recipe_joins_through_the_entry_point_group(tmp_path):
     env = user_env(PYTHONPATH=str(tmp_path))
     assert "a third-party recipe" in recipes_cli("ls", env=env).stdout
     assert "plugin ran with lr 0.5" in recipes_cli("run", "my_recipe", "--lr", "0.5", env=env, cwd=tmp_path).stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "entry", ["runpy.run_module('recipes', run_name='__main__')", "runpy.run_path(RECIPE, run_name='__main__')"]
+)
+def test_a_training_process_ends_without_the_interpreter_teardown(entry):
+    """DDP keeps gloo's worker threads alive to the end; a teardown racing them can SIGABRT a run that ended well
+    (core.config.leave). Both entry points leave through os._exit, after flushing what they printed."""
+    script = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(print, 'teardown ran')\n"
+        f"RECIPE = {str(REPO / 'recipes' / 'ddp.py')!r}\n"
+        "sys.argv = [RECIPE, *(['run', 'ddp'] if 'module' in sys.argv[1] else []), '--dry-run']\n"
+        f"{entry}\n"
+    )
+    proc = run([sys.executable, "-c", script, entry], check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok: ") and "teardown ran" not in proc.stdout

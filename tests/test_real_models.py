@@ -19,12 +19,10 @@ pytestmark = pytest.mark.e2e
 CASES = [  # recipe, model, data, options
     ("ddp_amp", "check_user:gpt2", "check_user:lm_stream", ["--accum", "2"]),  # own loss, dicts, a sized stream
     ("ddp_amp", "check_user:nano", "check_user:pair_stream", ["--accum", "2", "--precision", "bf16"]),  # unsized
-    ("ddp", "check_user:nano", "check_user:pair_stream", []),
     ("fsdp", "check_user:nano", "check_user:pair_stream", []),
     ("fsdp", "check_user:bert", "check_user:classify", []),  # the root keeps parameters of its own
     ("fsdp", "check_user:gpt2", "check_user:lm_stream", ["--accum", "2", "--clip", "1.0"]),
-    ("ddp", "check_user:bert", "check_user:classify", []),  # a classifier, dicts padded by the factory's collate
-]
+]  # ddp with each model and data: tests/test_check.py, through the `check` command
 
 
 @pytest.mark.parametrize("recipe,model,data,options", CASES, ids=[f"{c[0]}-{c[1][11:]}" for c in CASES])

@@ -10,12 +10,11 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import sys
 from pathlib import Path
 
 import click
 
-from core.config import RecipeError, UsageError, fail, parse_args
+from core.config import RecipeError, UsageError, fail, leave, parse_args
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -215,4 +214,4 @@ def run_cli(args: list[str] | None = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run_cli())
+    leave(run_cli())  # without the interpreter's teardown: see core.config.leave
