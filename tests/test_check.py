@@ -187,20 +187,16 @@ def _agrees(proc):
     assert "largest parameter difference" in proc.stdout and "training loss difference" in proc.stdout
 
 
+# The command on a built-in model and on a user's own module from the working folder. More models and data
+# (transformers GPT-2 and BERT, dicts, streams) go through the same check: tests/test_real_models.py.
 @pytest.mark.e2e
-@pytest.mark.parametrize("args", [["ddp"], ["fsdp"]], ids=["ddp-mlp", "fsdp-gpt"])
-def test_check_passes_on_the_built_in_models(args, tmp_path):
-    _agrees(_check(*args, tmp_path=tmp_path))
+def test_check_passes_on_a_built_in_model(tmp_path):
+    _agrees(_check("fsdp", tmp_path=tmp_path))
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    "model,data",
-    [("gpt2", "lm_stream"), ("bert", "classify"), ("nano", "pair_stream")],
-    ids=["causal-lm-dicts-sized-stream", "classifier-dicts-collate", "nanogpt-pairs-stream"],
-)
-def test_check_agrees_on_models_and_data_as_they_come(model, data, tmp_path):
-    _agrees(_check("ddp", "--model", f"usermodels:{model}", "--data", f"usermodels:{data}", tmp_path=tmp_path))
+def test_check_agrees_on_a_users_model_and_stream(tmp_path):
+    _agrees(_check("ddp", "--model", "usermodels:nano", "--data", "usermodels:pair_stream", tmp_path=tmp_path))
 
 
 @pytest.mark.e2e

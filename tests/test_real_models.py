@@ -3,15 +3,13 @@
 `python -m recipes check` runs a recipe under torchrun on 2 processes and as one process on the
 same global batch, and compares the weights and the loss. Here it runs on a `transformers` GPT-2
 and BERT built from tiny configs (no download) and a nanoGPT-style model, with dict and pair
-batches and streaming data sets (tests/check_user.py), under the recipes that take them. The
-standalone copy of ddp trains a transformers model bit for bit like the packaged recipe.
+batches and streaming data sets (tests/check_user.py), under the recipes that take them. (The
+standalone copy of ddp trains a transformers GPT-2 bit for bit like the packaged recipe: tests/test_standalone.py.)
 """
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from helpers import REPO, recipes_cli, run, torchrun, user_env
+from helpers import REPO
 from tools.check import check_recipe
 from tools.registry import RECIPES
 
@@ -31,19 +29,3 @@ def test_two_ranks_train_like_one_process(recipe, model, data, options, monkeypa
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     report = check_recipe(RECIPES[recipe], model=model, data=data, options=tuple(options), steps=3, batch_size=4)
     assert report.equivalent, report.text
-
-
-def test_a_standalone_copy_trains_a_transformers_model_like_the_recipe(tmp_path):
-    copy = tmp_path / "train.py"
-    recipes_cli("cp", "ddp", str(copy), "--standalone")
-    args = ["--model", "check_user:gpt2", "--data", "check_user:lm_stream", "--max-steps", "3", "--batch-size", "4"]
-    env = user_env(PYTHONPATH=str(REPO / "tests"))  # the user's module; the copy itself imports nothing of ours
-    run([*torchrun(str(copy)), *args, "--out", str(tmp_path / "copy")], cwd=tmp_path, env=env, timeout=300)
-    run(
-        [*torchrun("-m", "recipes", "run", "ddp"), *args, "--out", str(tmp_path / "package")],
-        cwd=tmp_path,
-        env=user_env(PYTHONPATH=f"{REPO / 'tests'}:{REPO}"),
-        timeout=300,
-    )
-    mine, theirs = (load_file(tmp_path / side / "ddp-1" / "model.safetensors") for side in ("copy", "package"))
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
