@@ -3,12 +3,11 @@
     @dataclass(frozen=True)
     class Config(Training, Checkpointing):   # exactly the options this recipe implements
         find_unused_parameters: bool = option(False, "let DDP skip parameters forward never used")
-
     if __name__ == "__main__":
         cli_main(main, Config)               # python ddp.py --epochs 3; --help lists Config's fields
 
-A wrong value fails when the Config is built, before any process group exists, with one line
-that names the option, the value and the fix. Every float must be finite.
+A wrong value (a float must be finite) fails when the Config is built, before any process exists,
+in one line that names the option, the value and the fix.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import math
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -238,14 +238,16 @@ def cli_main(main: Callable, config: type, argv: list[str] | None = None, *, che
         code = fail(str(err), 1)
     except KeyboardInterrupt:
         code = fail("interrupted", 130)
+    except Exception:  # a failed collective or a bug: its traceback as Python prints it, and Python's exit status
+        traceback.print_exc()
+        code = 1
     leave(code)
 
 
 def leave(code: int) -> None:
-    """End the process now, skipping the interpreter's teardown. DistributedDataParallel keeps its process
-    group, and gloo's worker threads, alive past destroy_process_group; a worker still releasing the last
-    collective's tensors once teardown stops handing out the GIL aborts a run that ended well (SIGABRT,
-    "terminate called without an active exception", pytorch/pytorch#179291). Our files are closed by now."""
+    """End the process now, skipping the interpreter's teardown. DDP keeps its process group, and gloo's worker
+    threads, alive past destroy_process_group; a worker still releasing a collective's tensors once teardown stops
+    handing out the GIL aborts the process (SIGABRT, "terminate called without an active exception", #179291)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -294,6 +296,4 @@ def check_writable(folder: str) -> None:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
             pass
     except OSError as err:
-        raise RecipeError(
-            f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable folder"
-        ) from None
+        raise RecipeError(f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable one") from None

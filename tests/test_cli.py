@@ -218,3 +218,22 @@ def test_a_training_process_ends_without_the_interpreter_teardown(entry):
     proc = run([sys.executable, "-c", script, entry], check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok: ") and "teardown ran" not in proc.stdout
+
+
+@pytest.mark.e2e
+def test_a_failed_collective_ends_with_its_traceback_and_without_the_teardown():
+    """An error that is not the user's (a peer's link cut: a RuntimeError from gloo) prints Python's traceback and
+    exits 1, as an uncaught exception would, but through core.config.leave: the teardown race aborted it too."""
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(print, 'teardown ran')\n"
+        "from core.config import cli_main\n"
+        "from recipes.ddp import Config\n"
+        "def main(cfg):\n"
+        "    raise RuntimeError('Application timeout caused pair closure')\n"
+        "sys.argv = ['ddp']\n"
+        "cli_main(main, Config)\n"
+    )
+    proc = run([sys.executable, "-c", script], check=False)
+    assert proc.returncode == 1 and "teardown ran" not in proc.stdout
+    assert proc.stderr.startswith("Traceback") and "RuntimeError: Application timeout" in proc.stderr
