@@ -59,7 +59,7 @@ failure_cause() {
     peer=$(grep -oE '\[[0-9a-f.:]+\]' <<<"$line" | tr -d '[]' | sed -n 1p)
     what=$(grep -oE 'Connection [a-z]+( by peer)?|Broken pipe' <<<"$line" | sed -n 1p)
     echo "lost the connection to peer $peer ($what): that node stopped or the network to it failed; see its log"
-  elif line=$(grep -aoE 'Timed out waiting [0-9]+ms for (send|recv)|[Ww]atchdog caught collective operation timeout|hang-rank[0-9]+\.txt' "$log" | sed -n 1p) && [[ -n "$line" ]]; then
+  elif line=$(grep -aoE 'Timed out waiting [0-9]+ms for (send|recv)|Application timeout caused pair closure|[Ww]atchdog caught collective operation timeout|hang-rank[0-9]+\.txt' "$log" | sed -n 1p) && [[ -n "$line" ]]; then
     echo "a collective timed out ($line): a rank hung or stopped answering within --timeout-s; see the hang reports and tracebacks above"
   elif line=$(awk '/Root Cause/ {found = 1} found && /rank *:/ {r = $3} found && /exitcode *:/ {print "rank " r " exited with code " $3; exit}' "$log") \
        && [[ -n "$line" ]]; then

@@ -218,3 +218,17 @@ def test_single_node_listens_on_loopback_only_and_dies_with_its_launcher(tmp_pat
     os.kill(proc.pid, signal.SIGKILL)  # the launcher itself: torchrun follows it, and the workers follow torchrun
     proc.wait(timeout=BOUND_S)
     assert_gone([agent, *workers], out)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "line", ["Timed out waiting 20000ms for recv operation to complete", "Application timeout caused pair closure"]
+)
+def test_a_collective_timeout_is_named_in_either_of_gloos_words(tmp_path, line):
+    """gloo says a silent peer's timeout two ways; both are the launcher's "a collective timed out" (the multi-node
+    launcher turns it into "the peer is unreachable"), not "rank 0 exited with code 1"."""
+    log = tmp_path / "log"
+    log.write_text(f"[rank0]: RuntimeError: {line}\nRoot Cause\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1\n")
+    script = f"source {REPO / 'launch_common.sh'} >/dev/null 2>&1; failure_cause {log}"
+    cause = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30).stdout
+    assert cause.startswith("a collective timed out (") and line[:24] in cause, cause
