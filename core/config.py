@@ -18,7 +18,6 @@ import importlib
 import math
 import os
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -223,31 +222,38 @@ def parse_args(
 
 def cli_main(main: Callable, config: type, argv: list[str] | None = None, *, check: Callable | None = None) -> None:
     """`if __name__ == "__main__": cli_main(main, Config)`: parse, check, run; errors as one line."""
+
+    def parse_and_run() -> int:
+        try:
+            doc = (sys.modules[main.__module__].__doc__ or "").split("\n")[0]
+            cfg, dry_run = parse_args(config, argv, description=doc)
+            if check is not None:
+                check(cfg)
+            if dry_run:
+                print(f"ok: {cfg.to_dict()}")
+            else:
+                main(cfg)
+            return 0
+        except UsageError as err:
+            return fail(str(err), 2)
+        except RecipeError as err:
+            return fail(str(err), 1)
+        except KeyboardInterrupt:
+            return fail("interrupted", 130)
+
+    leave(parse_and_run)
+
+
+def leave(run: Callable[[], int]) -> None:
+    """End the process with `run()`'s exit status (an uncaught error: its traceback as Python prints it, and 1),
+    skipping the interpreter's teardown. DDP keeps its process group, and gloo's worker threads, alive past
+    destroy_process_group; a worker still releasing a collective's tensors once teardown stops handing out the
+    GIL aborts the process (SIGABRT, "terminate called without an active exception", #179291)."""
     try:
-        cfg, dry_run = parse_args(config, argv, description=(sys.modules[main.__module__].__doc__ or "").split("\n")[0])
-        if check is not None:
-            check(cfg)
-        if dry_run:
-            print(f"ok: {cfg.to_dict()}")
-        else:
-            main(cfg)
-        code = 0
-    except UsageError as err:
-        code = fail(str(err), 2)
-    except RecipeError as err:
-        code = fail(str(err), 1)
-    except KeyboardInterrupt:
-        code = fail("interrupted", 130)
-    except Exception:  # a failed collective or a bug: its traceback as Python prints it, and Python's exit status
+        code = run()
+    except Exception:  # a failed collective or a bug
         traceback.print_exc()
         code = 1
-    leave(code)
-
-
-def leave(code: int) -> None:
-    """End the process now, skipping the interpreter's teardown. DDP keeps its process group, and gloo's worker
-    threads, alive past destroy_process_group; a worker still releasing a collective's tensors once teardown stops
-    handing out the GIL aborts the process (SIGABRT, "terminate called without an active exception", #179291)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -282,18 +288,3 @@ def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: s
     if not callable(factory):
         raise RecipeError(f"{option} {spec}: module {module_name!r} has no function {attr!r}")
     return factory
-
-
-def check_writable(folder: str) -> None:
-    """Fail now, not after an hour of training, when the output folder can't be written; creates nothing."""
-    existing = os.path.abspath(folder)
-    while not os.path.isdir(existing):  # the nearest folder that exists must let us create the rest
-        parent = os.path.dirname(existing)
-        if parent == existing or os.path.exists(existing):
-            raise RecipeError(f"--out {folder}: cannot write there ({existing} is not a folder); pick a writable one")
-        existing = parent
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
-            pass
-    except OSError as err:
-        raise RecipeError(f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable one") from None

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import socket
+import tempfile
 from pathlib import Path
 
 from core import ckpt
@@ -133,3 +134,18 @@ def take_folder(run_dir: Path, *, fresh: bool, config: dict) -> None:
     if fresh:
         text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
         ckpt.atomic_write(run_dir / "config.json", lambda f: f.write(text))
+
+
+def check_writable(folder: str) -> None:
+    """Fail now, not after an hour of training, when the output folder can't be written; creates nothing."""
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing):  # the nearest folder that exists must let us create the rest
+        parent = os.path.dirname(existing)
+        if parent == existing or os.path.exists(existing):
+            raise RecipeError(f"--out {folder}: cannot write there ({existing} is not a folder); pick a writable one")
+        existing = parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise RecipeError(f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable one") from None

@@ -84,6 +84,8 @@ def test_copy_is_one_whole_file(project, name):
     ]
     assert not [m for m in imported if m and m.split(".")[0] in ("core", "recipes")], imported
     doc = ast.get_docstring(tree)
+    assert not _misindented(tree), f"{name}: lines indented off the 4-space grid: {_misindented(tree)}"
+    assert text.index("\ndef train(") < text.index(" inlined from core/")  # the recipe comes first
     assert doc.startswith(f"{name}:")
     first = next(line.strip() for line in doc.splitlines()[1:] if line.strip())
     assert first.startswith(("torchrun ", "python ")) and str(path) in first, first
@@ -156,6 +158,30 @@ def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path
     assert again.exit_code != 0 and "exists" in again.output
 
 
+def _misindented(tree: ast.AST) -> list[int]:
+    """Lines of statements not indented 4 spaces more than the statement whose body they are in."""
+    wrong = []
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(node, field, None)
+            if isinstance(node, (ast.stmt, ast.ExceptHandler)) and isinstance(block, list) and block:
+                first = block[0]
+                if isinstance(first, (ast.stmt, ast.ExceptHandler)) and first.lineno != node.lineno:
+                    expected = node.col_offset + (0 if field == "handlers" or _is_elif(node, field) else 4)
+                    wrong += [first.lineno] if first.col_offset != expected else []
+    return wrong
+
+
+def _is_elif(node: ast.AST, field: str) -> bool:
+    """An `elif` is an If in its parent's orelse, at the parent's column (the `else:` case is indented)."""
+    return (
+        field == "orelse"
+        and isinstance(node, ast.If)
+        and isinstance(node.orelse[0], ast.If)
+        and (node.orelse[0].col_offset == node.col_offset)
+    )
+
+
 # --- the inliner on small made-up sources: the cases no recipe has today -----------------------------
 
 
@@ -225,3 +251,22 @@ def test_diff_says_when_b_does_not_build_on_a():
 def test_diff_is_coloured_on_a_terminal():
     result = CliRunner().invoke(cli, ["diff", "ddp", "ddp_amp"], color=True)
     assert "\x1b[32m+" in result.output and "\x1b[31m-" in result.output
+
+
+def test_a_renamed_function_keeps_its_body_where_it_was():
+    """`in_step` clashes with the recipe's name and becomes `stream_in_step`: its arguments move right, its
+    body (indented by chance at the column of its first argument) stays on the 4-space grid."""
+    text = _inline(
+        '"""demo."""\nfrom core import stream\n\nin_step = "mine"\n\n\n'
+        "def run(loader):\n    return list(stream.in_step(loader, device=None))\n"
+    )
+    assert "def stream_in_step(loader" in text and not _misindented(ast.parse(text))
+    assert _namespace(text)["run"]([1, 2]) == [(1, True), (2, True)]
+
+
+def test_a_helpers_docstring_is_cut_to_its_first_sentence_not_its_first_line():
+    text = _inline(
+        '"""demo."""\nfrom core import stream\n\n\ndef run(loader):\n    return stream.in_step(loader, device=None)\n'
+    )
+    doc = ast.get_docstring(next(n for n in ast.parse(text).body if getattr(n, "name", "") == "in_step"))
+    assert doc.endswith("until every rank's share is done.") and "\n" in doc  # two lines: one sentence

@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import traceback
 from pathlib import Path
 
 import click
@@ -215,9 +214,4 @@ def run_cli(args: list[str] | None = None) -> int:
 
 
 def main() -> None:
-    try:
-        code = run_cli()
-    except Exception:  # a failed collective or a bug: its traceback as Python prints it, and Python's exit status
-        traceback.print_exc()
-        code = 1
-    leave(code)  # without the interpreter's teardown: see core.config.leave
+    leave(run_cli)  # without the interpreter's teardown: see core.config.leave

@@ -12,8 +12,8 @@ import os
 import torch
 
 from core import ckpt, data, dcp, models, steps
-from core.config import RecipeError, check_writable
-from core.folder import check_free, find_resume
+from core.config import RecipeError
+from core.folder import check_free, check_writable, find_resume
 from core.sharded_run import ShardedRun  # either kind of checkpoint
 
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.

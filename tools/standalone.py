@@ -6,8 +6,9 @@ Driven by ast, not by a list: parse the recipe, resolve every name it takes from
 (`from core import data` then `data.make_loader(...)`, or `from core.x import Y`), collect those
 definitions from core's source files as they are at copy time, and what they use in turn
 (functions, classes, module constants, the imports they need). Then emit one file: the recipe's
-docstring, the imports merged, the definitions module by module in dependency order, and the
-recipe's own code with its `core.` references rewritten to the inlined names. The text of every
+docstring, the imports merged, the recipe's functions, the definitions module by module in
+dependency order, and the rest of the recipe (its Config, the `__main__` lines), with its `core.`
+references rewritten to the inlined names. The text of every
 statement is spliced from its source rather than regenerated, so comments and layout survive.
 Two definitions with one name (core.models.MLP and core.gpt.MLP) get distinct names; a name is
 never given where a local variable of that name would hide it.
@@ -88,7 +89,10 @@ def _realign(node: ast.stmt, source: bytes, starts: list[int], edits: list) -> l
         }.get(type(inner), lambda n: [])(inner)
         if items:
             first = min(items, key=lambda i: (i.lineno, i.col_offset))
-            anchors.append((first.lineno, first.col_offset, inner.end_lineno))
+            # a def's arguments end where its body begins: body lines that happen to start at the column of
+            # its first argument are not continuation lines
+            last = inner.body[0].lineno - 1 if isinstance(inner, ast.FunctionDef) else inner.end_lineno
+            anchors.append((first.lineno, first.col_offset, last))
     shift: dict[int, int] = {}
     for line, column, last in sorted(anchors):
         moved = shift.get(line, 0) + sum(d for c, d in deltas.get(line, []) if c < column)
@@ -138,8 +142,19 @@ def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
     return text.decode().strip("\n") + "\n"
 
 
+def _definable_first(node: ast.stmt) -> bool:
+    """A function whose definition runs nothing of the helpers (no decorator, only literal defaults): it can stand
+    before them in the file, since its body looks the helpers up only when it is called."""
+    defaults = [*node.args.defaults, *filter(None, node.args.kw_defaults)] if isinstance(node, ast.FunctionDef) else []
+    return (
+        isinstance(node, ast.FunctionDef)
+        and not node.decorator_list
+        and all(isinstance(d, ast.Constant) for d in defaults)
+    )
+
+
 def _docstring_edits(node: ast.stmt, source: bytes, at) -> list[tuple[int, int, str]]:
-    """Each multi-line docstring of a function or class in `node` cut to its first line, as written."""
+    """Each multi-line docstring of a function or class in `node` cut to its first sentence, as written."""
     edits = []
     for inner in ast.walk(node):
         body = getattr(inner, "body", None) if isinstance(inner, (ast.FunctionDef, ast.ClassDef)) else None
@@ -147,11 +162,28 @@ def _docstring_edits(node: ast.stmt, source: bytes, at) -> list[tuple[int, int, 
         if doc is None or not isinstance(doc.value, ast.Constant) or doc.end_lineno == doc.lineno:
             continue
         begin, end = at(doc.lineno, doc.col_offset), at(doc.end_lineno, doc.end_col_offset)
-        first = source[begin:end].split(b"\n", 1)[0].decode().rstrip()  # '"""Summary', prefix and quotes as written
-        quote = first.lstrip("rRuU")[:3]
-        if quote in ('"""', "'''") and len(first.lstrip("rRuU")) > 3:  # not a `"""` alone on its line
-            edits.append((begin, end, first + quote))
+        written = source[begin:end].decode()
+        opening = written[: len(written) - len(written.lstrip("rRuU")) + 3]  # prefix and quotes as written
+        summary = _first_sentence(written[len(opening) : -3])
+        if opening[-3:] in ('"""', "'''") and summary:  # not a `"""` alone on its first line
+            edits.append((begin, end, opening + summary + opening[-3:]))
     return edits
+
+
+_SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!vs)[.!?](?=\s|$)")
+
+
+def _first_sentence(text: str) -> str:
+    """The docstring's first sentence with its line breaks (the whole first paragraph if no sentence ends in it)."""
+    kept = []
+    for line in text.split("\n"):
+        if not line.strip():
+            break
+        end = _SENTENCE_END.search(line)
+        kept.append(line[: end.end()] if end else line)
+        if end:
+            break
+    return "\n".join(kept).rstrip()
 
 
 def _import_lines(keys: dict[tuple, str], submodules: dict[tuple, set[str]]) -> list[str]:
@@ -250,21 +282,25 @@ def standalone_source(
         f"{dest} --standalone`. It needs {', '.join(needs) or 'only the standard library'}"
         + (f" (and {', '.join(lazy)}, imported only inside the functions that use it)" if lazy else "")
         + f". Nothing is imported from torch-dist-recipes: the code the recipe uses of {', '.join(packages)} is "
-        f"inlined below, section by section, as it was in {files} when copied. The recipe itself comes last.",
+        f"inlined below it, section by section, as it was in {files} when copied. The recipe's functions come "
+        f"first; its Config and the lines that start it come last, once the helpers they use are defined.",
         width=100,
         initial_indent="# ",
         subsequent_indent="# ",
     )
     top = [_launch_lines(docstring, dest, nproc).rstrip("\n"), header] if docstring else [header]
-    future = recipe.future or any(inliner.modules[m].future for m in inliner.contributing)
-    imports = ["from __future__ import annotations", ""] * future + _import_lines(used, inliner.submodules)
-    parts = ["\n\n".join(top), "\n".join(imports).rstrip("\n")]
+    # the recipe's functions come before the helpers their annotations name: annotations must not be evaluated
+    imports = ["from __future__ import annotations", "", *_import_lines(used, inliner.submodules)]
+    parts = ["\n\n".join([*top, "\n".join(imports).rstrip("\n")])]  # one blank line, as ruff format has it
+    early = [chunk for chunk in recipe.chunks if _definable_first(chunk.node)]
+    parts.append(f"# {'-' * 30} the {name} recipe {'-' * 30}")
+    parts += [_chunk_text(recipe, chunk, names).rstrip("\n") for chunk in early]
     section = None
     for chunk in chunks:
         if chunk.module != section:
             section = chunk.module
             parts.append(f"# {'-' * 30} inlined from {section.replace('.', '/')}.py {'-' * 30}")
         parts.append(_chunk_text(inliner.modules[chunk.module], chunk, names).rstrip("\n"))
-    parts.append(f"# {'-' * 30} the {name} recipe {'-' * 30}")
-    parts += [_chunk_text(recipe, chunk, names).rstrip("\n") for chunk in recipe.chunks]
+    parts.append(f"# {'-' * 30} the {name} recipe's Config and start {'-' * 30}")
+    parts += [_chunk_text(recipe, chunk, names).rstrip("\n") for chunk in recipe.chunks if chunk not in early]
     return "\n\n\n".join(parts) + "\n"
