@@ -2,7 +2,7 @@
 #   fail / need_count / need_port      one `error:` line naming the variable, the value and the fix
 #   pick_target ARGS...                the recipe name (default ddp) and how to start it
 #   run_torchrun LOG ARGS...           torchrun in the background, dying with this script, its stderr kept
-#   failure_cause LOG                  one line for why the run failed, from what torchrun and the ranks printed
+#   failure_cause LOG [THIS_NODE]      one line for why the run failed, from what torchrun and the ranks printed
 
 fail() { echo "error: $*" >&2; exit 2; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
@@ -42,7 +42,9 @@ os.execvp(sys.argv[1], sys.argv[1:])' torchrun "$@" 2>&4 &
 # one in the log that is not a network error: the others are ranks that lost that rank); a lost peer;
 # a collective timeout (a rank hung, or the network is cut); torchrun's first observed failure. Empty: nothing recognised.
 failure_cause() {
-  local log="$1" line
+  # THIS_NODE (the multi-node launcher's own address): a connection that a rank of this very node closed is
+  # that rank exiting (after its own timeout, say), not the lost peer: the cause is what made it exit.
+  local log="$1" this_node="${2:-}" line
   if line=$(grep -a '^error: ' "$log" | tail -n 1) && [[ -n "$line" ]]; then
     echo "${line#error: }"
   elif line=$(grep -aE '^(\[rank[0-9]+\]: )?[A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Interrupt)(: |$)' "$log" \
@@ -54,7 +56,7 @@ failure_cause() {
       echo "a rank raised ${line:0:200} (its traceback is above)"
     fi
   elif line=$(grep -aoE '(Connection (reset|closed|refused)[a-z ]*|Broken pipe)[^[]*\[[0-9a-f.:]+\]|\[[0-9a-f.:]+\]:[0-9]+: (Connection (reset|closed|refused)[a-z ]*|Broken pipe)' \
-                "$log" | sed -n 1p) && [[ -n "$line" ]]; then
+                "$log" | grep -avF "[${this_node:-none}]" | sed -n 1p) && [[ -n "$line" ]]; then
     local peer what
     peer=$(grep -oE '\[[0-9a-f.:]+\]' <<<"$line" | tr -d '[]' | sed -n 1p)
     what=$(grep -oE 'Connection [a-z]+( by peer)?|Broken pipe' <<<"$line" | sed -n 1p)

@@ -131,7 +131,7 @@ fi
 # One line for the cause of a failure (launch_common.sh), and for a timeout, whether node 0 answers.
 explain() {
   local cause
-  cause=$(failure_cause "$log") || true
+  cause=$(failure_cause "$log" "$local_ip") || true
   if [[ "$cause" == "a collective timed out"* ]]; then
     local ms who="a peer node"
     ms=$(grep -aoE 'Timed out waiting [0-9]+ms' "$log" | sed -n 1p | grep -oE '[0-9]+') || true

@@ -232,3 +232,25 @@ def test_a_collective_timeout_is_named_in_either_of_gloos_words(tmp_path, line):
     script = f"source {REPO / 'launch_common.sh'} >/dev/null 2>&1; failure_cause {log}"
     cause = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30).stdout
     assert cause.startswith("a collective timed out (") and line[:24] in cause, cause
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "closed", ["Connection closed by peer [10.0.0.2]:41234", "[10.0.0.2]:41234: Connection reset by peer"]
+)
+def test_a_connection_closed_by_a_rank_of_this_node_is_not_the_lost_peer(tmp_path, closed):
+    """The cut node's rank 2 times out and exits; rank 3, beside it, then loses its connection to rank 2. On that
+    node (10.0.0.2) the cause is the timeout: the peer is unreachable. On the other node the same line names a
+    lost peer, 10.0.0.2."""
+    log = tmp_path / "log"
+    log.write_text(
+        f"[rank3]: RuntimeError: {closed}\n"
+        "[rank2]: RuntimeError: Timed out waiting 20000ms for recv operation to complete\n"
+    )
+
+    def cause(this_node: str) -> str:
+        script = f"source {REPO / 'launch_common.sh'} >/dev/null 2>&1; failure_cause {log} {this_node}"
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30).stdout
+
+    assert cause("10.0.0.2").startswith("a collective timed out (Timed out waiting 20000ms"), cause("10.0.0.2")
+    assert cause("10.0.0.1").startswith("lost the connection to peer 10.0.0.2 ("), cause("10.0.0.1")
