@@ -56,6 +56,17 @@ def find_resume(resume: str, *, out: str, prefix: str, newest) -> Path | None:
     return newest(runs[-1]) if runs else None
 
 
+def nothing_to_resume(out: str, prefix: str) -> str:
+    """What --resume auto says when it finds no checkpoint to continue, and a new run starts."""
+    runs = run_dirs(out, prefix)
+    if not runs:
+        return f"--resume auto: no earlier {prefix} run in {out}; starting a new run"
+    return (
+        f"--resume auto: {runs[-1]}, the newest {prefix} run, has no usable checkpoint; starting a new run "
+        f"(--resume PATH continues an older one)"
+    )
+
+
 def lock_holder(run_dir: Path) -> dict | None:
     """Who holds `run_dir` now (host, pid, job), or None when it is free or its holder is gone."""
     try:

@@ -29,6 +29,7 @@ from core.folder import (
     find_resume,
     lock_holder,
     new_run_dir,
+    nothing_to_resume,
     run_dirs,
     take_folder,
 )
@@ -73,6 +74,8 @@ class Run:
                 getattr(cfg, "resume", ""), out=cfg.out, prefix=cfg.name or recipe, newest=cls.newest_checkpoint
             )
             prefix = cfg.name or recipe  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start a new one
+            if resume_from is None and getattr(cfg, "resume", "") == "auto":
+                print(nothing_to_resume(cfg.out, prefix), flush=True)  # not silently a new run
             ours = [d.resolve() for d in run_dirs(cfg.out, prefix)]
             in_run = resume_from is not None and resume_from.resolve().parent.parent in ours
             run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, cfg.name or recipe)

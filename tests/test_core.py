@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 from core.config import Accumulation, Precision, RecipeError, Training, resolve_factory
 from core.data import ResumableSampler, ShardSampler, build_data, digits
-from core.folder import new_run_dir, run_dirs
+from core.folder import new_run_dir, nothing_to_resume, run_dirs
 from core.models import MODELS, build_model, unwrap
 
 pytestmark = pytest.mark.fast
@@ -149,3 +149,14 @@ def test_run_dirs_count_up_and_never_reuse(tmp_path):
     (tmp_path / "ddp-10").mkdir()
     assert run_dirs(tmp_path, "ddp")[-1].name == "ddp-10" and new_run_dir(tmp_path, "ddp").name == "ddp-11"
     assert run_dirs(tmp_path, "fsdp") == [] and run_dirs(tmp_path / "missing", "ddp") == []
+
+
+def test_resume_auto_with_nothing_to_resume_names_what_it_looked_at(tmp_path):
+    assert (
+        nothing_to_resume(str(tmp_path), "ddp")
+        == f"--resume auto: no earlier ddp run in {tmp_path}; starting a new run"
+    )
+    new_run_dir(tmp_path, "ddp")
+    assert f"{tmp_path / 'ddp-1'}, the newest ddp run, has no usable checkpoint" in nothing_to_resume(
+        str(tmp_path), "ddp"
+    )

@@ -106,6 +106,15 @@ def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(
     assert _snapshot(finished / "runs") == before
 
 
+def test_resume_auto_says_so_when_the_newest_run_has_no_checkpoint(tmp_path):
+    """A run that stopped before its first checkpoint (or took none) is the newest: --resume auto starts a new run,
+    as a requeued job that never saved must, and says so rather than silently."""
+    (tmp_path / "runs" / "ddp-1").mkdir(parents=True)
+    proc = _run(tmp_path, "--max-steps", "1", "--epochs", "1", "--resume", "auto")
+    assert f"--resume auto: {tmp_path / 'runs' / 'ddp-1'}, the newest ddp run, has no usable checkpoint" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ddp-1", "ddp-2"]
+
+
 def test_a_torn_last_record_is_dropped_when_the_run_continues(tmp_path):
     _run(tmp_path, "--max-steps", "4", "--ckpt-every", "2", "--epochs", "2")
     metrics = tmp_path / "runs" / "ddp-1" / "metrics.jsonl"
