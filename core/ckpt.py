@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from loguru import logger
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -61,6 +61,8 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
 def _open_checked(path: str | os.PathLike, read):
     """Run read(safe_open handle) on a checkpoint; one RecipeError line when the file isn't a good one."""
     path = Path(path)
+    if path.is_dir():  # a run folder, or its ckpt folder: which step?
+        raise RecipeError(f"--resume {path}: a folder, not a checkpoint file; pass one of its files, or --resume auto")
     if not path.is_file():
         raise RecipeError(f"--resume {path}: no such checkpoint file")
     try:
@@ -91,6 +93,11 @@ def _open_checked(path: str | os.PathLike, read):
     )
 
 
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """A checkpoint's header (no tensor is read); one RecipeError line when the file is not a checkpoint."""
+    return _open_checked(path, lambda f: None)[1]
+
+
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and header of a checkpoint, every checksum and value verified (one RecipeError line)."""
     tensors, meta = _open_checked(path, lambda f: {key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
@@ -117,7 +124,9 @@ def newest_good(ckpt_dir: str | os.PathLike) -> Path | None:
             return path
         except RecipeError as err:
             reason = str(err).removeprefix(f"{path}: ").split("; resume from")[0]
-            logger.warning(f"--resume auto: skipping {path}, damaged ({reason}); taking the one before")
+            print(
+                f"warning: --resume auto: skipping {path}, damaged ({reason}); taking the one before", file=sys.stderr
+            )
     return None
 
 

@@ -1,4 +1,4 @@
-"""Whether a checkpoint can continue in this job: its model, recipe, precision and global batch.
+"""Whether a checkpoint can continue in this job: its model, recipe, precision, global batch and options.
 
 Each check raises core.config.RecipeError with one line naming both sides and the fix.
 """
@@ -11,6 +11,8 @@ from pathlib import Path
 from core.config import RecipeError
 
 MODEL_PARALLEL = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # state not held whole
+# Options that shape what is trained: a resumed run must keep them, or it would be another run.
+TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps")
 
 
 def _few(items: list[str]) -> str:
@@ -87,3 +89,22 @@ def check_global_batch(
         f"is {global_batch} (--batch-size {per_rank} x {world_size} ranks x --accum {accum}); the run "
         f"would change: {fix}"
     )
+
+
+def check_continues(path: Path, meta: dict[str, str], cfg, *, recipe: str, global_batch: int, dp: int) -> None:
+    """All that a checkpoint's header says about resuming it in this job (`dp`: its data-parallel size):
+    the recipe and precision continue it, the global batch is the saved one, the options that shape
+    training are unchanged. Run.start calls it before the folder is touched, whatever started the run."""
+    check_compatible(path, meta, recipe=recipe, precision=getattr(cfg, "precision", "fp32"))
+    check_global_batch(path, meta, global_batch=global_batch, world_size=dp, accum=getattr(cfg, "accum", 1))
+    saved = json.loads(meta.get("config", "{}"))
+    changed = [
+        f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}"
+        for k in TRAJECTORY
+        if k in saved and hasattr(cfg, k) and saved[k] != getattr(cfg, k)
+    ]
+    if changed:
+        raise RecipeError(
+            f"{path}: resuming with other options ({', '.join(changed)}) would train another run; "
+            f"resume with the options it was started with, or start a new run without --resume"
+        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
 import math
 import os
@@ -30,9 +31,9 @@ class RecipeError(Exception):
 class UsageError(RecipeError):
     """A bad command line (exit status 2). `option` names an option this recipe does not take."""
 
-    def __init__(self, message: str, *, option: str | None = None):
+    def __init__(self, message: str, *, option: str | None = None, hint: str = ""):
         super().__init__(message)
-        self.option = option
+        self.option, self.hint = option, hint
 
 
 def option(default, help: str, *, choices: tuple[str, ...] | None = None, check=None, fix: str = ""):
@@ -212,9 +213,12 @@ def parse_args(
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         first = unknown[0].split("=")[0]
+        close = difflib.get_close_matches(first, [o for a in parser._actions for o in a.option_strings], n=1)
+        hint = f"did you mean {close[0]}?" if close else "see --help"
         raise UsageError(
-            f"{first}: no such option (see --help)" if first.startswith("-") else f"unexpected argument {first!r}",
+            f"{first}: no such option; {hint}" if first.startswith("-") else f"unexpected argument {first!r}",
             option=first,
+            hint=hint,
         )
     values = vars(args)
     return config(**{k: v for k, v in values.items() if k != "dry_run"}), values["dry_run"]
@@ -239,9 +243,12 @@ def cli_main(main: Callable, config: type, argv: list[str] | None = None, *, che
         except RecipeError as err:
             return fail(str(err), 1)
         except KeyboardInterrupt:
-            return fail("interrupted", 130)
+            return fail(INTERRUPTED, 130)
 
     leave(parse_and_run)
+
+
+INTERRUPTED = "interrupted; checkpoints already written are kept: --resume auto continues from the newest"
 
 
 def leave(run: Callable[[], int]) -> None:

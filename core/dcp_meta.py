@@ -22,6 +22,8 @@ def digest(info: dict) -> str:
 
 def read_info(path: Path) -> dict:
     """checkpoint.json, checked whole (its own checksum); a RecipeError line when it isn't a good one."""
+    if (path / "ckpt").is_dir() or path.name == "ckpt":  # a run folder, or its ckpt folder: which step?
+        raise RecipeError(f"--resume {path}: a folder of checkpoints, not one; pass one of them, or --resume auto")
     try:
         info = json.loads((path / DONE).read_text())
         sealed = info.pop("self_checksum")

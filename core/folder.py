@@ -89,6 +89,16 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def release_folder(run_dir: Path, *, discard: bool) -> None:
+    """The lock goes when it is ours (or stale). `discard`: a new run that stopped before it wrote anything but its
+    config.json goes too, so that the newest run folder is always one that trained."""
+    if (lock_holder(run_dir) or {}).get("pid") in (None, os.getpid()):
+        (run_dir / ".lock").unlink(missing_ok=True)
+    if discard and {p.name for p in run_dir.iterdir()} <= {"config.json"}:
+        (run_dir / "config.json").unlink(missing_ok=True)
+        run_dir.rmdir()
+
+
 def check_free(run_dir: Path) -> None:
     if holder := lock_holder(run_dir):
         raise RecipeError(

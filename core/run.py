@@ -13,23 +13,24 @@ ranks first, so what it prints speaks for the job.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from core import ckpt, steps
 from core.ckpt import model_state, sharded, state_bytes
+from core.ckpt_checks import check_continues
 from core.config import RecipeError
 from core.data import too_few_batches
 from core.dist import Topology, broadcast_object
 from core.folder import (
     append_line,
+    check_writable,
     disk_error,
     find_resume,
-    lock_holder,
     new_run_dir,
     nothing_to_resume,
+    release_folder,
     run_dirs,
     take_folder,
 )
@@ -55,9 +56,10 @@ class Run:
         run_dir: Path,
         resume_from,
         mesh: dict | None = None,
+        fresh: bool = False,  # a new folder (not the resumed checkpoint's)
     ):
         self.cfg, self.topo, self.recipe, self.global_batch, self.mesh = cfg, topo, recipe, global_batch, mesh
-        self.run_dir, self.resume_from, self.enabled = run_dir, resume_from, topo.is_rank0
+        self.run_dir, self.resume_from, self.fresh, self.enabled = run_dir, resume_from, fresh, topo.is_rank0
         self.meter, self.evaluation, self.skipped = Meter(topo.device), {}, 0
         self.progress = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}
         self.started, self.resumed_step, self.saver = time.perf_counter(), None, None
@@ -70,49 +72,45 @@ class Run:
         """Rank 0 picks the folder (a new one, or the resumed checkpoint's), takes its lock and tells the others."""
         choice = None
         if topo.is_rank0:
-            resume_from = find_resume(
-                getattr(cfg, "resume", ""), out=cfg.out, prefix=cfg.name or recipe, newest=cls.newest_checkpoint
-            )
-            prefix = cfg.name or recipe  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start a new one
-            if resume_from is None and getattr(cfg, "resume", "") == "auto":
-                print(nothing_to_resume(cfg.out, prefix), flush=True)  # not silently a new run
-            ours = [d.resolve() for d in run_dirs(cfg.out, prefix)]
-            in_run = resume_from is not None and resume_from.resolve().parent.parent in ours
-            run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, cfg.name or recipe)
-            choice = (str(run_dir), str(resume_from) if resume_from else None)
-            take_folder(
-                run_dir,
-                fresh=not in_run,
-                config={
-                    "recipe": recipe,
-                    "world_size": topo.world_size,
-                    "global_batch": global_batch,
-                    "mesh": mesh,
-                    **cfg.to_dict(),
-                },
-            )
-        run_dir, resume_from = broadcast_object(choice)
-        return cls(
-            cfg,
-            topo,
-            recipe=recipe,
-            global_batch=global_batch,
-            run_dir=Path(run_dir),
-            resume_from=Path(resume_from) if resume_from else None,
-            mesh=mesh,
-        )
+            try:
+                choice = cls._take_folder(cfg, topo, recipe=recipe, global_batch=global_batch, mesh=mesh)
+            except RecipeError as err:
+                choice = str(err)  # every rank raises it: none waits for a folder that never comes
+        choice = broadcast_object(choice)
+        if isinstance(choice, str):
+            raise RecipeError(choice)
+        return cls(cfg, topo, recipe=recipe, global_batch=global_batch, mesh=mesh, **choice)
+
+    @classmethod
+    def _take_folder(cls, cfg, topo: Topology, *, recipe: str, global_batch: int, mesh: dict | None) -> tuple:
+        """Rank 0: the checks that need no model (whatever started the run), then the folder and its lock."""
+        prefix = cfg.name or recipe  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start a new one
+        check_writable(cfg.out)
+        resume_from = find_resume(getattr(cfg, "resume", ""), out=cfg.out, prefix=prefix, newest=cls.newest_checkpoint)
+        if resume_from is None and getattr(cfg, "resume", "") == "auto":
+            print(nothing_to_resume(cfg.out, prefix), flush=True)  # not silently a new run
+        if resume_from is not None:
+            dp = (mesh or {}).get("dp", topo.world_size)
+            header = cls.checkpoint_header(resume_from)
+            check_continues(resume_from, header, cfg, recipe=recipe, global_batch=global_batch, dp=dp)
+        ours = [d.resolve() for d in run_dirs(cfg.out, prefix)]
+        in_run = resume_from is not None and resume_from.resolve().parent.parent in ours
+        run_dir = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
+        config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, "mesh": mesh}
+        take_folder(run_dir, fresh=not in_run, config=config | cfg.to_dict())
+        return {"run_dir": run_dir, "resume_from": resume_from, "fresh": not in_run}
 
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         if self.saver is not None:
             try:
                 self.saver.close()  # a background checkpoint write finishes before the job ends
             except OSError as err:
                 raise disk_error(err, self.saver.path, 0) from None
-        if self.enabled and (lock_holder(self.run_dir) or {}).get("pid") in (None, os.getpid()):
-            (self.run_dir / ".lock").unlink(missing_ok=True)  # ours, or stale: the folder is free again
+        if self.enabled:  # a new run refused for bad input leaves no folder: --resume auto finds the one before
+            release_folder(self.run_dir, discard=self.fresh and kind is not None and issubclass(kind, RecipeError))
 
     # Records and the terminal.
     def log(self, kind: str, **fields) -> None:
@@ -226,6 +224,10 @@ class Run:
     @staticmethod
     def newest_checkpoint(run_dir: Path) -> Path | None:
         return ckpt.newest_good(run_dir / "ckpt")
+
+    @staticmethod
+    def checkpoint_header(path: Path) -> dict[str, str]:
+        return ckpt.read_metadata(path)
 
     def _load(self, **state) -> dict:  # rank 0 reads the file and hands it out
         return ckpt.load_checkpoint(self.resume_from, world_size=self.topo.world_size, **state)

@@ -21,6 +21,13 @@ class ShardedRun(Run):
     def newest_checkpoint(run_dir: Path) -> Path | None:
         return ckpt.newest_good(run_dir / "ckpt") or dcp.latest_sharded(run_dir)
 
+    @staticmethod
+    def checkpoint_header(path: Path) -> dict[str, str]:
+        if path.is_dir():  # checkpoint.json: what the shards were saved with
+            found = dcp.check_sharded(path)
+            return {**found["metadata"], "world_size": str(found["world_size"])}
+        return Run.checkpoint_header(path)
+
     def _load(self, **state) -> dict:
         if self.resume_from.is_dir():  # every rank reads its own part, resharded to this mesh
             return dcp.load_sharded(self.resume_from, **state)

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
-from core.config import Accumulation, Precision, RecipeError, Training, resolve_factory
+from core.config import Accumulation, Precision, RecipeError, Training, UsageError, parse_args, resolve_factory
 from core.data import ResumableSampler, ShardSampler, build_data, digits
-from core.folder import new_run_dir, nothing_to_resume, run_dirs
+from core.folder import new_run_dir, nothing_to_resume, release_folder, run_dirs
 from core.models import MODELS, build_model, unwrap
 
 pytestmark = pytest.mark.fast
@@ -160,3 +160,21 @@ def test_resume_auto_with_nothing_to_resume_names_what_it_looked_at(tmp_path):
     assert f"{tmp_path / 'ddp-1'}, the newest ddp run, has no usable checkpoint" in nothing_to_resume(
         str(tmp_path), "ddp"
     )
+
+
+def test_a_refused_new_run_gives_its_folder_back_and_one_that_wrote_records_keeps_it(tmp_path):
+    refused, trained = new_run_dir(tmp_path, "ddp"), new_run_dir(tmp_path, "ddp")
+    for folder in (refused, trained):
+        (folder / "config.json").write_text("{}")
+        (folder / ".lock").write_text("{}")  # a holder without a pid: stale, ours to remove
+    (trained / "metrics.jsonl").write_text("{}\n")
+    release_folder(refused, discard=True)
+    release_folder(trained, discard=True)
+    assert not refused.exists() and sorted(p.name for p in trained.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
+def test_a_mistyped_option_gets_the_nearest_one_suggested():
+    with pytest.raises(UsageError, match=r"^--epoch: no such option; did you mean --epochs\?$"):
+        parse_args(Training, ["--epoch", "2"])
+    with pytest.raises(UsageError, match=r"^--zzz: no such option; see --help$"):
+        parse_args(Training, ["--zzz"])

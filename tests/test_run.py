@@ -3,11 +3,13 @@ a refused resume touches nothing, records stay whole and strict JSON, one job ho
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
+from core.config import INTERRUPTED
 from core.folder import append_line, repair_records
 from helpers import REPO, recipes_cli, user_env
 
@@ -104,6 +106,22 @@ def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.count("error: ") == 1 and words in proc.stderr
     assert _snapshot(finished / "runs") == before
+
+
+def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_leaves_no_folder(finished):
+    """`python recipes/ddp.py` (or a copy) has no CLI pre-check: the run checks the checkpoint's header before it
+    touches anything, and a new run refused for bad input removes the folder it had just made."""
+    runs = finished / "runs"
+    before = _snapshot(runs)
+    recipe = [sys.executable, str(REPO / "recipes" / "ddp.py"), *TINY, "--out", str(runs), "--max-steps", "6"]
+    for args, words in [
+        (["--resume", "auto", "--lr", "0.01"], "--lr 0.001 -> 0.01"),
+        (["--resume", "auto", "--batch-size", "8"], "saved with global batch 16"),
+        (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+    ]:
+        proc = subprocess.run([*recipe, *args], capture_output=True, text=True, env=_env(), cwd=finished, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.count("error: ") == 1 and words in proc.stderr, proc.stderr
+    assert _snapshot(runs) == before and sorted(p.name for p in runs.iterdir()) == ["ddp-1"]
 
 
 def test_resume_auto_says_so_when_the_newest_run_has_no_checkpoint(tmp_path):
@@ -243,3 +261,22 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path):
         _strict(next(disk.glob("runs/ddp-*/metrics.jsonl")))
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_ctrl_c_exits_130_in_one_line_and_keeps_the_run_and_its_checkpoints(tmp_path):
+    args = [*TINY, "--out", str(tmp_path / "runs"), "--epochs", "50", "--ckpt-every", "2", "--log-every", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recipes", "run", "ddp", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+    )
+    for line in proc.stdout:  # a checkpoint is written at step 4: interrupt after it
+        if line.startswith("step 5/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == f"error: {INTERRUPTED}", err
+    assert list((tmp_path / "runs" / "ddp-1" / "ckpt").glob("step-*.safetensors"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from core.config import RecipeError, UsageError, fail, leave, parse_args
+from core.config import INTERRUPTED, RecipeError, UsageError, fail, leave, parse_args
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -63,7 +63,11 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
     except UsageError as err:
         if err.option and err.option.startswith("--"):
             others = [n for n in takers(err.option) if n != name]
-            does = f"{', '.join(others)} {'does' if len(others) == 1 else 'do'}" if others else "no recipe does"
+            does = (
+                f"{', '.join(others)} {'does' if len(others) == 1 else 'do'}"
+                if others
+                else f"no recipe does; {err.hint}"
+            )
             raise UsageError(f"{err.option}: {name} does not take it; {does}") from None
         raise
     if "RANK" not in os.environ or dry_run:  # before any process starts; under torchrun, the launcher did it
@@ -89,6 +93,8 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
     target = Path(dest)
     if target.exists() and not force:
         raise click.UsageError(f"{dest} exists; pass --force to overwrite it or pick another name")
+    if not target.parent.is_dir():
+        raise click.UsageError(f"{dest}: the folder {target.parent} does not exist; create it or pick another place")
     text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     if standalone:  # the launcher's lines become torchrun ones; a one-process recipe gets one process
         from tools.standalone import standalone_source
@@ -210,7 +216,7 @@ def run_cli(args: list[str] | None = None) -> int:
     except RecipeError as err:
         return fail(str(err), 1)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        return fail("interrupted", 130)
+        return fail(INTERRUPTED, 130)
 
 
 def main() -> None:

@@ -6,18 +6,14 @@ single-process `python -m recipes run` runs it first too. Nothing is written by 
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
 from core import ckpt, data, dcp, models, steps
-from core.config import RecipeError
+from core.ckpt_checks import check_continues
 from core.folder import check_free, check_writable, find_resume
 from core.sharded_run import ShardedRun  # either kind of checkpoint
-
-# Options that shape what is trained: a resumed run must keep them, or it would be another run.
-TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps")
 
 
 def precheck(recipe, module, cfg) -> None:
@@ -46,30 +42,9 @@ def check_resume(recipe: str, module, cfg) -> None:
         dcp.refuse_mismatch(path, found, recipe=recipe, mesh=mesh)
         ckpt.check_model_matches(path, found["shapes"], _shapes(cfg.model))
         meta = {**found["metadata"], "world_size": str(found["world_size"])}
-        ckpt.check_global_batch(
-            path, meta, global_batch=global_batch, world_size=mesh["dp"], accum=getattr(cfg, "accum", 1)
-        )
-    else:
-        meta = ckpt.check_resume(
-            path,
-            model_shapes=_shapes(cfg.model),
-            recipe=recipe,
-            precision=getattr(cfg, "precision", "fp32"),
-            world_size=world_size,
-            global_batch=global_batch,
-            accum=getattr(cfg, "accum", 1),
-        )
-    saved = json.loads(meta.get("config", "{}"))
-    changed = [
-        f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}"
-        for k in TRAJECTORY
-        if k in saved and hasattr(cfg, k) and saved[k] != getattr(cfg, k)
-    ]
-    if changed:
-        raise RecipeError(
-            f"{path}: resuming with other options ({', '.join(changed)}) would train another run; "
-            f"resume with the options it was started with, or start a new run without --resume"
-        )
+    else:  # whole, undamaged, this model
+        meta = ckpt.check_resume_file(path, _shapes(cfg.model))
+    check_continues(path, meta, cfg, recipe=recipe, global_batch=global_batch, dp=mesh["dp"])
 
 
 def _shapes(spec: str) -> dict[str, tuple]:
