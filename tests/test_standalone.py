@@ -156,6 +156,8 @@ def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path
     assert f"torchrun --standalone --nproc-per-node 1 {dest}" in dest.read_text()  # dp: one process
     again = CliRunner().invoke(cli, ["cp", "dp", str(dest), "--standalone"])
     assert again.exit_code != 0 and "exists" in again.output
+    nowhere = CliRunner().invoke(cli, ["cp", "dp", str(tmp_path / "missing" / "train.py"), "--standalone"])
+    assert nowhere.exit_code != 0 and f"the folder {tmp_path / 'missing'} does not exist" in nowhere.output
 
 
 def _misindented(tree: ast.AST) -> list[int]:
