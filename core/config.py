@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib
 import math
 import os
 import sys
@@ -155,6 +154,16 @@ class Precision(Options):
 
 
 @dataclass(frozen=True)
+class ShardedPrecision(Options):
+    title = "mixed precision"
+    precision: str = option(
+        "fp32",
+        "compute precision (autocast); no fp16: its loss scaler would judge each rank's gradient shards alone",
+        choices=("fp32", "bf16"),
+    )
+
+
+@dataclass(frozen=True)
 class Accumulation(Options):
     title = "gradient accumulation and clipping"
     accum: int = option(1, "micro-batches per optimizer step (accumulation)", check=_at_least(1), fix="use 1 or more")
@@ -174,11 +183,11 @@ class DDPOptions(Options):
 def _parser(config: type, prog: str, description: str) -> argparse.ArgumentParser:
     """One --option per field, in a help section per group (Training, Checkpointing, ..., the recipe's own)."""
     parser = _Parser(prog=prog, usage=f"{prog} [OPTIONS]", description=description, allow_abbrev=False)
-    sections = {
-        c: parser.add_argument_group(c.__dict__.get("title", f"{c.__name__} options"))
-        for c in config.__mro__
-        if c.__dict__.get("__annotations__")
-    }
+    groups: dict[str, argparse._ArgumentGroup] = {}  # groups with one title share a section
+    sections = {}
+    for c in (c for c in config.__mro__ if c.__dict__.get("__annotations__")):
+        title = c.__dict__.get("title", f"{c.__name__} options")
+        sections[c] = groups[title] = groups.get(title) or parser.add_argument_group(title)
     for f in dataclasses.fields(config):
         home = next(c for c in reversed(config.__mro__) if f.name in c.__dict__.get("__annotations__", {}))
         section, default, help = sections[home], f.default, f.metadata.get("help", "")
@@ -270,28 +279,3 @@ def fail(message: str, code: int) -> int:
     """Print `error: message` as one line on stderr; returns `code` for sys.exit."""
     print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
     return code
-
-
-def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: str) -> Callable:
-    """`mlp` -> the built-in factory; `mypkg.models:build` -> that function, imported.
-    A built-in given as "module:function" is imported only when asked for."""
-    if spec in builtins and callable(builtins[spec]):
-        return builtins[spec]
-    if spec in builtins:
-        spec = builtins[spec]
-    elif ":" not in spec:
-        raise RecipeError(
-            f"{option} {spec}: not a built-in ({', '.join(sorted(builtins))}) and not a module:function factory"
-        )
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # an ImportError, or any error raised while the module runs
-        raise RecipeError(
-            f"{option} {spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
-            f"is it installed or on PYTHONPATH?"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise RecipeError(f"{option} {spec}: module {module_name!r} has no function {attr!r}")
-    return factory

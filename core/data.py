@@ -11,9 +11,8 @@ Built-in ones and a user's own take one path.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,8 @@ from torch.utils.data import (
     default_collate,
 )
 
-from core.config import RecipeError, resolve_factory
+from core.config import RecipeError
+from core.factory import call_factory
 from core.stream import StreamLoader, StreamShard, in_step  # noqa: F401  (in_step: data.in_step for evaluate)
 
 
@@ -67,31 +67,6 @@ def synthetic(*, n: int = 8192, dim: int = 64, classes: int = 10, seed: int = 0)
 
 # Imported only when used: a built-in costs nothing until asked for.
 DATASETS = {"digits": "core.data:digits", "synthetic": "core.data:synthetic", "text": "core.gpt:text"}
-
-
-# The factory contract, checked once before any process starts and again in every rank.
-
-
-def call_factory(spec: str, builtins: dict[str, Callable], *, option: str):
-    """Resolve `spec` and call it with no arguments; a factory that needs some, or raises, is one RecipeError."""
-    factory = resolve_factory(spec, builtins, option=option)
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # some builtins and C functions have no signature to read
-        params = []
-    needed = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if needed:
-        raise RecipeError(
-            f"{option} {spec}: the factory needs arguments ({', '.join(needed)}); it is called with "
-            f"none: give them defaults or wrap it in a function that takes none"
-        )
-    try:
-        return factory()
-    except RecipeError:
-        raise
-    except Exception as err:  # the user's code: name it and what it raised, in one line
-        message = " ".join(str(err).split())[:300]
-        raise RecipeError(f"{option} {spec}: the factory raised {type(err).__name__}: {message}") from None
 
 
 def is_stream(dataset) -> bool:

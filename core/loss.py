@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.config import RecipeError, resolve_factory
+from core.config import RecipeError
+from core.factory import resolve_factory
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
 LOSS_SPECS = ("auto", "ce", "model")

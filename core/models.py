@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from core.config import RecipeError
-from core.data import call_factory
+from core.factory import call_factory
 
 
 class MLP(nn.Module):

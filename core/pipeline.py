@@ -235,8 +235,8 @@ def step_pipeline(
     divides the summed gradients by their number: the step is the whole batch's.
 
     Accumulation: pass K batches (a list) to a schedule built for K x microbatches; they run as one batch.
-    precision "bf16": the stages' forwards under autocast (fp16 needs a loss scale the stages agree on:
-    refused by check_pipeline_precision). clip > 0: the norm over all stages (pp_group: the ranks holding
+    precision "bf16": the stages' forwards under autocast (no fp16: it needs a loss scale the stages agree on,
+    core.config.ShardedPrecision). clip > 0: the norm over all stages (pp_group: the ranks holding
     this replica's stages; the dp replicas hold equal averaged gradients, so they are not counted again),
     and a step whose gradients are not finite is skipped."""
     if isinstance(batch, list):
@@ -253,12 +253,6 @@ def step_pipeline(
     if not holds_last:
         return {}
     return batch_metrics(outputs, targets, torch.stack(losses).mean())  # equal micro-batches: mean of means
-
-
-def check_pipeline_precision(precision: str) -> None:
-    """fp16 needs one loss scale and one inf/nan verdict over all stages; the pipeline recipe has neither."""
-    if precision == "fp16":
-        raise RecipeError("--precision fp16: pipeline has no loss scaling across stages; use --precision bf16")
 
 
 @torch.no_grad()

@@ -25,12 +25,21 @@ from dataclasses import dataclass
 import torch
 
 from core import data, dist, models, parallel, steps
-from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
+from core.config import (
+    Accumulation,
+    Checkpointing,
+    RecipeError,
+    ShardedPrecision,
+    Training,
+    cli_main,
+    option,
+    with_default,
+)
 from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, Precision, Accumulation):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
     title = "fully sharded data parallel"
@@ -49,9 +58,7 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """Everything refusable, before any process starts: precision, offload, the blocks on a meta-device model."""
-    if cfg.precision == "fp16":  # fully_shard's sharded gradients need a loss scaler that agrees over the shards
-        raise RecipeError("--precision fp16: fsdp has no loss scaling over sharded gradients; use --precision bf16")
+    """Everything refusable, before any process starts: offload, the blocks on a meta-device model."""
     if cfg.offload and not torch.cuda.is_available():
         raise RecipeError("--offload: there is no GPU, so the shards are in CPU memory already; drop --offload")
     with torch.device("meta"):  # shapes only: the model's blocks are found (or --blocks refused) without memory

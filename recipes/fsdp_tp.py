@@ -22,12 +22,21 @@ from dataclasses import dataclass
 import torch
 
 from core import data, dist, models, parallel, steps
-from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
+from core.config import (
+    Accumulation,
+    Checkpointing,
+    RecipeError,
+    ShardedPrecision,
+    Training,
+    cli_main,
+    option,
+    with_default,
+)
 from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, Precision, Accumulation):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"
@@ -58,8 +67,6 @@ def check(cfg: Config) -> None:
             f"--tp {cfg.tp}: the world size {world} is not a multiple of it, so no dp x tp mesh "
             f"can be built; launch a multiple of {cfg.tp} processes or use --tp {world}"
         )
-    if cfg.precision == "fp16":  # the sharded gradients need a loss scaler that agrees over all shards
-        raise RecipeError("--precision fp16: fsdp_tp has no loss scaling over sharded gradients; use --precision bf16")
     with torch.device("meta"):  # shapes only: the heads split into tp whole shards, and the blocks are found
         model = models.build_model(cfg.model)
     parallel.check_tp(model, cfg.tp)

@@ -30,12 +30,21 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 
 from core import data, dist, models, parallel, pipeline, steps
-from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
+from core.config import (
+    Accumulation,
+    Checkpointing,
+    RecipeError,
+    ShardedPrecision,
+    Training,
+    cli_main,
+    option,
+    with_default,
+)
 from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, Precision, Accumulation):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
     title = "pipeline parallelism"
@@ -66,10 +75,9 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """Everything refusable, before any process starts: the loss, precision, the mesh and the model's blocks."""
+    """Everything refusable, before any process starts: the loss, the mesh and the model's blocks."""
     if cfg.loss not in ("auto", "ce"):  # the schedule calls loss_fn(logits, targets) on the last stage
         raise RecipeError(f"--loss {cfg.loss}: pipeline computes cross-entropy on the last stage; use --loss ce")
-    pipeline.check_pipeline_precision(cfg.precision)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with torch.device("meta"):  # shapes only: every parameter must be in model.blocks
         blocks = pipeline.check_pipeline_model(models.build_model(cfg.model), num_stages=1)

@@ -24,12 +24,20 @@ from dataclasses import dataclass
 import torch
 
 from core import data, dist, models, parallel, steps
-from core.config import Accumulation, Checkpointing, Precision, RecipeError, Training, cli_main, option, with_default
+from core.config import (
+    Accumulation,
+    Checkpointing,
+    ShardedPrecision,
+    Training,
+    cli_main,
+    option,
+    with_default,
+)
 from core.sharded_run import ShardedRun
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, Precision, Accumulation):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
     """The shared options and sequence parallelism; the tiny GPT on the embedded text by default."""
 
     title = "tensor parallelism"
@@ -47,9 +55,7 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """Everything refusable, before any process starts: precision, and the model's structure on the meta device."""
-    if cfg.precision == "fp16":  # each rank's loss scaler would judge only its own shards' gradients
-        raise RecipeError("--precision fp16: tensor_parallel has no loss scaling over sharded gradients; use bf16")
+    """Everything refusable, before any process starts: the model's structure on the meta device."""
     with torch.device("meta"):  # shapes only: the heads and MLP units must split into tp whole shards
         model = models.build_model(cfg.model)
     parallel.check_tp(model, int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)

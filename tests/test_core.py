@@ -1,6 +1,7 @@
 """Layer 1: pure functions, no process group."""
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
-from core.config import Accumulation, Precision, RecipeError, Training, UsageError, parse_args, resolve_factory
+from core.config import Accumulation, Precision, RecipeError, Training, UsageError, parse_args
 from core.data import ResumableSampler, ShardSampler, build_data, digits
+from core.factory import resolve_factory
 from core.folder import new_run_dir, nothing_to_resume, release_folder, run_dirs
 from core.models import MODELS, build_model, unwrap
 
@@ -178,3 +180,12 @@ def test_a_mistyped_option_gets_the_nearest_one_suggested():
         parse_args(Training, ["--epoch", "2"])
     with pytest.raises(UsageError, match=r"^--zzz: no such option; see --help$"):
         parse_args(Training, ["--zzz"])
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "tensor_parallel", "pipeline"])
+def test_the_sharded_recipes_offer_no_fp16_they_would_refuse(name):
+    """No loss scale agrees across gradient shards or stages there: --help lists fp32 and bf16 only."""
+    config = importlib.import_module(f"recipes.{name}").Config
+    assert config.__dataclass_fields__["precision"].metadata["choices"] == ("fp32", "bf16")
+    with pytest.raises(UsageError, match="invalid choice: 'fp16'"):
+        parse_args(config, ["--precision", "fp16"])
