@@ -82,7 +82,7 @@ class Run:
         return cls(cfg, topo, recipe=recipe, global_batch=global_batch, mesh=mesh, **choice)
 
     @classmethod
-    def _take_folder(cls, cfg, topo: Topology, *, recipe: str, global_batch: int, mesh: dict | None) -> tuple:
+    def _take_folder(cls, cfg, topo: Topology, *, recipe: str, global_batch: int, mesh: dict | None) -> dict:
         """Rank 0: the checks that need no model (whatever started the run), then the folder and its lock."""
         prefix = cfg.name or recipe  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start a new one
         check_writable(cfg.out)
