@@ -118,6 +118,7 @@ def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_le
         (["--resume", "auto", "--lr", "0.01"], "--lr 0.001 -> 0.01"),
         (["--resume", "auto", "--batch-size", "8"], "saved with global batch 16"),
         (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+        (["--out", str(runs / "ddp-1" / "model.safetensors")], "cannot write there"),
     ]:
         proc = subprocess.run([*recipe, *args], capture_output=True, text=True, env=_env(), cwd=finished, timeout=120)
         assert proc.returncode == 1 and proc.stderr.count("error: ") == 1 and words in proc.stderr, proc.stderr
