@@ -142,31 +142,6 @@ def shapes_of(model: nn.Module) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
 
 
-def check_resume(
-    path: str | os.PathLike,
-    *,
-    model_shapes: dict[str, tuple],
-    recipe: str,
-    precision: str,
-    world_size: int,
-    global_batch: int,
-    accum: int = 1,
-    allow_batch_change: bool = False,
-) -> dict:
-    """The whole resume check, run by the CLI before any process group exists; writes nothing.
-
-    The file is whole, every checksum and value is good, it holds this model, it was written by a
-    recipe and precision this one continues, and this job's global batch (batch x ranks x accum)
-    is the saved one (or `allow_batch_change`). Returns the header; one RecipeError line otherwise.
-    """
-    meta = check_resume_file(path, model_shapes)
-    check_compatible(Path(path), meta, recipe=recipe, precision=precision)
-    check_global_batch(
-        Path(path), meta, global_batch=global_batch, world_size=world_size, accum=accum, allow=allow_batch_change
-    )
-    return meta
-
-
 def load_checkpoint(
     path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, scheduler=None, scaler=None
 ) -> dict:

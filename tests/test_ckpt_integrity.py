@@ -3,17 +3,27 @@ precision compatibility (14.7), the pre-check (11.2) and stale temporaries (11.4
 
 import json
 import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from core import ckpt
+from core.ckpt_checks import check_continues
 from core.config import RecipeError
 from core.folder import disk_error, find_resume
 from core.run import Run
 from tiny import TiedMLP
 from world import GlooWorld
+
+
+def check_resume(path, *, model_shapes, recipe: str, precision: str, world_size: int, global_batch: int) -> dict:
+    """What the pre-check and Run.start check of a one-file checkpoint: whole, this model, and continuable."""
+    meta = ckpt.check_resume_file(path, model_shapes)
+    cfg = SimpleNamespace(precision=precision)  # options the header is compared with: only the precision here
+    check_continues(path, meta, cfg, recipe=recipe, global_batch=global_batch, dp=world_size)
+    return meta
 
 
 def _train_state(seed=0, steps=3):
@@ -93,7 +103,7 @@ def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before
         ckpt.read_checkpoint(newest)
     assert words in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(RecipeError, match=words):
-        ckpt.check_resume(
+        check_resume(
             newest, model_shapes=ckpt.shapes_of(model), recipe="ddp", precision="fp32", world_size=1, global_batch=8
         )
     assert find_resume("auto", out=str(tmp_path), prefix="ddp", newest=Run.newest_checkpoint) == good
@@ -249,16 +259,14 @@ def test_check_resume_refuses_before_any_group_and_writes_nothing(tmp_path):
     path = _save(tmp_path / "ckpt", 3, model, optimizer, metadata={"recipe": "ddp"})
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
     shapes = ckpt.shapes_of(model)
-    meta = ckpt.check_resume(
-        path, model_shapes=shapes, recipe="ddp_amp", precision="fp32", world_size=2, global_batch=8
-    )
+    meta = check_resume(path, model_shapes=shapes, recipe="ddp_amp", precision="fp32", world_size=2, global_batch=8)
     assert json.loads(meta["progress"])["step"] == 3
     with pytest.raises(RecipeError, match="global batch 8 .* is 16 .*--batch-size 4 at 2 rank"):
-        ckpt.check_resume(path, model_shapes=shapes, recipe="ddp", precision="fp32", world_size=2, global_batch=16)
+        check_resume(path, model_shapes=shapes, recipe="ddp", precision="fp32", world_size=2, global_batch=16)
     with pytest.raises(RecipeError, match="this run is fsdp"):
-        ckpt.check_resume(path, model_shapes=shapes, recipe="fsdp", precision="fp32", world_size=1, global_batch=8)
+        check_resume(path, model_shapes=shapes, recipe="fsdp", precision="fp32", world_size=1, global_batch=8)
     with pytest.raises(RecipeError, match="holds another model"):
-        ckpt.check_resume(
+        check_resume(
             path, model_shapes={**shapes, "extra": (1,)}, recipe="ddp", precision="fp32", world_size=1, global_batch=8
         )
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
