@@ -2,12 +2,13 @@
 
     python bench/bench_ckpt.py [--mb 100] [--repeats 3] [--dir /tmp] [--device cpu|cuda]
 
-Two more figures (issue 14): the cost of the checksums (the same write without them; goal:
-at most 10% slower), and the time a training step is blocked by a checkpoint of a train
-state, background (CheckpointSaver(background=True): a host copy) against in-line (the
-whole write); goal: at most 0.2x. The floor of the background figure is a host copy of the
-state, printed too: for a GPU's state that is a pinned device-to-host copy (tens of GB/s); for a
-CPU's state it is a memcpy, which on a small shared machine runs no faster than the write itself.
+Two more figures (issue 14): the cost of the checksums (the same write without them, with the old
+blocksum64-crc32 ones and with the xxh3 ones, in turn in each repeat; goal: at most 10% slower), and
+the time a training step is blocked by a checkpoint of a train state, background
+(CheckpointSaver(background=True): a host copy) against in-line (the whole write); goal: at most
+0.2x. The floor of the background figure is a host copy of the state, printed too: for a GPU's
+state that is a pinned device-to-host copy (tens of GB/s); for a CPU's state it is a memcpy, which
+on a small shared machine runs no faster than the write itself.
 
 Rows: the raw sequential write speed of this disk (dd with conv=fdatasync: the physical
 bound), our checkpoint path (core.ckpt.save_weights: safetensors to a temporary name, fsync,
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from core.checksum import blocksum64_crc32, checksum
 from core.ckpt import CheckpointSaver, atomic_write, savable, save_weights, write_safetensors
 from core.ckpt_save import staged
 
@@ -58,9 +60,16 @@ def torch_save_fsync(state, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save_without_checksums(state, path: Path) -> None:
+def save_with(state, path: Path, checksum_of) -> None:
+    """save_weights' write with another checksum function (None: no checksums)."""
     tensors = savable(state)
-    atomic_write(path, lambda f: write_safetensors(f, tensors, checksums=False))
+    atomic_write(path, lambda f: write_safetensors(f, tensors, checksum_of=checksum_of))
+
+
+def hash_s(state, checksum_of) -> float:
+    """The time checksum_of takes over every tensor of the state, alone (no write)."""
+    tensors = savable(state)
+    return timed(lambda: [checksum_of(t) for t in tensors.values()])
 
 
 def blocked_s(saver: CheckpointSaver, model, optimizer, step: int) -> float:
@@ -95,6 +104,7 @@ def main() -> None:
             "raw dd fdatasync": [],
             "ours: safetensors save (atomic, fsync)": [],
             "ours without checksums": [],
+            "ours with the old blocksum64-crc32": [],
             "torch.save + fsync": [],
             "ours: safetensors load_file": [],
             "torch.load(weights_only=True)": [],
@@ -107,6 +117,9 @@ def main() -> None:
             "background": CheckpointSaver(folder / "background", keep=1, background=True),
         }
         blocked, buffers = {name: [] for name in savers}, {}
+        checksums = {"none": None, "old blocksum64-crc32": blocksum64_crc32, "new xxh3": checksum}
+        save_s = {name: [] for name in checksums}  # seconds per save, each checksum in turn
+        hashing = {name: [] for name in checksums if checksums[name] is not None}
         for i in range(args.repeats):  # interleaved, so a noisy neighbour hits every row alike
             # Each write goes to a new name, as checkpoints do (step-N); replacing an existing 100 MB
             # file instead costs its block freeing inside the rename (we measured ~4x slower).
@@ -115,15 +128,22 @@ def main() -> None:
             rows["ours: safetensors save (atomic, fsync)"].append(
                 size_mb / timed(save_weights, model.state_dict(), ours)
             )
-            plain = folder / f"p-{i}.safetensors"
-            rows["ours without checksums"].append(size_mb / timed(save_without_checksums, model.state_dict(), plain))
+            names = list(checksums)[i % 3 :] + list(checksums)[: i % 3]  # each takes each place in turn
+            for name in names:
+                path = folder / f"c-{i}-{name.split()[0]}.safetensors"
+                save_s[name].append(timed(save_with, model.state_dict(), path, checksums[name]))
+                path.unlink()
+            for name in hashing:
+                hashing[name].append(hash_s(model.state_dict(), checksums[name]))
+            rows["ours without checksums"].append(size_mb / save_s["none"][-1])
+            rows["ours with the old blocksum64-crc32"].append(size_mb / save_s["old blocksum64-crc32"][-1])
             for name, saver in savers.items():
                 blocked[name].append(blocked_s(saver, trained, optimizer, i))
             copies.append(timed(staged, trained.state_dict(), buffers))
             rows["torch.save + fsync"].append(size_mb / timed(torch_save_fsync, model.state_dict(), theirs))
             rows["ours: safetensors load_file"].append(size_mb / timed(load_file, ours))
             rows["torch.load(weights_only=True)"].append(size_mb / timed(torch.load, theirs, weights_only=True))
-            for old in (ours, theirs, plain, folder / f"dd-{i}.bin"):  # pruning, as --keep does: not part of a save
+            for old in (ours, theirs, folder / f"dd-{i}.bin"):  # pruning, as --keep does: not part of a save
                 old.unlink()
     medians = {name: statistics.median(v) for name, v in rows.items()}
     raw = medians["raw dd fdatasync"]
@@ -133,8 +153,16 @@ def main() -> None:
         print(f"{name:42s} {value:8.0f} {value / raw:12.2f}x")
     ratio = medians["ours: safetensors save (atomic, fsync)"] / raw
     print(f"checkpoint write / raw write = {ratio:.2f} (goal >= 0.80): {'ok' if ratio >= 0.8 else 'BELOW GOAL'}")
-    slower = medians["ours without checksums"] / medians["ours: safetensors save (atomic, fsync)"] - 1
-    print(f"checksums: write {100 * slower:+.1f}% time vs without (goal <= +10%): {'ok' if slower <= 0.1 else 'OVER'}")
+    print(f"save time by checksum (median of {args.repeats}; ratios: median over repeats of the same repeat's pair)")
+    for name, times in save_s.items():
+        line = f"  {name:21s} {1000 * statistics.median(times):6.0f} ms"
+        if name in hashing:
+            ratio = statistics.median(t / plain for t, plain in zip(times, save_s["none"]))
+            line += f"  {ratio:.3f}x without (goal <= 1.10): {'ok' if ratio <= 1.1 else 'OVER'}"
+            line += f"; hashing alone {size_mb / statistics.median(hashing[name]):.0f} MB/s"
+        print(line)
+    paired = statistics.median(new / old for new, old in zip(save_s["new xxh3"], save_s["old blocksum64-crc32"]))
+    print(f"  new / old: {paired:.3f}x")
     stall = {name: statistics.median(v) for name, v in blocked.items()}
     ratio = stall["background"] / stall["in-line"]
     print(f"host copy of the state ({args.device} -> host buffers): {size_mb / statistics.median(copies):.0f} MB/s")

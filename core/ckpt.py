@@ -1,16 +1,15 @@
-"""Checkpoints: safetensors files written by rank 0, atomically, holding the whole train state.
+"""Checkpoints: one safetensors file, written by rank 0, atomically, holding the whole train state.
 
-    ckpt/step-000120.safetensors
+    RUN/ckpt/step-000120.safetensors
       tensors   model/<key>, optim/<param index>/<name>, rng/<rank>/cpu, rng/<rank>/cuda
       metadata  format, recipe, config, world_size, global_batch, torch, checksums, header_checksum,
                 and JSON for the rest: optimizer param groups, LR scheduler, GradScaler,
-                progress (epoch, samples of the epoch's global order consumed, step, ...)
+                progress (epoch, samples of the epoch's global order consumed, step, skipped)
 
-Written to a temporary name, fsynced, then renamed: a kill at any moment leaves the last good
-checkpoint whole. Every tensor and the header carry a checksum (core.ckpt_io), verified on
-load with the values themselves (finite weights and optimizer state): a damaged file is refused,
-and `--resume auto` passes over it to the one before. Nothing is unpickled. A CheckpointSaver
-with background=True blocks the step only while the state is copied to host memory.
+A kill at any moment leaves the last good checkpoint whole (core.ckpt_io.atomic_write). Every tensor and the
+header carry a checksum, verified on load with the values themselves; `--resume auto` passes over a damaged
+file to the one before. Nothing is unpickled. Progress is counted in samples of the global order, so a
+checkpoint resumes at another world size when the global batch is the same.
 """
 
 from __future__ import annotations
@@ -25,41 +24,89 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-# Re-exported: the recipes, core.run and tools import these from core.ckpt.
-from core.ckpt_checks import check_compatible, check_global_batch, check_model_matches  # noqa: F401
-from core.ckpt_io import (  # noqa: F401  # noqa: F401
-    FORMAT,
-    atomic_write,
-    list_checkpoints,
-    read_header,
-    remove_stale_temporaries,
-    tensor_checksum,
-    verify,
-    write_safetensors,
-)
-from core.ckpt_save import CheckpointSaver, savable, save_checkpoint, save_weights  # noqa: F401
+from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, verify, write_safetensors
 from core.config import RecipeError
-from core.dist import broadcast_object, is_rank0
-from core.models import unwrap
+from core.dist import all_gather_object, broadcast_object
+from core.folder import RunFolder, say, write_record
+
+START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}  # the progress of a run that starts afresh
 
 
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        _, index, name = key.split("/", 2)
-        state.setdefault(int(index), {})[name] = value
-    for key, value in rest["scalars"].items():
-        index, name = key.split("/", 1)
-        state.setdefault(int(index), {})[name] = value
-    groups = [
-        {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in group.items()}
-        for group in rest["param_groups"]
-    ]  # JSON made tuples (betas) into lists
-    return {"state": state, "param_groups": groups}
+def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, scheduler=None, scaler=None):
+    """(tensors, metadata) of the whole train state: every rank's generators are gathered (a collective)."""
+    rng = all_gather_object({"cpu": torch.get_rng_state(), **_cuda_rng()})  # each rank its own: bitwise resume
+    optim_tensors, optim_rest = {}, {"param_groups": optimizer.state_dict()["param_groups"], "scalars": {}}
+    for index, per_param in optimizer.state_dict()["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                optim_tensors[f"optim/{index}/{name}"] = value
+            else:
+                optim_rest["scalars"][f"{index}/{name}"] = value
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()} | optim_tensors
+    tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
+    metadata = {
+        "format": FORMAT,
+        "recipe": run.recipe,
+        "config": json.dumps(run.config),
+        "global_batch": str(run.config["global_batch"]),
+        "world_size": str(len(rng)),
+        "torch": torch.__version__,
+        "optimizer": json.dumps(optim_rest),
+        "progress": json.dumps(progress),
+        "scheduler": json.dumps(scheduler.state_dict() if scheduler else None),
+        "scaler": json.dumps(scaler.state_dict() if scaler and scaler.is_enabled() else None),
+    }
+    return tensors, metadata
 
 
-def _open_checked(path: str | os.PathLike, read):
-    """Run read(safe_open handle) on a checkpoint; one RecipeError line when the file isn't a good one."""
+def _cuda_rng() -> dict:
+    return {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+
+
+def savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two entries sharing storage (safetensors refuses tied weights)."""
+    out, seen = {}, set()
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        out[key] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
+
+
+def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) -> None:
+    """Rank 0: write the file atomically, then drop all but the newest `keep` (only once the new one is in place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+    for old in list_checkpoints(path.parent)[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, keep: int, **state) -> Path:
+    """Every --ckpt-every steps: RUN/ckpt/step-N.safetensors with the whole train state (a collective; rank 0
+    writes, the others wait for it, so a kill after this finds the checkpoint). `state`: scheduler, scaler."""
+    tensors, metadata = snapshot(run, model=model, optimizer=optimizer, progress=progress, **state)
+    path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
+    if run.writer:  # a full disk raises OSError here, and the checkpoints before stay whole
+        write_checkpoint(path, savable(tensors), metadata, keep=keep)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a checkpoint, every checksum and value verified (one RecipeError line)."""
+    tensors, metadata = _open(path, lambda f: {key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
+    verify(Path(path), read_header(path), tensors)
+    return tensors, metadata
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """A checkpoint's metadata, no tensor read (one RecipeError line when the file is not a checkpoint)."""
+    return _open(path, lambda f: None)[1]
+
+
+def _open(path: str | os.PathLike, read):
     path = Path(path)
     if path.is_dir():  # a run folder, or its ckpt folder: which step?
         raise RecipeError(f"--resume {path}: a folder, not a checkpoint file; pass one of its files, or --resume auto")
@@ -72,149 +119,116 @@ def _open_checked(path: str | os.PathLike, read):
                 return read(f), metadata
     except (SafetensorError, OSError) as err:
         with open(path, "rb") as f:
-            head = f.read(2)
-        if head == b"PK" or head[:1] == b"\x80":  # torch.save's zip, or a raw pickle
+            pickled = f.read(2) in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save, pickle
+        if pickled:
             raise RecipeError(
-                f"{path}: a pickle (torch.save) file, not a safetensors checkpoint; it is never "
-                f"unpickled here: resume from a ckpt/step-N.safetensors file"
+                f"{path}: a pickle (torch.save) file, not a safetensors checkpoint; it is never unpickled "
+                f"here: resume from a ckpt/step-N.safetensors file"
             ) from None
         raise RecipeError(
-            f"{path}: not a readable checkpoint ({err}); it is truncated or corrupted: "
-            f"resume from an older one in {path.parent}"
+            f"{path}: not a readable checkpoint ({err}); it is truncated or corrupted: resume from an older one "
+            f"in {path.parent}"
         ) from None
-    if str(metadata.get("format", "")).startswith("torch-dist-recipes/"):
-        raise RecipeError(
-            f"{path}: a checkpoint of format {metadata['format']!r}, written before checksums; "
-            f"this version reads {FORMAT!r}: start a new run"
-        )
     raise RecipeError(
-        f"{path}: a safetensors file but not a checkpoint of this project "
-        f"(format {metadata.get('format')!r}); resume from a ckpt/step-N.safetensors file"
+        f"{path}: a safetensors file but not a checkpoint of this project (format {metadata.get('format')!r}); "
+        f"resume from a ckpt/step-N.safetensors file"
     )
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """A checkpoint's header (no tensor is read); one RecipeError line when the file is not a checkpoint."""
-    return _open_checked(path, lambda f: None)[1]
-
-
-def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and header of a checkpoint, every checksum and value verified (one RecipeError line)."""
-    tensors, meta = _open_checked(path, lambda f: {key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
-    verify(Path(path), read_header(path), tensors)
-    return tensors, meta
-
-
-def check_resume_file(path: str | os.PathLike, model_shapes: dict[str, tuple]) -> dict[str, str]:
-    """Before any process group: the file is whole, undamaged and holds this model; returns its header."""
-    tensors, meta = read_checkpoint(path)
-    check_model_matches(
-        Path(path),
-        {k.removeprefix("model/"): tuple(v.shape) for k, v in tensors.items() if k.startswith("model/")},
-        model_shapes,
-    )
-    return meta
-
-
-def newest_good(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint that reads back whole and undamaged; each newer one is passed over with one line."""
-    for path in reversed(list_checkpoints(ckpt_dir)):
+def newest_good(run_dir: Path) -> Path | None:
+    """The newest checkpoint of RUN/ckpt that reads back whole and undamaged; a newer one is passed over in a line."""
+    for path in reversed(list_checkpoints(run_dir / "ckpt")):
         try:
             read_checkpoint(path)
             return path
         except RecipeError as err:
-            reason = str(err).removeprefix(f"{path}: ").split("; resume from")[0]
-            print(
-                f"warning: --resume auto: skipping {path}, damaged ({reason}); taking the one before", file=sys.stderr
-            )
+            why = str(err).removeprefix(f"{path}: ").split("; resume from")[0]
+            print(f"warning: --resume auto: skipping {path}, damaged ({why}); taking the one before", file=sys.stderr)
     return None
 
 
-def is_readable(path: Path) -> bool:
-    try:
-        read_checkpoint(path)
-        return True
-    except RecipeError:
-        return False
-
-
-def shapes_of(model: nn.Module) -> dict[str, tuple]:
-    return {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
-
-
-def load_checkpoint(
-    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, scheduler=None, scaler=None
-) -> dict:
-    """Restore the whole train state on every rank and return the progress. A collective.
-
-    Rank 0 reads and verifies the file (other nodes need not see it) and broadcasts it, or the
-    one-line reason it can't be used, so every rank fails or succeeds together. Any world size
-    may load it: the state is whole; rank r takes rank r's saved RNG state where there is one
-    and keeps its seeded generator otherwise (`world_size` is this job's, for the caller's records).
-    """
+def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=None, scaler=None) -> dict:
+    """The train state of the checkpoint the run continues from, into every rank; returns the progress (START for a
+    new run). A collective: rank 0 reads and verifies the file and sends it (other nodes need not see it)."""
+    if run.resume_from is None:
+        return dict(START)
     payload = None
-    if is_rank0():
+    if run.writer:
         try:
-            tensors, meta = read_checkpoint(path)
-            check_model_matches(
-                path,
-                {k.removeprefix("model/"): v.shape for k, v in tensors.items() if k.startswith("model/")},
-                shapes_of(model),
-            )
-            payload = (tensors, meta)
+            payload = read_checkpoint(run.resume_from)
+            check_shapes(run.resume_from, payload[0], model)
         except RecipeError as err:
-            payload = str(err)
+            payload = str(err)  # every rank raises it
     payload = broadcast_object(payload)  # our own tensors between our own processes, not the file
     if isinstance(payload, str):
         raise RecipeError(payload)
     tensors, meta = payload
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    optimizer.load_state_dict(_optimizer_state(tensors, json.loads(meta["optimizer"])))
+    for holder, key in ((scheduler, "scheduler"), (scaler, "scaler")):
+        if holder is not None and json.loads(meta.get(key, "null")) is not None:
+            holder.load_state_dict(json.loads(meta[key]))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return restore(tensors, meta, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, rank=rank)
-
-
-def restore(tensors: dict, meta: dict, *, model: nn.Module, optimizer, scheduler=None, scaler=None, rank: int = 0):
-    """Put a checkpoint's state into this process as rank `rank`; returns the progress.
-    A rank the saving job did not have keeps its seeded generators (a larger world)."""
-    unwrap(model).load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
-    optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
-    optimizer.load_state_dict(_unflatten_optimizer(optim, json.loads(meta["optimizer"])))
-    if scheduler is not None and json.loads(meta["scheduler"]) is not None:
-        scheduler.load_state_dict(json.loads(meta["scheduler"]))
-    if scaler is not None and json.loads(meta.get("scaler", "null")) is not None:
-        scaler.load_state_dict(json.loads(meta["scaler"]))
-    if f"rng/{rank}/cpu" in tensors:
+    if f"rng/{rank}/cpu" in tensors:  # a rank the saving job did not have keeps its seeded generator
         torch.set_rng_state(tensors[f"rng/{rank}/cpu"])
     if torch.cuda.is_available() and f"rng/{rank}/cuda" in tensors:
         torch.cuda.set_rng_state(tensors[f"rng/{rank}/cuda"])
-    return json.loads(meta["progress"])
+    progress = {**START, **json.loads(meta["progress"])}
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **_shape_of(run)})
+    say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    return progress
 
 
-def sharded(model) -> bool:
-    """Pipeline stages (a list), fully_shard or DTensor parameters: checkpoints are written by every rank (DCP).
-    fully_shard leaves the root's parameters gathered, as plain tensors, after a forward without backward
-    (evaluation): its reshard() method says what they are then."""
-    if isinstance(model, list | tuple):
-        return True
-    plain = unwrap(model)
-    return hasattr(plain, "reshard") or any(type(p).__name__ == "DTensor" for p in plain.parameters())
+def _shape_of(run: RunFolder) -> dict:
+    return {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
 
 
-def state_bytes(*holders) -> int:
-    """Roughly what a checkpoint of these modules and optimizers takes on disk."""
-    states = [h.state_dict() for h in holders]
-    tensors = [
-        t
-        for s in states
-        for t in (s.values() if "state" not in s else (v for p in s["state"].values() for v in p.values()))
+def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim/"):
+            _, index, name = key.split("/", 2)
+            state.setdefault(int(index), {})[name] = value
+    for key, value in rest["scalars"].items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = value
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in rest["param_groups"]]
+    return {"state": state, "param_groups": groups}  # JSON made tuples (AdamW's betas) into lists
+
+
+def check_shapes(path: Path, tensors: dict, model: nn.Module) -> None:
+    """One RecipeError line naming the missing and unexpected keys and the misshapen ones, when the checkpoint
+    holds another model than `model`."""
+    saved = {k.removeprefix("model/"): tuple(v.shape) for k, v in tensors.items() if k.startswith("model/")}
+    check_model_matches(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+
+
+def check_model_matches(path: Path, saved: dict[str, tuple], expected: dict[str, tuple]) -> None:
+    """The key -> shape dicts of a checkpoint and a model agree, or one line says where they do not."""
+    both = sorted(expected.keys() & saved.keys())
+    problems = {
+        "missing keys": sorted(expected.keys() - saved.keys()),
+        "unexpected keys": sorted(saved.keys() - expected.keys()),
+        "shape mismatches": [
+            f"{k} {tuple(saved[k])} vs {tuple(expected[k])}" for k in both if tuple(saved[k]) != tuple(expected[k])
+        ],
+    }
+    found = [
+        f"{what}: {', '.join(keys[:3])}" + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+        for what, keys in problems.items()
+        if keys
     ]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    if found:
+        raise RecipeError(
+            f"{path} holds another model ({'; '.join(found)}); resume with the --model it was trained with, "
+            f"or start a new run"
+        )
 
 
-def model_state(model) -> dict[str, torch.Tensor]:
-    """The plain model's full state dict: gathered from DTensor shards to rank 0 (a collective), or as it is."""
-    plain = unwrap(model)
-    if sharded(plain):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return plain.state_dict()
+def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:
+    """Rank 0 writes the final weights as RUN/model.safetensors, loadable with safetensors.torch.load_file."""
+    path = run.path / "model.safetensors"
+    if run.writer:
+        tensors, metadata = savable(state), {"recipe": run.recipe, "model": run.config["model"]}
+        atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+    return path

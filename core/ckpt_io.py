@@ -1,7 +1,7 @@
 """The safetensors files of core.ckpt: atomic writes, checksums written in, verified on read.
 
-Every file carries, in its header metadata, `checksums` (JSON: tensor name -> "blocksum64-crc32:8 hex
-digits", see tensor_checksum) and `header_checksum` (CRC32 over the whole header but that
+Every file carries, in its header metadata, `checksums` (JSON: tensor name -> "xxh3:16 hex digits",
+see core.checksum) and `header_checksum` (CRC32 over the whole header but that
 one field: tensor names, dtypes, shapes, offsets and every metadata string, progress
 included). Hashing runs at memory speed, a few percent of a write (bench/bench_ckpt.py).
 """
@@ -15,42 +15,15 @@ import struct
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from core.checksum import checksum, checksum_matches
 from core.config import RecipeError
 
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_BLOCK = 4096  # bytes summed into one 64-bit word
 _NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # optimizer averages of squares
 FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
 CKPT_NAME = re.compile(r"step-(\d+)\.safetensors")
 TEMPORARY = re.compile(r"\..+\.tmp-\d+")  # what atomic_write names its temporary file
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """A checksum of a tensor's bytes at memory speed, "blocksum64-crc32:8 hex digits" (fixed width).
-
-    The bytes are summed as 64-bit words (wrapping) per 4 KiB block, and CRC32 is taken over the
-    block sums and the tail: any change inside one word, or a block moved, is caught like CRC32
-    over the bytes would, at ~10x its speed (zlib.crc32 runs at ~1-3 GB/s, slower than a write).
-    """
-    t = t.detach().cpu().contiguous().reshape(-1)
-    data = t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-    whole = len(data) // _BLOCK * _BLOCK
-    sums = np.add.reduce(data[:whole].view(np.uint64).reshape(-1, _BLOCK // 8), axis=1, dtype=np.uint64)
-    return f"blocksum64-crc32:{zlib.crc32(data[whole:], zlib.crc32(sums)):08x}"
 
 
 def header_checksum(header: dict) -> str:
@@ -99,7 +72,7 @@ def _encode(header: dict) -> memoryview:
 
 
 def write_safetensors(
-    f, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, *, checksums: bool = True
+    f, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, *, checksum_of=checksum
 ) -> None:
     """The safetensors format, written straight from the tensors' memory (CPU, contiguous) into an
     open file, with the checksums in its header.
@@ -111,18 +84,26 @@ def write_safetensors(
     for key, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
         header[key] = {
-            "dtype": _DTYPES[tensor.dtype],
+            "dtype": _dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + size],
         }
         offset += size
-    if checksums:
-        header["__metadata__"]["checksums"] = json.dumps({key: tensor_checksum(t) for key, t in tensors.items()})
+    if checksum_of is not None:  # None: no checksums (bench/bench_ckpt.py measures what they cost)
+        header["__metadata__"]["checksums"] = json.dumps({key: checksum_of(t) for key, t in tensors.items()})
         header["__metadata__"]["header_checksum"] = header_checksum(header)
     _write_all(f, _encode(header))
     for tensor in tensors.values():
         if tensor.numel():
             _write_all(f, tensor.reshape(-1).view(torch.uint8).numpy().data)  # no copy: the tensor's own bytes
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name of a dtype: F32, BF16, I64, U8, BOOL, ..."""
+    if dtype == torch.bool:
+        return "BOOL"
+    kind = "BF" if dtype == torch.bfloat16 else "F" if dtype.is_floating_point else "U" if dtype == torch.uint8 else "I"
+    return f"{kind}{dtype.itemsize * 8}"
 
 
 def _write_all(f, view: memoryview) -> None:
@@ -148,7 +129,7 @@ def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor]) -> None:
         )
     sums = json.loads(meta["checksums"])
     for key, tensor in tensors.items():
-        if sums.get(key) != tensor_checksum(tensor):
+        if not checksum_matches(tensor, sums.get(key, "")):  # old checkpoints' format too
             raise RecipeError(f"{path}: tensor {key} does not match its checksum (the file is damaged); {fix}")
         if key.startswith(("model/", "optim/")) and tensor.is_floating_point():
             if not bool(torch.isfinite(tensor).all()):

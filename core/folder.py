@@ -1,34 +1,132 @@
-"""The run folder on disk: its name, the lock that says which job holds it, records written whole.
+"""The run folder: which one a run writes (new, or the one it resumes), the checks a resume must pass, its records.
 
-runs/ddp-3/                  out/prefix-N, numbered; a resumed run continues in its checkpoint's folder
-runs/ddp-3/.lock             {"host", "pid", "job"} of the job that holds the folder
-runs/ddp-3/metrics.jsonl     one JSON object a line, each written by one write(); non-finite numbers as null
+    runs/ddp-3/config.json       the options, the recipe, the world size (written once, by a fresh run)
+    runs/ddp-3/metrics.jsonl     one JSON object a line: kind = train | eval | resume | summary
+    runs/ddp-3/model.safetensors final weights of the plain model
+    runs/ddp-3/ckpt/             checkpoints
+    runs/ddp-3/.lock             held (flock) by the job that writes the folder
+
+Only rank 0 writes or prints; every number it writes has been reduced over the ranks first.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
 import re
 import socket
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from core import ckpt
+from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError
+from core.dist import Topology, broadcast_object
 
-RUN_NAME = r"{}-(\d+)"
+# Options that shape what is trained: a resumed run must keep them, or it would be another run.
+TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """Where this run writes (rank 0 only) and the checkpoint it continues from (None: a new run)."""
+
+    path: Path
+    resume_from: Path | None
+    recipe: str
+    config: dict  # the options and the job's shape: config.json, and every checkpoint's header
+    writer: bool  # rank 0: the one process that writes and prints
+    lock: object = None  # rank 0's open .lock file: the kernel lets go of it when the process ends
+    sinks: tuple = ()  # more places every record goes (core.trackers)
+
+
+def open_run(
+    cfg, topo: Topology, *, recipe: str, global_batch: int, newest, header, dp: int | None = None
+) -> RunFolder:
+    """Rank 0 picks the folder (a new out/NAME-N, or the resumed checkpoint's), checks that the checkpoint can
+    continue in this job, takes the folder's lock and writes config.json; every rank gets the same folder.
+    `newest(run_dir)`: the newest good checkpoint there; `header(path)`: a checkpoint's metadata; `dp`: the
+    data-parallel ranks (default: all)."""
+    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
+    choice, lock = None, None
+    if topo.is_rank0:
+        try:
+            choice, lock = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
+        except RecipeError as err:
+            choice = str(err)  # every rank raises it: none waits for a folder that never comes
+    choice = broadcast_object(choice)
+    if isinstance(choice, str):
+        raise RecipeError(choice)
+    run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.is_rank0, lock)
+    say(run, f"run folder {run.path}")
+    return run
+
+
+def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> tuple[dict, object]:
+    prefix = cfg.name or config["recipe"]  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start anew
+    resume = cfg.resume or ("auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else "")
+    runs = run_dirs(cfg.out, prefix)
+    if resume == "auto":
+        resume_from = newest(runs[-1]) if runs else None
+        if resume_from is None:  # not silently a new run
+            where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
+            print(f"--resume auto: {where} in {cfg.out}; starting a new run", flush=True)
+    else:
+        resume_from = Path(resume) if resume else None
+    if resume_from is not None:
+        check_continues(resume_from, header(resume_from), config, dp=dp)
+    in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
+    path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
+    lock = take_lock(path)
+    remove_stale_temporaries(path)  # left by a write that a kill interrupted
+    repair_records(path / "metrics.jsonl")
+    if not in_run:  # a resumed run keeps the config it was started with: check_continues refused changes
+        text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
+        atomic_write(path / "config.json", lambda f: f.write(text))
+    return {"path": path, "resume_from": resume_from}, lock
+
+
+def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
+    """Whether a checkpoint (its header `meta`) continues in this job: the same recipe family and precision, the
+    same global batch (`dp`: this job's data-parallel ranks) and the same options that shape training."""
+    saved = json.loads(meta.get("config", "{}"))
+    saved_recipe = meta.get("recipe") or saved.get("recipe")
+    sharded = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # state laid out by the mesh
+    if saved_recipe and saved_recipe != config["recipe"] and {saved_recipe, config["recipe"]} & set(sharded):
+        raise RecipeError(
+            f"{path}: a checkpoint of recipe {saved_recipe}, and this run is {config['recipe']}: its state is laid "
+            f"out for {saved_recipe}; resume it with {saved_recipe}, or start a new run"
+        )
+    saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
+    if saved_batch and saved_batch != global_batch:
+        per_step = dp * config.get("accum", 1)
+        fix = (
+            f"--batch-size {saved_batch // per_step}"
+            if saved_batch % per_step == 0
+            else "a number of ranks that divides it"
+        )
+        raise RecipeError(
+            f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
+            f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks x --accum {config.get('accum', 1)}); "
+            f"the run would change: use {fix}"
+        )
+    defaults = {"precision": "fp32", "accum": 1, "clip": 0.0, "init_from": ""}  # what a recipe without the option does
+    was, now = (lambda k: saved.get(k, defaults.get(k))), (lambda k: config.get(k, defaults.get(k)))
+    changed = [f"--{k.replace('_', '-')} {was(k)} -> {now(k)}" for k in TRAJECTORY if k in saved and was(k) != now(k)]
+    if changed:
+        raise RecipeError(
+            f"{path}: resuming with other options ({', '.join(changed)}) would train another run; resume with the "
+            f"options it was started with, or start a new run without --resume"
+        )
 
 
 def run_dirs(out: str | os.PathLike, prefix: str) -> list[Path]:
     """The folders `out/prefix-N`, oldest (lowest N) first."""
-    out = Path(out)
+    named = re.compile(re.escape(prefix) + r"-(\d+)")
     found = (
-        [(int(m.group(1)), p) for p in out.iterdir() if (m := re.fullmatch(RUN_NAME.format(re.escape(prefix)), p.name))]
-        if out.is_dir()
-        else []
+        [(int(m[1]), p) for p in Path(out).iterdir() if (m := named.fullmatch(p.name))] if Path(out).is_dir() else []
     )
     return [p for _, p in sorted(found)]
 
@@ -37,92 +135,52 @@ def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
     """`out/prefix-N`, one past the highest, created now so that no other job takes it."""
     while True:
         taken = run_dirs(out, prefix)
-        number = int(taken[-1].name.rsplit("-", 1)[1]) + 1 if taken else 1
+        candidate = Path(out) / f"{prefix}-{int(taken[-1].name.rsplit('-', 1)[1]) + 1 if taken else 1}"
         try:
-            (candidate := Path(out) / f"{prefix}-{number}").mkdir(parents=True)
+            candidate.mkdir(parents=True)
             return candidate
         except FileExistsError:  # another job took it between the listing and the mkdir
             continue
 
 
-def find_resume(resume: str, *, out: str, prefix: str, newest) -> Path | None:
-    """The checkpoint to start from: a path, or for 'auto' newest(run folder) of the newest run.
-    A group that torchrun restarted after a failure (TORCHELASTIC_RESTART_COUNT > 0) resumes by itself."""
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = "auto"
-    if resume != "auto":
-        return Path(resume) if resume else None
-    runs = run_dirs(out, prefix)
-    return newest(runs[-1]) if runs else None
-
-
-def nothing_to_resume(out: str, prefix: str) -> str:
-    """What --resume auto says when it finds no checkpoint to continue, and a new run starts."""
-    runs = run_dirs(out, prefix)
-    if not runs:
-        return f"--resume auto: no earlier {prefix} run in {out}; starting a new run"
-    return (
-        f"--resume auto: {runs[-1]}, the newest {prefix} run, has no usable checkpoint; starting a new run "
-        f"(--resume PATH continues an older one)"
-    )
-
-
-def lock_holder(run_dir: Path) -> dict | None:
-    """Who holds `run_dir` now (host, pid, job), or None when it is free or its holder is gone."""
+def take_lock(run_dir: Path):
+    """Hold `run_dir` for this job: an exclusive flock on run_dir/.lock, which the kernel releases when the
+    process ends (however it ends). A folder another job holds is one RecipeError line."""
+    handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 - held open for the process's life
     try:
-        holder = json.loads((run_dir / ".lock").read_text())
-    except (OSError, ValueError):
-        return None
-    same_job = holder.get("job") and holder.get("job") == os.environ.get("TORCHELASTIC_RUN_ID")
-    if same_job or (holder.get("host") == socket.gethostname() and not _alive(holder.get("pid", 0))):
-        return None  # this job restarted by torchrun, or a process of this host that is gone: stale
-    return holder
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another job"
+        handle.close()
+        raise RecipeError(f"{run_dir} is in use by {holder}; wait for that job to end, or resume another run") from None
+    handle.truncate(0)
+    handle.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
 
 
-def _alive(pid: int) -> bool:
+def say(run: RunFolder, message: str) -> None:
+    """Print a line on rank 0 only."""
+    if run.writer:
+        print(message, flush=True)
+
+
+def write_record(run: RunFolder, record: dict) -> None:
+    """Rank 0 appends one JSON line to metrics.jsonl in one write() (a crash never leaves half a record; a number
+    that is not finite is written as null, as strict JSON readers need), and hands it to the run's sinks."""
+    if not run.writer:
+        return
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    data = (json.dumps(clean) + "\n").encode()
+    fd = os.open(run.path / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def release_folder(run_dir: Path, *, discard: bool) -> None:
-    """The lock goes when it is ours (or stale). `discard`: a new run that stopped before it wrote anything but its
-    config.json goes too, so that the newest run folder is always one that trained."""
-    if (lock_holder(run_dir) or {}).get("pid") in (None, os.getpid()):
-        (run_dir / ".lock").unlink(missing_ok=True)
-    if discard and {p.name for p in run_dir.iterdir()} <= {"config.json"}:
-        (run_dir / "config.json").unlink(missing_ok=True)
-        run_dir.rmdir()
-
-
-def check_free(run_dir: Path) -> None:
-    if holder := lock_holder(run_dir):
-        raise RecipeError(
-            f"{run_dir} is in use by PID {holder['pid']} on {holder['host']}; wait for that job to "
-            f"end, or delete {run_dir / '.lock'} if it is gone"
-        )
-
-
-def clean(value):
-    """JSON has no NaN or infinity: strict readers reject them, so a non-finite number is written as null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def append_line(path: Path, record: dict) -> None:
-    """One whole line in one write(), so a crash or a full disk never leaves half a record."""
-    data = (json.dumps({k: clean(v) for k, v in record.items()}) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.write(fd, data) != len(data):
-            raise OSError(errno.ENOSPC, "short write")
-    except OSError as err:
-        raise disk_error(err, path, len(data)) from None
+        if os.write(fd, data) != len(data):  # a full disk: the next record must not start mid-line
+            raise OSError(errno.ENOSPC, f"{run.path / 'metrics.jsonl'}: the disk is full")
     finally:
         os.close(fd)
+    for sink in run.sinks:
+        sink.write(record)
 
 
 def repair_records(path: Path) -> None:
@@ -130,43 +188,3 @@ def repair_records(path: Path) -> None:
     if path.is_file() and (data := path.read_bytes()) and not data.endswith(b"\n"):
         with open(path, "r+b") as f:
             f.truncate(data.rfind(b"\n") + 1)
-
-
-def disk_error(err: OSError, path: Path, needed: int) -> Exception:
-    """A failed write as one line: for a full disk with the folder and the bytes, else with the OS's reason."""
-    folder = next(p for p in [path.parent, *path.parents] if p.exists())
-    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return RecipeError(f"{folder}: writing {path.name} failed ({err.strerror or err}); check the folder")
-    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
-    return RecipeError(
-        f"{path.parent}: the disk is full writing {path.name} ({needed:,} bytes needed, {free:,} "
-        f"free); free some space or point --out at another disk"
-    )
-
-
-def take_folder(run_dir: Path, *, fresh: bool, config: dict) -> None:
-    """Rank 0 holds `run_dir` for this job: the lock, stale temporaries and a torn record gone, config.json for a
-    fresh run (a resumed run keeps the config it was started with: the pre-check refused changes)."""
-    check_free(run_dir)
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("TORCHELASTIC_RUN_ID")}
-    ckpt.atomic_write(run_dir / ".lock", lambda f: f.write(json.dumps(holder).encode()))
-    ckpt.remove_stale_temporaries(run_dir)  # left by a write that a kill interrupted
-    repair_records(run_dir / "metrics.jsonl")
-    if fresh:
-        text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
-        ckpt.atomic_write(run_dir / "config.json", lambda f: f.write(text))
-
-
-def check_writable(folder: str) -> None:
-    """Fail now, not after an hour of training, when the output folder can't be written; creates nothing."""
-    existing = os.path.abspath(folder)
-    while not os.path.isdir(existing):  # the nearest folder that exists must let us create the rest
-        parent = os.path.dirname(existing)
-        if parent == existing or os.path.exists(existing):
-            raise RecipeError(f"--out {folder}: cannot write there ({existing} is not a folder); pick a writable one")
-        existing = parent
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
-            pass
-    except OSError as err:
-        raise RecipeError(f"--out {folder}: cannot write there ({err.strerror or err}); pick a writable one") from None

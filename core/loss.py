@@ -1,69 +1,55 @@
-"""The loss contract: what a model may return, what a batch may be, which loss is taken, and how it is normalised.
+"""The loss contract: how a batch is passed to the model, what the model may return, which loss is taken.
 
-Model outputs: a tensor (logits); a tuple or list (logits first; `(logits, loss)`; `(loss, logits, ...)` as
-transformers returns with return_dict=False); a dict or transformers `ModelOutput` with `loss` and/or `logits`.
-Batches: `(input, target)` pairs, called as `model(input)` (`model(input, target)` for `--loss model`), or dicts
-of tensors (input_ids, attention_mask, labels, ...) called as `model(**batch)`, whose targets are `labels`.
-Targets equal to -100 count nowhere: not in the loss, the count, nor the accuracy (as cross_entropy and
-transformers ignore them).
-
-Exact normalisation: every micro-batch's loss is its SUM of per-target losses divided by one `normalizer`, the
-counted targets of the whole global batch over the W data-parallel ranks (DDP then averages gradients over W).
-So N ranks x K micro-batches of padded sequences give the gradient of the global batch's mean loss, not a mean
-of per-micro-batch means (transformers issue #34191).
+Batches: `(input, target)` pairs and `(input, ..., target)` tuples, called as `model(input, ...)`; dicts of
+tensors, called as `model(**batch)`, whose targets are `labels`. A model whose forward takes the targets
+(`targets` as nanoGPT's, `labels` as transformers') is given them, and its own loss is used.
+Outputs: a tensor (logits); a tuple or list (logits first; `(logits, loss)`; `(loss, logits, ...)` as
+transformers returns with return_dict=False); a dict or `ModelOutput` with `loss` and/or `logits`.
+Targets equal to -100 count nowhere, as in cross_entropy and transformers. Each micro-batch's loss is its
+mean; DDP averages the ranks' gradients (core.exact_loss weighs every target of the global batch alike).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from core.config import RecipeError
 from core.factory import resolve_factory
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
-LOSS_SPECS = ("auto", "ce", "model")
+LOSSES = ("auto", "ce", "mse", "model")
+TARGET_PARAMETERS = ("targets", "labels")  # nanoGPT's forward(idx, targets=None), transformers' forward(..., labels)
 
 
 @dataclass(frozen=True)
 class Loss:
-    """`--loss`, parsed: see make_loss. `fn` is a module:function loss, called as fn(outputs, batch)."""
+    """`--loss`, resolved for one model: see make_loss."""
 
     spec: str = "auto"
-    fn: Callable | None = None
+    fn: Callable | None = None  # a module:function loss, called as fn(outputs, batch)
+    targets_as: str | None = None  # the forward's parameter that takes the targets, when the model computes a loss
 
 
-def make_loss(spec: str = "auto") -> Loss:
-    """`--loss`: `auto` (the model's own loss when its output carries one, else cross-entropy on the logits),
-    `ce`, `model` (the model is called with the targets too and must return a loss), or `module:function`,
-    called as fn(outputs, batch) and returning the batch's MEAN loss over its counted targets (targets != -100;
-    the batch's samples when it has no targets). A bad spec raises one RecipeError line."""
-    if spec in LOSS_SPECS:
-        return Loss(spec)
-    return Loss(spec, resolve_factory(spec, dict.fromkeys(LOSS_SPECS), option="--loss"))
-
-
-def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over counted targets, for class logits (N, C) and per-token logits (N, T, C) alike."""
-    return nn.functional.cross_entropy(outputs.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
-
-
-def as_loss(loss_fn) -> Loss:
-    """A Loss, a spec string, or an old-style fn(logits, targets) -> mean loss (cross_entropy: `ce`)."""
-    if isinstance(loss_fn, Loss):
-        return loss_fn
-    if isinstance(loss_fn, str):
-        return make_loss(loss_fn)
-    if loss_fn is cross_entropy:
-        return Loss("ce")
-    return Loss("custom", lambda outputs, batch: loss_fn(split_outputs(outputs)[0], batch_targets(batch)))
+def make_loss(spec: str, *, model: nn.Module) -> Loss:
+    """`--loss` for `model` (the plain one, not its wrapper): auto (the model's own loss when its forward takes the
+    targets, else cross-entropy, or mse for float targets), ce, mse, model, or `module:function(outputs, batch)`
+    returning the batch's mean loss. A choice that cannot work is one RecipeError line."""
+    if spec not in LOSSES:
+        return Loss(spec, resolve_factory(spec, dict.fromkeys(LOSSES), option="--loss"))
+    params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+    named = next((p.name for p in params if p.name in TARGET_PARAMETERS), None)
+    second = params[1].name if len(params) > 1 and params[1].kind != inspect.Parameter.VAR_POSITIONAL else None
+    if spec == "model" and not (named or second):
+        raise RecipeError(
+            f"--loss model: {type(model).__name__}.forward{inspect.signature(model.forward)} takes no targets; "
+            f"give it a `targets` parameter that makes it return a loss (as nanoGPT), or use --loss ce or mse"
+        )
+    return Loss(spec, targets_as=named or (second if spec == "model" else None))
 
 
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -72,11 +58,10 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return outputs, None
     if isinstance(outputs, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
         return outputs.get("logits"), outputs.get("loss")
-    if isinstance(outputs, (tuple, list)) and outputs:
-        first = outputs[0]
-        if len(outputs) > 1 and isinstance(first, torch.Tensor) and first.dim() == 0:
-            return outputs[1], first  # (loss, logits, ...): transformers with return_dict=False
-        second = outputs[1] if len(outputs) > 1 else None
+    if isinstance(outputs, tuple | list) and outputs:
+        first, second = outputs[0], outputs[1] if len(outputs) > 1 else None
+        if second is not None and isinstance(first, torch.Tensor) and first.dim() == 0:
+            return second, first  # (loss, logits, ...): transformers with return_dict=False
         return first, second if isinstance(second, torch.Tensor) and second.dim() == 0 else None
     raise RecipeError(
         f"the model returned {type(outputs).__name__}; return logits, (logits, loss), "
@@ -84,163 +69,59 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     )
 
 
-def batch_targets(batch) -> torch.Tensor | None:
-    """The targets: a pair's second item, a dict's `labels`; None when the batch has none."""
+def call_model(model: nn.Module, batch, loss: Loss):
+    """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple, with the targets where the
+    model takes them for its own loss."""
     if isinstance(batch, Mapping):
-        return batch.get("labels")
-    return batch[1] if isinstance(batch, Sequence) and len(batch) > 1 else None
+        return model(**batch), batch.get("labels")
+    *inputs, targets = batch
+    if loss.targets_as and loss.spec in ("auto", "model"):
+        return model(*inputs, **{loss.targets_as: targets}), targets
+    return model(*inputs), targets
 
 
-def batch_samples(batch) -> int:
-    """Examples (sequences) in the batch: the first dimension of its first tensor."""
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) else [batch]
-    return next(t.shape[0] for t in items if isinstance(t, torch.Tensor) and t.dim() > 0)
-
-
-def batch_device(batch) -> torch.device:
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) else [batch]
-    return next(t.device for t in items if isinstance(t, torch.Tensor))
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside torch.compile and DDP/DataParallel (fully_shard keeps the class)."""
-    model = getattr(model, "_orig_mod", model)
-    return (
-        getattr(model, "module", model)
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-        else model
-    )
-
-
-@functools.cache
-def _forward_traits(cls: type) -> tuple[bool, bool, bool]:
-    """(forward names num_items_in_batch, takes **kwargs, hands its labels to transformers' self.loss_function).
-    The last is read from the source: BertForSequenceClassification, say, takes **kwargs but calls
-    CrossEntropyLoss itself, so it would silently ignore num_items_in_batch."""
-    params = inspect.signature(cls.forward).parameters
-    var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-    try:
-        uses = "self.loss_function(" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        uses = False
-    return "num_items_in_batch" in params, var_kw, uses
-
-
-def model_loss_traits(model: nn.Module) -> tuple[bool, bool]:
-    """(forward takes num_items_in_batch and divides its summed loss by it, the model's loss shifts labels)."""
-    inner = _unwrap(model)
-    named, var_kw, uses = _forward_traits(type(inner))
-    if named:  # a user model that names it: trusted, its labels taken as they are
-        return True, False
-    loss_utils = sys.modules.get("transformers.loss.loss_utils")  # never imported here: torch-only copies work
-    if loss_utils is None or not uses or not hasattr(inner, "loss_function"):
-        return False, False
-    takes = getattr(inner, "accepts_loss_kwargs", True) and var_kw  # transformers Trainer's own test
-    encoder_decoder = getattr(getattr(inner, "config", None), "is_encoder_decoder", False)
-    return bool(takes), inner.loss_function is loss_utils.ForCausalLMLoss and not encoder_decoder
-
-
-def _plan(model: nn.Module, loss: Loss, batch) -> tuple[bool, bool, bool]:
-    """(the model's own loss is wanted, pass num_items_in_batch, count shifted labels) for this batch."""
-    wanted = loss.spec == "model" or (
-        loss.spec == "auto" and batch_targets(batch) is not None and isinstance(batch, Mapping)
-    )  # a pair's model(input) gets no targets
-    takes, shifts = model_loss_traits(model) if wanted else (False, False)
-    return wanted, takes, shifts
-
-
-def count_targets(batch, *, shift: bool = False) -> torch.Tensor:
-    """Counted targets (!= -100; after the causal-LM shift when `shift`), or samples without targets (float64)."""
-    targets = batch_targets(batch)
-    if targets is None or targets.is_floating_point():
-        return torch.tensor(float(batch_samples(batch)), dtype=torch.float64, device=batch_device(batch))
-    return (targets[..., 1:] if shift else targets).ne(IGNORE).sum().double()
-
-
-def local_count(micro_batches: list, *, model: nn.Module | None = None, loss_fn=None) -> torch.Tensor:
-    """Counted targets over this rank's micro-batches, as the loss will count them."""
-    loss = as_loss(loss_fn if loss_fn is not None else "auto")
-    return torch.stack(
-        [count_targets(b, shift=model is not None and _plan(model, loss, b)[2]) for b in micro_batches]
-    ).sum()
-
-
-def global_count(
-    micro_batches: list, *, group: dist.ProcessGroup | None = None, model: nn.Module | None = None, loss_fn=None
-) -> torch.Tensor:
-    """Counted targets of the global batch: this rank's micro-batches, summed over `group` (None: the default
-    group, when there is one): one all-reduce. Pass `model` and `loss_fn` so a causal LM's shift is counted."""
-    total = local_count(micro_batches, model=model, loss_fn=loss_fn)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return total
-
-
-def _accuracy(logits, targets, *, shift: bool) -> torch.Tensor | None:
-    """Correct counted predictions, or None where the outputs are not class logits for these targets."""
-    if logits is None or targets is None or targets.is_floating_point() or logits.dim() < 2:
-        return None
-    if shift:
-        logits, targets = logits[..., :-1, :], targets[..., 1:]
-    if logits.shape[:-1] != targets.shape:
-        return None
-    return ((logits.detach().argmax(-1) == targets) & targets.ne(IGNORE)).sum().double()
-
-
-def _call(model: nn.Module, batch, *, loss: Loss, extra: dict):
-    """model(**batch) for a dict; model(input), or model(input, target) for --loss model, for a pair."""
-    if isinstance(batch, Mapping):
-        return model(**batch, **extra)
-    if loss.spec != "model":
-        return model(batch[0])
-    try:
-        inspect.signature(_unwrap(model).forward).bind(batch[0], batch[1], **extra)
-    except TypeError:
-        raise RecipeError(
-            "--loss model: the model's forward does not take (input, target); "
-            "use --loss auto or ce, or give forward a targets argument"
-        ) from None
-    return model(batch[0], batch[1], **extra)
-
-
-def forward_loss(
-    model: nn.Module, batch, *, loss_fn, normalizer: torch.Tensor | float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward one micro-batch: (this batch's summed loss / normalizer, to backward; its metrics, summed).
-
-    normalizer = global_count(...) / W, W the data-parallel ranks whose gradients DDP averages (1: one
-    process); normalizer=1 gives the plain sum (evaluation). Metrics: loss_sum, count, samples, and
-    correct where logits and targets allow an accuracy (float64 device tensors, no host sync).
-    """
-    loss = as_loss(loss_fn)
-    _, takes, shift = _plan(model, loss, batch)  # as global_count counted: the same targets
-    norm = torch.as_tensor(normalizer, dtype=torch.float64, device=batch_device(batch))
-    extra = {"num_items_in_batch": norm} if takes else {}  # transformers' own fix: it divides its sum by this
-    outputs = _call(model, batch, loss=loss, extra=extra)
+def forward(model: nn.Module, batch, loss: Loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch: (its mean loss, to backward; its metrics as sums: loss_sum, count, samples, correct)."""
+    outputs, targets = call_model(model, batch, loss)
     logits, own = split_outputs(outputs)
-    targets, count = batch_targets(batch), count_targets(batch, shift=shift)
-    if loss.spec == "model" and own is None:
-        raise RecipeError(
-            f"--loss model: the model's output ({type(outputs).__name__}) carries no loss; "
-            f"use --loss ce or have forward return (logits, loss)"
-        )
-    if own is not None and takes:
-        total = own * norm  # the model already divided its sum by `norm`
-    elif (own is not None and loss.spec in ("auto", "model")) or loss.fn is not None:
-        mean = own if loss.fn is None else loss.fn(outputs, batch)  # a mean over the counted targets
-        total = torch.where(count > 0, mean * count, torch.zeros_like(count))  # 0/0 = nan when none counts
+    if loss.fn is not None:
+        mean = loss.fn(outputs, batch)
+    elif own is not None and loss.spec in ("auto", "model"):
+        mean = own
+    elif loss.spec == "model":
+        raise RecipeError(f"--loss model: the model returned {type(outputs).__name__} with no loss; use --loss ce")
     elif logits is None or targets is None:
         raise RecipeError(
-            f"--loss {loss.spec}: cross-entropy needs logits and targets; the model returned "
-            f"{type(outputs).__name__} for a {type(batch).__name__} batch; use --loss model or a function"
+            f"--loss {loss.spec}: the model returned {type(outputs).__name__} (no logits) or the batch has no "
+            f"targets; return logits, or use --loss model or a module:function loss"
         )
+    elif loss.spec == "mse" or (loss.spec == "auto" and targets.is_floating_point()):
+        if logits.shape != targets.shape:
+            raise RecipeError(
+                f"--loss {loss.spec}: float targets {tuple(targets.shape)} and outputs {tuple(logits.shape)} differ in "
+                f"shape: mse needs them equal; for class indices use int64 targets (--loss ce)"
+            )
+        mean = nn.functional.mse_loss(logits.float(), targets.float())
     else:
-        total = nn.functional.cross_entropy(
-            logits.flatten(0, -2).float(), targets.flatten(), reduction="sum", ignore_index=IGNORE
-        )
-    samples = torch.tensor(float(batch_samples(batch)), dtype=torch.float64, device=count.device)
-    metrics = {"loss_sum": total.detach().double(), "count": count, "samples": samples}
-    correct = _accuracy(logits, targets, shift=shift)
-    if correct is not None:
-        metrics["correct"] = correct
-    return (own if own is not None and takes else total / norm), metrics
+        mean = nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+    return mean, metrics(logits, targets, mean, samples=len(next(iter(_tensors(batch)))))
+
+
+def _tensors(batch):
+    return (t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor))
+
+
+def metrics(logits, targets, mean: torch.Tensor, *, samples: int) -> dict[str, torch.Tensor]:
+    """Sums (not means) that add up over micro-batches and ranks: loss_sum, count (counted targets, or samples
+    where there are none or they are floats), samples, and correct for class logits (N, C) and targets (N,)."""
+    device = mean.device
+    if targets is None or targets.is_floating_point():
+        count = torch.tensor(float(samples), dtype=torch.float64, device=device)
+    else:
+        count = targets.ne(IGNORE).sum().double()
+    sums = {"loss_sum": mean.detach().double() * count, "count": count}
+    sums["samples"] = torch.tensor(float(samples), dtype=torch.float64, device=device)
+    if logits is not None and targets is not None and logits.dim() == 2 and targets.dim() == 1:
+        if not targets.is_floating_point():
+            sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
+    return sums

@@ -1,66 +1,125 @@
-"""What rank 0 reports for the job: a logging window's loss, accuracy and throughput, summed on every
-rank and reduced over all of them only when read, and the progress line that shows them."""
+"""The job's numbers: metric sums kept on each rank's device and reduced over ranks only when read, the
+training clock, and the records and lines rank 0 writes from them (so what it prints speaks for the job).
+
+The clock starts when the first optimizer step ends: samples_per_s, tokens_per_s and elapsed_s count training
+from there (evaluation and checkpoints excluded from the rates); imports, building and the first step are
+`startup_s`.
+"""
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
-from core import steps
+from core.dist import reduce_sum
+from core.folder import RunFolder, say, write_record
+
+# Fixed keys, so that every rank (one that saw no batch too) joins one all-reduce of the same shape. `scored`:
+# the targets of the batches that had an accuracy; `timed_*`: what the steps after the first one trained.
+TALLY_KEYS = ("loss_sum", "count", "samples", "correct", "scored", "timed_samples", "timed_count")
+
+
+class Tally:
+    """Running sums of step metrics on the device; `reduce` sums them over all ranks (one all-reduce)."""
+
+    def __init__(self, device: torch.device):
+        self.sums = {key: torch.zeros((), dtype=torch.float64, device=device) for key in TALLY_KEYS}
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        if "correct" in metrics:
+            self.sums["scored"] = self.sums["scored"] + metrics["count"]
+        for key, value in metrics.items():
+            self.sums[key] = self.sums[key] + value
+
+    def reduce(self) -> dict[str, float]:
+        return dict(zip(TALLY_KEYS, reduce_sum(torch.stack([self.sums[k] for k in TALLY_KEYS])).tolist()))
+
+
+def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
+    """Sums -> the mean loss over counted targets, and the accuracy where one was measured (never a made-up 0)."""
+    record = {f"{prefix}loss": sums["loss_sum"] / max(sums["count"], 1.0)}
+    if sums["scored"] > 0:
+        record[f"{prefix}acc"] = sums["correct"] / sums["scored"]
+    return record
 
 
 class Meter:
-    """Loss, accuracy and throughput over a logging window, reduced over ranks only when read."""
+    """The logging window's sums and the training clock; `read` is a collective (every rank, the same step)."""
 
     def __init__(self, device: torch.device):
-        self.window, self.device = steps.Tally(device), device
-        self.started, self.paused_s = time.perf_counter(), 0.0
-        self.totals = {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
+        self.device, self.window = device, Tally(device)
+        self.born, self.started, self.window_start, self.paused_s = time.perf_counter(), None, None, 0.0
+        self.startup_s, self.trained = None, {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
         self.last: dict[str, float] = {}
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        """After every optimizer step, its metrics (summed over its micro-batches)."""
+        if self.started is None:  # the first step ends start-up; its samples are not in the rates
+            self.started = self.window_start = time.perf_counter()
+            self.startup_s = self.started - self.born
+        else:
+            metrics = {**metrics, "timed_samples": metrics["samples"], "timed_count": metrics["count"]}
         self.window.add(metrics)
 
+    @contextmanager
+    def paused(self):
+        """Evaluation and checkpoints: not training time."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - began
+
     def read(self) -> dict[str, float]:
-        """The window's numbers for the whole job. A collective: every rank calls it at the same step."""
-        sums = self.window.reduce()
-        seconds = time.perf_counter() - self.started - self.paused_s
-        self.window, self.started, self.paused_s = steps.Tally(self.device), time.perf_counter(), 0.0
+        """The window's loss (and accuracy) and rates for the whole job, and a new window."""
+        sums, now = self.window.reduce(), time.perf_counter()
+        seconds = now - (self.window_start or now) - self.paused_s
+        self.window, self.paused_s, self.window_start = Tally(self.device), 0.0, self.started and now
         if sums["count"] == 0:
             return self.last
-        samples = sums["samples"] or sums["count"]  # (input, class) pairs: one target per sample
-        self.totals = {
-            "samples": self.totals["samples"] + samples,
-            "tokens": self.totals["tokens"] + sums["count"],
-            "seconds": self.totals["seconds"] + seconds,
-        }
-        self.last = {**steps.summarize(sums), **_rates(samples, sums["count"], seconds)}
+        samples, tokens = sums["timed_samples"], sums["timed_count"]
+        for key, value in (("samples", samples), ("tokens", tokens), ("seconds", seconds)):
+            self.trained[key] += value
+        self.last = summarize(sums) | _rates(samples, tokens, seconds)
         return self.last
 
     def throughput(self) -> dict[str, float]:
-        """Over every window read so far: the job's training throughput."""
-        return _rates(self.totals["samples"], self.totals["tokens"], self.totals["seconds"])
+        """Over every window read so far: the job's training throughput, and the start-up."""
+        return _rates(**self.trained) | {"startup_s": round(self.startup_s or 0.0, 3)}
 
 
 def _rates(samples: float, tokens: float, seconds: float) -> dict[str, float]:
-    rates = {"samples_per_s": samples / max(seconds, 1e-9)}
+    if seconds <= 0:  # one step only: nothing was timed
+        return {}
+    rates = {"samples_per_s": samples / seconds}
     if tokens != samples:  # a sequence model: one target per token
-        rates["tokens_per_s"] = tokens / max(seconds, 1e-9)
+        rates["tokens_per_s"] = tokens / seconds
     return rates
 
 
-def progress_line(step: int, total: int, *, epoch: int, **fields) -> str:
-    """`step 40/115 epoch 1 loss 0.4123 acc 0.91 1875 samples/s`."""
-    shown = {
-        "loss": "loss {:.4f}",
-        "acc": "acc {:.4f}",
-        "samples_per_s": "{:.0f} samples/s",
-        "tokens_per_s": "{:.0f} tokens/s",
-    }
-    parts = [fmt.format(fields[k]) for k, fmt in shown.items() if isinstance(fields.get(k), float)]
-    return " ".join([f"step {step}/{total} epoch {epoch}", *parts])
+def log_train(run: RunFolder, meter: Meter, *, step: int, total: int, epoch: int, **fields) -> None:
+    """Every --log-every steps (and the last): the job's numbers as a `train` record and a progress line.
+    A collective: every rank calls it at the same step."""
+    numbers = meter.read()
+    write_record(run, {"kind": "train", "step": step, "epoch": epoch, **fields, **numbers})
+    shown = {"loss": "loss {:.4f}", "acc": "acc {:.4f}", "samples_per_s": "{:.0f} samples/s"}
+    parts = [f.format(numbers[k]) for k, f in (shown | {"tokens_per_s": "{:.0f} tokens/s"}).items() if k in numbers]
+    say(run, " ".join([f"step {step}/{total} epoch {epoch}", *parts]))
 
 
-def fmt_value(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+def log_eval(run: RunFolder, evaluation: dict, *, step: int, epoch: int) -> dict:
+    """After each epoch's evaluation: an `eval` record and a line."""
+    write_record(run, {"kind": "eval", "step": step, "epoch": epoch, **evaluation})
+    say(run, f"epoch {epoch} " + " ".join(f"{k} {v:.4f}" for k, v in evaluation.items()))
+    return evaluation
+
+
+def log_summary(run: RunFolder, meter: Meter, **fields) -> dict:
+    """The closing `summary` record and line: every rank returns the same numbers."""
+    elapsed = time.perf_counter() - meter.started if meter.started else 0.0
+    summary = {**fields, **meter.throughput(), "elapsed_s": round(elapsed, 3)}
+    write_record(run, {"kind": "summary", **summary})
+    say(run, "summary " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    return summary

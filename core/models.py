@@ -6,8 +6,6 @@ fully-sharded parallelism can cut or wrap them block by block.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
 
@@ -54,16 +52,7 @@ def cnn() -> nn.Module:
     return CNN()
 
 
-MODELS = {"mlp": "core.models:mlp", "cnn": "core.models:cnn", "gpt": "core.gpt:gpt"}  # imported when used
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under DDP / DataParallel / torch.compile wrappers (no `module.` prefixes)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
+MODELS = {"mlp": "core.models:mlp", "cnn": "core.models:cnn", "gpt": "core.gpt:gpt"}  # each imported when named
 
 
 def build_model(spec: str) -> nn.Module:
@@ -72,18 +61,3 @@ def build_model(spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise RecipeError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
-
-
-def check_model_factory(spec: str) -> dict:
-    """The pre-check: call the factory once; its class and size, or one RecipeError line naming what it returned."""
-    model = build_model(spec)
-    return {"model": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters())}
-
-
-def fingerprint(model: nn.Module) -> str:
-    """A digest of the plain model's weights, byte for byte: equal digests, bitwise-equal weights."""
-    digest = hashlib.sha256()
-    for key, tensor in unwrap(model).state_dict().items():
-        digest.update(key.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()

@@ -63,7 +63,8 @@ def check_tp_model(model: nn.Module) -> list[nn.Module]:
             f"--model {type(model).__name__}: tensor parallelism needs {needs}{seen}; use fsdp for this model"
         )
     for block in blocks:
-        names = [getattr(block.attn, n, None) for n in ("q", "k", "v", "proj")] + [block.mlp.fc, block.mlp.proj]
+        names = [getattr(block.attn, n, None) for n in ("q", "k", "v", "proj")]
+        names += [getattr(block.mlp, n, None) for n in ("fc", "proj")]  # GPT-2's are c_fc, c_proj: refuse, no traceback
         if not all(isinstance(m, nn.Linear) for m in names) or not hasattr(block.attn, "head_dim"):
             raise RecipeError(f"--model {type(model).__name__}: tensor parallelism needs {needs}; use fsdp for it")
     return blocks

@@ -4,12 +4,12 @@
     torchrun --standalone --nproc-per-node 2 -m recipes run ddp --epochs 5
     python -m recipes run ddp --epochs 5          # one process, no launcher
 
-Every rank holds a whole replica of the model and trains on its own share of each global
-batch (--batch-size per rank x world size). backward() all-reduces the gradients, averaged,
-so every replica takes the step one process would take on the whole global batch. The
-DistributedSampler deals each epoch's shuffle out to the ranks (set_epoch: a new order every
-epoch, the same on every rank); validation loss and accuracy are summed over all ranks before
-rank 0 logs them; rank 0 writes checkpoints and the final weights as safetensors.
+Every rank holds a whole replica of the model and trains on its own share of each global batch
+(--batch-size per rank x world size). backward() all-reduces the gradients, averaged, so every
+replica takes the step one process would take on the whole global batch. The DistributedSampler
+deals each epoch's shuffle out to the ranks (set_epoch: a new order every epoch, the same on every
+rank); losses and accuracies are summed over all ranks before rank 0 logs them; rank 0 writes the
+checkpoints and the final weights as safetensors, and a run resumes exactly where it stopped.
 """
 
 import itertools
@@ -18,62 +18,100 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import comm, data, dist, models, steps
-from core.config import AsyncCheckpoints, Checkpointing, DDPOptions, Training, cli_main
-from core.run import Run
+from core import ckpt, data, dist, folder, meter, models, replicas, steps
+from core.config import Checkpointing, DDPOptions, Training, cli_main
+from core.loss import make_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions):
+class Config(Training, Checkpointing, DDPOptions):
     """The shared training and checkpoint options, and DDP's own."""
 
 
 def main(cfg: Config) -> dict:
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
     try:
-        with Run.start(cfg, topo, recipe="ddp", global_batch=cfg.batch_size * topo.world_size) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology) -> dict:
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    global_batch = cfg.batch_size * topo.world_size
+
     # Build. The same seed on every rank gives every replica the same initial weights.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    model = comm.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
+    model = replicas.prepare_batchnorm(model, sync=cfg.sync_batchnorm, topo=topo)
     ddp_model = DistributedDataParallel(
         model,
         device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
     )
+    torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
     train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
     val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
-    total = run.total_steps(train_loader)
+    total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)
+    loss_fn = make_loss(cfg.loss, model=model)
+
+    # The run folder: a new one, or the one of the checkpoint --resume names, refused before it is touched when
+    # the checkpoint cannot continue in this job. Then that checkpoint's state, every rank's own generator too.
+    run = folder.open_run(
+        cfg, topo, recipe="ddp", global_batch=global_batch, newest=ckpt.newest_good, header=ckpt.read_metadata
+    )
+    start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
 
     # Train. DDP averages the gradients inside backward(): every replica takes the same step.
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
             batch = data.to_device(batch, topo.device)
-            metrics, stats = steps.train_step(ddp_model, [batch], optimizer=optimizer, loss_fn=loss_fn)
+            metrics, grad_norm = steps.step_plain(ddp_model, batch, optimizer=optimizer, loss_fn=loss_fn)
             scheduler.step()
-            step += 1
-            run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
-            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)
-        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
+            step, consumed = step + 1, consumed + global_batch
+            skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics)
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                lr = scheduler.get_last_lr()[0]
+                meter.log_train(
+                    run, clock, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped
+                )
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():
+                    ckpt.save_checkpoint(
+                        run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
+                    )
+        with clock.paused():  # each rank evaluates its share of the validation set; the sums are all-reduced
+            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Rank 0 alone writes the weights: every rank vouches that it holds the same ones.
-    return run.finish(model, **comm.replicas_report(model))
+    # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
+    weights = ckpt.write_weights(run, model.state_dict())
+    return meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        **replicas.replicas_report(model.state_dict()),
+        weights=str(weights),
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Mixed precision, gradient accumulation and clipping: the step of ddp_amp and of the model-parallel recipes.
+
+    scaler = amp.make_scaler(cfg.precision, device=topo.device)      # fp16's dynamic loss scaling; else a no-op
+    for micro_batches in amp.micro_batch_groups(loader, cfg.accum, device=topo.device):
+        metrics, stats = amp.step_amp(ddp_model, micro_batches, optimizer=..., loss_fn=..., precision=..., scaler=...)
+
+The forward runs under torch.autocast (bf16 or fp16) with fp32 weights; fp16 scales the loss so that small
+gradients survive its 5-bit exponent, unscales before clipping, and skips a step whose gradients overflowed while
+the scale backs off. K micro-batches make one step, their gradients reduced once, in the last backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.config import Options, at_least, option
+from core.data import to_device
+from core.exact_loss import ExactLoss, forward_exact, global_count
+from core.grads import clip_grad_norm
+from core.steps import check_finite
+
+
+def _cuda_for_fp16(precision: str) -> bool:
+    return precision != "fp16" or torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Precision(Options):
+    title = "mixed precision"
+    precision: str = option(
+        "fp32",
+        "compute precision (autocast; fp16 adds dynamic loss scaling)",
+        choices=("fp32", "bf16", "fp16"),
+        check=_cuda_for_fp16,
+        fix="fp16 needs a CUDA GPU; on CPU use --precision bf16",
+    )
+
+
+@dataclass(frozen=True)
+class Accumulation(Options):
+    title = "gradient accumulation and clipping"
+    accum: int = option(1, "micro-batches per optimizer step (accumulation)", **at_least(1))
+    clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
+
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, *, device: torch.device):
+    """The forward pass's context: torch.autocast to bf16/fp16, nothing for fp32. Weights stay fp32 either way."""
+    dtype = AUTOCAST_DTYPES[precision]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def make_scaler(precision: str, *, device: torch.device, **options) -> torch.amp.GradScaler:
+    """Dynamic loss scaling for fp16; bf16 and fp32 share fp32's exponent range and get a disabled scaler, whose
+    scale(), unscale_(), step() and update() pass straight through. Its state_dict() belongs in every checkpoint."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16", **options)
+
+
+def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list]:
+    """The loader's batches K at a time, moved to `device`; an incomplete group at the end is dropped."""
+    group = []
+    for batch in loader:
+        group.append(to_device(batch, device))
+        if len(group) == k:
+            yield group
+            group = []
+
+
+@contextmanager
+def grad_sync(model: nn.Module, *, enabled: bool):
+    """Whether the backward inside reduces gradients across ranks: DDP's no_sync() holds its all-reduce back and
+    keeps adding to .grad. Another wrapper passes its own function of this shape (core.parallel.fsdp_sync)."""
+    if enabled or not hasattr(model, "no_sync"):
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did: the gradient norm (before clipping), the loss scale, and whether it was skipped."""
+
+    grad_norm: float
+    skipped: bool  # gradients were not finite, so the parameters were left as they were
+    scale: float = 1.0  # fp16's loss scale (1.0 otherwise)
+    scaled: bool = False  # fp16 loss scaling is on: a skipped step is its routine back-off, not a failure
+
+
+def step_amp(
+    model: nn.Module,
+    micro_batches: list,
+    *,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: ExactLoss,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    clip: float = 0.0,
+    sync=grad_sync,
+    dp_group=None,
+    clip_group=None,
+) -> tuple[dict[str, torch.Tensor], StepStats]:
+    """One optimizer step over K micro-batches: autocast forward, exact loss, (scaled) backward, unscale, clip, step.
+
+    dp_group: the ranks whose gradients are averaged (None: a DDP model's own group, or every rank); clip_group:
+    where the gradients are disjoint (pipeline stages). Never steps on inf/nan gradients; every rank decides alike,
+    from the norm of all-reduced gradients."""
+    optimizer.zero_grad(set_to_none=True)
+    group = dp_group if dp_group is not None else getattr(model, "process_group", None)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    normalizer = global_count(micro_batches, loss_fn, group=group).clamp(min=1.0) / world  # none counted: 0, not nan
+    sums = {}
+    for i, batch in enumerate(micro_batches):
+        with sync(model, enabled=i == len(micro_batches) - 1):  # the backward must run inside no_sync too
+            with autocast(precision, device=normalizer.device):
+                loss, metrics = forward_exact(model, batch, loss_fn, normalizer=normalizer)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        sums = {k: sums[k] + v if k in sums else v for k, v in metrics.items()}
+    scaling = scaler is not None and scaler.is_enabled()
+    scale = scaler.get_scale() if scaling else 1.0
+    if scaling:
+        scaler.unscale_(optimizer)  # true gradients before the norm is read or clipped
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = float(clip_grad_norm(params, clip, group=clip_group))  # the step's one host sync
+    if scaling:
+        scaler.step(optimizer)  # skipped by the scaler itself when unscale_ found inf/nan
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    elif not (skipped := not math.isfinite(norm)):
+        optimizer.step()
+    return sums, StepStats(norm, skipped, scale, scaling)
+
+
+def check_step(stats: StepStats, *, step: int, on_nonfinite: str) -> int:
+    """core.steps.check_finite for a StepStats: fp16's scaler skipping an overflowing step is routine (0)."""
+    return 0 if stats.scaled else check_finite(stats.grad_norm, step=step, on_nonfinite=on_nonfinite)

@@ -1,0 +1,112 @@
+"""Token-exact loss weights: every counted target of the global batch weighs the same, across ranks and
+micro-batches, as in one process that sees the whole global batch.
+
+With padded sequences of different lengths, a mean per micro-batch averaged over K micro-batches and W ranks
+weighs a short sequence's tokens more than a long one's (the bug transformers fixed for accumulation in issue
+#34191). Here each micro-batch's loss is its SUM over counted targets divided by one normalizer, the counted
+targets of the whole global batch over W (one all-reduce a step; DDP then averages over W). A transformers model
+that takes `num_items_in_batch` is handed that normalizer and divides its own sum by it; a causal LM's count is
+taken after the shift its loss applies to the labels. That is read from transformers' own classes, here only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.loss import IGNORE, Loss, forward, make_loss
+
+
+@dataclass(frozen=True)
+class ExactLoss:
+    """A core.loss.Loss, and what the model's own loss does with its targets (see make_exact_loss)."""
+
+    loss: Loss
+    takes_count: bool = False  # forward takes num_items_in_batch and divides its summed loss by it
+    shifts: bool = False  # the model's loss predicts label t+1 from position t (a causal LM): count labels[..., 1:]
+
+
+def make_exact_loss(spec: str, *, model: nn.Module) -> ExactLoss:
+    """`--loss` for `model` (the plain one), with how its own loss treats the targets when that loss is used."""
+    loss = make_loss(spec, model=model)
+    if spec not in ("auto", "model"):
+        return ExactLoss(loss)
+    return ExactLoss(loss, *_model_loss_traits(model))
+
+
+@functools.cache
+def _forward_traits(cls: type) -> tuple[bool, bool, bool]:
+    """(forward names num_items_in_batch, takes **kwargs, hands its labels to transformers' self.loss_function).
+    The last is read from the source: BertForSequenceClassification, say, takes **kwargs but calls
+    CrossEntropyLoss itself, so it would silently ignore num_items_in_batch."""
+    params = inspect.signature(cls.forward).parameters
+    var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    try:
+        uses = "self.loss_function(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        uses = False
+    return "num_items_in_batch" in params, var_kw, uses
+
+
+def _model_loss_traits(model: nn.Module) -> tuple[bool, bool]:
+    named, var_kw, uses = _forward_traits(type(model))
+    if named:  # a user model that names it: trusted, its labels taken as they are
+        return True, False
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")  # never imported here: torch-only copies work
+    if loss_utils is None or not uses or not hasattr(model, "loss_function"):
+        return False, False
+    takes = getattr(model, "accepts_loss_kwargs", True) and var_kw  # transformers Trainer's own test
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    return bool(takes), model.loss_function is loss_utils.ForCausalLMLoss and not encoder_decoder
+
+
+def _own_loss_used(loss_fn: ExactLoss, batch) -> bool:
+    """Whether this batch's loss is the model's own (it is then called with the targets): a dict with labels, or
+    a model whose forward takes the targets."""
+    if loss_fn.loss.spec == "model":
+        return True
+    labeled = batch.get("labels") is not None if isinstance(batch, Mapping) else loss_fn.loss.targets_as is not None
+    return loss_fn.loss.spec == "auto" and labeled
+
+
+def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
+    """Counted targets of a batch as its loss counts them (!= -100, after a causal LM's shift), or its samples where
+    it has no integer targets (float64, on the batch's device)."""
+    targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
+    tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
+    if targets is None or targets.is_floating_point():
+        return torch.tensor(float(len(tensors[0])), dtype=torch.float64, device=tensors[0].device)
+    shift = loss_fn.shifts and _own_loss_used(loss_fn, batch)
+    return (targets[..., 1:] if shift else targets).ne(IGNORE).sum().double()
+
+
+def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:
+    """Counted targets of the global batch: this rank's micro-batches, summed over `group` (None: every rank,
+    when there is a process group): one all-reduce."""
+    total = torch.stack([count_targets(b, loss_fn) for b in micro_batches]).sum()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: (its summed loss / normalizer, to backward; its metric sums, counted as the loss counts).
+    normalizer = global_count(...) / W, W the data-parallel ranks whose gradients are averaged (1 alone)."""
+    own = _own_loss_used(loss_fn, batch)
+    norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count_targets(batch, loss_fn).device)
+    takes = own and loss_fn.takes_count
+    mean, metrics = forward(model, batch, loss_fn.loss, **({"num_items_in_batch": norm} if takes else {}))
+    count = count_targets(batch, loss_fn)
+    if takes:  # the model divided its sum by `norm` itself
+        total = mean * norm
+    else:  # a mean over the counted targets; 0/0 = nan when none counts
+        total = torch.where(count > 0, mean * count, torch.zeros_like(count))
+    metrics |= {"loss_sum": total.detach().double(), "count": count}
+    return (mean if takes else total / norm), metrics

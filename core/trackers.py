@@ -1,0 +1,173 @@
+"""TensorBoard and Weights & Biases logs of the records metrics.jsonl gets, opened on rank 0 only.
+
+    trackers = None
+    if topo.is_rank0:  # one W&B run for the job, not one per rank
+        trackers = open_trackers(check_trackers(cfg.log_to), run_dir=run_dir, config=cfg.to_dict(),
+                                 resume_state=header_state, step=progress["step"], project=cfg.wandb_project)
+    ... trackers.write(record) beside each metrics.jsonl line; trackers.state() into each checkpoint header
+    trackers.close()  # close(failed=True) when the job dies: W&B marks the run failed
+
+Every number a record holds is already reduced over ranks. The optimizer step is the x-axis of both, and
+a resumed job continues the same curves: TensorBoard's event files live in RUN/tensorboard and a resumed
+writer purges what the crashed job logged after the checkpoint (the resumed job logs it again); the W&B
+run id is kept in RUN/wandb-run.json and in the checkpoint, so a resumed job continues that W&B run, whose
+steps only grow (W&B keeps the rows it already has). WANDB_MODE=offline writes one RUN/wandb/offline-run-*
+folder per job, all of one run id: `wandb sync RUN/wandb` uploads them in start order, as one resumed run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.config import Options, RecipeError, option
+
+TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name
+WANDB_FILE = "wandb-run.json"
+NOT_SCALARS = ("kind", "step", "elapsed_s")  # step: the x-axis; elapsed_s restarts with each process
+
+
+def _project_name(name: str) -> bool:
+    return len(name) <= 128 and not set(name) & set("/\\#?%:")
+
+
+@dataclass(frozen=True)
+class Tracking(Options):
+    title = "trackers"
+    log_to: str = option("", "also log to tensorboard, wandb, or both (comma-separated); rank 0 logs")
+    wandb_project: str = option(
+        "",
+        "W&B project (default: $WANDB_PROJECT, else torch-dist-recipes); WANDB_MODE=offline logs without a network",
+        check=_project_name,
+        fix="use a W&B project name of at most 128 characters, without / \\ # ? % :",
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_trackers(self.log_to)
+
+
+def check_trackers(log_to: str) -> list[str]:
+    """The trackers `--log-to` names, in order; one RecipeError line for an unknown name or a missing package."""
+    kinds = list(dict.fromkeys(name.strip() for name in log_to.split(",") if name.strip()))
+    unknown = [kind for kind in kinds if kind not in TRACKERS]
+    if unknown:
+        raise RecipeError(f"--log-to {log_to}: no tracker named {unknown[0]!r}; use tensorboard, wandb, or both")
+    missing = [kind for kind in kinds if importlib.util.find_spec(kind) is None]  # finds without importing
+    if missing:
+        names = " and ".join(missing)
+        raise RecipeError(
+            f"--log-to {log_to}: {names} {'is' if len(missing) == 1 else 'are'} not installed; "
+            f"pip install -e '.[{','.join(missing)}]' (or pip install {' '.join(missing)})"
+        )
+    return kinds
+
+
+class Trackers:
+    """The open trackers of rank 0: `write` each record, `state` for a checkpoint, `close` at the end."""
+
+    def __init__(self, *, tensorboard=None, wandb_run=None):
+        self.tensorboard, self.wandb_run = tensorboard, wandb_run
+        # a resumed online W&B run starts at the step after its last row: the rows it has stay as they are
+        self.wandb_from = wandb_run.starting_step if wandb_run is not None else 0
+
+    def write(self, record: dict) -> None:
+        """Log one metrics.jsonl record's numbers as KIND/NAME at its optimizer step (the summary's: `steps`)."""
+        kind = record["kind"]
+        step = record["steps"] if kind == "summary" else record["step"]
+        scalars = {
+            f"{kind}/{key}": float(value)
+            for key, value in record.items()
+            if key not in NOT_SCALARS and isinstance(value, int | float)  # a path, a None (no value) are not
+        }
+        if self.tensorboard is not None:
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, global_step=step)
+            self.tensorboard.flush()  # a record a line, as metrics.jsonl: a live dashboard, a crash loses little
+        if self.wandb_run is not None:
+            if kind == "summary":
+                self.wandb_run.summary.update(scalars)
+            elif step >= self.wandb_from:  # W&B steps only grow: a lower one would be dropped with a warning
+                self.wandb_run.log(scalars, step=step)  # rows of one step (train, eval) merge into one
+
+    def state(self) -> dict[str, str]:
+        """What a checkpoint keeps so that a job resumed from it continues these logs (strings: header metadata)."""
+        if self.wandb_run is None:
+            return {}  # TensorBoard's logs continue from the run folder and the resumed step alone
+        return {"wandb_run_id": self.wandb_run.id, "wandb_project": self.wandb_run.project}
+
+    def close(self, *, failed: bool = False) -> None:
+        """Flush and close; `failed`: W&B marks the run failed (a resumed job continues it all the same)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        if self.wandb_run is not None:
+            import wandb
+
+            self.wandb_run.finish(exit_code=1 if failed else 0)
+            # finish() can return before wandb-core has written an offline run's last records; teardown waits for
+            # it, and the recipes end with os._exit, which skips the atexit hook that would call it
+            wandb.teardown()
+            self.wandb_run = None
+
+
+def open_trackers(
+    kinds: list[str], *, run_dir: Path, config: dict, resume_state: dict | None, step: int, project: str = ""
+) -> Trackers:
+    """Open `kinds` (from check_trackers) for the run in `run_dir`; rank 0 only. `resume_state`: state() from the
+    checkpoint resumed (None: a fresh run, or a checkpoint without one), `step`: the optimizer step training
+    continues after (0 for a fresh run), `project`: --wandb-project."""
+    tensorboard = _open_tensorboard(run_dir, step=step) if "tensorboard" in kinds else None
+    try:
+        wandb_run = (
+            _open_wandb(run_dir, config=config, resume_state=resume_state, project=project)
+            if "wandb" in kinds
+            else None
+        )
+    except BaseException:
+        if tensorboard is not None:
+            tensorboard.close()
+        raise
+    return Trackers(tensorboard=tensorboard, wandb_run=wandb_run)
+
+
+def _open_tensorboard(run_dir: Path, *, step: int):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise RecipeError(f"--log-to tensorboard: {err}; pip install -e '.[tensorboard]'") from None
+    # purge_step: TensorBoard's reader drops what the crashed job logged after the checkpoint (steps > `step`),
+    # which the resumed job logs again; the checkpoint's own step stays (logged before the checkpoint was taken)
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=step + 1 if step else None)
+
+
+def _open_wandb(run_dir: Path, *, config: dict, resume_state: dict | None, project: str):
+    try:
+        import wandb
+    except ImportError as err:
+        raise RecipeError(f"--log-to wandb: {err}; pip install -e '.[wandb]'") from None
+    saved = run_dir / WANDB_FILE
+    known = resume_state if resume_state and "wandb_run_id" in resume_state else None
+    if known is None and saved.is_file():  # a checkpoint written without the trackers' state: the run folder's id
+        known = json.loads(saved.read_text())
+    run_id = known["wandb_run_id"] if known else "".join(secrets.choice(_ID) for _ in range(8))
+    project = (known or {}).get("wandb_project") or project or os.environ.get("WANDB_PROJECT", "torch-dist-recipes")
+    tmp = saved.with_name(f".{WANDB_FILE}.tmp-{os.getpid()}")  # the name a stale-temporary sweep knows
+    tmp.write_text(json.dumps({"wandb_run_id": run_id, "wandb_project": project}) + "\n")
+    os.replace(tmp, saved)  # before init: a job that dies in it resumes the same id
+    return wandb.init(
+        project=project,
+        id=run_id,
+        name=run_dir.name,
+        dir=str(run_dir),
+        config=config,
+        resume="allow" if known else None,  # allow: also a run whose offline fragments were never synced
+    )
+
+
+_ID = string.ascii_lowercase + string.digits  # W&B's own run ids: 8 of these

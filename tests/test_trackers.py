@@ -1,0 +1,242 @@
+"""core.trackers: TensorBoard read back by its own reader, W&B offline read back from the .wandb files it writes.
+
+A "crash" below is a job that logged past its last checkpoint; the resumed job reopens the same run folder
+at the checkpoint's step and logs those steps again, with other numbers, so that which ones a reader sees
+tells which survived.
+"""
+
+import json
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from core.config import RecipeError, Training, parse_args
+from core.trackers import WANDB_FILE, Tracking, check_trackers, open_trackers
+
+pytestmark = pytest.mark.fast
+
+
+def train(step: int, loss: float) -> dict:
+    return {"kind": "train", "elapsed_s": 1.0, "step": step, "epoch": 0, "lr": 1e-3, "loss": loss, "acc": 0.5}
+
+
+def evaluation(step: int, val_loss: float) -> dict:
+    return {"kind": "eval", "step": step, "epoch": 0, "val_loss": val_loss, "val_acc": 0.9}
+
+
+SUMMARY = {"kind": "summary", "val_loss": 0.125, "steps": 40, "weights": "runs/x/model.safetensors", "train_loss": None}
+RESUME = {"kind": "resume", "checkpoint": "runs/x/ckpt/step-000020", "step": 20, "world_size": 2, "global_batch": 64}
+
+
+def crashed_then_resumed(run_dir: Path, kinds: list[str]) -> tuple[dict, dict]:
+    """A job logs steps 10-30 with a checkpoint at 20 and dies; the resumed one logs 30-40. Returns both states."""
+    first = open_trackers(kinds, run_dir=run_dir, config={"lr": 1e-3}, resume_state=None, step=0)
+    first.write(train(10, 1.0))
+    first.write(train(20, 0.5))
+    state = first.state()  # the checkpoint at step 20
+    first.write(evaluation(20, 0.75))  # the epoch's evaluation, after the checkpoint
+    first.write(train(30, 9.0))  # past the checkpoint: lost with the crash, logged again after the resume
+    first.close(failed=True)
+    second = open_trackers(kinds, run_dir=run_dir, config={"lr": 1e-3}, resume_state=state, step=20)
+    second.write(RESUME)
+    second.write(train(30, 0.25))
+    second.write(train(40, 0.125))
+    second.write(SUMMARY)
+    second_state = second.state()
+    second.close()
+    return state, second_state
+
+
+# --log-to: parsed and checked when the Config is built.
+def test_names_parse_in_order_without_repeats():
+    assert check_trackers("") == []
+    assert check_trackers("tensorboard") == ["tensorboard"]
+    assert check_trackers(" wandb, tensorboard,wandb ") == ["wandb", "tensorboard"]
+
+
+def test_an_unknown_tracker_is_one_line_when_the_config_is_built():
+    with pytest.raises(RecipeError, match=r"--log-to tensorboard,mlflow: no tracker named 'mlflow'") as err:
+        Tracking(log_to="tensorboard,mlflow")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
+def test_a_missing_package_is_one_line_naming_its_install(monkeypatch, kind):
+    monkeypatch.setitem(sys.modules, kind, None)  # import fails, find_spec finds nothing: not installed
+    with pytest.raises(RecipeError) as err:
+        Tracking(log_to=f"{kind},{'wandb' if kind == 'tensorboard' else 'tensorboard'}")
+    assert str(err.value).count("\n") == 0
+    assert f"{kind} is not installed; pip install -e '.[{kind}]'" in str(err.value)
+
+
+def test_both_missing_is_still_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(
+        RecipeError, match=r"tensorboard and wandb are not installed; pip install -e '.\[tensorboard,wandb\]'"
+    ):
+        check_trackers("tensorboard,wandb")
+
+
+@dataclass(frozen=True)
+class Config(Training, Tracking):
+    """A recipe that takes the trackers."""
+
+
+def test_a_recipe_takes_the_options_from_its_command_line():
+    cfg, _ = parse_args(Config, ["--log-to", "tensorboard,wandb", "--wandb-project", "mnist"])
+    assert (cfg.log_to, cfg.wandb_project) == ("tensorboard,wandb", "mnist")
+    assert parse_args(Config, [])[0].log_to == ""  # off unless asked for
+    with pytest.raises(RecipeError, match="--log-to mlflow: no tracker named 'mlflow'"):
+        parse_args(Config, ["--log-to", "mlflow"])
+
+
+def test_a_bad_wandb_project_is_refused_when_the_config_is_built():
+    with pytest.raises(RecipeError, match=r"--wandb-project team/x: use a W&B project name"):
+        Tracking(wandb_project="team/x")
+
+
+# TensorBoard: event files in RUN/tensorboard, read back by TensorBoard's own reader.
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(run_dir / "tensorboard"))
+    reader.Reload()
+    return {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+
+def test_tensorboard_scalars_at_their_steps_continue_after_a_resume(tmp_path):
+    crashed_then_resumed(tmp_path, ["tensorboard"])
+    logged = scalars(tmp_path)
+    # step 30 of the crashed job is purged; the resumed job's 30 and 40 follow the checkpoint's 10 and 20
+    assert logged["train/loss"] == [(10, 1.0), (20, 0.5), (30, 0.25), (40, 0.125)]
+    assert logged["train/lr"] == [(s, pytest.approx(1e-3)) for s in (10, 20, 30, 40)]
+    assert logged["eval/val_loss"] == [(20, 0.75)]  # logged after the checkpoint, at its step: kept
+    assert logged["resume/world_size"] == [(20, 2.0)]
+    assert logged["summary/val_loss"] == [(40, 0.125)]
+    assert "summary/weights" not in logged and "summary/train_loss" not in logged  # not numbers
+    assert not any(tag.endswith(("/step", "/elapsed_s", "/kind")) for tag in logged)
+
+
+def test_tensorboard_needs_no_checkpoint_state(tmp_path):
+    first, second = crashed_then_resumed(tmp_path, ["tensorboard"])
+    assert first == second == {}
+
+
+# W&B offline: one run id for the job, kept in the run folder and the checkpoint state.
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never the network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))  # nothing written outside the test's folder
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    run_dir = tmp_path / "ddp-1"
+    run_dir.mkdir()
+    return run_dir
+
+
+def wandb_records(path: Path):
+    """The protobuf records of a .wandb file: LevelDB's log format (32 KiB blocks of chunks) after a 7-byte header."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, chunks = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little left in a block for a chunk header: padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])  # crc32c, length, full/first/middle/last
+        if kind == 0:
+            break
+        chunks, pos = chunks + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
+def key(item) -> str:
+    return item.key or "/".join(item.nested_key)  # wandb-core writes a key with a slash as a nested one
+
+
+def fragments(run_dir: Path) -> list[dict]:
+    """Each offline-run folder (one per job that logged), oldest first: its run id, history rows, summary."""
+    found = []
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
+        (path,) = folder.glob("*.wandb")
+        ids, rows, summary, config = set(), [], {}, {}
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add((record.run.run_id, record.run.project))
+                config.update({key(item): json.loads(item.value_json) for item in record.run.config.update})
+            elif kind == "history":
+                rows.append({key(item): json.loads(item.value_json) for item in record.history.item})
+            elif kind == "summary":
+                summary.update({key(item): json.loads(item.value_json) for item in record.summary.update})
+        found.append({"ids": ids, "rows": rows, "summary": summary, "config": config})
+    return found
+
+
+def test_wandb_offline_one_run_continued_after_a_resume(wandb_offline):
+    run_dir = wandb_offline
+    first, second = crashed_then_resumed(run_dir, ["wandb"])
+    assert first == second == {"wandb_run_id": first["wandb_run_id"], "wandb_project": "torch-dist-recipes"}
+    assert json.loads((run_dir / WANDB_FILE).read_text()) == first
+    crashed, resumed = fragments(run_dir)  # one per job, both the same run
+    assert crashed["ids"] == resumed["ids"] == {(first["wandb_run_id"], "torch-dist-recipes")}
+    assert crashed["config"]["lr"] == resumed["config"]["lr"] == 1e-3
+    # W&B's step is the optimizer step; the rows of one step (train, eval) are one row
+    steps = [(row["_step"], row.get("train/loss"), row.get("eval/val_loss")) for row in crashed["rows"]]
+    assert steps == [(10, 1.0, None), (20, 0.5, 0.75), (30, 9.0, None)]
+    steps = [(row["_step"], row.get("train/loss")) for row in resumed["rows"]]
+    assert steps == [(20, None), (30, 0.25), (40, 0.125)]  # 20: the resume record, at the checkpoint's step
+    assert resumed["rows"][0]["resume/world_size"] == 2
+    assert resumed["summary"]["summary/val_loss"] == 0.125 and resumed["summary"]["summary/steps"] == 40
+
+
+def test_wandb_resumes_the_run_folders_id_when_the_checkpoint_has_none(wandb_offline):
+    run_dir = wandb_offline
+    first = open_trackers(["wandb"], run_dir=run_dir, config={}, resume_state=None, step=0, project="mine")
+    state = first.state()
+    first.close()
+    again = open_trackers(["wandb"], run_dir=run_dir, config={}, resume_state=None, step=20, project="other")
+    assert again.state() == state == {"wandb_run_id": state["wandb_run_id"], "wandb_project": "mine"}
+    again.close()
+    assert [f["ids"] for f in fragments(run_dir)] == [{(state["wandb_run_id"], "mine")}] * 2
+
+
+def test_wandb_resumes_the_checkpoints_run_in_another_folder(wandb_offline):
+    run_dir, elsewhere = wandb_offline, wandb_offline.parent / "ddp-2"  # resumed from ddp-1's checkpoint path
+    elsewhere.mkdir()
+    first = open_trackers(["wandb"], run_dir=run_dir, config={}, resume_state=None, step=0)
+    state = first.state()
+    first.close()
+    again = open_trackers(["wandb"], run_dir=elsewhere, config={}, resume_state=state, step=20)
+    assert again.state() == state
+    again.close()
+    assert json.loads((elsewhere / WANDB_FILE).read_text()) == state
+
+
+def test_an_online_resumed_run_keeps_the_rows_wandb_already_has(wandb_offline, monkeypatch):
+    import wandb.sdk.wandb_run
+
+    # online, W&B starts a resumed run at the step after its last row (29 here); offline it cannot know (0)
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "starting_step", property(lambda run: 30))
+    trackers = open_trackers(["wandb"], run_dir=wandb_offline, config={}, resume_state=None, step=20)
+    trackers.write(RESUME)  # step 20: W&B has it already
+    trackers.write(train(30, 0.25))
+    trackers.close()
+    assert [row["_step"] for row in fragments(wandb_offline)[0]["rows"]] == [30]
+
+
+def test_both_trackers_at_once(wandb_offline):
+    run_dir = wandb_offline
+    crashed_then_resumed(run_dir, ["tensorboard", "wandb"])
+    assert scalars(run_dir)["train/loss"][-1] == (40, 0.125)
+    assert fragments(run_dir)[-1]["rows"][-1]["train/loss"] == 0.125

@@ -1,0 +1,241 @@
+"""Starting from weights (core.weights) and the Hugging Face folder of a run (core.hf), on transformers
+models from tiny configs (no download): GPT-2 ties its embeddings to lm_head, Llama does not."""
+
+import json
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from core.ckpt_save import save_weights
+from core.config import RecipeError
+from core.hf import find_hf_model, write_hf_folder
+from core.weights import check_weights, load_weights, read_weights
+
+pytestmark = pytest.mark.fast
+
+
+def gpt2(**changes):
+    config = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(GPT2Config(**(config | changes)))
+
+
+def llama(**changes):
+    config = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, max_position_embeddings=32, **(config | changes)))
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def trained(build, seed=1):
+    """A model whose weights no initialization gives (as after training), and its state dict."""
+    torch.manual_seed(seed)
+    model = build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    return model, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same(state, model):
+    for key, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, state[key], rtol=0, atol=0, msg=key)  # bit for bit
+
+
+def one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+@pytest.mark.parametrize("shard", [None, 2_000], ids=["one-file", "sharded"])
+@pytest.mark.parametrize("name", MODELS)
+def test_a_save_pretrained_folder_starts_a_run(name, shard, tmp_path):
+    model, state = trained(MODELS[name])
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard)
+    tied = name == "gpt2"  # transformers leaves lm_head.weight out of the file: not a missing key
+    assert set(read_weights(tmp_path)) == set(state) - ({"lm_head.weight"} if tied else set())
+    with torch.device("meta"):  # the pre-check: shapes from a meta-device model and the headers alone
+        check_weights(tmp_path, MODELS[name]())
+    fresh, _ = trained(MODELS[name], seed=2)
+    load_weights(fresh, tmp_path)
+    assert_same(state, fresh)
+    embeddings = fresh.transformer.wte.weight if tied else fresh.model.embed_tokens.weight
+    assert (fresh.lm_head.weight is embeddings) == tied
+
+
+def test_a_runs_model_safetensors_starts_a_run(tmp_path):
+    model, state = trained(gpt2)
+    save_weights(state, tmp_path / "model.safetensors", metadata={"recipe": "ddp"})  # lm_head stored as a copy
+    for path in (tmp_path / "model.safetensors", tmp_path):  # the file, or the run folder that holds it
+        fresh, _ = trained(gpt2, seed=2)
+        load_weights(fresh, path)
+        assert_same(state, fresh)
+        assert fresh.lm_head.weight is fresh.transformer.wte.weight
+
+
+def test_a_damaged_run_file_is_refused(tmp_path):
+    _, state = trained(gpt2)
+    path = save_weights(state, tmp_path / "model.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # a bit of the last tensor
+    path.write_bytes(bytes(data))
+    with pytest.raises(RecipeError) as err:
+        read_weights(path)
+    assert (
+        one_line(err) == f"--init-from {path}: tensor lm_head.weight does not match its checksum (the file is damaged)"
+    )
+
+
+@pytest.mark.parametrize(
+    "other,expect",
+    [
+        (lambda: gpt2(n_embd=32), ["misshapen", "transformer.wte.weight [50, 16] (the model's: [50, 32])"]),
+        (lambda: gpt2(n_layer=1), ["unexpected", "transformer.h.1."]),
+        (lambda: gpt2(n_layer=3), ["missing", "transformer.h.2."]),
+        (llama, ["missing model.embed_tokens.weight, model.layers.0.", "unexpected transformer.", "more"]),
+    ],
+    ids=["misshapen", "unexpected", "missing", "other-class"],
+)
+def test_weights_of_another_model_fail_in_one_line_naming_keys(other, expect, tmp_path):
+    model, _ = trained(gpt2)
+    model.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        target = other()
+    with pytest.raises(RecipeError) as err:
+        check_weights(tmp_path, target)
+    text = one_line(err)
+    assert text.startswith(f"--init-from {tmp_path}: does not fit")
+    for part in expect:
+        assert part in text
+
+
+def test_a_file_that_gives_two_tied_names_different_values_is_refused(tmp_path):
+    _, state = trained(gpt2)
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    save_weights(state, tmp_path / "model.safetensors")
+    with pytest.raises(RecipeError, match="transformer.wte.weight and lm_head.weight differ"):
+        load_weights(gpt2(), tmp_path / "model.safetensors")
+
+
+class Payload:
+    """Unpickling this makes a folder: had anything unpickled the file, the folder would exist."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.marker),)
+
+
+@pytest.mark.parametrize("layout", ["file.bin", "file.pt", "folder"])
+def test_a_pickle_is_refused_never_unpickled(layout, tmp_path):
+    marker = tmp_path / "unpickled"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    target = hf / "pytorch_model.bin" if layout == "folder" else tmp_path / f"model.{layout.split('.')[1]}"
+    target.write_bytes(pickle.dumps({"weight": Payload(marker)}))
+    path = hf if layout == "folder" else target
+    with pytest.raises(RecipeError, match="never unpickled") as err:
+        read_weights(path)
+    assert str(path) in one_line(err)
+    with pytest.raises(RecipeError, match="never unpickled"):
+        check_weights(path, gpt2())
+    assert not marker.exists()
+
+
+def test_paths_that_hold_no_weights_fail_in_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a header")
+    broken = tmp_path / "broken"
+    gpt2().save_pretrained(broken, max_shard_size=2_000)
+    next(broken.glob("model-00002-*.safetensors")).unlink()  # an interrupted download
+    cases = {
+        tmp_path / "nothing": "no such file",
+        tmp_path / "empty": "no model.safetensors or model.safetensors.index.json in this folder",
+        tmp_path / "notes.txt": "not a .safetensors file",
+        tmp_path / "junk.safetensors": "not a readable safetensors file",
+        broken: "model-00002-of-",
+    }
+    for path, says in cases.items():
+        with pytest.raises(RecipeError) as err:
+            read_weights(path)
+        assert says in one_line(err) and str(path.name) in one_line(err)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_hf_folder_loads_with_from_pretrained_bit_for_bit(name, tmp_path, capfd):
+    model, state = trained(MODELS[name])
+    capfd.readouterr()
+    out = write_hf_folder(model, state, tmp_path / "hf", max_shard_mb=100)
+    assert capfd.readouterr().err == "" and hf_logging.is_progress_bar_enabled()  # no bar in the log, then as before
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(model).__name__]
+    assert not (out / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is type(model)
+    assert_same(state, loaded)
+    if name == "gpt2":  # written once (the state held it as a copy), tied again by from_pretrained
+        assert "lm_head.weight" not in read_weights(out)
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    else:
+        assert "lm_head.weight" in read_weights(out)
+
+
+def test_the_hf_folder_is_sharded_above_the_size_from_a_meta_model(tmp_path):
+    _, state = trained(gpt2)
+    with torch.device("meta"):  # only config, class and tied names come from the model: a pipeline's rank 0
+        meta = gpt2()
+    out = write_hf_folder(
+        meta, state, tmp_path / "hf", max_shard_mb=0.005
+    )  # 5000 bytes, above the largest tensor (4096)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    assert all(p.stat().st_size <= 5_000 + 1_000 for p in out.glob("model-*.safetensors"))  # + the header
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert_same(state, loaded)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert not list(tmp_path.glob(".hf.tmp-*"))
+
+
+class Wrapper(nn.Module):
+    """A user's module that holds a transformers model, plus a part of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = gpt2()
+        self.probe = nn.Linear(16, 3)
+
+
+def test_a_wrapped_model_is_named_by_its_attribute(tmp_path):
+    model, state = trained(Wrapper)
+    assert find_hf_model(model, attr="backbone") is model.backbone
+    out = write_hf_folder(model, state, tmp_path / "hf", attr="backbone", max_shard_mb=100)
+    inner = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    assert_same(inner, AutoModelForCausalLM.from_pretrained(out))
+
+
+@pytest.mark.parametrize(
+    "model,attr,says",
+    [
+        (nn.Linear(2, 2), "", "--model builds Linear, not a transformers PreTrainedModel"),
+        (Wrapper(), "", "--model builds Wrapper"),
+        (Wrapper(), "probe", "--hf-attr probe is Linear"),
+        (Wrapper(), "backbone.nothing", "--hf-attr backbone.nothing: GPT2LMHeadModel has no attribute nothing"),
+    ],
+)
+def test_no_transformers_model_there_is_one_line(model, attr, says, tmp_path):
+    with pytest.raises(RecipeError) as err:
+        write_hf_folder(model, model.state_dict(), tmp_path / "hf", attr=attr, max_shard_mb=100)
+    assert says in one_line(err) and "--hf-attr" in one_line(err)
+    assert not list(tmp_path.iterdir())  # nothing written
