@@ -28,6 +28,7 @@ from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, ve
 from core.config import RecipeError
 from core.dist import all_gather_object, broadcast_object
 from core.folder import RunFolder, say, write_record
+from core.weights import check_model_matches, savable
 
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}  # the progress of a run that starts afresh
 
@@ -55,23 +56,13 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, sch
         "progress": json.dumps(progress),
         "scheduler": json.dumps(scheduler.state_dict() if scheduler else None),
         "scaler": json.dumps(scaler.state_dict() if scaler and scaler.is_enabled() else None),
+        "trackers": json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()}),  # W&B's run id
     }
     return tensors, metadata
 
 
 def _cuda_rng() -> dict:
     return {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-
-
-def savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, and no two entries sharing storage (safetensors refuses tied weights)."""
-    out, seen = {}, set()
-    for key, tensor in tensors.items():
-        tensor = tensor.detach().cpu().contiguous()
-        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
-        out[key] = tensor.clone() if storage in seen else tensor
-        seen.add(storage)
-    return out
 
 
 def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) -> None:
@@ -200,35 +191,6 @@ def check_shapes(path: Path, tensors: dict, model: nn.Module) -> None:
     """One RecipeError line naming the missing and unexpected keys and the misshapen ones, when the checkpoint
     holds another model than `model`."""
     saved = {k.removeprefix("model/"): tuple(v.shape) for k, v in tensors.items() if k.startswith("model/")}
-    check_model_matches(path, saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
-
-
-def check_model_matches(path: Path, saved: dict[str, tuple], expected: dict[str, tuple]) -> None:
-    """The key -> shape dicts of a checkpoint and a model agree, or one line says where they do not."""
-    both = sorted(expected.keys() & saved.keys())
-    problems = {
-        "missing keys": sorted(expected.keys() - saved.keys()),
-        "unexpected keys": sorted(saved.keys() - expected.keys()),
-        "shape mismatches": [
-            f"{k} {tuple(saved[k])} vs {tuple(expected[k])}" for k in both if tuple(saved[k]) != tuple(expected[k])
-        ],
-    }
-    found = [
-        f"{what}: {', '.join(keys[:3])}" + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
-        for what, keys in problems.items()
-        if keys
-    ]
-    if found:
-        raise RecipeError(
-            f"{path} holds another model ({'; '.join(found)}); resume with the --model it was trained with, "
-            f"or start a new run"
-        )
-
-
-def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:
-    """Rank 0 writes the final weights as RUN/model.safetensors, loadable with safetensors.torch.load_file."""
-    path = run.path / "model.safetensors"
-    if run.writer:
-        tensors, metadata = savable(state), {"recipe": run.recipe, "model": run.config["model"]}
-        atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
-    return path
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    fix = "resume with the --model it was trained with, or start a new run"
+    check_model_matches(path, saved, expected, fix=fix)

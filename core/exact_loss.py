@@ -102,7 +102,8 @@ def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) ->
     own = _own_loss_used(loss_fn, batch)
     norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count_targets(batch, loss_fn).device)
     takes = own and loss_fn.takes_count
-    mean, metrics = forward(model, batch, loss_fn.loss, **({"num_items_in_batch": norm} if takes else {}))
+    extra = {"num_items_in_batch": norm} if takes else {}
+    mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts and own, **extra)
     count = count_targets(batch, loss_fn)
     if takes:  # the model divided its sum by `norm` itself
         total = mean * norm
@@ -110,3 +111,8 @@ def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) ->
         total = torch.where(count > 0, mean * count, torch.zeros_like(count))
     metrics |= {"loss_sum": total.detach().double(), "count": count}
     return (mean if takes else total / norm), metrics
+
+
+def forward_sums(model: nn.Module, batch, loss_fn: ExactLoss) -> tuple[torch.Tensor, dict]:
+    """forward_exact with no normalizer, for evaluation: core.steps.evaluate(..., forward=forward_sums)."""
+    return forward_exact(model, batch, loss_fn, normalizer=1.0)

@@ -1,7 +1,6 @@
-"""The final weights as a Hugging Face folder too (opt-in): what AutoModel*.from_pretrained(folder) loads.
+"""The final weights as a Hugging Face folder too: what AutoModel*.from_pretrained(folder) loads.
 
-    find_hf_model(model, attr=cfg.hf_attr)                     # the pre-check: one line if there is none
-    write_hf_folder(model, state, run_dir / "hf", attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)   # rank 0
+    hf.write_hf_folder(run, model, state, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)   # rank 0, at the end
 
 transformers' own save_pretrained writes it (config.json, generation_config.json, safetensors, an index above
 the size), from the full state dict the run gathered: the model only lends its config, class and tied names,
@@ -12,54 +11,60 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from core.config import RecipeError
+from core.config import Options, RecipeError, option
+from core.folder import RunFolder, say
 from core.weights import tied_names
 
 
-def find_hf_model(model: nn.Module, *, attr: str = "") -> nn.Module:
-    """The transformers PreTrainedModel at attribute path `attr` of the plain model ('' is the model itself)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        raise RecipeError("--hf-folder needs transformers: pip install transformers, or drop --hf-folder") from None
+@dataclass(frozen=True)
+class HFExport(Options):
+    title = "Hugging Face folder"
+    hf_attr: str = option("", "where --model's module holds its transformers model, e.g. backbone (default: itself)")
+    hf_shard_mb: float = option(
+        5000.0, "largest weights file of RUN/hf, in MB", check=lambda v: v > 0, fix="use above 0"
+    )
+
+
+def hf_model(model: nn.Module, *, attr: str = "") -> nn.Module | None:
+    """The transformers PreTrainedModel at attribute path `attr` of the plain model ('' the model itself), or None.
+    A named `attr` that is not one is a RecipeError line."""
     found = model
-    for part in attr.split(".") if attr else ():
-        if not hasattr(found, part):
-            raise RecipeError(
-                f"--hf-attr {attr}: {type(found).__name__} has no attribute {part}; name the attribute path "
-                "to the transformers model inside --model's module"
-            )
-        found = getattr(found, part)
-    if not isinstance(found, PreTrainedModel):
-        where = f"--hf-attr {attr} is {type(found).__name__}" if attr else f"--model builds {type(model).__name__}"
-        raise RecipeError(
-            f"--hf-folder: {where}, not a transformers PreTrainedModel; name the attribute that holds one "
-            "with --hf-attr (e.g. --hf-attr backbone), or drop --hf-folder"
-        )
-    return found
+    for part in filter(None, attr.split(".")):
+        found = getattr(found, part, None)
+    transformers = sys.modules.get("transformers")  # a model of its classes means it was imported
+    if transformers is not None and isinstance(found, transformers.PreTrainedModel):
+        return found
+    if attr:
+        where = f"{type(model).__name__} holds a {type(found).__name__} there"
+        raise RecipeError(f"--hf-attr {attr}: {where}, not a transformers model; name the attribute that holds one")
+    return None
 
 
 def write_hf_folder(
-    model: nn.Module, state: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, attr: str = "", max_shard_mb: float
-) -> Path:
-    """Write out_dir/ with save_pretrained from `state` (the plain model's full state dict), shards of at most
-    max_shard_mb (10**6 bytes) with model.safetensors.index.json above that; tied weights are written once."""
+    run: RunFolder, model: nn.Module, state: dict[str, torch.Tensor], *, attr: str = "", max_shard_mb: float = 5000.0
+) -> Path | None:
+    """Rank 0: RUN/hf/ that AutoModel*.from_pretrained loads, from the plain model's full state dict, when the model is
+    (or holds at `attr`) a transformers model; shards of at most max_shard_mb (10**6 bytes) with an index above that.
+    transformers' own save_pretrained writes it: config.json, generation_config.json, safetensors; tied weights once."""
+    hf = hf_model(model, attr=attr)
+    if hf is None or not run.writer:
+        return None
     from transformers.utils import logging as hf_logging
 
-    hf = find_hf_model(model, attr=attr)
     prefix = f"{attr}." if attr else ""
     state = {key[len(prefix) :]: t for key, t in state.items() if key.startswith(prefix)}
     for name, names in tied_names(hf).items():  # one tensor under each name: save_pretrained then writes one name
         if name in state and names[0] in state:
             state[name] = state[names[0]]
-    out = Path(out_dir)
+    out = run.path / "hf"
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no progress bar in a run's log
     try:
@@ -70,4 +75,5 @@ def write_hf_folder(
         shutil.rmtree(tmp, ignore_errors=True)  # what a failed write left
         if bars:
             hf_logging.enable_progress_bar()
+    say(run, f"hf folder {out} (AutoModel*.from_pretrained loads it)")
     return out

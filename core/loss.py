@@ -69,20 +69,22 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     )
 
 
-def call_model(model: nn.Module, batch, loss: Loss):
+def call_model(model: nn.Module, batch, loss: Loss, **extra):
     """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple, with the targets where the
-    model takes them for its own loss."""
+    model takes them for its own loss. `extra`: more keyword arguments for the model (num_items_in_batch)."""
     if isinstance(batch, Mapping):
-        return model(**batch), batch.get("labels")
+        return model(**batch, **extra), batch.get("labels")
     *inputs, targets = batch
     if loss.targets_as and loss.spec in ("auto", "model"):
-        return model(*inputs, **{loss.targets_as: targets}), targets
+        return model(*inputs, **{loss.targets_as: targets}, **extra), targets
     return model(*inputs), targets
 
 
-def forward(model: nn.Module, batch, loss: Loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch: (its mean loss, to backward; its metrics as sums: loss_sum, count, samples, correct)."""
-    outputs, targets = call_model(model, batch, loss)
+def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, **extra) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: (its mean loss, to backward; its metrics as sums: loss_sum, count, samples, correct).
+    shift: the model's loss predicts target t+1 at position t (None: not known, so a dict batch's sequence
+    logits get no accuracy); `extra` goes to the model."""
+    outputs, targets = call_model(model, batch, loss, **extra)
     logits, own = split_outputs(outputs)
     if loss.fn is not None:
         mean = loss.fn(outputs, batch)
@@ -104,16 +106,19 @@ def forward(model: nn.Module, batch, loss: Loss) -> tuple[torch.Tensor, dict[str
         mean = nn.functional.mse_loss(logits.float(), targets.float())
     else:
         mean = nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
-    return mean, metrics(logits, targets, mean, samples=len(next(iter(_tensors(batch)))))
+    known = shift is not None or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)
+    samples = len(next(iter(_tensors(batch))))
+    return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))
 
 
 def _tensors(batch):
     return (t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor))
 
 
-def metrics(logits, targets, mean: torch.Tensor, *, samples: int) -> dict[str, torch.Tensor]:
+def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool = False) -> dict[str, torch.Tensor]:
     """Sums (not means) that add up over micro-batches and ranks: loss_sum, count (counted targets, or samples
-    where there are none or they are floats), samples, and correct for class logits (N, C) and targets (N,)."""
+    where there are none or they are floats), samples, and correct where the logits are class scores for the targets
+    (after the causal-LM shift when `shift`)."""
     device = mean.device
     if targets is None or targets.is_floating_point():
         count = torch.tensor(float(samples), dtype=torch.float64, device=device)
@@ -121,7 +126,8 @@ def metrics(logits, targets, mean: torch.Tensor, *, samples: int) -> dict[str, t
         count = targets.ne(IGNORE).sum().double()
     sums = {"loss_sum": mean.detach().double() * count, "count": count}
     sums["samples"] = torch.tensor(float(samples), dtype=torch.float64, device=device)
-    if logits is not None and targets is not None and logits.dim() == 2 and targets.dim() == 1:
-        if not targets.is_floating_point():
+    if logits is not None and targets is not None and not targets.is_floating_point():
+        logits, targets = (logits[..., :-1, :], targets[..., 1:]) if shift else (logits, targets)
+        if logits.shape[:-1] == targets.shape:
             sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
     return sums

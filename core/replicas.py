@@ -1,34 +1,12 @@
-"""What keeps data-parallel replicas equal, and the check that they are: BatchNorm, and every tensor compared."""
+"""Whether data-parallel replicas hold the same tensors at the end, and which differ: every rank compares them."""
 
 from __future__ import annotations
 
 import hashlib
 
 import torch
-from torch import nn
 
-from core.config import RecipeError
-from core.dist import Topology, all_gather_object
-
-
-def prepare_batchnorm(model: nn.Module, *, sync: bool, topo: Topology) -> nn.Module:
-    """Before DDP wraps the model: BatchNorm layers become SyncBatchNorm when `sync` (statistics over the global
-    batch; torch runs it on GPUs only, so CPU is one RecipeError line); without it, rank 0 says which layers keep
-    per-rank statistics."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    synced = [n for n in names if isinstance(model.get_submodule(n), nn.SyncBatchNorm)]
-    if (sync or synced) and topo.device.type != "cuda":  # DDP on CPU: "SyncBatchNorm layers only work with GPU modules"
-        what = "--sync-batchnorm" if sync else f"the model's SyncBatchNorm layers ({', '.join(synced[:3])})"
-        raise RecipeError(f"{what}: torch's SyncBatchNorm runs on GPUs only, and this job is on CPU; use BatchNorm")
-    if sync:
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if names and topo.is_rank0:
-        print(
-            f"warning: BatchNorm layers {', '.join(names[:3])} normalise with each rank's own batch and keep per-rank "
-            f"running statistics, so the replicas' buffers end up different; --sync-batchnorm (GPUs) shares them",
-            flush=True,
-        )
-    return model
+from core.dist import all_gather_object
 
 
 def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:

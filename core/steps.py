@@ -41,9 +41,10 @@ def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
+def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device, forward=forward) -> dict[str, float]:
     """val_loss (summed over every counted target, divided by their count) and val_acc where one exists, over the
-    whole validation set, each rank's share counted once: sums on each rank, one all-reduce at the end."""
+    whole validation set, each rank's share counted once: sums on each rank, one all-reduce at the end.
+    `forward`: how a batch's metric sums are taken (core.exact_loss.forward_sums counts as training does)."""
     if loader is None:
         return {}
     was_training, tally = model.training, Tally(device)

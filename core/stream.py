@@ -2,7 +2,9 @@
 
 Training ranks take the same number of steps and stop together when any rank's share runs dry
 (one tiny all-reduce per batch, for streams only); evaluation reads every rank's share once.
-`core.data.make_loader` builds these; recipes never touch them directly.
+A recipe that takes streams says so with one visible line: `stream.make_loader` for an IterableDataset,
+core.data's loader for the rest. The loader quacks like a DataLoader over a sampler, so core.data.set_epoch
+serves both.
 
 Evaluation over a stream: ranks may hold unequal numbers of batches, so an evaluate loop must
 sum locally and reduce once at the end (never a collective per batch); where each forward is
@@ -17,9 +19,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as torch_dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from core.config import RecipeError
+from core.dist import Topology
 
 
 class StreamShard(IterableDataset):
@@ -35,10 +38,15 @@ class StreamShard(IterableDataset):
         self.source, self.rank, self.world_size = source, rank, world_size
         self.batch_size, self.drop_last, self.skip = batch_size, drop_last, 0
 
+    @property
+    def num_replicas(self) -> int:  # core.data.set_epoch divides the samples consumed by it
+        return self.world_size
+
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
-        if hasattr(self.source, "set_epoch"):  # e.g. a shuffling Hugging Face stream: a new order each epoch
+        """A new epoch (a shuffling Hugging Face stream takes a new order), leaving out this rank's first `skip`."""
+        if hasattr(self.source, "set_epoch"):
             self.source.set_epoch(epoch)
-        self.skip = skip
+        self.skip = skip * self.world_size  # the elements of the global stream already trained on
 
     def __iter__(self) -> Iterator[list]:
         info = get_worker_info()
@@ -65,6 +73,7 @@ class StreamLoader:
 
     def __init__(self, loader: DataLoader, *, device: torch.device, together: bool):
         self.loader, self.dataset, self.device, self.together = loader, loader.dataset, device, together
+        self.sampler = self.dataset  # set_epoch(epoch, skip=...) and num_replicas, as core.data.set_epoch calls them
 
     def __iter__(self) -> Iterator:
         batches = iter(self.loader)
@@ -104,3 +113,33 @@ def in_step(loader, *, device: torch.device) -> Iterator[tuple[object, bool]]:
         if flags[1]:  # every rank sees the same flags: all raise together, none waits
             raise RecipeError("a rank has no validation batch at all: use fewer ranks or a larger validation set")
         yield (last, batch is not None)
+
+
+def is_stream(dataset) -> bool:
+    """An IterableDataset, or anything iterable again and again without indexing: read in order, never sampled."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__") and iter(dataset) is not dataset
+
+
+def make_loader(dataset, topo: Topology, *, batch_size: int, train: bool = True, collate_fn=None, workers: int = 0):
+    """A loader over this rank's share of a stream (None for None): element g to rank g % world_size, in order.
+    train=True: whole batches only, and every rank stops when any runs dry; train=False: every element once.
+    Worker processes copy the data set: a stream that shards itself across workers (a Hugging Face stream does)
+    needs workers=0."""
+    if dataset is None:
+        return None
+    shard = StreamShard(dataset, rank=topo.rank, world_size=topo.world_size, batch_size=batch_size, drop_last=train)
+    options = dict(num_workers=workers, pin_memory=topo.device.type == "cuda", collate_fn=collate_fn or default_collate)
+    return StreamLoader(DataLoader(shard, batch_size=None, **options), device=topo.device, together=train)
+
+
+def total_steps(loader: StreamLoader, *, epochs: int, max_steps: int, accum: int = 1) -> int:
+    """core.data.total_steps for a stream: one without a length needs --max-steps for the LR schedule's length."""
+    try:
+        total = epochs * (len(loader) // accum)
+    except TypeError:  # no length
+        if not max_steps:
+            raise RecipeError("--data: a stream without a length; set --max-steps (the LR schedule's length)") from None
+        return max_steps
+    return min(total, max_steps) if max_steps else total

@@ -1,11 +1,8 @@
 """TensorBoard and Weights & Biases logs of the records metrics.jsonl gets, opened on rank 0 only.
 
-    trackers = None
-    if topo.is_rank0:  # one W&B run for the job, not one per rank
-        trackers = open_trackers(check_trackers(cfg.log_to), run_dir=run_dir, config=cfg.to_dict(),
-                                 resume_state=header_state, step=progress["step"], project=cfg.wandb_project)
-    ... trackers.write(record) beside each metrics.jsonl line; trackers.state() into each checkpoint header
-    trackers.close()  # close(failed=True) when the job dies: W&B marks the run failed
+    run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)  # rank 0: the records go there too
+    ...
+    trackers.close(run)
 
 Every number a record holds is already reduced over ranks. The optimizer step is the x-axis of both, and
 a resumed job continues the same curves: TensorBoard's event files live in RUN/tensorboard and a resumed
@@ -17,6 +14,7 @@ folder per job, all of one run id: `wandb sync RUN/wandb` uploads them in start 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import Options, RecipeError, option
+from core.folder import RunFolder
 
 TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name
 WANDB_FILE = "wandb-run.json"
@@ -114,6 +113,25 @@ class Trackers:
             # it, and the recipes end with os._exit, which skips the atexit hook that would call it
             wandb.teardown()
             self.wandb_run = None
+
+
+def attach(run: RunFolder, cfg: Tracking, *, step: int, header) -> RunFolder:
+    """`run`, whose records (core.folder.write_record) also go to the trackers --log-to names: on rank 0 only, one
+    W&B run for the job. `step`: the optimizer step training continues after; `header(path)`: a checkpoint's
+    metadata, whose "trackers" entry (state()) continues the W&B run the checkpoint was logged to."""
+    kinds = check_trackers(cfg.log_to)
+    if not kinds or not run.writer:
+        return run
+    saved = json.loads(header(run.resume_from).get("trackers", "{}")) if run.resume_from else None
+    project = cfg.wandb_project
+    opened = open_trackers(kinds, run_dir=run.path, config=run.config, resume_state=saved, step=step, project=project)
+    return dataclasses.replace(run, sinks=(*run.sinks, opened))
+
+
+def close(run: RunFolder, *, failed: bool = False) -> None:
+    """At the end of the run: flush and close every tracker (W&B waits for its files)."""
+    for sink in run.sinks:
+        sink.close(failed=failed)
 
 
 def open_trackers(

@@ -1,7 +1,7 @@
-"""Starting from weights: a .safetensors file (a run's model.safetensors) or a Hugging Face folder.
+"""Weights in and out: `--init-from` (a run's model.safetensors or a Hugging Face folder) and the final weights.
 
-    check_weights(cfg.init_from, model)   # the pre-check: the safetensors headers against the model's shapes
-    load_weights(model, cfg.init_from)    # the plain model, before DDP, fully_shard or parallelize_module
+    weights.load_weights(model, cfg.init_from)     # the plain model, before DDP, fully_shard or parallelize_module
+    weights.write_weights(run, model.state_dict())  # rank 0: RUN/model.safetensors
 
 Pickles (.bin, .pt) are refused, never unpickled: loading one can run any code.
 """
@@ -9,83 +9,49 @@ Pickles (.bin, .pt) are refused, never unpickled: loading one can run any code.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.checksum import checksum_matches
-from core.ckpt_io import header_checksum, read_header
+from core.ckpt_io import atomic_write, read_header, verify, write_safetensors
 from core.config import RecipeError
+from core.folder import RunFolder
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
-PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-FIX = "point it at a .safetensors file (a run's model.safetensors) or a Hugging Face folder with safetensors weights"
 
 
-def weight_files(path: str | os.PathLike, *, option: str = "--init-from") -> list[Path]:
-    """The safetensors files `path` names: itself, or a folder's model.safetensors or the shards its index lists."""
-    folder = Path(path)
-    if not folder.is_dir():
-        files = [folder]
-    elif (folder / INDEX).is_file():
-        try:
-            files = [
-                folder / name for name in dict.fromkeys(json.loads((folder / INDEX).read_text())["weight_map"].values())
-            ]
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise RecipeError(f"{option} {path}: {INDEX} is not a Hugging Face index ({err!r}); {FIX}") from None
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
+def weight_files(path: str) -> list[Path]:
+    """The safetensors files `path` names: itself, or a folder's model.safetensors, or the shards its index lists."""
+    where = Path(path)
+    if where.is_dir() and (where / INDEX).is_file():
+        files = [where / name for name in dict.fromkeys(json.loads((where / INDEX).read_text())["weight_map"].values())]
     else:
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLES)
-        held = f" (it holds {', '.join(pickles)}: pickles, never unpickled)" if pickles else ""
-        raise RecipeError(f"{option} {path}: no model.safetensors or {INDEX} in this folder{held}; {FIX}")
+        files = [where / "model.safetensors" if where.is_dir() else where]
     for file in files:
-        if file.suffix in PICKLES:
-            raise RecipeError(
-                f"{option} {file}: a pickle, never unpickled (loading one can run any code); where you trust it, "
-                "convert it to safetensors (from_pretrained(...).save_pretrained(DIR) or safetensors.torch.save_file)"
-            )
-        if not file.is_file() or file.suffix != ".safetensors":
-            raise RecipeError(
-                f"{option} {file}: {'not a .safetensors file' if file.exists() else 'no such file'}; {FIX}"
-            )
+        if file.suffix != ".safetensors" or not file.is_file():
+            why = "a pickle, never unpickled here" if file.suffix in (".bin", ".pt", ".pth") else "no safetensors file"
+            raise RecipeError(f"--init-from {path}: {why} ({file.name}); give a .safetensors file or a HF folder")
     return files
 
 
-def _open(file: Path, option: str):
-    try:
-        return safe_open(file, "pt")
-    except (SafetensorError, OSError) as err:
-        raise RecipeError(f"{option} {file}: not a readable safetensors file ({err}); {FIX}") from None
-
-
-def saved_shapes(path: str | os.PathLike, *, option: str = "--init-from") -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape, from the safetensors headers alone (no tensor is read)."""
-    shapes = {}
-    for file in weight_files(path, option=option):
-        with _open(file, option) as f:
-            shapes |= {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    return shapes
-
-
-def read_weights(path: str | os.PathLike, *, option: str = "--init-from") -> dict[str, torch.Tensor]:
-    """Every tensor at `path` by name, checked against the checksums a run's files carry."""
-    tensors = {}
-    for file in weight_files(path, option=option):
-        with _open(file, option) as f:
-            part, meta = {key: f.get_tensor(key) for key in f.keys()}, f.metadata() or {}
-        if "checksums" in meta:  # written by this project (core.ckpt_io); Hugging Face files carry none
-            sums, header = json.loads(meta["checksums"]), read_header(file)
-            bad = [k for k, t in part.items() if not checksum_matches(t, sums.get(k, ""))]
-            if bad or meta.get("header_checksum") != header_checksum(header):
-                damaged = f"tensor {bad[0]}" if bad else "the header"
-                raise RecipeError(f"{option} {file}: {damaged} does not match its checksum (the file is damaged)")
-        tensors |= part
-    return tensors
+def read_weights(path: str, *, shapes_only: bool = False) -> dict:
+    """Every tensor at `path` by name (or only its shape), checked against the checksums a run's files carry."""
+    found = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                if shapes_only:
+                    found |= {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+                    continue
+                part, meta = {key: f.get_tensor(key) for key in f.keys()}, f.metadata() or {}  # noqa: SIM118
+        except (SafetensorError, OSError) as err:
+            raise RecipeError(f"--init-from {file}: not a readable safetensors file ({err})") from None
+        if "checksums" in meta:  # written by this project; Hugging Face files carry none
+            verify(file, read_header(file), part)
+        found |= part
+    return found
 
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
@@ -96,36 +62,48 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in groups.values() if len(names) > 1 for name in names}
 
 
-def _some(keys: list[str], n: int = 3) -> str:
-    return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+def check_model_matches(where, saved: dict[str, tuple], expected: dict[str, tuple], *, fix: str, tied=None) -> None:
+    """One RecipeError line naming the first missing, unexpected and misshapen keys of `saved` against `expected`
+    (name -> shape); a tied name the file leaves out (lm_head.weight) is not missing."""
+    tied = tied or {}
+    misshapen = [k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k])]
+    problems = {
+        "missing keys": [k for k in expected if k not in saved and not any(t in saved for t in tied.get(k, ()))],
+        "unexpected keys": [k for k in saved if k not in expected],
+        "shape mismatches": [f"{k} {tuple(saved[k])} vs {tuple(expected[k])}" for k in misshapen],
+    }
+    found = [f"{what}: {', '.join(keys[:3])}{' ...' * (len(keys) > 3)}" for what, keys in problems.items() if keys]
+    if found:
+        raise RecipeError(f"{where} holds another model ({'; '.join(found)}); {fix}")
 
 
-def check_weights(path: str | os.PathLike, model: nn.Module, *, option: str = "--init-from") -> None:
-    """One RecipeError line unless `path` holds the model's state-dict names with its shapes (headers only; the
-    model may be on the meta device). A tied name the file leaves out (lm_head.weight) is not missing."""
-    saved, tied = saved_shapes(path, option=option), tied_names(model)
+def load_weights(model: nn.Module, path: str) -> None:
+    """The weights at `path` into the plain model; one line naming the keys when they do not fit it."""
+    state, tied = read_weights(path), tied_names(model)
     expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
-    missing = [k for k in expected if k not in saved and not any(t in saved for t in tied.get(k, ()))]
-    unexpected = [k for k in saved if k not in expected]
-    misshapen = [f"{k} {list(saved[k])} (the model's: {list(s)})" for k, s in expected.items() if saved.get(k, s) != s]
-    found = {"missing": missing, "unexpected": unexpected, "misshapen": misshapen}
-    problems = "; ".join(f"{what} {_some(keys)}" for what, keys in found.items() if keys)
-    if problems:
-        raise RecipeError(
-            f"{option} {path}: does not fit {type(model).__name__}: {problems}; use weights saved from this "
-            "--model (same class and config), or build a Hugging Face checkpoint of another layout with "
-            "from_pretrained in your --model factory"
-        )
-
-
-def load_weights(model: nn.Module, path: str | os.PathLike, *, option: str = "--init-from") -> None:
-    """Copy the weights at `path` into the plain model (before DDP, fully_shard or parallelize_module wraps it)."""
-    check_weights(path, model, option=option)
-    state = read_weights(path, option=option)
-    for name, names in tied_names(model).items():  # one tensor, several names: every name from the one the file has
-        first = next(n for n in names if n in state)
-        if name not in state:
-            state[name] = state[first]
-        elif not torch.equal(state[name], state[first]):
-            raise RecipeError(f"{option} {path}: {first} and {name} differ, but the model ties them (one tensor)")
+    fix = "use weights saved from this --model, or load another layout with from_pretrained in your --model factory"
+    shapes = {k: tuple(t.shape) for k, t in state.items()}
+    check_model_matches(f"--init-from {path}", shapes, expected, fix=fix, tied=tied)
+    for name, names in tied.items():  # one tensor under several names: each name from the one the file has
+        state.setdefault(name, next(state[n] for n in names if n in state))
     model.load_state_dict(state)
+
+
+def savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two entries sharing storage (safetensors refuses tied weights)."""
+    out, seen = {}, set()
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        out[key] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
+
+
+def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:
+    """Rank 0 writes the final weights as RUN/model.safetensors, loadable with safetensors.torch.load_file."""
+    path = run.path / "model.safetensors"
+    if run.writer:
+        tensors, metadata = savable(state), {"recipe": run.recipe, "model": run.config["model"]}
+        atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+    return path

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, data, dist, folder, meter, models, replicas, steps
+from core import ckpt, data, dist, folder, hf, meter, models, replicas, steps, weights
 from core.config import Checkpointing, DDPOptions, Training, cli_main
 from core.loss import make_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions):
-    """The shared training and checkpoint options, and DDP's own."""
+class Config(Training, Checkpointing, DDPOptions, hf.HFExport):
+    """The shared training and checkpoint options, DDP's own, and where a transformers model's weights go."""
 
 
 def main(cfg: Config) -> dict:
@@ -44,7 +44,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    model = replicas.prepare_batchnorm(model, sync=cfg.sync_batchnorm, topo=topo)
+    if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
+        weights.load_weights(model, cfg.init_from)
+    if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only; the pre-check says so on CPU)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp_model = DistributedDataParallel(
         model,
         device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
@@ -98,8 +101,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
-    weights = ckpt.write_weights(run, model.state_dict())
+    # Rank 0 alone writes the weights (and a Hugging Face folder for a transformers model); every rank vouches that
+    # it holds the same ones.
+    saved = weights.write_weights(run, model.state_dict())
+    hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     return meter.log_summary(
         run,
         clock,
@@ -110,7 +115,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         world_size=topo.world_size,
         global_batch=global_batch,
         **replicas.replicas_report(model.state_dict()),
-        weights=str(weights),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
     )
 
 

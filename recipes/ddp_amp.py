@@ -1,17 +1,19 @@
-"""ddp_amp: ddp plus mixed precision, dynamic loss scaling, gradient accumulation and clipping.
+"""ddp_amp: ddp plus mixed precision, dynamic loss scaling, gradient accumulation, clipping and streams.
 
     ./launch_single_node.sh ddp_amp --precision bf16 --accum 4 --clip 1.0
     torchrun --standalone --nproc-per-node 2 -m recipes run ddp_amp --precision bf16 --accum 4 --clip 1.0
     python -m recipes run ddp_amp --precision bf16 --accum 4   # one process, no launcher
     ./launch_single_node.sh ddp_amp --precision fp16 --clip 1.0  # GPUs only: fp16 needs CUDA
+    ./launch_single_node.sh ddp_amp --log-to tensorboard        # then: tensorboard --logdir runs
 
-The forward runs under torch.autocast (bf16 on CPU or GPU, fp16 on GPU); weights, gradients and
-the optimizer stay fp32. fp16 also gets a GradScaler: the loss is scaled up so small gradients
-survive fp16, unscaled before clipping, and a step whose gradients overflowed is skipped while
-the scale backs off. An optimizer step takes --accum K micro-batches: DDP's no_sync() holds the
-all-reduce back for the first K-1, and the loss is normalised by the targets of the whole global
-batch, so the step is the one a single process takes on batch size x world size x K samples.
---clip bounds the total gradient norm over all ranks.
+The forward runs under torch.autocast (bf16 on CPU or GPU, fp16 on GPU); weights, gradients and the
+optimizer stay fp32. fp16 also gets a GradScaler: the loss is scaled up so small gradients survive
+fp16, unscaled before clipping, and a step whose gradients overflowed is skipped while the scale
+backs off. An optimizer step takes --accum K micro-batches: DDP's no_sync() holds the all-reduce
+back for the first K-1, and every counted target of the global batch weighs the same (the loss is
+normalised by the global count, not averaged per micro-batch), so the step is the one a single
+process takes on batch size x world size x K samples, padded sequences included. --clip bounds the
+total gradient norm over all ranks. Streams (an IterableDataset) are dealt out by position.
 """
 
 import itertools
@@ -20,77 +22,87 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import comm, data, dist, models, steps
-from core.config import (
-    Accumulation,
-    AsyncCheckpoints,
-    Checkpointing,
-    DDPOptions,
-    Precision,
-    RecipeError,
-    Training,
-    cli_main,
-    with_default,
-)
-from core.run import Run
+from core import amp, ckpt, data, dist, folder, hf, meter, models, replicas, steps, stream, trackers, weights
+from core.config import Checkpointing, DDPOptions, RecipeError, Training, cli_main, with_default
+from core.exact_loss import forward_sums, make_exact_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions, Precision, Accumulation):
-    """ddp's options, and precision, accumulation and clipping."""
+class Config(Training, Checkpointing, DDPOptions, amp.Precision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+    """ddp's options, and precision, accumulation, clipping and trackers."""
 
     epochs: int = with_default(Training, "epochs", 10)  # --accum 4 takes 4x fewer steps per epoch than ddp
 
-
-def check(cfg: Config) -> None:
-    if cfg.static_graph and cfg.accum > 1:  # DDP's static graph asserts (or skips the all-reduce) under no_sync()
-        raise RecipeError(
-            f"--static-graph with --accum {cfg.accum}: DDP's static graph breaks under no_sync() "
-            f"(pytorch/pytorch#143580); drop --static-graph or use --accum 1"
-        )
+    def __post_init__(self):
+        super().__post_init__()
+        if self.static_graph and self.accum > 1:  # DDP's static graph asserts (or skips the all-reduce) in no_sync()
+            raise RecipeError(
+                f"--static-graph with --accum {self.accum}: DDP's static graph breaks under no_sync() "
+                f"(pytorch/pytorch#143580); drop --static-graph or use --accum 1"
+            )
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
     try:
-        global_batch = cfg.batch_size * topo.world_size * cfg.accum
-        with Run.start(cfg, topo, recipe="ddp_amp", global_batch=global_batch) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology) -> dict:
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    global_batch = cfg.batch_size * topo.world_size * cfg.accum
+
     # Build. The same seed on every rank gives every replica the same initial weights.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    model = comm.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
+    if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
+        weights.load_weights(model, cfg.init_from)
+    if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only; the pre-check says so on CPU)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp_model = DistributedDataParallel(
         model,
         device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
     )
-    train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
-    val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
+    if stream.is_stream(train_set):  # an IterableDataset: read in order and dealt out by position, no sampler
+        train_loader = stream.make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate)
+        val_loader = stream.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+        total = stream.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    else:
+        train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
+        val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+        total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
-    total = run.total_steps(train_loader, accum=cfg.accum)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    scaler = steps.make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    scaler = amp.make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
+    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+
+    # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
+    # checkpoint's state, and the trackers --log-to names, which continue from the checkpoint's step.
+    run = folder.open_run(
+        cfg, topo, recipe="ddp_amp", global_batch=global_batch, newest=ckpt.newest_good, header=ckpt.read_metadata
+    )
+    start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+    run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
 
     # Train. K micro-batches a step; DDP all-reduces in the last one's backward only (no_sync before).
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
-        groups = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
+        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = steps.train_step(
+            metrics, stats = amp.step_amp(
                 ddp_model,
                 micro_batches,
                 optimizer=optimizer,
@@ -100,14 +112,42 @@ def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
                 clip=cfg.clip,
             )
             scheduler.step()
-            step += 1
-            run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
-            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
+            step, consumed = step + 1, consumed + global_batch
+            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics)
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
+                scale = {"loss_scale": stats.scale} if stats.scaled else {}  # fp16: the scaler's current scale
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers, **scale)
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():
+                    state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+                    ckpt.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
+        with clock.paused():  # each rank evaluates its share of the validation set; the sums are all-reduced
+            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums)
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Rank 0 alone writes the weights: every rank vouches that it holds the same ones.
-    return run.finish(model, **comm.replicas_report(model))
+    # Rank 0 alone writes the weights (and a Hugging Face folder for a transformers model); every rank vouches that
+    # it holds the same ones.
+    saved = weights.write_weights(run, model.state_dict())
+    hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    summary = meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        **replicas.replicas_report(model.state_dict()),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+    )
+    trackers.close(run)
+    return summary
 
 
 if __name__ == "__main__":
-    cli_main(main, Config, check=check)
+    cli_main(main, Config)

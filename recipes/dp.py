@@ -3,83 +3,123 @@
     ./launch_single_node.sh dp --epochs 5         # the launcher starts one process for dp
     python -m recipes run dp --epochs 5
 
-DataParallel splits each batch over the visible GPUs, copies the model to every one of them
-on every step, and gathers the outputs on the first: one Python process, held back by the
-GIL and that first GPU. PyTorch recommends DistributedDataParallel even on one machine;
-this recipe is here to show the difference with ddp. With fewer than two GPUs it trains as
-plain single-device training and says so.
+DataParallel splits each batch over the visible GPUs, copies the model to every one of them on
+every step, and gathers the outputs on the first: one Python process, held back by the GIL and
+that first GPU. PyTorch recommends DistributedDataParallel even on one machine; this recipe is
+here to show the difference with ddp. With fewer than two GPUs it trains as plain single-device
+training and says so.
 """
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from core import data, dist, models, steps
-from core.config import AsyncCheckpoints, Checkpointing, RecipeError, Training, cli_main
-from core.run import Run
+from core import ckpt, data, dist, folder, hf, meter, models, steps, weights
+from core.config import Checkpointing, RecipeError, Training, cli_main
+from core.loss import make_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, AsyncCheckpoints):
-    """The shared training and checkpoint options."""
-
-
-def check(cfg: Config) -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RecipeError(
-            f"dp runs in one process but was started with WORLD_SIZE={os.environ['WORLD_SIZE']}; "
-            f"use the ddp recipe for several processes"
-        )
+class Config(Training, Checkpointing, hf.HFExport):
+    """The shared training and checkpoint options, and where a transformers model's weights go."""
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)
     topo = dist.init_pg(timeout_s=cfg.timeout_s)  # a world of one: the shared helpers work unchanged
     try:
-        with Run.start(cfg, topo, recipe="dp", global_batch=cfg.batch_size) as run:
-            return train(cfg, topo, run)
+        if topo.world_size > 1:
+            raise RecipeError(f"dp runs in one process but was started as {topo.world_size}; use ddp for several")
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology) -> dict:
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    global_batch = cfg.batch_size  # one process: DataParallel splits each batch over the GPUs
+
+    # Build.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
+    if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
+        weights.load_weights(model, cfg.init_from)
     gpus = torch.cuda.device_count()
     if gpus >= 2:  # the batch is split over the GPUs inside forward; replicas are re-made every step
         dp_model = nn.DataParallel(model)
-        run.print(f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)")
     else:
         dp_model = model
-        run.print(f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training")
     train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
     val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
     optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr)
-    total = run.total_steps(train_loader)
+    total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)
+    loss_fn = make_loss(cfg.loss, model=model)
 
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    # The run folder: a new one, or the one of the checkpoint --resume names, refused before it is touched when
+    # the checkpoint cannot continue in this job. Then that checkpoint's state.
+    run = folder.open_run(
+        cfg, topo, recipe="dp", global_batch=global_batch, newest=ckpt.newest_good, header=ckpt.read_metadata
+    )
+    start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    folder.say(
+        run,
+        f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"
+        if gpus >= 2
+        else f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training",
+    )
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+
+    # Train. DataParallel scatters each batch from the first GPU and gathers the outputs back on it.
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
-            batch = data.to_device(batch, topo.device)  # DataParallel scatters from the first GPU
-            metrics, stats = steps.train_step(dp_model, [batch], optimizer=optimizer, loss_fn=loss_fn)
+            batch = data.to_device(batch, topo.device)
+            metrics, grad_norm = steps.step_plain(dp_model, batch, optimizer=optimizer, loss_fn=loss_fn)
             scheduler.step()
-            step += 1
-            run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
-            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)
-        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
+            step, consumed = step + 1, consumed + global_batch
+            skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics)
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                lr = scheduler.get_last_lr()[0]
+                meter.log_train(
+                    run, clock, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped
+                )
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():
+                    ckpt.save_checkpoint(
+                        run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
+                    )
+        with clock.paused():
+            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    return run.finish(model, devices=max(gpus, 1))
+    # The weights, and a Hugging Face folder for a transformers model.
+    saved = weights.write_weights(run, model.state_dict())
+    hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    return meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        devices=max(gpus, 1),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+    )
 
 
 if __name__ == "__main__":
-    cli_main(main, Config, check=check)
+    cli_main(main, Config)
