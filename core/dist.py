@@ -59,13 +59,19 @@ def pick_device(local_rank: int) -> torch.device:
 
 
 def init_pg(
-    *, timeout_s: float = 300.0, rank: int | None = None, world_size: int | None = None, master_port: int | None = None
+    *,
+    timeout_s: float = 300.0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_port: int | None = None,
+    store: dist.Store | None = None,
 ) -> Topology:
     """Join the job's process group and return this process's Topology.
 
     Under torchrun everything comes from its environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
     From `mp.spawn`, pass rank, world_size and a free master_port. With neither, a world of one that opens no port.
-    A group that exists already (the package's runner joins it first, tools/join.py) is the one used.
+    `store`: a store made by the caller (the package's runner binds one to loopback, tools/join.py, and the
+    recipe's own call then finds the group joined).
     """
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
@@ -79,8 +85,9 @@ def init_pg(
     try:
         if dist.is_initialized():
             pass
-        elif port is None and world_size == 1:  # one process and no launcher: an in-memory store, no port opened
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        elif store is not None or (port is None and world_size == 1):  # no launcher: in memory, no port opened
+            store = store or dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         else:
             url = f"tcp://{addr}:{port}" if master_port else "env://"
             dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)

@@ -61,23 +61,32 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
             module.Config, list(args), prog=f"python -m recipes run {name}", description=recipe.summary
         )
     except UsageError as err:
-        if err.option and err.option.startswith("--"):
-            others = [n for n in takers(err.option) if n != name]
-            does = (
-                f"{', '.join(others)} {'does' if len(others) == 1 else 'do'}"
-                if others
-                else f"no recipe does; {err.hint}"
-            )
-            raise UsageError(f"{err.option}: {name} does not take it; {does}") from None
-        raise
-    if "RANK" not in os.environ or dry_run:  # before any process starts; under torchrun, the launcher did it
+        raise _explained(err, name, module.Config) from None
+    if "RANK" not in os.environ or dry_run or not os.environ.get("TDR_PRECHECKED"):  # the launcher ran it once
         from tools.precheck import precheck
 
         precheck(recipe, module, cfg)
     if dry_run:
         click.echo(f"ok: {name} {cfg.to_dict()}")
         return
+    from tools.join import join
+
+    join(timeout_s=cfg.timeout_s)  # under the single-node launcher: the workers' store on loopback only
     module.main(cfg)
+
+
+def _explained(err: UsageError, name: str, config: type) -> UsageError:
+    """An option this recipe does not take: the recipes that do, or the nearest option it does take."""
+    option = (err.option or "").split("=")[0]
+    if not option.startswith("--"):
+        return err
+    others = [n for n in takers(option) if n != name]
+    if others:
+        return UsageError(f"{option}: {name} does not take it; {', '.join(others)} {'do' if others[1:] else 'does'}")
+    flags = ["--" + f.replace("_", "-") for f in config.__dataclass_fields__]
+    close = difflib.get_close_matches(option, flags, n=1)
+    hint = f"did you mean {close[0]}?" if close else "see --help"
+    return UsageError(f"{option}: {name} does not take it; no recipe does; {hint}")
 
 
 @cli.command("cp")
@@ -215,6 +224,10 @@ def run_cli(args: list[str] | None = None) -> int:
         return fail(err.format_message(), 1)
     except RecipeError as err:
         return fail(str(err), 1)
+    except OSError as err:  # a full disk, a folder that can't be written: with the bytes free
+        from tools.precheck import disk_error
+
+        return fail(disk_error(err), 1)
     except (click.exceptions.Abort, KeyboardInterrupt):
         return fail(INTERRUPTED, 130)
 

@@ -26,6 +26,7 @@ class Recipe:
     summary: str
     builds_on: str | None = None
     multi_node: bool = True  # False: one process drives every local device (the launcher starts one)
+    streams: bool = False  # it reads streams (IterableDatasets) through core.stream; the others refuse them
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -42,6 +43,7 @@ _BUILT_IN = [
         "recipes.ddp_amp",
         "ddp + autocast (bf16/fp16), GradScaler, accumulation with no_sync, clipping",
         builds_on="ddp",
+        streams=True,
     ),
     Recipe(
         "ddp_monitored",
@@ -61,18 +63,21 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 fully_shard per block; sharded checkpoints; bf16; CPU offload",
         builds_on="ddp_amp",
+        streams=True,
     ),
     Recipe(
         "tensor_parallel",
         "recipes.tensor_parallel",
         "Megatron-style column/row splits of each block's Linear layers (DTensor)",
         builds_on="fsdp",
+        streams=True,
     ),
     Recipe(
         "fsdp_tp",
         "recipes.fsdp_tp",
         "2-D mesh: tensor parallel within groups of --tp ranks, FSDP2 across them",
         builds_on="fsdp",
+        streams=True,
     ),
     Recipe(
         "pipeline",

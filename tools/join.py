@@ -1,0 +1,66 @@
+"""The package's runner joins the job before the recipe's main: what a copied recipe leaves to torch's defaults.
+
+Under launch_single_node.sh (no MASTER_PORT) torchrun lets the workers host their own store on 127.0.0.1;
+torch's TCPStore would listen on every interface, with no authentication, so rank 0 binds the socket itself,
+to loopback only, and hands it over. core.dist.init_pg then finds the group joined and uses it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from core.config import RecipeError
+from core.dist import init_pg
+
+
+def check_nodes_alike() -> None:
+    """torchrun allows nodes with different NPROC_PER_NODE; then the data shares would depend on the node."""
+    local, nodes, world = (int(os.environ.get(k, 0)) for k in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE"))
+    if nodes and local * nodes != world:
+        raise RecipeError(
+            f"NPROC_PER_NODE differs between nodes: this node runs {local} of {world} processes on {nodes} nodes; "
+            f"start every node with the same NPROC_PER_NODE"
+        )
+
+
+def loopback_store(*, timeout_s: float) -> dist.Store | None:
+    """The workers' TCPStore bound to loopback only, where torchrun lets the workers host it on 127.x; None where
+    the agent hosts the store (torchrun's default) or the master is another host (multi-node)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0") or 0)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False" or not port:
+        return None
+    try:
+        if not ipaddress.ip_address(addr).is_loopback:
+            return None
+    except ValueError:
+        return None  # a host name: multi-node, the store must be reachable from the other nodes
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    sock = socket.create_server((addr, port), backlog=max(world_size, 128)) if rank == 0 else None
+    return dist.TCPStore(
+        addr,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=None if sock is None else sock.detach(),  # the store owns the socket from here
+    )
+
+
+def join(*, timeout_s: float) -> None:
+    """Before main: the nodes alike, and under the single-node launcher the group joined on a loopback store."""
+    check_nodes_alike()
+    if "RANK" not in os.environ:
+        return  # one process, no launcher: the recipe's own init_pg opens no port
+    try:
+        store = loopback_store(timeout_s=timeout_s)
+    except (RuntimeError, OSError) as err:
+        raise RecipeError(
+            f"rank {os.environ['RANK']} could not host or reach the job's store on loopback ({err})"
+        ) from None
+    if store is not None:
+        init_pg(timeout_s=timeout_s, store=store)  # the recipe's init_pg then finds the group joined
