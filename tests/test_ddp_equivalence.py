@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from core.dist import same_on_all_ranks
-from core.models import fingerprint
-from core.parallel import wrap_ddp
+from torch.nn.parallel import DistributedDataParallel
+
+from core.loss import make_loss
+from core.replicas import replicas_report
 from core.steps import step_plain
 from world import GlooWorld
 
@@ -32,8 +33,9 @@ def _batches(seed: int, steps: int, global_batch: int):
 
 def _train(model, batches, *, lr=0.05):
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss_fn = make_loss("ce", model=getattr(model, "module", model))
     for batch in batches:
-        step_plain(model, batch, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+        step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -44,7 +46,7 @@ def train_ddp_share(topo, seed, steps, global_batch):
         (x[topo.rank * share : (topo.rank + 1) * share], y[topo.rank * share : (topo.rank + 1) * share])
         for x, y in _batches(seed, steps, global_batch)
     ]
-    return _train(wrap_ddp(_model(seed), device=topo.device), mine)
+    return _train(DistributedDataParallel(_model(seed)), mine)
 
 
 @pytest.mark.parametrize("steps", [1, 5])
@@ -66,13 +68,17 @@ def test_replicas_stay_identical(world2):
 
 def compare_across_ranks(topo):
     model = _model(0)
+    model.register_buffer("seen", torch.zeros(2))  # a buffer forward would update from each rank's own batch
     if topo.rank == 1:
-        with torch.no_grad():  # one bit of one weight differs on rank 1
+        with torch.no_grad():  # one bit of one weight, and the buffer, differ on rank 1
             flat = model[0].weight.view(-1).view(torch.int32)
             flat[0] ^= 1
-    untouched, flipped = fingerprint(_model(0)), fingerprint(model)
-    return same_on_all_ranks(untouched), same_on_all_ranks(flipped), same_on_all_ranks(topo.rank)
+            model.seen += 1
+    return replicas_report(_model(0).state_dict()), replicas_report(model.state_dict())
 
 
-def test_replica_check_sees_a_single_flipped_bit(world2):
-    assert world2.run(compare_across_ranks) == [(True, False, False)] * 2
+def test_replica_check_sees_a_single_flipped_bit_and_names_every_tensor_that_differs(world2):
+    """Every tensor is compared, not only BatchNorm's; the summary names those that differ (issue 20 item 6)."""
+    for same, differ in world2.run(compare_across_ranks):
+        assert same == {"replicas_identical": True}
+        assert not differ["replicas_identical"] and differ["replicas_differ"].startswith("seen, 0.weight:")

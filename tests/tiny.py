@@ -1,6 +1,9 @@
 """Small factories for end-to-end tests (`--model tiny:mlp`), so checkpoints are quick to write."""
 
+from collections import namedtuple
+
 from torch import nn
+from torch.utils.data import Dataset
 
 from core.models import MLP
 
@@ -42,3 +45,42 @@ class Exploding(nn.Module):
 
 def exploding() -> nn.Module:
     return Exploding()
+
+
+class Wrapper(nn.Module):
+    """A user's wrapper with a child named `module` and layers of its own: the old unwrap saved only the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.module(x).relu())
+
+
+def wrapper() -> nn.Module:
+    return Wrapper()
+
+
+Sample = namedtuple("Sample", ["image", "label"])
+
+
+class Named(Dataset):
+    """The digits as namedtuple samples: the old evaluation rebuilt them with type(batch)(generator) and died."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        return Sample(*self.pairs[i])
+
+
+def named():
+    from core.datasets import digits
+
+    train, val = digits()
+    return Named(train), Named(val)

@@ -153,13 +153,12 @@ def check_resume(recipe: str, module, cfg, model) -> None:
     mesh = module.mesh(cfg, world_size) if hasattr(module, "mesh") else {"dp": world_size}
     global_batch = cfg.batch_size * mesh["dp"] * getattr(cfg, "accum", 1)
     config = {"recipe": recipe, "world_size": world_size, "global_batch": global_batch, **cfg.to_dict()}
-    meta = header(path)
-    folder.check_continues(path, meta, config, dp=mesh["dp"])
-    if dcp is None:
+    if dcp is None:  # whole, undamaged, and this model, then the header's options
         tensors, _ = ckpt.read_checkpoint(path)
         ckpt.check_shapes(path, tensors, model)
     else:
         dcp.check_shapes(path, model)
+    folder.check_continues(path, header(path), config, dp=mesh["dp"])
 
 
 def _sharded(module):
