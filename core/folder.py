@@ -25,6 +25,7 @@ from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object
 
+SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
 
@@ -89,32 +90,40 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> tuple[dict, o
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
-    """Whether a checkpoint (its header `meta`) continues in this job: the same recipe family and precision, the
-    same global batch (`dp`: this job's data-parallel ranks) and the same options that shape training."""
-    saved = json.loads(meta.get("config", "{}"))
+    """Whether a checkpoint (its header `meta`) continues in this job: a recipe whose state means the same, fp16's
+    loss scaler on both sides or neither, the same global batch (`dp`: this job's data-parallel ranks), and the same
+    options that shape training. One RecipeError line naming both sides and the fix."""
+    saved, recipe = json.loads(meta.get("config", "{}")), config["recipe"]
     saved_recipe = meta.get("recipe") or saved.get("recipe")
-    sharded = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # state laid out by the mesh
-    if saved_recipe and saved_recipe != config["recipe"] and {saved_recipe, config["recipe"]} & set(sharded):
+    if saved_recipe and saved_recipe != recipe and {saved_recipe, recipe} & set(SHARDED):
         raise RecipeError(
-            f"{path}: a checkpoint of recipe {saved_recipe}, and this run is {config['recipe']}: its state is laid "
-            f"out for {saved_recipe}; resume it with {saved_recipe}, or start a new run"
+            f"{path}: a checkpoint of recipe {saved_recipe}, and this run is {recipe}: its state is laid out for "
+            f"{saved_recipe}; resume it with {saved_recipe}, or start a new run"
+        )
+    fp16, precision = json.loads(meta.get("scaler", "null")) is not None, config.get("precision", "fp32")
+    if fp16 != (precision == "fp16"):  # the loss scaler's state exists on one side only
+        raise RecipeError(
+            f"{path}: a checkpoint trained in {'fp16' if fp16 else saved.get('precision', 'fp32')} and this run asks "
+            f"for --precision {precision}: fp16's loss-scaler state does not carry across; resume with --precision "
+            f"{'fp16' if fp16 else saved.get('precision', 'fp32')}, or start a new run"
         )
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:
-        per_step = dp * config.get("accum", 1)
-        fix = (
-            f"--batch-size {saved_batch // per_step}"
-            if saved_batch % per_step == 0
-            else "a number of ranks that divides it"
-        )
+        batch, accum = config["batch_size"], config.get("accum", 1)
+        if saved_batch % (dp * accum) == 0:
+            fix = f"use --batch-size {saved_batch // (dp * accum)} at {dp} rank(s)" + f" and --accum {accum}" * (
+                accum > 1
+            )
+        elif saved_batch % (dp * batch) == 0:
+            fix = f"use --accum {saved_batch // (dp * batch)} with --batch-size {batch}"
+        else:
+            fix = f"use a number of ranks that divides {saved_batch}"
         raise RecipeError(
             f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
-            f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks x --accum {config.get('accum', 1)}); "
-            f"the run would change: use {fix}"
+            f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
         )
-    defaults = {"precision": "fp32", "accum": 1, "clip": 0.0, "init_from": ""}  # what a recipe without the option does
-    was, now = (lambda k: saved.get(k, defaults.get(k))), (lambda k: config.get(k, defaults.get(k)))
-    changed = [f"--{k.replace('_', '-')} {was(k)} -> {now(k)}" for k in TRAJECTORY if k in saved and was(k) != now(k)]
+    differ = [k for k in TRAJECTORY if k in saved and k in config and saved[k] != config[k]]  # a group both take
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {config[k]}" for k in differ]
     if changed:
         raise RecipeError(
             f"{path}: resuming with other options ({', '.join(changed)}) would train another run; resume with the "

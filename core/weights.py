@@ -66,10 +66,10 @@ def check_model_matches(where, saved: dict[str, tuple], expected: dict[str, tupl
     """One RecipeError line naming the first missing, unexpected and misshapen keys of `saved` against `expected`
     (name -> shape); a tied name the file leaves out (lm_head.weight) is not missing."""
     tied = tied or {}
-    misshapen = [k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k])]
+    misshapen = sorted(k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k]))
     problems = {
-        "missing keys": [k for k in expected if k not in saved and not any(t in saved for t in tied.get(k, ()))],
-        "unexpected keys": [k for k in saved if k not in expected],
+        "missing keys": sorted(k for k in expected if k not in saved and not any(t in saved for t in tied.get(k, ()))),
+        "unexpected keys": sorted(k for k in saved if k not in expected),
         "shape mismatches": [f"{k} {tuple(saved[k])} vs {tuple(expected[k])}" for k in misshapen],
     }
     found = [f"{what}: {', '.join(keys[:3])}{' ...' * (len(keys) > 3)}" for what, keys in problems.items() if keys]

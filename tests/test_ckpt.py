@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from core import ckpt
-from core.folder import find_resume
-from core.run import Run
+from core import ckpt, weights
+from core.ckpt_io import list_checkpoints
+from core.folder import RunFolder
 from helpers import REPO, run, torchrun, user_env
 from tiny import TiedMLP
 
@@ -25,6 +25,11 @@ TESTS = str(Path(__file__).parent)
 PATHS = os.pathsep.join([str(REPO), TESTS])  # this checkout's core/, not the installed one
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
 SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)  # () is 0-d; a 0 is empty
+
+
+def _run(folder, resume_from=None) -> RunFolder:
+    """A run folder as open_run returns it, for a world of one."""
+    return RunFolder(Path(folder), resume_from, "ddp", {"global_batch": 8, "model": "tiny", "world_size": 1}, True)
 
 
 def _random(dtype, shape, seed):
@@ -56,8 +61,7 @@ class Holder(torch.nn.Module):
 def test_weights_round_trip_bitwise(tmp_path_factory, specs, seed, share):
     tensors = [_random(dtype, shape, seed + i) for i, (dtype, shape) in enumerate(specs)]
     holder = Holder(tensors, [(0, 0)] if share else [])
-    path = tmp_path_factory.mktemp("rt") / "w.safetensors"
-    ckpt.save_weights(holder.state_dict(), path)
+    path = weights.write_weights(_run(tmp_path_factory.mktemp("rt")), holder.state_dict())
     loaded = load_file(path)
     assert loaded.keys() == holder.state_dict().keys()
     for key, value in holder.state_dict().items():
@@ -70,9 +74,9 @@ def test_weights_round_trip_bitwise(tmp_path_factory, specs, seed, share):
 
 def test_tied_weights_load_into_the_plain_model(tmp_path):
     model = TiedMLP()
-    ckpt.save_weights(model.state_dict(), tmp_path / "m.safetensors")
+    weights.write_weights(_run(tmp_path), model.state_dict())
     fresh = TiedMLP()
-    fresh.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    fresh.load_state_dict(load_file(tmp_path / "model.safetensors"))
     assert torch.equal(fresh.encode.weight, model.encode.weight) and fresh.decode.weight is fresh.encode.weight
 
 
@@ -91,19 +95,16 @@ def _train_state(seed=0):
 
 def test_train_state_round_trips_in_a_world_of_one(tmp_path):
     model, optimizer, scheduler = _train_state()
+    progress = {"epoch": 1, "samples": 4, "step": 3, "skipped": 0}
     path = ckpt.save_checkpoint(
-        tmp_path / "ckpt",
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        progress={"epoch": 1, "batch": 4, "step": 3},
+        _run(tmp_path), model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=2
     )
     expected_rng = torch.rand(3)  # what the generator gives right after the save
     other_model, other_optimizer, other_scheduler = _train_state(seed=1)
-    progress = ckpt.load_checkpoint(
-        path, model=other_model, optimizer=other_optimizer, scheduler=other_scheduler, world_size=1
+    restored = ckpt.load_checkpoint(
+        _run(tmp_path, path), model=other_model, optimizer=other_optimizer, scheduler=other_scheduler
     )
-    assert progress == {"epoch": 1, "batch": 4, "step": 3}
+    assert restored == progress
     assert torch.equal(torch.rand(3), expected_rng), "the RNG continues where it was"
     for a, b in zip(model.state_dict().values(), other_model.state_dict().values()):
         assert torch.equal(a, b)
@@ -120,38 +121,42 @@ def test_train_state_round_trips_in_a_world_of_one(tmp_path):
 def test_keep_prunes_old_checkpoints_only_after_writing(tmp_path):
     model, optimizer, _ = _train_state()
     for step in range(1, 6):
-        ckpt.save_checkpoint(
-            tmp_path, model=model, optimizer=optimizer, keep=2, progress={"epoch": 0, "batch": step, "step": step}
-        )
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000004.safetensors", "step-000005.safetensors"]
+        progress = {"epoch": 0, "samples": step, "step": step}
+        ckpt.save_checkpoint(_run(tmp_path), model=model, optimizer=optimizer, keep=2, progress=progress)
+    assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == [
+        "step-000004.safetensors",
+        "step-000005.safetensors",
+    ]
 
 
 KILL_IN_RENAME = """
 import os, signal, sys, torch
 sys.path[:0] = [{tests!r}]
+from pathlib import Path
 from core import ckpt
+from core.folder import RunFolder
 from tiny import TiedMLP
 model = TiedMLP(); optimizer = torch.optim.AdamW(model.parameters())
+run = RunFolder(Path({folder!r}), None, "ddp", {{"global_batch": 8}}, True)
 os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # die between the write and the rename
-ckpt.save_checkpoint({folder!r}, model=model, optimizer=optimizer, progress={{"epoch": 0, "batch": 9, "step": 9}})
+ckpt.save_checkpoint(run, model=model, optimizer=optimizer, keep=2, progress={{"epoch": 0, "samples": 9, "step": 9}})
 """
 
 
 def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "ddp-1"
     model, optimizer, _ = _train_state()
-    good = ckpt.save_checkpoint(
-        run_dir / "ckpt", model=model, optimizer=optimizer, progress={"epoch": 0, "batch": 5, "step": 5}
-    )
+    progress = {"epoch": 0, "samples": 5, "step": 5}
+    good = ckpt.save_checkpoint(_run(run_dir), model=model, optimizer=optimizer, progress=progress, keep=2)
     proc = subprocess.run(
-        [sys.executable, "-c", KILL_IN_RENAME.format(tests=TESTS, folder=str(run_dir / "ckpt"))],
+        [sys.executable, "-c", KILL_IN_RENAME.format(tests=TESTS, folder=str(run_dir))],
         cwd=REPO,
         capture_output=True,
         timeout=60,
     )
     assert proc.returncode == -signal.SIGKILL
     assert any(p.name.startswith(".step-000009") for p in (run_dir / "ckpt").iterdir()), "the half-done write"
-    assert find_resume("auto", out=str(tmp_path), prefix="ddp", newest=Run.newest_checkpoint) == good
+    assert ckpt.newest_good(run_dir) == good
     ckpt.read_checkpoint(good)  # whole and readable
 
 
@@ -343,7 +348,7 @@ def test_sigkill_of_a_worker_restarts_and_finishes_with_the_same_weights(finishe
     )
     ckpt_dir, killed, deadline = tmp_path / "runs" / "ddp-1" / "ckpt", False, time.monotonic() + 120
     while not killed and job.poll() is None and time.monotonic() < deadline:
-        if ckpt.list_checkpoints(ckpt_dir):  # training is under way: kill rank 1 mid-run
+        if list_checkpoints(ckpt_dir):  # training is under way: kill rank 1 mid-run
             for pid in _worker_pids(int(marker)):
                 os.kill(pid, signal.SIGKILL)
                 killed = True

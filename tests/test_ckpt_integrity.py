@@ -1,28 +1,36 @@
-"""Checkpoint integrity (issue 14.5, 11.11), async saves (14.6), another world size (14.2), recipe and
+"""Checkpoint integrity (issue 14.5, 11.11; xxh3 in 20.8), another world size (14.2), recipe and
 precision compatibility (14.7), the pre-check (11.2) and stale temporaries (11.4)."""
 
 import json
 import struct
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from core import ckpt
-from core.ckpt_checks import check_continues
+from core.checksum import checksum
+from core.ckpt_io import read_header, remove_stale_temporaries
 from core.config import RecipeError
-from core.folder import disk_error, find_resume
-from core.run import Run
+from core.folder import RunFolder, check_continues
 from tiny import TiedMLP
 from world import GlooWorld
 
+CONFIG = {"recipe": "ddp", "world_size": 1, "global_batch": 8, "batch_size": 8, "model": "tiny:tied"}
 
-def check_resume(path, *, model_shapes, recipe: str, precision: str, world_size: int, global_batch: int) -> dict:
-    """What the pre-check and Run.start check of a one-file checkpoint: whole, this model, and continuable."""
-    meta = ckpt.check_resume_file(path, model_shapes)
-    cfg = SimpleNamespace(precision=precision)  # options the header is compared with: only the precision here
-    check_continues(path, meta, cfg, recipe=recipe, global_batch=global_batch, dp=world_size)
+
+def _run(folder, resume_from=None, **config) -> RunFolder:
+    return RunFolder(Path(folder), resume_from, "ddp", CONFIG | config, True)
+
+
+def check_resume(path, *, model, recipe: str, precision: str, world_size: int, global_batch: int) -> dict:
+    """What the pre-check checks of a one-file checkpoint: whole, this model, and continuable in this job."""
+    tensors, meta = ckpt.read_checkpoint(path)
+    ckpt.check_shapes(path, tensors, model)
+    batch = global_batch // world_size
+    config = CONFIG | {"recipe": recipe, "precision": precision, "global_batch": global_batch, "batch_size": batch}
+    check_continues(path, meta, config, dp=world_size)
     return meta
 
 
@@ -38,11 +46,12 @@ def _train_state(seed=0, steps=3):
 
 
 def _progress(step, **extra):
-    return {"epoch": 0, "samples": 8 * step, "step": step, "global_batch": 8, **extra}
+    return {"epoch": 0, "samples": 8 * step, "step": step, **extra}
 
 
-def _save(folder, step, model, optimizer, **kw):
-    return ckpt.save_checkpoint(folder, model=model, optimizer=optimizer, progress=_progress(step), keep=10, **kw)
+def _save(run_dir, step, model, optimizer, **config):
+    progress = _progress(step)
+    return ckpt.save_checkpoint(_run(run_dir, **config), model=model, optimizer=optimizer, progress=progress, keep=10)
 
 
 def _data_start(data: bytes, key: str) -> int:
@@ -73,13 +82,13 @@ def _saved_nan_weight(path):
     model, optimizer = _train_state()
     with torch.no_grad():
         model.hidden.weight[0, 0] = float("nan")
-    _save(path.parent, 20, model, optimizer)  # honest checksums over a diverged state
+    _save(path.parent.parent, 20, model, optimizer)  # honest checksums over a diverged state
 
 
 def _saved_negative_exp_avg_sq(path):
     model, optimizer = _train_state()
     optimizer.state[model.hidden.weight]["exp_avg_sq"][0, 0] = -1.0
-    _save(path.parent, 20, model, optimizer)
+    _save(path.parent.parent, 20, model, optimizer)
 
 
 DAMAGE = [
@@ -94,7 +103,7 @@ DAMAGE = [
 @pytest.mark.fast
 @pytest.mark.parametrize("damage,words", DAMAGE, ids=[d.__name__.strip("_") for d, _ in DAMAGE])
 def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before(tmp_path, capsys, damage, words):
-    folder = tmp_path / "ddp-1" / "ckpt"
+    folder = tmp_path / "ddp-1"
     model, optimizer = _train_state()
     good = _save(folder, 10, model, optimizer)
     newest = _save(folder, 20, model, optimizer)
@@ -103,10 +112,8 @@ def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before
         ckpt.read_checkpoint(newest)
     assert words in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(RecipeError, match=words):
-        check_resume(
-            newest, model_shapes=ckpt.shapes_of(model), recipe="ddp", precision="fp32", world_size=1, global_batch=8
-        )
-    assert find_resume("auto", out=str(tmp_path), prefix="ddp", newest=Run.newest_checkpoint) == good
+        check_resume(newest, model=model, recipe="ddp", precision="fp32", world_size=1, global_batch=8)
+    assert ckpt.newest_good(folder) == good
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and f"skipping {newest}" in lines[0] and "taking the one before" in lines[0]
 
@@ -115,36 +122,20 @@ def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before
 def test_every_tensor_and_the_header_carry_checksums_that_hold(tmp_path):
     model, optimizer = _train_state()
     path = _save(tmp_path, 1, model, optimizer)
-    header = ckpt.read_header(path)
+    header = read_header(path)
     sums = json.loads(header["__metadata__"]["checksums"])
     tensors, _ = ckpt.read_checkpoint(path)
-    assert sums.keys() == tensors.keys() and all(sums[k] == ckpt.tensor_checksum(t) for k, t in tensors.items())
+    assert sums.keys() == tensors.keys() and all(sums[k] == checksum(t) for k, t in tensors.items())
     assert header["__metadata__"]["header_checksum"].startswith("crc32:") and all(
-        s.startswith("blocksum64-crc32:") for s in sums.values()
+        s.startswith("xxh3:") for s in sums.values()
     )
 
 
-@pytest.mark.fast
-def test_async_save_writes_the_same_bytes_and_snapshots_before_returning(tmp_path):
-    model, optimizer = _train_state()
-    sync_path = _save(tmp_path / "sync", 5, model, optimizer)
-    saver = ckpt.CheckpointSaver(tmp_path / "async", keep=2, background=True)
-    async_path = saver.save(model=model, optimizer=optimizer, progress=_progress(5))
-    with torch.no_grad():  # training goes on while the file is written: the file keeps the state of the save
-        model.hidden.weight.add_(1.0)
-    optimizer.state[model.hidden.weight]["exp_avg"].add_(1.0)
-    saver.save(model=model, optimizer=optimizer, progress=_progress(6))  # waits for step 5's write first
-    saver.close()
-    assert async_path.read_bytes() == sync_path.read_bytes()
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "async")] == [async_path.name, "step-000006.safetensors"]
-
-
-def _save_in_world(topo, folder, background):
+def _save_in_world(topo, folder):
     model, optimizer = _train_state(seed=0)
     torch.manual_seed(100 + topo.rank)  # each rank's generator differs: the checkpoint holds both
-    saver = ckpt.CheckpointSaver(folder, keep=2, background=background)
-    saver.save(model=model, optimizer=optimizer, progress=_progress(7, global_batch=16), metadata={"recipe": "ddp"})
-    saver.close()
+    run = RunFolder(Path(folder), None, "ddp", CONFIG | {"world_size": 2, "global_batch": 16}, topo.rank == 0)
+    ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=_progress(7), keep=2)
     return torch.rand(1).item()  # what rank r's generator gives next
 
 
@@ -152,11 +143,17 @@ def _save_in_world(topo, folder, background):
 def world2_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("world2")
     with GlooWorld(2) as world:
-        next_draws = world.run(_save_in_world, str(folder / "sync"), False)
-        world.run(_save_in_world, str(folder / "async"), True)
-    path = folder / "sync" / "step-000007.safetensors"
-    assert path.read_bytes() == (folder / "async" / path.name).read_bytes(), "async == sync in a world of 2"
-    return path, next_draws
+        next_draws = world.run(_save_in_world, str(folder))
+    return folder / "ckpt" / "step-000007.safetensors", next_draws
+
+
+def _load_as(topo, path, seed):
+    model, optimizer = _train_state(seed=5)
+    torch.manual_seed(seed + topo.rank)
+    seeded = torch.get_rng_state()
+    progress = ckpt.load_checkpoint(_run(Path(path).parent.parent, path), model=model, optimizer=optimizer)
+    restored = torch.equal(torch.get_rng_state(), seeded)
+    return progress, model.state_dict(), torch.rand(1).item(), restored
 
 
 @pytest.mark.world
@@ -167,30 +164,22 @@ def test_world2_checkpoint_continues_at_another_world_size(world2_checkpoint, ne
     assert meta["world_size"] == "2" and meta["global_batch"] == "16"
     expected = TiedMLP()
     expected.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
-    for rank in range(new_world):
-        model, optimizer = _train_state(seed=5)
-        torch.manual_seed(1000 + rank)
-        seeded = torch.get_rng_state()
-        progress = ckpt.restore(tensors, meta, model=model, optimizer=optimizer, rank=rank)
+    with GlooWorld(new_world) as world:
+        loaded = world.run(_load_as, str(path), 1000)
+    for rank, (progress, state, draw, kept_seed) in enumerate(loaded):
         assert progress["samples"] == 56 and progress["step"] == 7
-        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
+        assert all(torch.equal(a, b) for a, b in zip(state.values(), expected.state_dict().values()))
         if rank < 2:  # the saved rank's generator continues; a new rank keeps its seeded one, silently
-            assert torch.rand(1).item() == next_draws[rank]
+            assert draw == next_draws[rank]
         else:
-            assert torch.equal(torch.get_rng_state(), seeded)
-    ckpt.check_global_batch(path, meta, global_batch=16, world_size=new_world, accum=1)
+            assert kept_seed
+    config = CONFIG | {"global_batch": 16, "batch_size": 16 // new_world}
+    check_continues(path, meta, config, dp=new_world)
     # Per rank skip samples // W': DistributedSampler then hands out exactly the rest of the global order.
     data, epoch_order = range(64), lambda w, r: list(DistributedSampler(range(64), w, r, seed=3))
     consumed = {i for r in range(2) for i in epoch_order(2, r)[: progress["samples"] // 2]}
     rest = [i for r in range(new_world) for i in epoch_order(new_world, r)[progress["samples"] // new_world :]]
     assert len(rest) == len(set(rest)) and consumed.isdisjoint(rest) and consumed | set(rest) == set(data)
-
-
-@pytest.mark.world
-def test_load_checkpoint_accepts_another_world_size(world2_checkpoint):
-    path, _ = world2_checkpoint
-    model, optimizer = _train_state(seed=5)
-    assert ckpt.load_checkpoint(path, model=model, optimizer=optimizer, world_size=1)["samples"] == 56
 
 
 @pytest.mark.fast
@@ -203,17 +192,23 @@ def test_load_checkpoint_accepts_another_world_size(world2_checkpoint):
     ],
 )
 def test_another_global_batch_is_refused_with_the_numbers(tmp_path, batch_size, world, accum, fix):
-    meta = {"world_size": "2", "global_batch": "16", "progress": json.dumps(_progress(7, global_batch=16))}
+    meta = {"world_size": "2", "global_batch": "16", "progress": json.dumps(_progress(7))}
     global_batch = batch_size * world * accum
+    config = CONFIG | {"global_batch": global_batch, "batch_size": batch_size, "accum": accum}
     with pytest.raises(RecipeError) as refused:
-        ckpt.check_global_batch(tmp_path / "c", meta, global_batch=global_batch, world_size=world, accum=accum)
+        check_continues(tmp_path / "c", meta, config, dp=world)
     line = str(refused.value)
     assert "global batch 16" in line and f"is {global_batch}" in line and fix in line and "\n" not in line
-    ckpt.check_global_batch(tmp_path / "c", meta, global_batch=global_batch, world_size=world, allow=True)
 
 
 def _meta(recipe, precision="fp32", scaler=None):
-    return {"recipe": recipe, "config": json.dumps({"precision": precision}), "scaler": json.dumps(scaler)}
+    config = {"precision": precision} if recipe != "ddp" else {}  # ddp takes no --precision
+    return {"recipe": recipe, "config": json.dumps(config), "scaler": json.dumps(scaler)}
+
+
+def _compatible(path, saved, *, recipe, precision):
+    config = CONFIG | {"recipe": recipe} | ({"precision": precision} if recipe != "ddp" else {})
+    check_continues(path, saved, config, dp=1)
 
 
 @pytest.mark.fast
@@ -228,7 +223,7 @@ def _meta(recipe, precision="fp32", scaler=None):
     ],
 )
 def test_compatible_resumes_are_allowed(tmp_path, saved, recipe, precision):
-    ckpt.check_compatible(tmp_path / "c", saved, recipe=recipe, precision=precision)
+    _compatible(tmp_path / "c", saved, recipe=recipe, precision=precision)
 
 
 @pytest.mark.fast
@@ -249,26 +244,25 @@ def test_compatible_resumes_are_allowed(tmp_path, saved, recipe, precision):
 )
 def test_incompatible_resumes_are_refused_naming_both_sides(tmp_path, saved, recipe, precision, words):
     with pytest.raises(RecipeError) as refused:
-        ckpt.check_compatible(tmp_path / "c", saved, recipe=recipe, precision=precision)
+        _compatible(tmp_path / "c", saved, recipe=recipe, precision=precision)
     assert words in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.fast
 def test_check_resume_refuses_before_any_group_and_writes_nothing(tmp_path):
     model, optimizer = _train_state()
-    path = _save(tmp_path / "ckpt", 3, model, optimizer, metadata={"recipe": "ddp"})
+    path = _save(tmp_path, 3, model, optimizer)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
-    shapes = ckpt.shapes_of(model)
-    meta = check_resume(path, model_shapes=shapes, recipe="ddp_amp", precision="fp32", world_size=2, global_batch=8)
+    meta = check_resume(path, model=model, recipe="ddp_amp", precision="fp32", world_size=2, global_batch=8)
     assert json.loads(meta["progress"])["step"] == 3
     with pytest.raises(RecipeError, match="global batch 8 .* is 16 .*--batch-size 4 at 2 rank"):
-        check_resume(path, model_shapes=shapes, recipe="ddp", precision="fp32", world_size=2, global_batch=16)
+        check_resume(path, model=model, recipe="ddp", precision="fp32", world_size=2, global_batch=16)
     with pytest.raises(RecipeError, match="this run is fsdp"):
-        check_resume(path, model_shapes=shapes, recipe="fsdp", precision="fp32", world_size=1, global_batch=8)
+        check_resume(path, model=model, recipe="fsdp", precision="fp32", world_size=1, global_batch=8)
+    other = TiedMLP()
+    other.register_buffer("extra", torch.zeros(1))
     with pytest.raises(RecipeError, match="holds another model"):
-        check_resume(
-            path, model_shapes={**shapes, "extra": (1,)}, recipe="ddp", precision="fp32", world_size=1, global_batch=8
-        )
+        check_resume(path, model=other, recipe="ddp", precision="fp32", world_size=1, global_batch=8)
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 
 
@@ -289,18 +283,6 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     for path in stale + kept:
         path.write_bytes(b"x")
     (run_dir / "ckpt" / ".dir.tmp-3").mkdir()  # a folder of that name is not ours to delete
-    assert sorted(ckpt.remove_stale_temporaries(run_dir)) == sorted(stale)
+    assert sorted(remove_stale_temporaries(run_dir)) == sorted(stale)
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
     assert (run_dir / "ckpt" / ".dir.tmp-3").is_dir()
-
-
-@pytest.mark.fast
-def test_a_failed_background_write_is_named_by_its_own_step(tmp_path):
-    (tmp_path / "file").write_text("not a folder")
-    model, optimizer = _train_state()
-    saver = ckpt.CheckpointSaver(tmp_path / "file" / "ckpt", keep=2, background=True)
-    saver.save(model=model, optimizer=optimizer, progress=_progress(2))  # fails in the background
-    with pytest.raises(OSError) as failed:
-        saver.save(model=model, optimizer=optimizer, progress=_progress(4))  # says so before writing step 4
-    assert saver.path.name == "step-000002.safetensors"
-    assert "writing step-000002.safetensors failed" in str(disk_error(failed.value, saver.path, 0))
