@@ -118,10 +118,10 @@ def read_header(path: str | os.PathLike) -> dict:
         return json.loads(f.read(size))
 
 
-def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: str = "") -> None:
     """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a
     value no training state can hold (a non-finite weight or optimizer state, a negative average of squares)."""
-    fix = f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
+    fix = fix or f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
     meta = header.get("__metadata__", {})
     if meta.get("header_checksum") != header_checksum(header):
         raise RecipeError(

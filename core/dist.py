@@ -54,7 +54,10 @@ def pick_device(local_rank: int) -> torch.device:
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if local_rank >= count and not os.environ.get("TDR_SHARE_GPU"):  # TDR_SHARE_GPU: gloo ranks on one GPU
-        raise RecipeError(f"LOCAL_RANK {local_rank} but {count} GPU(s) are visible: start at most {count} per node")
+        raise RecipeError(
+            f"LOCAL_RANK {local_rank} but only {count} GPU(s) are visible: launch at most {count} processes per node "
+            f"(NPROC_PER_NODE) or fix CUDA_VISIBLE_DEVICES"
+        )
     return torch.device("cuda", local_rank % count)
 
 

@@ -37,7 +37,9 @@ def hf_model(model: nn.Module, *, attr: str = "") -> nn.Module | None:
     A named `attr` that is not one is a RecipeError line."""
     found = model
     for part in filter(None, attr.split(".")):
-        found = getattr(found, part, None)
+        if not hasattr(found, part):
+            raise RecipeError(f"--hf-attr {attr}: {type(found).__name__} has no attribute {part}; name the path to it")
+        found = getattr(found, part)
     transformers = sys.modules.get("transformers")  # a model of its classes means it was imported
     if transformers is not None and isinstance(found, transformers.PreTrainedModel):
         return found

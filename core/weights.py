@@ -20,6 +20,7 @@ from core.config import RecipeError
 from core.folder import RunFolder
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
+PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def weight_files(path: str) -> list[Path]:
@@ -27,11 +28,18 @@ def weight_files(path: str) -> list[Path]:
     where = Path(path)
     if where.is_dir() and (where / INDEX).is_file():
         files = [where / name for name in dict.fromkeys(json.loads((where / INDEX).read_text())["weight_map"].values())]
+    elif where.is_dir() and not (where / "model.safetensors").is_file():
+        files = [p for p in sorted(where.iterdir()) if p.suffix in PICKLES] or [where / "model.safetensors"]
     else:
         files = [where / "model.safetensors" if where.is_dir() else where]
     for file in files:
+        if file.suffix in PICKLES:
+            raise RecipeError(
+                f"--init-from {path}: {file.name} is a pickle, never unpickled here (loading one can run any code); "
+                f"where you trust it, convert it to safetensors (save_pretrained, or safetensors.torch.save_file)"
+            )
         if file.suffix != ".safetensors" or not file.is_file():
-            why = "a pickle, never unpickled here" if file.suffix in (".bin", ".pt", ".pth") else "no safetensors file"
+            why = "not a .safetensors file" if file.exists() else "no such file"
             raise RecipeError(f"--init-from {path}: {why} ({file.name}); give a .safetensors file or a HF folder")
     return files
 
@@ -49,7 +57,7 @@ def read_weights(path: str, *, shapes_only: bool = False) -> dict:
         except (SafetensorError, OSError) as err:
             raise RecipeError(f"--init-from {file}: not a readable safetensors file ({err})") from None
         if "checksums" in meta:  # written by this project; Hugging Face files carry none
-            verify(file, read_header(file), part)
+            verify(file, read_header(file), part, fix="use an undamaged copy of it")
         found |= part
     return found
 
@@ -77,15 +85,25 @@ def check_model_matches(where, saved: dict[str, tuple], expected: dict[str, tupl
         raise RecipeError(f"{where} holds another model ({'; '.join(found)}); {fix}")
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """The weights at `path` into the plain model; one line naming the keys when they do not fit it."""
-    state, tied = read_weights(path), tied_names(model)
-    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+def check_weights(path: str, model: nn.Module) -> None:
+    """One line naming the keys when the weights at `path` do not fit the plain model (their headers only, so the
+    pre-check runs it on a meta-device model before launch)."""
+    expected, shapes = (
+        {key: tuple(t.shape) for key, t in model.state_dict().items()},
+        read_weights(path, shapes_only=True),
+    )
     fix = "use weights saved from this --model, or load another layout with from_pretrained in your --model factory"
-    shapes = {k: tuple(t.shape) for k, t in state.items()}
-    check_model_matches(f"--init-from {path}", shapes, expected, fix=fix, tied=tied)
-    for name, names in tied.items():  # one tensor under several names: each name from the one the file has
-        state.setdefault(name, next(state[n] for n in names if n in state))
+    check_model_matches(f"--init-from {path}", shapes, expected, fix=fix, tied=tied_names(model))
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """The weights at `path` into the plain model (before DDP, fully_shard or parallelize_module wraps it)."""
+    check_weights(path, model)
+    state = read_weights(path)
+    for name, names in tied_names(model).items():  # one tensor under several names: each from the one the file has
+        first = next(n for n in names if n in state)
+        if not torch.equal(state.setdefault(name, state[first]), state[first]):
+            raise RecipeError(f"--init-from {path}: {first} and {name} differ, but the model ties them (one tensor)")
     model.load_state_dict(state)
 
 

@@ -4,6 +4,7 @@
 import json
 import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ from safetensors import safe_open
 
 from core import ckpt
 from core.checksum import _bytes, blocksum64_crc32, checksum, checksum_matches
-from core.ckpt_io import atomic_write, write_safetensors
+from core.ckpt_io import atomic_write, read_header, write_safetensors
 from core.config import RecipeError
+from core.folder import RunFolder
 from tiny import TiedMLP
 
 DTYPES = [
@@ -162,8 +164,9 @@ def _train_state():
 
 
 def _save(folder, step, model, optimizer):
-    progress = {"epoch": 0, "samples": 8 * step, "step": step, "global_batch": 8}
-    return ckpt.save_checkpoint(folder, model=model, optimizer=optimizer, progress=progress, keep=10)
+    progress = {"epoch": 0, "samples": 8 * step, "step": step}
+    run = RunFolder(Path(folder), None, "ddp", {"global_batch": 8}, True)
+    return ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=progress, keep=10)
 
 
 def _swap_words(path, key: str, first: int, second: int) -> None:
@@ -202,7 +205,7 @@ def test_a_checkpoint_written_with_old_format_checksums_still_loads(tmp_path):
         tmp_path / "step-000010.safetensors",
         lambda f: write_safetensors(f, tensors, old_meta, checksum_of=blocksum64_crc32),
     )
-    recorded = json.loads(ckpt.read_header(old)["__metadata__"]["checksums"])
+    recorded = json.loads(read_header(old)["__metadata__"]["checksums"])
     assert all(s.startswith("blocksum64-crc32:") for s in recorded.values())
     loaded, _ = ckpt.read_checkpoint(old)
     assert loaded.keys() == tensors.keys()

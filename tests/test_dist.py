@@ -13,10 +13,12 @@ def _spawned(rank, world_size, port, results):
     topo = cdist.init_pg(rank=rank, world_size=world_size, master_port=port, timeout_s=30)
     try:
         total = cdist.reduce_sum(torch.tensor([rank + 1.0])).item()
-        mean = cdist.reduce_mean(torch.tensor([float(rank)])).item()
+        mean = cdist.reduce_sum(torch.tensor([float(rank)])).item() / topo.world_size
         choice = cdist.broadcast_object(f"rank {rank} decided" if topo.is_rank0 else None)
-        cdist.barrier()
-        results.put((rank, topo.world_size, topo.local_rank, topo.backend, cdist.is_rank0(), total, mean, choice))
+        everyone = cdist.all_gather_object(rank * 10)
+        results.put(
+            (rank, topo.world_size, topo.local_rank, topo.backend, topo.is_rank0, total, mean, choice, everyone)
+        )
     finally:
         cdist.cleanup_pg()
 
@@ -28,8 +30,8 @@ def test_init_pg_from_mp_spawn_on_a_free_port():
     mp.start_processes(_spawned, args=(2, cdist.free_port(), results), nprocs=2, join=True, start_method="spawn")
     rows = sorted(results.get(timeout=10) for _ in range(2))
     assert rows == [
-        (0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided"),
-        (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided"),
+        (0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided", [0, 10]),
+        (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided", [0, 10]),
     ]
 
 

@@ -10,10 +10,22 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from core.ckpt_save import save_weights
 from core.config import RecipeError
-from core.hf import find_hf_model, write_hf_folder
-from core.weights import check_weights, load_weights, read_weights
+from core.folder import RunFolder
+from core.hf import hf_model, write_hf_folder
+from core.weights import check_weights, load_weights, read_weights, write_weights
+
+
+def _run(folder) -> RunFolder:
+    return RunFolder(folder, None, "ddp", {"model": "x"}, True)
+
+
+def save_weights(state, path):
+    """A run's final weights, as the recipes write them (RUN/model.safetensors)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = write_weights(_run(path.parent), state)
+    return written.rename(path)
+
 
 pytestmark = pytest.mark.fast
 
@@ -73,7 +85,7 @@ def test_a_save_pretrained_folder_starts_a_run(name, shard, tmp_path):
 
 def test_a_runs_model_safetensors_starts_a_run(tmp_path):
     model, state = trained(gpt2)
-    save_weights(state, tmp_path / "model.safetensors", metadata={"recipe": "ddp"})  # lm_head stored as a copy
+    save_weights(state, tmp_path / "model.safetensors")  # lm_head stored as a copy
     for path in (tmp_path / "model.safetensors", tmp_path):  # the file, or the run folder that holds it
         fresh, _ = trained(gpt2, seed=2)
         load_weights(fresh, path)
@@ -89,18 +101,24 @@ def test_a_damaged_run_file_is_refused(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(RecipeError) as err:
         read_weights(path)
-    assert (
-        one_line(err) == f"--init-from {path}: tensor lm_head.weight does not match its checksum (the file is damaged)"
-    )
+    damaged = "tensor lm_head.weight does not match its checksum (the file is damaged); use an undamaged copy of it"
+    assert one_line(err) == f"{path}: {damaged}"
 
 
 @pytest.mark.parametrize(
     "other,expect",
     [
-        (lambda: gpt2(n_embd=32), ["misshapen", "transformer.wte.weight [50, 16] (the model's: [50, 32])"]),
-        (lambda: gpt2(n_layer=1), ["unexpected", "transformer.h.1."]),
-        (lambda: gpt2(n_layer=3), ["missing", "transformer.h.2."]),
-        (llama, ["missing model.embed_tokens.weight, model.layers.0.", "unexpected transformer.", "more"]),
+        (lambda: gpt2(n_embd=32), ["shape mismatches: transformer.h.0.attn.c_attn.bias (48,) vs (96,)"]),
+        (lambda: gpt2(n_layer=1), ["unexpected keys", "transformer.h.1."]),
+        (lambda: gpt2(n_layer=3), ["missing keys", "transformer.h.2."]),
+        (
+            llama,
+            [
+                "missing keys: lm_head.weight, model.embed_tokens.weight, model.layers.0.",
+                "unexpected keys: transformer.",
+                "...",
+            ],
+        ),
     ],
     ids=["misshapen", "unexpected", "missing", "other-class"],
 )
@@ -112,7 +130,7 @@ def test_weights_of_another_model_fail_in_one_line_naming_keys(other, expect, tm
     with pytest.raises(RecipeError) as err:
         check_weights(tmp_path, target)
     text = one_line(err)
-    assert text.startswith(f"--init-from {tmp_path}: does not fit")
+    assert text.startswith(f"--init-from {tmp_path} holds another model")
     for part in expect:
         assert part in text
 
@@ -162,7 +180,7 @@ def test_paths_that_hold_no_weights_fail_in_one_line(tmp_path):
     next(broken.glob("model-00002-*.safetensors")).unlink()  # an interrupted download
     cases = {
         tmp_path / "nothing": "no such file",
-        tmp_path / "empty": "no model.safetensors or model.safetensors.index.json in this folder",
+        tmp_path / "empty": "no such file (model.safetensors)",
         tmp_path / "notes.txt": "not a .safetensors file",
         tmp_path / "junk.safetensors": "not a readable safetensors file",
         broken: "model-00002-of-",
@@ -177,7 +195,7 @@ def test_paths_that_hold_no_weights_fail_in_one_line(tmp_path):
 def test_the_hf_folder_loads_with_from_pretrained_bit_for_bit(name, tmp_path, capfd):
     model, state = trained(MODELS[name])
     capfd.readouterr()
-    out = write_hf_folder(model, state, tmp_path / "hf", max_shard_mb=100)
+    out = write_hf_folder(_run(tmp_path), model, state, max_shard_mb=100)
     assert capfd.readouterr().err == "" and hf_logging.is_progress_bar_enabled()  # no bar in the log, then as before
     assert json.loads((out / "config.json").read_text())["architectures"] == [type(model).__name__]
     assert not (out / "model.safetensors.index.json").exists()
@@ -195,9 +213,7 @@ def test_the_hf_folder_is_sharded_above_the_size_from_a_meta_model(tmp_path):
     _, state = trained(gpt2)
     with torch.device("meta"):  # only config, class and tied names come from the model: a pipeline's rank 0
         meta = gpt2()
-    out = write_hf_folder(
-        meta, state, tmp_path / "hf", max_shard_mb=0.005
-    )  # 5000 bytes, above the largest tensor (4096)
+    out = write_hf_folder(_run(tmp_path), meta, state, max_shard_mb=0.005)  # 5000 bytes, above the largest (4096)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
@@ -219,23 +235,27 @@ class Wrapper(nn.Module):
 
 def test_a_wrapped_model_is_named_by_its_attribute(tmp_path):
     model, state = trained(Wrapper)
-    assert find_hf_model(model, attr="backbone") is model.backbone
-    out = write_hf_folder(model, state, tmp_path / "hf", attr="backbone", max_shard_mb=100)
+    assert hf_model(model, attr="backbone") is model.backbone
+    out = write_hf_folder(_run(tmp_path), model, state, attr="backbone", max_shard_mb=100)
     inner = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
     assert_same(inner, AutoModelForCausalLM.from_pretrained(out))
 
 
+@pytest.mark.parametrize("model", [nn.Linear(2, 2), Wrapper()])
+def test_a_model_that_is_no_transformers_model_gets_no_folder(model, tmp_path):
+    assert write_hf_folder(_run(tmp_path), model, model.state_dict()) is None and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
-    "model,attr,says",
+    "attr,says",
     [
-        (nn.Linear(2, 2), "", "--model builds Linear, not a transformers PreTrainedModel"),
-        (Wrapper(), "", "--model builds Wrapper"),
-        (Wrapper(), "probe", "--hf-attr probe is Linear"),
-        (Wrapper(), "backbone.nothing", "--hf-attr backbone.nothing: GPT2LMHeadModel has no attribute nothing"),
+        ("probe", "--hf-attr probe: Wrapper holds a Linear there, not a transformers model"),
+        ("backbone.nothing", "--hf-attr backbone.nothing: GPT2LMHeadModel has no attribute nothing"),
     ],
 )
-def test_no_transformers_model_there_is_one_line(model, attr, says, tmp_path):
+def test_an_hf_attr_that_names_no_transformers_model_is_one_line(attr, says, tmp_path):
+    model = Wrapper()
     with pytest.raises(RecipeError) as err:
-        write_hf_folder(model, model.state_dict(), tmp_path / "hf", attr=attr, max_shard_mb=100)
-    assert says in one_line(err) and "--hf-attr" in one_line(err)
+        write_hf_folder(_run(tmp_path), model, model.state_dict(), attr=attr, max_shard_mb=100)
+    assert says in one_line(err)
     assert not list(tmp_path.iterdir())  # nothing written
