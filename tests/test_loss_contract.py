@@ -1,5 +1,5 @@
-"""The loss contract (core.loss, core.steps): model outputs, pair and dict batches, -100, --loss, the exact
-normalisation over ranks and micro-batches, and throughput from the steps' own counts (core.metrics)."""
+"""The loss contract (core.loss): model outputs, tuple and dict batches, -100, --loss; the exact normalisation over
+ranks and micro-batches (core.exact_loss, core.amp); throughput from the steps' own counts (core.meter)."""
 
 import math
 
@@ -9,14 +9,15 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
+from core.amp import step_amp
 from core.config import RecipeError
-from core.loss import forward_loss, global_count, make_loss, model_loss_traits, split_outputs
+from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
+from core.loss import forward, make_loss, split_outputs
 from core.meter import Meter
-from core.metrics import flops_per_sample
-from core.parallel import wrap_ddp
-from core.steps import cross_entropy, evaluate, step_plain, train_step
+from core.steps import evaluate, step_plain
 from world import GlooWorld
 
 CPU = torch.device("cpu")
@@ -127,14 +128,49 @@ def lm_batch(lengths, *, seed: int, width: int = T, pairs: bool = False):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class ThreeParts(nn.Module):
+    """forward(x, mask): samples are (input, mask, target), the last part the target."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, mask):
+        return self.lin(x * mask)
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def exact(model, batch, spec="auto", normalizer=1.0):
+    return forward_exact(model, batch, make_exact_loss(spec, model=model), normalizer=normalizer)
+
+
 @pytest.mark.fast
 def test_make_loss_specs():
-    assert [make_loss(s).spec for s in ("auto", "ce", "model")] == ["auto", "ce", "model"]
-    assert make_loss("test_loss_contract:custom_loss").fn is custom_loss
+    model = Wrapped("tensor")
+    assert [make_loss(s, model=model).spec for s in ("auto", "ce", "mse")] == ["auto", "ce", "mse"]
+    assert make_loss("test_loss_contract:custom_loss", model=model).fn is custom_loss
     for bad in ("mean", "no_such_module_xyz:f", "test_loss_contract:nothing"):
         with pytest.raises(RecipeError, match="--loss") as err:
-            make_loss(bad)
+            make_loss(bad, model=model)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.fast
+def test_loss_model_on_a_forward_without_targets_is_refused_when_the_loss_is_made():
+    """Before any process starts (the pre-check makes the loss): one line naming the forward and the fix."""
+    with pytest.raises(RecipeError, match=r"--loss model: Wrapped.forward\(x\) takes no targets") as err:
+        make_loss("model", model=Wrapped("tensor"))
+    assert "--loss ce or mse" in str(err.value) and "auto" not in str(err.value)
 
 
 @pytest.mark.fast
@@ -142,11 +178,14 @@ def test_make_loss_specs():
 def test_output_shapes_give_cross_entropy_and_accuracy(kind):
     x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, -100, 1])
     model = Wrapped(kind)
-    loss, metrics = forward_loss(model, (x, y), loss_fn=make_loss("auto"), normalizer=5.0)
+    loss, metrics = exact(model, (x, y), normalizer=5.0)
     logits = model.lin(x)
     torch.testing.assert_close(loss, F.cross_entropy(logits, y, reduction="sum").double() / 5)
-    assert metrics["count"].item() == 5 and metrics["samples"].item() == 6  # -100 counts nowhere
-    assert metrics["correct"].item() == ((logits.argmax(-1) == y) & (y != -100)).sum().item()
+    mean, plain = forward(model, (x, y), make_loss("auto", model=model))
+    torch.testing.assert_close(mean, F.cross_entropy(logits, y, ignore_index=-100))
+    for m in (metrics, plain):
+        assert m["count"].item() == 5 and m["samples"].item() == 6  # -100 counts nowhere
+        assert m["correct"].item() == ((logits.argmax(-1) == y) & (y != -100)).sum().item()
 
 
 @pytest.mark.fast
@@ -161,48 +200,73 @@ def test_split_outputs_orders():
 
 
 @pytest.mark.fast
-def test_nanogpt_auto_uses_ce_and_model_uses_its_loss():
+def test_nanogpt_auto_uses_its_own_loss_called_with_the_targets():
+    """Issue 20 item 1: forward(idx, targets=None) takes the targets, so auto calls it with them and uses its loss
+    (its logits without targets are the last position only: cross-entropy against all targets would fail)."""
     x, y = lm_batch([8, 5, 3], seed=1, pairs=True)
     model = NanoGPT()
-    logits, _ = model(x)
-    expected = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
-    for spec in ("auto", "ce", "model"):
-        loss, metrics = forward_loss(model, (x, y), loss_fn=make_loss(spec), normalizer=1.0)
-        torch.testing.assert_close(loss.double(), expected)
+    logits, own = model(x, targets=y)
+    assert make_loss("auto", model=model).targets_as == "targets"
+    for spec in ("auto", "model"):
+        mean, metrics = forward(model, (x, y), make_loss(spec, model=model))
+        torch.testing.assert_close(mean, own)
         assert metrics["count"].item() == 7 + 4 + 2 and "correct" in metrics
-    pair = (torch.randn(2, 4), torch.tensor([0, 1]))
-    with pytest.raises(RecipeError, match="--loss model: the model's forward does not take"):
-        forward_loss(Wrapped("tensor"), pair, loss_fn=make_loss("model"), normalizer=1.0)
-    with pytest.raises(RecipeError, match="--loss model: the model's output .* carries no loss"):
-        forward_loss(NoLoss(), pair, loss_fn=make_loss("model"), normalizer=1.0)
+    mean, _ = forward(model, (x, y), make_loss("ce", model=model))  # ce: the logits of model(x), as before
+    torch.testing.assert_close(mean, F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-100))
+    with pytest.raises(RecipeError, match="--loss model: the model returned Tensor with no loss"):
+        forward(NoLoss(), (torch.randn(2, 4), torch.tensor([0, 1])), make_loss("model", model=NoLoss()))
+
+
+@pytest.mark.fast
+def test_samples_of_three_parts_call_the_model_with_all_but_the_last():
+    """Issue 20 item 2: (input, mask, target): model(input, mask), the target last."""
+    x, mask, y = torch.randn(5, 4), torch.ones(5, 4), torch.tensor([0, 1, 2, 1, 0])
+    model = ThreeParts()
+    mean, metrics = forward(model, (x, mask, y), make_loss("auto", model=model))
+    torch.testing.assert_close(mean, F.cross_entropy(model(x, mask), y))
+    assert metrics["samples"].item() == 5 and metrics["count"].item() == 5
+
+
+@pytest.mark.fast
+def test_float_targets_of_the_outputs_shape_get_mse_and_others_one_line():
+    """Issue 20 item 1: regression with --loss auto is mse; float targets of another shape are one line."""
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    model = Regressor()
+    for spec in ("auto", "mse"):
+        mean, metrics = forward(model, (x, y), make_loss(spec, model=model))
+        torch.testing.assert_close(mean, F.mse_loss(model(x), y))
+        assert metrics["count"].item() == 6 and "correct" not in metrics
+    with pytest.raises(RecipeError, match=r"float targets \(6,\) and outputs \(6, 2\) differ in shape"):
+        forward(model, (x, y[:, 0]), make_loss("auto", model=model))
 
 
 @pytest.mark.fast
 def test_custom_loss_is_weighted_by_count():
     x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 1])
     model = Wrapped("tensor")
-    loss, metrics = forward_loss(model, (x, y), loss_fn=make_loss("test_loss_contract:custom_loss"), normalizer=2.0)
+    loss, _ = exact(model, (x, y), "test_loss_contract:custom_loss", normalizer=2.0)
     torch.testing.assert_close(loss.double(), F.cross_entropy(model(x), y).double() * 4 / 2)
 
 
 @pytest.mark.fast
 def test_no_logits_no_accuracy():
     batch = {"x": torch.randn(5, 4), "labels": torch.randn(5)}
-    _, metrics = forward_loss(LossOnly(), batch, loss_fn=make_loss("auto"), normalizer=1.0)
+    _, metrics = exact(LossOnly(), batch)
     assert "correct" not in metrics and metrics["count"].item() == 5  # float labels: one per sample
-    result = evaluate(LossOnly(), [batch], loss_fn=make_loss("auto"), device=CPU)
+    result = evaluate(LossOnly(), [batch], loss_fn=make_loss("auto", model=LossOnly()), device=CPU)
     assert set(result) == {"val_loss"}
     unlabelled = {"x": batch["x"], "y": batch["labels"]}  # no `labels`: the model's own loss, one per sample
     model = SelfSupervised()
-    loss, metrics = forward_loss(model, unlabelled, loss_fn=make_loss("auto"), normalizer=1.0)
+    loss, metrics = exact(model, unlabelled)
     assert metrics["count"].item() == 5 and loss.item() == pytest.approx(5 * model(**unlabelled)["loss"].item())
 
 
 @pytest.mark.fast
 def test_transformers_causal_lm_dict_batch():
     model, batch = gpt2(), lm_batch([8, 3, 6], seed=2)
-    assert model_loss_traits(model) == (True, True)  # takes num_items_in_batch; shifts its labels
-    loss, metrics = forward_loss(model, batch, loss_fn=make_loss("auto"), normalizer=4.0)
+    loss_fn = make_exact_loss("auto", model=model)
+    assert (loss_fn.takes_count, loss_fn.shifts) == (True, True)  # takes num_items_in_batch; shifts its labels
+    loss, metrics = forward_exact(model, batch, loss_fn, normalizer=4.0)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     shifted = batch["labels"][:, 1:]
     total = F.cross_entropy(logits[:, :-1].flatten(0, 1), shifted.flatten(), reduction="sum")
@@ -210,18 +274,21 @@ def test_transformers_causal_lm_dict_batch():
     assert metrics["count"].item() == 7 + 2 + 5 and metrics["samples"].item() == 3
     correct = ((logits[:, :-1].argmax(-1) == shifted) & (shifted != -100)).sum()
     assert metrics["correct"].item() == correct.item()
+    _, plain = forward(model, batch, make_loss("auto", model=model))  # the base does not know the shift:
+    assert "correct" not in plain  # no accuracy rather than a wrong one
     model.accepts_loss_kwargs = False  # the other path: the model's mean, weighted by its (shifted) count
-    loss2, _ = forward_loss(model, batch, loss_fn=make_loss("auto"), normalizer=4.0)
+    loss2, _ = forward_exact(model, batch, make_exact_loss("auto", model=model), normalizer=4.0)
     torch.testing.assert_close(loss2.double(), total.double() / 4)
 
 
 @pytest.mark.fast
 def test_transformers_sequence_classifier():
     model = bert()
-    assert model_loss_traits(model) == (False, False)  # **kwargs, but its loss ignores num_items_in_batch
+    loss_fn = make_exact_loss("auto", model=model)
+    assert (loss_fn.takes_count, loss_fn.shifts) == (False, False)  # **kwargs, but its loss ignores num_items
     ids = torch.randint(V, (4, T))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, -100, 1])}
-    loss, metrics = forward_loss(model, batch, loss_fn=make_loss("auto"), normalizer=3.0)
+    loss, metrics = forward_exact(model, batch, loss_fn, normalizer=3.0)
     logits = model(input_ids=ids).logits
     torch.testing.assert_close(loss.double(), F.cross_entropy(logits, batch["labels"], reduction="sum").double() / 3)
     assert metrics["count"].item() == 3 and "correct" in metrics
@@ -235,12 +302,12 @@ def _simulate(model, ranks, loss_fn):
     """W ranks, each with K micro-batches, on one process: each rank's gradient with the normaliser
     global_count / W, then averaged as DDP would."""
     world = len(ranks)
-    normalizer = sum(global_count(mb, model=model, loss_fn=loss_fn) for mb in ranks).clamp(min=1) / world
+    normalizer = sum(global_count(mb, loss_fn) for mb in ranks).clamp(min=1) / world
     per_rank = []
     for micro_batches in ranks:
         model.zero_grad(set_to_none=True)
         for batch in micro_batches:
-            forward_loss(model, batch, loss_fn=loss_fn, normalizer=normalizer)[0].backward()
+            forward_exact(model, batch, loss_fn, normalizer=normalizer)[0].backward()
         per_rank.append(_grads(model))
     return [torch.stack(g).mean(0) for g in zip(*per_rank)]
 
@@ -261,7 +328,8 @@ MODELS = {  # name -> (build, loss spec, pair batches)
     "gpt2 num_items_in_batch": (gpt2, "auto", False),
     "gpt2 weighted mean": (gpt2_no_num_items, "auto", False),
     "nanogpt --loss model": (NanoGPT, "model", True),
-    "nanogpt auto (ce)": (NanoGPT, "auto", True),
+    "nanogpt auto (its own)": (NanoGPT, "auto", True),
+    "nanogpt ce": (NanoGPT, "ce", True),
 }
 
 
@@ -271,7 +339,8 @@ MODELS = {  # name -> (build, loss spec, pair batches)
 @given(data=st.data(), world=st.integers(1, 3), k=st.integers(1, 3))
 def test_ranks_times_micro_batches_equal_one_process(name, data, world, k):
     build, spec, pairs = MODELS[name]
-    model, loss_fn = build(), make_loss(spec)
+    model = build()
+    loss_fn = make_exact_loss(spec, model=model)
     sizes = st.lists(st.integers(0, T), min_size=1, max_size=3)  # 0: a sequence with nothing counted
     ranks = [
         [lm_batch(data.draw(sizes), seed=data.draw(st.integers(0, 99)), pairs=pairs) for _ in range(k)]
@@ -280,8 +349,8 @@ def test_ranks_times_micro_batches_equal_one_process(name, data, world, k):
     got = _simulate(model, ranks, loss_fn)
     model.zero_grad(set_to_none=True)
     whole = _concat([b for micro_batches in ranks for b in micro_batches])
-    normalizer = global_count([whole], model=model, loss_fn=loss_fn).clamp(min=1)
-    forward_loss(model, whole, loss_fn=loss_fn, normalizer=normalizer)[0].backward()
+    normalizer = global_count([whole], loss_fn).clamp(min=1)
+    forward_exact(model, whole, loss_fn, normalizer=normalizer)[0].backward()
     for g, want in zip(got, _grads(model)):
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
 
@@ -289,54 +358,53 @@ def test_ranks_times_micro_batches_equal_one_process(name, data, world, k):
 @pytest.mark.fast
 def test_mean_of_means_is_not_the_global_mean():
     """What the old normalisation (each micro-batch's mean, weighted by its share of samples) gets wrong."""
-    model, loss_fn = NanoGPT(), make_loss("ce")
+    model = NanoGPT()
+    loss_fn = make_exact_loss("ce", model=model)
     micro = [lm_batch([8, 8], seed=3, pairs=True), lm_batch([2, 1], seed=4, pairs=True)]
     model.zero_grad()
-    for x, y in micro:
-        (cross_entropy(model(x)[0], y) / 2).backward()
+    for batch in micro:
+        (forward(model, batch, loss_fn.loss)[0] / 2).backward()
     old = _grads(model)
-    exact = _simulate(model, [micro], loss_fn)
-    assert not torch.allclose(old[0], exact[0])
+    exact_grads = _simulate(model, [micro], loss_fn)
+    assert not torch.allclose(old[0], exact_grads[0])
 
 
 @pytest.mark.fast
-def test_step_plain_and_train_step_on_dict_batches():
+def test_step_plain_and_step_amp_on_dict_batches():
     model, batch = gpt2(), lm_batch([8, 2, 5], seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics = step_plain(model, batch, optimizer=opt, loss_fn=make_loss("auto"))
-    assert metrics["count"].item() == 7 + 1 + 4
-    metrics, stats = train_step(model, [batch, batch], optimizer=opt, loss_fn=make_loss("auto"), precision="bf16")
+    metrics, norm = step_plain(model, batch, optimizer=opt, loss_fn=make_loss("auto", model=model))
+    assert metrics["count"].item() == 8 + 2 + 5 and math.isfinite(norm)  # the base counts labels as given
+    loss_fn = make_exact_loss("auto", model=model)
+    metrics, stats = step_amp(model, [batch, batch], optimizer=opt, loss_fn=loss_fn, precision="bf16")
     assert metrics["samples"].item() == 6 and math.isfinite(stats.grad_norm) and not stats.skipped
+    assert metrics["count"].item() == 2 * (7 + 1 + 4)  # shifted: one target fewer a sequence
+    assert evaluate(model, [batch], loss_fn=loss_fn, device=CPU, forward=forward_sums).keys() == {"val_loss", "val_acc"}
+
+
+def _sums(**values):
+    return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in values.items()}
 
 
 @pytest.mark.fast
 def test_meter_samples_tokens_and_nonfinite():
+    """The clock starts when the first step ends: the rates count the steps after it (issue 20 item 10)."""
     meter = Meter(CPU)
-    meter.add(
-        {
-            "loss_sum": torch.tensor(30.0, dtype=torch.float64),
-            "count": torch.tensor(60.0, dtype=torch.float64),
-            "samples": torch.tensor(4.0, dtype=torch.float64),
-        }
-    )
+    meter.add(_sums(loss_sum=30, count=60, samples=4))  # the first step: start-up, not in the rates
+    meter.add(_sums(loss_sum=30, count=60, samples=4))
     record = meter.read()
     assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(15.0)
-    assert "acc" not in record
-    meter.add(
-        {
-            "loss_sum": torch.tensor(float("nan"), dtype=torch.float64),
-            "count": torch.tensor(4.0, dtype=torch.float64),
-            "samples": torch.tensor(4.0, dtype=torch.float64),
-            "correct": torch.tensor(3.0, dtype=torch.float64),
-            "scored": torch.tensor(4.0, dtype=torch.float64),
-        }
-    )
+    assert record["loss"] == 0.5 and "acc" not in record
+    assert meter.throughput()["startup_s"] >= 0 and meter.trained["samples"] == 4  # one timed step of 4
+    meter.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
     record = meter.read()
     assert math.isnan(record["loss"]) and record["acc"] == 0.75 and "tokens_per_s" not in record  # null in the record
 
 
 @pytest.mark.fast
 def test_flops_per_sample_takes_dict_and_pair_samples():
+    from core.metrics import flops_per_sample  # ddp_monitored's MFU
+
     sample = {k: v[0] for k, v in lm_batch([8], seed=0).items()}
     assert flops_per_sample(gpt2, sample) > 0
     x, y = lm_batch([8], seed=0, pairs=True)
@@ -354,14 +422,15 @@ def world2():
 
 
 def _ddp_gpt2_step(topo, ranks):
-    model = wrap_ddp(gpt2(), device=CPU)
+    model = DistributedDataParallel(gpt2())
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    metrics, _ = train_step(model, ranks[topo.rank], optimizer=opt, loss_fn=make_loss("auto"))
+    loss_fn = make_exact_loss("auto", model=model.module)
+    metrics, _ = step_amp(model, ranks[topo.rank], optimizer=opt, loss_fn=loss_fn)
     return [p.detach().clone() for p in model.module.parameters()], {k: v.item() for k, v in metrics.items()}
 
 
 @pytest.mark.world
-def test_train_step_under_ddp_matches_one_process(world2):
+def test_step_amp_under_ddp_matches_one_process(world2):
     ranks = [
         [lm_batch([8, 1], seed=10), lm_batch([3, 0, 6], seed=11)],
         [lm_batch([2], seed=12), lm_batch([8, 8, 7], seed=13)],
@@ -369,7 +438,9 @@ def test_train_step_under_ddp_matches_one_process(world2):
     results = world2.run(_ddp_gpt2_step, ranks)
     model = gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    train_step(model, [_concat([b for r in ranks for b in r])], optimizer=opt, loss_fn=make_loss("auto"))
+    step_amp(
+        model, [_concat([b for r in ranks for b in r])], optimizer=opt, loss_fn=make_exact_loss("auto", model=model)
+    )
     for rank_params, _ in results:
         for got, want in zip(rank_params, model.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
