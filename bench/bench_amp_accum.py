@@ -22,32 +22,36 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as torch_dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from core import dist, models, parallel, steps  # noqa: E402
+from core import amp, dist, models  # noqa: E402
+from core.exact_loss import make_exact_loss  # noqa: E402
 
 
 def always_sync(model, *, enabled):
-    return steps.grad_sync(model, enabled=True)  # all-reduce after every micro-batch: accumulation without no_sync
+    return amp.grad_sync(model, enabled=True)  # all-reduce after every micro-batch: accumulation without no_sync
 
 
 SETTINGS = {  # name: (precision, micro-batches per step, sync)
-    "accum no_sync": ("fp32", None, steps.grad_sync),
+    "accum no_sync": ("fp32", None, amp.grad_sync),
     "accum sync every micro-batch": ("fp32", None, always_sync),
-    "fp32": ("fp32", 1, steps.grad_sync),
-    "bf16": ("bf16", 1, steps.grad_sync),
+    "fp32": ("fp32", 1, amp.grad_sync),
+    "bf16": ("bf16", 1, amp.grad_sync),
 }
 
 
 def timed_steps(model, optimizer, batches, *, precision: str, sync, n: int) -> float:
     """Seconds per optimizer step over n steps, every rank starting and ending together."""
-    dist.barrier()
+    torch_dist.barrier()
     started = time.perf_counter()
+    loss_fn = make_exact_loss("ce", model=model.module)
     for _ in range(n):
-        steps.step_amp(model, batches, optimizer=optimizer, loss_fn=steps.cross_entropy, precision=precision, sync=sync)
-    dist.barrier()
+        amp.step_amp(model, batches, optimizer=optimizer, loss_fn=loss_fn, precision=precision, sync=sync)
+    torch_dist.barrier()
     return (time.perf_counter() - started) / n
 
 
@@ -57,7 +61,8 @@ def worker(rank: int, args, port: int, results) -> None:
     topo = dist.init_pg(rank=rank, world_size=args.nproc, master_port=port, timeout_s=120)
     try:
         torch.manual_seed(0)
-        model = parallel.wrap_ddp(models.build_model(args.model).to(topo.device), device=topo.device)
+        model = models.build_model(args.model).to(topo.device)
+        model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(rank)
         batches = [

@@ -22,7 +22,7 @@ from torch import nn
 
 from core.config import Options, at_least, option
 from core.data import to_device
-from core.exact_loss import ExactLoss, forward_exact, global_count
+from core.exact_loss import ExactLoss, forward_exact, global_count, local_count
 from core.grads import clip_grad_norm
 from core.steps import check_finite
 
@@ -111,13 +111,17 @@ def step_amp(
 ) -> tuple[dict[str, torch.Tensor], StepStats]:
     """One optimizer step over K micro-batches: autocast forward, exact loss, (scaled) backward, unscale, clip, step.
 
-    dp_group: the ranks whose gradients are averaged (None: a DDP model's own group, or every rank); clip_group:
+    dp_group: the ranks whose gradients are averaged (None: a DDP model's own group, else this process alone, as for
+    tensor parallelism, where every rank holds the same batch; pass fully_shard's mesh group); clip_group:
     where the gradients are disjoint (pipeline stages). Never steps on inf/nan gradients; every rank decides alike,
     from the norm of all-reduced gradients."""
     optimizer.zero_grad(set_to_none=True)
     group = dp_group if dp_group is not None else getattr(model, "process_group", None)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    normalizer = global_count(micro_batches, loss_fn, group=group).clamp(min=1.0) / world  # none counted: 0, not nan
+    world = dist.get_world_size(group) if group is not None else 1
+    count = (
+        global_count(micro_batches, loss_fn, group=group) if group is not None else local_count(micro_batches, loss_fn)
+    )
+    normalizer = count.clamp(min=1.0) / world  # no counted target anywhere: zero gradients, not nan
     sums = {}
     for i, batch in enumerate(micro_batches):
         with sync(model, enabled=i == len(micro_batches) - 1):  # the backward must run inside no_sync too

@@ -87,10 +87,15 @@ def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
     return (targets[..., 1:] if shift else targets).ne(IGNORE).sum().double()
 
 
+def local_count(micro_batches: list, loss_fn: ExactLoss) -> torch.Tensor:
+    """Counted targets of this rank's micro-batches."""
+    return torch.stack([count_targets(b, loss_fn) for b in micro_batches]).sum()
+
+
 def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:
     """Counted targets of the global batch: this rank's micro-batches, summed over `group` (None: every rank,
     when there is a process group): one all-reduce."""
-    total = torch.stack([count_targets(b, loss_fn) for b in micro_batches]).sum()
+    total = local_count(micro_batches, loss_fn)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total

@@ -1,4 +1,4 @@
-"""Mixed precision, loss scaling, gradient accumulation and clipping (core.steps, the ddp_amp recipe).
+"""Mixed precision, loss scaling, gradient accumulation and clipping (core.amp, the ddp_amp recipe).
 
 Layer 2 checks run in one gloo world of 4 ranks; a world of N <= 4 is a subgroup of it
 (DDP takes `process_group=`), so every N is checked without starting another world.
@@ -18,20 +18,18 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from core import ckpt
-from core.data import digits, too_few_batches
-from core.parallel import wrap_ddp
-from core.steps import (
-    accumulate_grads,
-    clip_grad_norm,
-    cross_entropy,
-    grad_sync,
-    make_scaler,
-    micro_batch_groups,
-    step_amp,
-    step_plain,
-)
+from core.amp import grad_sync, make_scaler, micro_batch_groups, step_amp
+from core.data import too_few_batches
+from core.datasets import digits
+from core.exact_loss import make_exact_loss
+from core.folder import RunFolder
+from core.grads import clip_grad_norm
+from core.loss import make_loss
+from core.steps import step_plain
 from helpers import REPO, recipes_cli, run, user_env
 from world import GlooWorld
 
@@ -73,6 +71,15 @@ def _micro_batches(x, y, *, rank: int, world: int, sizes: list[int]):
     return out
 
 
+def _ce(model: nn.Module):
+    """--loss ce for step_amp (every counted target of the global batch weighs the same)."""
+    return make_exact_loss("ce", model=getattr(model, "module", model))
+
+
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits, targets)
+
+
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -84,7 +91,7 @@ def accumulate_on_subworld(topo, seed, world, sizes, steps):
     if topo.rank >= world:
         _group(world)  # every rank takes part in creating groups, then ranks outside it sit this one out
         return None
-    model = wrap_ddp(_model(seed), device=CPU, process_group=_group(world))
+    model = DistributedDataParallel(_model(seed), process_group=_group(world))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     grads = []
     for step in range(steps):
@@ -93,7 +100,8 @@ def accumulate_on_subworld(topo, seed, world, sizes, steps):
             model,
             _micro_batches(x, y, rank=topo.rank, world=world, sizes=sizes),
             optimizer=optimizer,
-            loss_fn=cross_entropy,
+            loss_fn=_ce(model),
+            dp_group=_group(world),
         )
         grads.append(_grads(model))
     return grads, [p.detach().clone() for p in model.parameters()]
@@ -108,7 +116,8 @@ def test_accumulation_equals_one_global_batch(world4, world, sizes):
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     expected = []
     for step in range(steps):
-        step_plain(reference, _data(seed + step, world * sum(sizes)), optimizer=optimizer, loss_fn=cross_entropy)
+        batch = _data(seed + step, world * sum(sizes))
+        step_plain(reference, batch, optimizer=optimizer, loss_fn=make_loss("ce", model=reference))
         expected.append(_grads(reference))
     for result in world4.run(accumulate_on_subworld, seed, world, sizes, steps)[:world]:
         grads, params = result
@@ -131,7 +140,7 @@ def count_allreduces(topo, *, use_no_sync: bool, k: int, steps: int):
     group = _group(2)
     if topo.rank >= 2:
         return None
-    model = wrap_ddp(_model(1), device=CPU, process_group=group)
+    model = DistributedDataParallel(_model(1), process_group=group)
     state = {"calls": 0, "group": group}
     model.register_comm_hook(state, _counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -145,8 +154,9 @@ def count_allreduces(topo, *, use_no_sync: bool, k: int, steps: int):
             model,
             _micro_batches(x, y, rank=topo.rank, world=2, sizes=[3] * k),
             optimizer=optimizer,
-            loss_fn=cross_entropy,
+            loss_fn=_ce(model),
             sync=grad_sync if use_no_sync else always_sync,
+            dp_group=group,
         )
     return state["calls"], [p.detach().clone() for p in model.parameters()]
 
@@ -168,7 +178,7 @@ def scaler_skips_inf(topo, *, inf_rank: int):
     group = _group(2)
     if topo.rank >= 2:
         return None
-    model = wrap_ddp(_model(2), device=CPU, process_group=group)
+    model = DistributedDataParallel(_model(2), process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # fp16 autocast and GradScaler run on CPU too: the recipe refuses fp16 there only because it is slow.
     scaler = make_scaler("fp16", device=CPU, init_scale=2.0**10, growth_interval=2)
@@ -176,17 +186,14 @@ def scaler_skips_inf(topo, *, inf_rank: int):
     if topo.rank == inf_rank:
         x[0, 0] = float("inf")  # one bad sample on one rank: the all-reduce carries it to every rank
     before = [p.detach().clone() for p in model.parameters()]
-    _, bad = step_amp(model, [(x, y)], optimizer=optimizer, loss_fn=cross_entropy, precision="fp16", scaler=scaler)
+    fp16 = dict(optimizer=optimizer, loss_fn=_ce(model), precision="fp16", scaler=scaler, dp_group=group)
+    _, bad = step_amp(model, [(x, y)], **fp16)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     scales = [scaler.get_scale()]
     clean = []
     for step in range(2):
         x, y = _data(step + 1, 4)
-        clean.append(
-            step_amp(
-                model, [(x, y)], optimizer=optimizer, loss_fn=cross_entropy, precision="fp16", scaler=scaler, clip=1.0
-            )[1]
-        )
+        clean.append(step_amp(model, [(x, y)], **fp16, clip=1.0)[1])
         scales.append(scaler.get_scale())
     moved = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return bad, unchanged, scales, clean, moved
@@ -212,7 +219,7 @@ def fp32_nan_step(topo):
         model,
         [(x, y)],
         optimizer=optimizer,
-        loss_fn=cross_entropy,
+        loss_fn=_ce(model),
         precision="bf16",
         scaler=make_scaler("bf16", device=CPU),
     )
@@ -238,11 +245,14 @@ def clip_ddp(topo, seed, world, max_norm):
     if topo.rank >= world:
         _group(world)
         return None
-    model = wrap_ddp(_model(seed), device=CPU, process_group=_group(world))
+    model = DistributedDataParallel(_model(seed), process_group=_group(world))
     x, y = _data(seed, 6 * world)
-    accumulate_grads(model, _micro_batches(x, y, rank=topo.rank, world=world, sizes=[2, 4]), loss_fn=cross_entropy)
-    norm = clip_grad_norm(model.parameters(), max_norm)
-    return norm, _grads(model)
+    micro_batches = _micro_batches(x, y, rank=topo.rank, world=world, sizes=[2, 4])
+    frozen = torch.optim.SGD(model.parameters(), lr=0.0)  # the step leaves the weights: the clipped grads are read
+    _, stats = step_amp(
+        model, micro_batches, optimizer=frozen, loss_fn=_ce(model), clip=max_norm, dp_group=_group(world)
+    )
+    return torch.tensor(stats.grad_norm), _grads(model)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -251,7 +261,7 @@ def test_clip_across_ddp_ranks_equals_single_process(world4, world):
     ref_norm, ref_grads = _reference_clipped(seed, 6 * world, max_norm)
     assert ref_norm > max_norm  # so clipping really scales
     for norm, grads in world4.run(clip_ddp, seed, world, max_norm)[:world]:
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        torch.testing.assert_close(norm, ref_norm.float(), rtol=1e-5, atol=0)
         for got, want in zip(grads, ref_grads):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
@@ -406,9 +416,9 @@ def test_a_data_set_smaller_than_one_batch_advises_what_fits(tmp_path):
         env=user_env(PYTHONPATH=str(REPO / "tests")),
     )
     line = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and line.endswith("an epoch has only 1 micro-batches per rank; use --accum 1 or less")
-    loader = torch.utils.data.DataLoader(one_sample()[0])  # on 2 ranks, the one sample is dropped: no batch at all
-    line = too_few_batches(loader, 0, batch_size=32, accum=2, world_size=2)
+    assert proc.returncode == 1 and "(1 samples) gives each of 1 rank(s) 1, not one whole batch" in line, proc.stderr
+    assert line.endswith("use --batch-size 1 or less")
+    line = too_few_batches(1, 0, batch_size=32, accum=2, world=2)  # on 2 ranks the one sample is dropped
     assert "(1 samples) gives each of 2 rank(s) 0, not one whole batch; use fewer than 2 rank(s)" in line
     assert "--accum 0" not in line
 
@@ -426,15 +436,15 @@ def test_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     scaler = make_scaler("fp16", device=CPU, init_scale=2.0**12, growth_interval=3)
     x, y = _data(0, 4)
     x[0, 0] = float("inf")
-    step_amp(model, [(x, y)], optimizer=optimizer, loss_fn=cross_entropy, precision="fp16", scaler=scaler)
-    step_amp(model, [_data(1, 4)], optimizer=optimizer, loss_fn=cross_entropy, precision="fp16", scaler=scaler)
-    path = ckpt.save_checkpoint(
-        tmp_path, model=model, optimizer=optimizer, scaler=scaler, progress={"epoch": 0, "batch": 2, "step": 2}
-    )
-    fresh = make_scaler("fp16", device=CPU)
-    ckpt.load_checkpoint(
-        path, model=_model(1), optimizer=torch.optim.SGD(_model(1).parameters(), lr=0.1), scaler=fresh, world_size=1
-    )
+    fp16 = dict(optimizer=optimizer, loss_fn=_ce(model), precision="fp16", scaler=scaler)
+    step_amp(model, [(x, y)], **fp16)
+    step_amp(model, [_data(1, 4)], **fp16)
+    run = RunFolder(tmp_path, None, "ddp_amp", {"global_batch": 4}, True)
+    progress = {"epoch": 0, "samples": 8, "step": 2}
+    path = ckpt.save_checkpoint(run, model=model, optimizer=optimizer, scaler=scaler, progress=progress, keep=2)
+    fresh, other = make_scaler("fp16", device=CPU), _model(1)
+    resumed = RunFolder(tmp_path, path, "ddp_amp", {"global_batch": 4, "world_size": 1}, True)
+    ckpt.load_checkpoint(resumed, model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), scaler=fresh)
     assert fresh.state_dict() == scaler.state_dict() and fresh.get_scale() == 2.0**11
 
 
