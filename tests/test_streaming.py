@@ -12,10 +12,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from core import data
+from core import data, stream
 from core.dist import Topology
 from core.stream import StreamShard
 from world import GlooWorld
+
+
+def loader_for(dataset, topo, **options):
+    """A recipe that takes streams picks the loader by the data set's kind, as ddp_amp does."""
+    if stream.is_stream(dataset):
+        options.pop("seed", None)
+        return stream.make_loader(dataset, topo, **options)
+    return data.make_loader(dataset, topo, **options)
+
+
+def batches_per_epoch(loader) -> int:
+    return len(loader)
 
 
 class Stream(IterableDataset):
@@ -57,7 +69,7 @@ def stream_steps(n: int, world_size: int, batch: int, *, consumed: int = 0) -> l
     per_rank = []
     for rank in range(world_size):
         shard = StreamShard(range(n), rank=rank, world_size=world_size, batch_size=batch, drop_last=True)
-        shard.set_epoch(0, skip=consumed)
+        shard.set_epoch(0, skip=consumed // world_size)  # as core.data.set_epoch hands it: per rank
         per_rank.append([set(b) for b in shard])
     return [set().union(*step) for step in zip(*per_rank)]
 
@@ -82,7 +94,7 @@ def test_a_resume_at_another_world_size_trains_the_same_samples_each_step(n, ws,
     whole = min(n // world * world, n // world2 * world2) // global_batch
     assert resumed[: max(whole - stopped, 0)] == full[stopped:whole]
     assert all(len(step) == global_batch for step in full[:whole])
-    assert data.batches_per_epoch(
+    assert batches_per_epoch(
         data.make_loader(TensorDataset(torch.arange(n)), topology(0, world), batch_size=global_batch // world)
     ) == len(full)
 
@@ -102,8 +114,8 @@ def test_a_stream_resumes_at_another_world_size_on_the_same_global_order(n, ws, 
     assert full == [set(range(j * global_batch, (j + 1) * global_batch)) for j in range(n // global_batch)]
     stopped = min(stopped, len(full))
     assert stream_steps(n, world2, global_batch // world2, consumed=stopped * global_batch) == full[stopped:]
-    loader = data.make_loader(SizedStream(n), topology(0, world), batch_size=global_batch // world)
-    assert data.batches_per_epoch(loader) == len(full) == len(loader)
+    loader = stream.make_loader(SizedStream(n), topology(0, world), batch_size=global_batch // world)
+    assert batches_per_epoch(loader) == len(full) == len(loader)
 
 
 # Layer 1: dict batches and to_device.
@@ -139,7 +151,7 @@ def test_a_factory_collate_fn_is_used_for_streams_and_maps():
         return {"n": torch.tensor([s["labels"] for s in samples])}
 
     for dataset in (Stream(7), Tokens()):
-        loader = data.make_loader(dataset, topology(0, 1), batch_size=3, collate_fn=pad)
+        loader = loader_for(dataset, topology(0, 1), batch_size=3, collate_fn=pad)
         data.set_epoch(loader, 0)
         assert all(set(batch) == {"n"} for batch in loader)
 
@@ -169,8 +181,8 @@ class RankStream(IterableDataset):
 
 
 def _train_two_epochs(topo, sizes, sized, workers):
-    loader = data.make_loader(
-        RankStream(sizes, topo.rank, sized=sized), topo, batch_size=3, collate_fn=torch.tensor, num_workers=workers
+    loader = stream.make_loader(
+        RankStream(sizes, topo.rank, sized=sized), topo, batch_size=3, collate_fn=torch.tensor, workers=workers
     )
     counts = []
     for epoch in range(2):
@@ -210,12 +222,12 @@ def test_two_workers_per_rank_read_each_rank_share_in_order(train):
         read = [
             [
                 b.tolist()
-                for b in data.make_loader(
+                for b in stream.make_loader(
                     range_stream(23),
                     topology(rank, 2),
                     batch_size=3,
                     collate_fn=torch.tensor,
-                    num_workers=workers,
+                    workers=workers,
                     train=train,
                 )
             ]
@@ -225,7 +237,7 @@ def test_two_workers_per_rank_read_each_rank_share_in_order(train):
 
 
 def check_resume_skips_what_was_consumed(topo, consumed):
-    loader = data.make_loader(range_stream(40), topo, batch_size=2, collate_fn=torch.tensor)
+    loader = stream.make_loader(range_stream(40), topo, batch_size=2, collate_fn=torch.tensor)
     data.set_epoch(loader, 1, consumed=consumed)
     return [b.tolist() for b in loader]
 
@@ -238,11 +250,11 @@ def test_a_resumed_stream_continues_where_the_global_order_stopped(world2):
 
 def check_evaluation(topo):
     # Rank 0's share of 23 is 12 samples (3 batches of 4), rank 1's 11 (3 batches, the last of 3).
-    loader = data.make_loader(range_stream(23), topo, batch_size=4, train=False, collate_fn=torch.tensor)
+    loader = stream.make_loader(range_stream(23), topo, batch_size=4, train=False, collate_fn=torch.tensor)
     plain = [b.tolist() for b in loader]
-    stepped = [(b.tolist(), counted) for b, counted in data.in_step(loader, device=topo.device)]
-    short = data.make_loader(range_stream(9), topo, batch_size=4, train=False, collate_fn=torch.tensor)
-    padded = [(b.tolist(), counted) for b, counted in data.in_step(short, device=topo.device)]
+    stepped = [(b.tolist(), counted) for b, counted in stream.in_step(loader, device=topo.device)]
+    short = stream.make_loader(range_stream(9), topo, batch_size=4, train=False, collate_fn=torch.tensor)
+    padded = [(b.tolist(), counted) for b, counted in stream.in_step(short, device=topo.device)]
     return plain, stepped, padded
 
 
