@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from core.config import INTERRUPTED
 from core.folder import RunFolder, repair_records, write_record
@@ -306,3 +308,139 @@ def test_a_model_with_a_child_named_module_and_namedtuple_samples_train_and_save
     assert "val_acc=" in proc.stdout  # evaluation moved the namedtuple batches and ran
     saved = load_file(tmp_path / "runs" / "ddp-1" / "model.safetensors")
     assert saved.keys() == Wrapper().state_dict().keys() == {"module.weight", "module.bias", "head.weight", "head.bias"}
+
+
+RACE = """
+import sys, time
+from pathlib import Path
+from core.config import RecipeError
+from core.folder import take_lock
+start, folder = float(sys.argv[1]), Path(sys.argv[2])
+time.sleep(max(start - time.time(), 0))  # every contender goes at the same instant
+try:
+    lock = take_lock(folder)
+    print("won", flush=True)
+    sys.stdin.read()  # hold it until the test has heard from everyone
+except RecipeError as err:
+    print("refused:", err, flush=True)
+"""
+
+
+def _contend(folder, contenders: int) -> list[str]:
+    """`contenders` threads take the folder's lock at the same instant (each its own open file, as jobs have)."""
+    import threading
+
+    from core.config import RecipeError
+    from core.folder import take_lock
+
+    barrier, said, held = threading.Barrier(contenders), [], []
+
+    def contend():
+        barrier.wait()
+        try:
+            held.append(take_lock(folder))
+            said.append("won")
+        except RecipeError as err:
+            said.append(f"refused: {err}")
+
+    threads = [threading.Thread(target=contend) for _ in range(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for handle in held:
+        handle.close()
+    return said
+
+
+@pytest.mark.fast
+def test_contenders_for_one_run_folder_at_the_same_instant_leave_exactly_one_holder(tmp_path):
+    """Issue 20 item 9: the lock is one flock, taken atomically (the old check-then-write let two jobs in once in
+    eight tries): 200 times, 4 contenders at once, exactly one holds the folder and the others are refused."""
+    for trial in range(200):
+        said = _contend(tmp_path, 4)
+        assert said.count("won") == 1, (trial, said)
+        assert all(s.startswith(f"refused: {tmp_path} is in use by ") for s in said if s != "won"), said
+
+
+def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(tmp_path):
+    """The same with processes (two jobs), a few times: one holds the folder, the other is refused naming it."""
+    env = user_env(PYTHONPATH=str(REPO))
+    for trial in range(2):
+        folder = tmp_path / f"run-{trial}"
+        folder.mkdir()
+        start = time.time() + 4  # both have imported torch by then: they go at this instant
+        jobs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACE, str(start), str(folder)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for _ in range(2)
+        ]
+        said = sorted(job.stdout.readline().strip() for job in jobs)
+        for job in jobs:
+            job.communicate("", timeout=60)
+        assert said[1] == "won" and said[0].startswith(f"refused: {folder} is in use by "), said
+
+
+KILLED_SAVE = """
+import os, signal, sys
+from core import ckpt, ckpt_io
+point, at_step = sys.argv[1], int(sys.argv[2])
+sys.argv[1:3] = []
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def wrap(module, name, when):
+    original = getattr(module, name)
+    def patched(*args, **kwargs):
+        if when(*args):
+            die()
+        return original(*args, **kwargs)
+    setattr(module, name, patched)
+
+saving = lambda path, *a: f"step-{at_step:06d}" in str(path)
+if point == "before the write":
+    wrap(ckpt, "write_checkpoint", saving)
+elif point == "mid-file":
+    calls = []
+    wrap(ckpt_io, "_write_all", lambda f, view: saving(f.name) and len(calls.append(1) or calls) == 3)
+elif point == "before the rename":
+    wrap(ckpt_io.os, "replace", lambda src, dst: saving(dst))
+elif point == "after the rename":
+    wrap(ckpt, "list_checkpoints", lambda folder: any(saving(p) for p in folder.iterdir()))
+import runpy
+runpy.run_path(sys.argv[0] if False else "{recipe}", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("point", ["before the write", "mid-file", "before the rename", "after the rename"])
+def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(tmp_path, point):
+    """Issue 20 item 9: SIGKILL before, during and after a checkpoint's write and rename; --resume auto then
+    continues from the newest whole checkpoint and ends bit for bit where the uninterrupted run ends."""
+    from safetensors.torch import load_file
+
+    args = [*TINY, "--max-steps", "9", "--epochs", "1", "--ckpt-every", "3", "--log-every", "1"]
+    recipe = str(REPO / "recipes" / "ddp.py")
+    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    script = KILLED_SAVE.replace("{recipe}", recipe)
+    killed = subprocess.run(
+        [sys.executable, "-c", script, point, "6", *args, "--out", str(tmp_path / "cut")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run = [sys.executable, recipe, *args, "--resume", "auto"]
+    resumed = subprocess.run([*run, "--out", str(tmp_path / "cut")], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
+    whole = subprocess.run([*run, "--out", str(tmp_path / "whole")], env=env, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    cut, expected = (load_file(tmp_path / f / "ddp-1" / "model.safetensors") for f in ("cut", "whole"))
+    assert cut.keys() == expected.keys() and all(torch.equal(cut[k], expected[k]) for k in cut)
+    assert not list((tmp_path / "cut" / "ddp-1" / "ckpt").glob(".*.tmp-*")), "the interrupted write is cleaned up"
