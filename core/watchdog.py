@@ -113,7 +113,8 @@ class Watchdog:
         self.reports: list[dict] = []  # rank 0: what it logged, for tests and callers
         self._stop = threading.Event()
         store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-        self.store = dist.PrefixStore("tdr-watchdog/", store) if store is not None else None
+        prefix = f"tdr-watchdog/{self.run_dir.name}/"  # this run's keys: a group may train more than one run
+        self.store = dist.PrefixStore(prefix, store) if store is not None else None
         self._thread = threading.Thread(target=self._watch, name="tdr-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -187,6 +188,7 @@ class Watchdog:
         for r in range(1, self.topo.world_size):
             if self.store is not None and self.store.check([f"rank{r}"]):
                 infos[r] = json.loads(self.store.get(f"rank{r}"))
+                self.store.delete_key(f"rank{r}")  # read once: a later stall waits for fresh summaries
         report = behind(infos, world_size=self.topo.world_size)
         self.reports.append(report)
         print(
