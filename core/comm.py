@@ -79,20 +79,15 @@ def check_hook(name: str, *, backend: str) -> None:
         )
 
 
-def make_hook(name: str, *, backend: str, powersgd_rank: int = 2, powersgd_start: int = 10) -> tuple | None:
-    """(state, hook) for DDP.register_comm_hook, or None for `none` (DDP's own reducer)."""
+def register(ddp: DDP, name: str, *, backend: str, powersgd_rank: int = 2, powersgd_start: int = 10) -> DDP:
+    """Install hook `name` on a DDP module, once, before its first backward (`none`: DDP's own reducer, no hook)."""
     check_hook(name, backend=backend)
     if name == "powersgd":  # the first powersgd_start steps are plain all-reduces, as PowerSGD's paper advises
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start
         )
-        return state, powerSGD_hook.powerSGD_hook
-    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-    return (None, hooks[name]) if name in hooks else None  # state None: the default process group
-
-
-def register(ddp: DDP, name: str, *, backend: str, **options) -> DDP:
-    """Install hook `name` on a DDP module, once, before its first backward; returns the module."""
-    if (hook := make_hook(name, backend=backend, **options)) is not None:
-        ddp.register_comm_hook(*hook)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    compress = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+    if name in compress:
+        ddp.register_comm_hook(None, compress[name])  # state None: the default process group
     return ddp

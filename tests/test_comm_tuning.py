@@ -109,7 +109,7 @@ def test_lossy_hooks_stay_within_tolerance_of_the_uncompressed_run(world2, refer
 
 def test_bf16_hook_on_gloo_is_one_clear_line():
     with pytest.raises(RecipeError, match="--comm-hook bf16 needs the nccl backend.*use --comm-hook fp16"):
-        comm.make_hook("bf16", backend="gloo")
+        comm.check_hook("bf16", backend="gloo")
 
 
 def test_options_are_cli_flags():
