@@ -1,5 +1,5 @@
-"""What the ddp recipe costs over a hand-written DDP loop, what each communication option buys,
-and how 2 ranks scale over 1. One command, everything measured side by side in one run:
+"""What the ddp recipe costs over a hand-written DDP loop, what ddp_monitored's monitoring adds, what each
+communication option buys, and how 2 ranks scale over 1. One command, everything side by side in one run:
 
     python bench/bench_overhead.py                      # 5 interleaved repeats, ~5 minutes on 2 cores
     python bench/bench_overhead.py --repeats 5 --steps 160 --model mlp --data synthetic
@@ -11,8 +11,9 @@ every variant in turn; the steady-state step time is rank 0's wall clock between
 over its 10-step windows of seconds per step. The order of the variants rotates from repeat to
 repeat and the table shows medians over repeats, so a neighbour's load hits every variant alike.
 
-Ratios are step-time ratios (lower is better): recipe / hand-written (the goal: <= 1.03), option /
-recipe defaults; scaling efficiency = samples/s at 2 ranks / (2 x samples/s at 1 rank).
+Ratios are step-time ratios (lower is better): ddp recipe / hand-written (the goal: <= 1.03), ddp_monitored
+/ ddp recipe (the step clock's hooks, the watchdog's beat, the breakdown's gather every 10 steps), option /
+ddp_monitored defaults; scaling efficiency = samples/s at 2 ranks / (2 x samples/s at 1 rank).
 """
 
 from __future__ import annotations
@@ -33,21 +34,23 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core import data, models, steps, watchdog  # noqa: E402
+from core import data, meter, models, watchdog  # noqa: E402
 from core.dist import Topology  # noqa: E402
 
-# (label, world size, runner, ddp_monitored Config changes): the recipe's comm options as their CLI flags
+# (label, world size, runner, Config changes): ddp_monitored's comm options as their CLI flags
 VARIANTS = [
     ("hand-written DDP loop", 2, "hand", {}),
-    ("ddp recipe (defaults)", 2, "recipe", {}),
-    ("--comm-hook fp16", 2, "recipe", {"comm_hook": "fp16"}),
-    ("--comm-hook powersgd", 2, "recipe", {"comm_hook": "powersgd"}),
-    ("--bucket-mb 1", 2, "recipe", {"bucket_mb": 1.0}),
-    ("--bucket-mb 100", 2, "recipe", {"bucket_mb": 100.0}),
-    ("--grad-as-bucket-view", 2, "recipe", {"grad_as_bucket_view": True}),
-    ("--static-graph", 2, "recipe", {"static_graph": True}),
+    ("ddp recipe", 2, "ddp", {}),
+    ("ddp_monitored (defaults)", 2, "ddp_monitored", {}),
+    ("--comm-hook fp16", 2, "ddp_monitored", {"comm_hook": "fp16"}),
+    ("--comm-hook powersgd", 2, "ddp_monitored", {"comm_hook": "powersgd"}),
+    ("--bucket-mb 1", 2, "ddp_monitored", {"bucket_mb": 1.0}),
+    ("--bucket-mb 100", 2, "ddp_monitored", {"bucket_mb": 100.0}),
+    ("--grad-as-bucket-view", 2, "ddp_monitored", {"grad_as_bucket_view": True}),
+    ("--static-graph", 2, "ddp_monitored", {"static_graph": True}),
     ("hand-written DDP loop", 1, "hand", {}),
-    ("ddp recipe (defaults)", 1, "recipe", {}),
+    ("ddp recipe", 1, "ddp", {}),
+    ("ddp_monitored (defaults)", 1, "ddp_monitored", {}),
 ]
 
 
@@ -65,7 +68,7 @@ def hand_loop(topo: Topology, args, marks: list[float]) -> None:
         sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad(set_to_none=True)
-            loss = steps.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             scheduler.step()
@@ -79,13 +82,12 @@ def hand_loop(topo: Topology, args, marks: list[float]) -> None:
                 return
 
 
-def recipe_run(topo: Topology, args, changes: dict, marks: list, out: str) -> None:
-    from loguru import logger
+def recipe_run(topo: Topology, args, runner: str, changes: dict, marks: list, out: str) -> None:
+    """The recipe's own train, its train records observed at the same points as the hand loop's marks."""
+    from recipes import ddp, ddp_monitored
 
-    from core.run import Run
-    from recipes import ddp_monitored as ddp  # the comm options are ddp_monitored's
-
-    cfg = ddp.Config(
+    recipe = {"ddp": ddp, "ddp_monitored": ddp_monitored}[runner]
+    cfg = recipe.Config(
         model=args.model,
         data=args.data,
         batch_size=args.batch_size,
@@ -96,28 +98,25 @@ def recipe_run(topo: Topology, args, changes: dict, marks: list, out: str) -> No
         name="bench",
         **changes,
     )
-    logger.disable("core"), logger.disable("recipes")  # the table, not the recipe's progress lines
-    log = Run.log
+    log_train = meter.log_train
 
-    def observed(self, kind, **fields):  # the same clocks at the same points as the hand loop's marks
-        if kind == "train":
-            marks.append((fields["step"], time.perf_counter(), time.process_time()))
-        return log(self, kind, **fields)
+    def observed(run, clock, *, step, **fields):  # after the record's collective, as the hand loop's all-reduce
+        log_train(run, clock, step=step, **fields)
+        marks.append((step, time.perf_counter(), time.process_time()))
 
-    stdout, sys.stdout, Run.log = sys.stdout, open(os.devnull, "w"), observed  # nor its summary line
+    stdout, sys.stdout, meter.log_train = sys.stdout, open(os.devnull, "w"), observed  # the table, not its lines
     try:
-        with Run.start(cfg, topo, recipe="ddp_monitored", global_batch=cfg.batch_size * topo.world_size) as run:
-            ddp.train(cfg, topo, run)
+        recipe.train(cfg, topo)
     finally:
         sys.stdout.close()
-        sys.stdout, Run.log = stdout, log
+        sys.stdout, meter.log_train = stdout, log_train
 
 
 def worker(rank, world_size, store_path, variants, args, result_dir):
     """One gloo world that runs `variants` (indices into VARIANTS) one after another, in that order."""
     os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    watchdog.prepare_env(watchdog=True)  # as the recipe's main() does before init_pg (the hand loop gets it too)
+    watchdog.prepare_env(watchdog=True)  # as ddp_monitored's main() does before init_pg (every variant gets it)
     dist.init_process_group(
         "gloo",
         store=dist.FileStore(store_path, world_size),
@@ -131,7 +130,10 @@ def worker(rank, world_size, store_path, variants, args, result_dir):
             _, _, runner, changes = VARIANTS[i]
             marks: list = []
             out = Path(result_dir) / f"run-{i}"
-            hand_loop(topo, args, marks) if runner == "hand" else recipe_run(topo, args, changes, marks, str(out))
+            if runner == "hand":
+                hand_loop(topo, args, marks)
+            else:
+                recipe_run(topo, args, runner, changes, marks, str(out))
             if rank == 0:
                 (Path(result_dir) / f"{i}.json").write_text(json.dumps(steady_step_s(marks, warmup=args.warmup)))
             dist.barrier()
@@ -191,7 +193,8 @@ def report(times: dict[int, list[list[float]]], args) -> None:
     one after the other, so slow drifts in the machine's load cancel."""
     index = {(label, world): i for i, (label, world, _, _) in enumerate(VARIANTS)}
     hand = {w: index[("hand-written DDP loop", w)] for w in (1, 2)}
-    default = {w: index[("ddp recipe (defaults)", w)] for w in (1, 2)}
+    recipe = {w: index[("ddp recipe", w)] for w in (1, 2)}
+    monitored = {w: index[("ddp_monitored (defaults)", w)] for w in (1, 2)}
 
     def med(i: int, k: int) -> float:
         return statistics.median(t[k] for t in times[i])
@@ -206,18 +209,21 @@ def report(times: dict[int, list[list[float]]], args) -> None:
     print("| variant | ranks | wall ms/step | samples/s | wall ratio | CPU ms/step (rank 0) | CPU ratio | against |")
     print("|---|---|---|---|---|---|---|---|")
     for i, (label, world, runner, _) in enumerate(VARIANTS):
-        base = None if runner == "hand" else hand[world] if i == default[world] else default[world]
+        base = {"hand": None, "ddp": hand[world]}.get(
+            runner, recipe[world] if i == monitored[world] else monitored[world]
+        )
         shown = ["-", "-"] if base is None else [f"{ratio(i, base, k):.3f}" for k in (0, 1)]
-        against = "-" if base is None else "hand-written" if base == hand[world] else "recipe defaults"
+        against = "-" if base is None else VARIANTS[base][0]
         print(
             f"| {label} | {world} | {med(i, 0) * 1e3:.2f} | {args.batch_size * world / med(i, 0):.0f} | {shown[0]} "
             f"| {med(i, 1) * 1e3:.2f} | {shown[1]} | {against} |"
         )
-    for name, one, two in (("hand-written", hand[1], hand[2]), ("recipe", default[1], default[2])):
-        print(f"\nscaling efficiency 1 -> 2 ranks (wall), {name}: {med(one, 0) / med(two, 0):.2f}", end="")
+    for name, runs in (("hand-written", hand), ("ddp recipe", recipe), ("ddp_monitored", monitored)):
+        print(f"\nscaling efficiency 1 -> 2 ranks (wall), {name}: {med(runs[1], 0) / med(runs[2], 0):.2f}", end="")
     print(
-        f"\nrecipe over hand-written at 2 ranks: wall {ratio(default[2], hand[2], 0):.3f}, "
-        f"CPU {ratio(default[2], hand[2], 1):.3f} (goal <= 1.03)"
+        f"\nddp recipe over hand-written at 2 ranks: wall {ratio(recipe[2], hand[2], 0):.3f}, "
+        f"CPU {ratio(recipe[2], hand[2], 1):.3f} (goal <= 1.03); ddp_monitored over ddp: wall "
+        f"{ratio(monitored[2], recipe[2], 0):.3f}, CPU {ratio(monitored[2], recipe[2], 1):.3f}"
     )
     print(
         "per-repeat wall ms/step: "

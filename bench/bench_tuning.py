@@ -3,10 +3,10 @@
     python bench/bench_tuning.py                 # 3 interleaved repeats on CPU, ~5 minutes (compiling is most of it)
     python bench/bench_tuning.py --repeats 5     # on a GPU the same command times the GPU
 
-The ddp recipe at world size 1 (one process, no launcher), each variant in turn, the order rotated
-every repeat; the table shows the median steady-state step time (rank 0's clock between the log
-points at --warmup and --steps) and, on a GPU, the peak memory of allocated tensors the recipe logs
-(on CPU the recipe can only log the process's lifetime peak RSS, which says nothing per variant).
+The ddp_monitored recipe at world size 1 (one process, no launcher), each variant in turn, the order
+rotated every repeat; the table shows the median steady-state step time (the recipe's own step_ms,
+averaged over the train records from --warmup to --steps) and, on a GPU, the peak memory of allocated
+tensors the recipe logs (on CPU only the process's lifetime peak RSS, which says nothing per variant).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loguru import logger  # noqa: E402
-
 from core import dist  # noqa: E402
-from core.run import Run  # noqa: E402
-from recipes import ddp_monitored as ddp  # noqa: E402  (the tuning options are ddp_monitored's)
+from recipes import ddp_monitored  # noqa: E402  (the tuning options are ddp_monitored's)
 
 # (label, ddp_monitored Config changes); batch sizes where the option has work to do
 VARIANTS = [
@@ -43,23 +40,22 @@ VARIANTS = [
 
 
 def measure(changes: dict, args, topo) -> tuple[float, float]:
-    """(seconds per steady-state step, peak memory MB) of one ddp run with `changes`."""
+    """(seconds per steady-state step, peak memory MB) of one ddp_monitored run with `changes`."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # this variant's peak, not the process's so far
     with tempfile.TemporaryDirectory() as out:
-        cfg = ddp.Config(max_steps=args.steps, epochs=100, log_every=10, out=out, name="bench", **changes)
-        stdout, sys.stdout = sys.stdout, open(os.devnull, "w")  # the table, not the summary line
+        cfg = ddp_monitored.Config(
+            max_steps=args.steps, epochs=100, log_every=10, hang_factor=0, out=out, name="bench", **changes
+        )
+        stdout, sys.stdout = sys.stdout, open(os.devnull, "w")  # the table, not the recipe's lines
         try:
-            with Run.start(cfg, topo, recipe="ddp_monitored", global_batch=cfg.batch_size * topo.world_size) as run:
-                ddp.train(cfg, topo, run)
+            ddp_monitored.train(cfg, topo)
         finally:
             sys.stdout.close()
             sys.stdout = stdout
         records = [json.loads(line) for line in (Path(out) / "bench-1" / "metrics.jsonl").read_text().splitlines()]
-    at = {r["step"]: r for r in records if r["kind"] == "train"}
-    return (at[args.steps]["elapsed_s"] - at[args.warmup]["elapsed_s"]) / (args.steps - args.warmup), at[args.steps][
-        "peak_mem_mb"
-    ]
+    steady = [r for r in records if r["kind"] == "train" and r["step"] > args.warmup]  # compiling is the first steps
+    return statistics.mean(r["step_ms"] for r in steady) / 1e3, max(r["peak_mem_mb"] for r in steady)
 
 
 def main() -> None:
@@ -75,14 +71,13 @@ def main() -> None:
         for repeat in range(args.repeats):
             order = [(i + repeat) % len(VARIANTS) for i in range(len(VARIANTS))]
             for i in order:
-                logger.disable("core"), logger.disable("recipes")
                 results[i].append(measure(VARIANTS[i][1], args, topo))
                 print(f"repeat {repeat + 1}: {VARIANTS[i][0]}: {results[i][-1][0] * 1e3:.2f} ms/step", file=sys.stderr)
     finally:
         dist.cleanup_pg()
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     print(
-        f"\nddp recipe, 1 process on {where}, steps {args.warmup}-{args.steps}, median of {args.repeats} "
+        f"\nddp_monitored, 1 process on {where}, steps {args.warmup}-{args.steps}, median of {args.repeats} "
         f"interleaved repeats (torch {torch.__version__})\n"
     )
     print("| variant | step ms | vs plain | peak memory MB |")

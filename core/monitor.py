@@ -1,69 +1,162 @@
-"""Monitoring and debugging added to a Run: where each step's time goes, MFU, memory, the hang
-watchdog and the profiler (docs/monitoring.md). Costs a recipe three lines:
+"""Where each step's time goes, for the train records: a clock driven by hooks, the numbers read from it, and
+--profile's trace.
 
-    watchdog.prepare_env(debug=cfg.debug, out=cfg.out, watchdog=cfg.hang_factor > 0)   # before init_pg
-    with Monitor(run, train_model, optimizer, cfg=cfg, sample=train_set[0]) as monitor:
-        ... run.step(step, ..., **monitor.step(step))                                    # every step
+    timer = monitor.StepClock(topo.device)
+    timer.attach(train_model, optimizer)                          # hooks: no code in the step, no host sync
+    ... every --log-every steps (a collective):
+    meter.log_train(run, clock, ..., **monitor.breakdown(timer.take(), device=..., global_batch=...))
+    with clock.paused(), monitor.paused(timer, watch):            # evaluation, checkpoints: not a step
+        ...
+
+Each rank times its own steps; `breakdown` gathers every rank's sums in one collective, so the record speaks
+for the job: the phases averaged over ranks, the slowest rank's step (the pace the others wait for), the fullest
+rank's peak memory, and MFU where the device's peak is known.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 
-from core import metrics, models, watchdog
+from core.dist import Topology, all_gather_object
+from core.metrics import peak_memory_mb
+from core.watchdog import Watchdog
+
+PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
 
 
-class Monitor:
-    """Step-phase clock, memory, gradient norm and MFU in the train records; watchdog and profiler around the loop."""
+class StepClock:
+    """Where each step's time goes, from hooks (no code in the training loop, no host sync per step).
 
-    def __init__(self, run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cfg, sample=None):
-        self.run, self.every = run, cfg.log_every
-        self.clock = metrics.StepClock(run.topo.device)
-        self.clock.attach(model, optimizer)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        peak = metrics.peak_flops(run.topo.device, getattr(cfg, "precision", "fp32"))  # MFU on a known GPU only
-        inputs = sample[0] if isinstance(sample, tuple | list) else sample
-        self.flops = (
-            peak and inputs is not None and metrics.flops_per_sample(lambda: models.build_model(cfg.model), inputs)
-        )
-        self.peak = peak
-        self.watch = watchdog.Watchdog(
-            run.run_dir, run.topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s
-        )
-        self.profiler = watchdog.profiler(run.run_dir, run.topo, enabled=cfg.profile)
-        run.on_pause.append(self.paused)
+    data: end of the previous step -> forward (the loader, the copy to the device);
+    compute: forward, loss and backward, less comm_wait;
+    comm_wait: the last gradient computed -> optimizer.step() (the all-reduce time that did not overlap
+    backward, plus anything a recipe runs between backward and the step, such as the gradient norm);
+    optimizer: optimizer.step(); step: end of the previous step -> end of this one.
+    CPU: perf_counter; GPU: CUDA events queued on the stream, read at `take`.
+    """
 
-    def __enter__(self) -> Monitor:
-        self.watch.__enter__()
-        self.profiler.__enter__()
-        return self
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.done: list[tuple[object | None, dict[str, object]]] = []  # (previous end, this step's marks)
+        self.current: dict[str, object] = {}
+        self.previous_end: object | None = None
 
-    def __exit__(self, *exc) -> None:
-        self.profiler.__exit__(*exc)
-        self.watch.__exit__(*exc)
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # queued on the current stream: no sync
+        return event
 
-    def paused(self) -> None:
-        """Evaluation or a checkpoint ran: not a step, for neither the clock nor the watchdog."""
-        self.clock.skip_gap()
-        self.watch.beat(self.watch.step, timed=False)
+    def mark(self, name: str) -> None:
+        if name == "start" and "start" in self.current:
+            return  # accumulation: the first micro-batch's forward starts the step
+        self.current[name] = self._now()
+        if name == "end":
+            self.done.append((self.previous_end, self.current))
+            self.previous_end, self.current = self.current["end"], {}
 
-    def step(self, step: int) -> dict[str, float]:
-        """Every step: beat the watchdog, step the profiler; every --log-every steps the breakdown (a collective)."""
-        self.watch.beat(step)
-        self.profiler.step()
-        if step % self.every:
-            return {}
-        local = {f"{k}_ms": v for k, v in self.clock.take().items()}
-        local["peak_mem_mb"] = metrics.peak_memory_mb(self.run.topo.device)
-        local["grad_norm_local"] = metrics._grad_norm(self.params)
-        table = metrics._gather(torch.tensor(list(local.values()), dtype=torch.float64, device=self.run.topo.device))
-        per_key = dict(zip(local, table.unbind(1)))  # key -> one value per rank
-        steps = per_key["steps_ms"].clamp(min=1)
-        mean = {p: per_key[f"{p}_ms"] / steps for p in metrics.PHASES}
-        record = {f"{p}_ms": float(v.mean()) for p, v in mean.items()}
-        record["step_ms_max"] = float(mean["step"].max())  # the slowest rank sets the pace
-        record["peak_mem_mb"] = float(per_key["peak_mem_mb"].max())  # the fullest rank is what runs out
-        if self.flops and self.peak and record["step_ms"] > 0:
-            per_rank_samples = self.run.global_batch / table.shape[0]
-            record["mfu"] = self.flops * per_rank_samples / (record["step_ms"] / 1e3) / self.peak
-        return record
+    def skip_gap(self) -> None:
+        """Time since the last step was not a step (evaluation, checkpoint): leave it out of the next step."""
+        self.previous_end, self.current = None, {}
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+        """Hooks on the module the loop calls and its optimizer: forward start, the last gradient ready, optimizer
+        start and end. Returns their handles."""
+        handles = [
+            model.register_forward_pre_hook(lambda *_: self.mark("start")),
+            optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer")),
+            optimizer.register_step_post_hook(lambda *_: self.mark("end")),
+        ]
+        # backward reaches the first parameters last (DDP's buckets assume the same): their gradient marks the end
+        # of backward's compute, and what backward() spends after it is the all-reduce that did not overlap
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is not None:
+            handles.append(first.register_post_accumulate_grad_hook(lambda _: self.mark("comm")))
+        return handles
+
+    def take(self) -> dict[str, float]:
+        """Milliseconds summed over the steps since the last take, per phase, and `steps`."""
+        sums = dict.fromkeys(PHASES, 0.0)
+        if self.cuda and self.done:
+            self.done[-1][1]["end"].synchronize()  # one wait, at log time, for the window's last event
+        ms = (lambda a, b: a.elapsed_time(b)) if self.cuda else (lambda a, b: (b - a) * 1e3)
+        for previous_end, marks in self.done:
+            start, opt, end = marks.get("start", marks["optimizer"]), marks["optimizer"], marks["end"]
+            comm = ms(marks["comm"], opt) if "comm" in marks else 0.0
+            data = ms(previous_end, start) if previous_end is not None else 0.0
+            for phase, value in zip(PHASES, (data, ms(start, opt) - comm, comm, ms(opt, end), data + ms(start, end))):
+                sums[phase] += max(value, 0.0)
+        sums["steps"] = float(len(self.done))
+        self.done = []
+        return sums
+
+
+def breakdown(
+    timings: dict[str, float],
+    *,
+    device: torch.device,
+    global_batch: int,
+    flops_per_sample: float | None = None,
+    peak_flops: float | None = None,
+) -> dict[str, float]:
+    """A train record's timing fields from this rank's `timings` (StepClock.take) and every other rank's: each
+    phase's ms per step averaged over ranks, step_ms_max, peak_mem_mb, and mfu when both FLOP numbers are given.
+    A collective: every rank calls it at the same step."""
+    mine = {"steps": timings["steps"], "ms": [timings[p] for p in PHASES], "mem": peak_memory_mb(device)}
+    ranks = all_gather_object(mine)
+    per_step = torch.tensor([r["ms"] for r in ranks], dtype=torch.float64) / torch.tensor(
+        [[max(r["steps"], 1.0)] for r in ranks], dtype=torch.float64
+    )  # (ranks, phases): each rank's mean step
+    record = {f"{p}_ms": float(v) for p, v in zip(PHASES, per_step.mean(0))}
+    record["step_ms_max"] = float(per_step[:, PHASES.index("step")].max())  # the slowest rank sets the pace
+    record["peak_mem_mb"] = max(r["mem"] for r in ranks)  # the fullest rank is the one that runs out
+    if flops_per_sample and peak_flops and record["step_ms"] > 0:
+        samples_per_rank = global_batch / len(ranks)
+        record["mfu"] = flops_per_sample * samples_per_rank / (record["step_ms"] / 1e3) / peak_flops
+    return record
+
+
+@contextmanager
+def paused(timer: StepClock, watch: Watchdog):
+    """Evaluation or a checkpoint: not a step, for neither the step clock nor the watchdog's median (the watchdog
+    still reports a pause that reaches its cap, near the collective timeout)."""
+    watch.hold()
+    try:
+        yield
+    finally:
+        timer.skip_gap()
+        watch.beat(watch.step, timed=False)
+
+
+def profiler(run_dir: Path, topo: Topology, *, enabled: bool, skip: int = 5, active: int = 3):
+    """torch.profiler over `active` steps after `skip`, a Chrome trace per rank in run_dir/profile/: `start()`,
+    `step()` after every step, `stop()`. Disabled: a stand-in whose start, step and stop do nothing."""
+    if not enabled:
+        return _NoProfiler()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if topo.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    folder = Path(run_dir) / "profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    return torch.profiler.profile(
+        activities=activities,
+        record_shapes=True,
+        schedule=torch.profiler.schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(folder / f"rank{topo.rank}.json")),
+    )
+
+
+class _NoProfiler:
+    def start(self) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

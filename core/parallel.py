@@ -20,10 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from core.ckpt import model_state as full_state_dict  # noqa: F401  (gathered to rank 0, one implementation)
-from core.comm import prepare_batchnorm, replicas_report, wrap_ddp  # noqa: F401  DDP's, here too
 from core.config import RecipeError
-from core.grads import clip_grad_norm, total_norm  # noqa: F401  (here too: every layout's norm)
 
 # --- model parallelism: device meshes, tensor parallel (DTensor), FSDP2 -------------------------
 

@@ -1,23 +1,28 @@
-"""Computation options: channels-last, activation checkpointing per block, torch.compile.
+"""Computation options that change the plain model before DDP wraps it: channels-last, activation checkpointing.
 
-The order matters, and is torch's documented one:
-
-    model = tuning.before_wrap(model, channels_last=..., activation_checkpointing=...)  # the plain model
-    ddp = parallel.wrap_ddp(model, ...)                                                  # the parallel wrapper
-    train_model = tuning.after_wrap(ddp, compile=...)                                    # compile the wrapped model
-
-DDP is compiled after wrapping (TorchDynamo then splits the graph at bucket boundaries so the
-all-reduce still overlaps backward). None of these changes the arithmetic beyond float rounding,
-and none changes parameter names: checkpoints and model.safetensors load into the plain model.
+torch's order, as ddp_monitored shows it: change the plain model (these), wrap it in DDP, register the comm
+hook, then torch.compile the wrapper (TorchDynamo splits the graph at bucket boundaries, so the all-reduce
+still overlaps backward). None of these changes the arithmetic beyond float rounding, and none changes
+parameter names: checkpoints and model.safetensors load into the plain model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 
-from core.config import RecipeError
+from core.config import Options, RecipeError, option
+
+
+@dataclass(frozen=True)
+class TuningOptions(Options):
+    title = "computation"
+    compile: bool = option(False, "torch.compile the model (after DDP wraps it)")
+    activation_checkpointing: bool = option(False, "recompute each block's activations in backward (less memory)")
+    channels_last: bool = option(False, "channels-last memory format for conv models (GPU)")
 
 
 def checkpoint_blocks(model: nn.Module, *, blocks: str | None = None) -> int:
@@ -49,17 +54,3 @@ def to_channels_last(model: nn.Module) -> nn.Module:
             f"the option is for conv nets such as --model cnn"
         )
     return model.to(memory_format=torch.channels_last)
-
-
-def before_wrap(model: nn.Module, *, channels_last: bool = False, activation_checkpointing: bool = False) -> nn.Module:
-    """The options that change the plain model, applied before DDP/FSDP wraps it."""
-    if channels_last:
-        model = to_channels_last(model)
-    if activation_checkpointing:
-        checkpoint_blocks(model)
-    return model
-
-
-def after_wrap(model: nn.Module, *, compile: bool = False) -> nn.Module:
-    """torch.compile of the wrapped model (the module the training loop calls); unchanged when off."""
-    return torch.compile(model) if compile else model

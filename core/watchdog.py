@@ -1,9 +1,10 @@
-"""Debugging a distributed job without a debugger: a hang watchdog, --debug and --profile.
+"""Debugging a distributed job without a debugger: a hang watchdog and --debug (core.monitor has --profile).
 
     watchdog.prepare_env(debug=cfg.debug, out=cfg.out)       # before init_pg: env read at group creation
-    with watchdog.Watchdog(run.run_dir, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s,
-                           timeout_s=cfg.timeout_s) as watch:
-        ... every step: watch.beat(step); after evaluation or a checkpoint: watch.beat(step, timed=False)
+    watch = watchdog.Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
+    watch.start()
+    ... every step: watch.beat(step); evaluation and checkpoints: core.monitor.paused(timer, watch)
+    watch.stop()
 
 A thread on every rank compares the time since the last beat with max(factor x median step, min_s),
 capped below the collective timeout (and uses the cap until 5 steps give a median). Past it, the rank
@@ -20,16 +21,37 @@ import json
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from loguru import logger
 
+from core.config import Options, option
 from core.dist import Topology
+
+
+@dataclass(frozen=True)
+class DebugOptions(Options):
+    title = "monitoring and debugging"
+    hang_factor: float = option(
+        20.0,
+        "watchdog: dump every rank's stack when a step takes this many times the median step (0: off)",
+        check=lambda v: v == 0 or 1 < v <= 1e6,
+        fix="use 0 (off) or a multiple above 1 of the median step",
+    )
+    hang_min_s: float = option(
+        60.0,
+        "watchdog: never call a step shorter than this many seconds a hang",
+        check=lambda v: 0 < v <= 1e7,
+        fix="use a positive number of seconds",
+    )
+    debug: bool = option(False, "TORCH_DISTRIBUTED_DEBUG, and the NCCL flight recorder on GPU")
+    profile: bool = option(False, "write a torch.profiler trace of a few steps, one file per rank")
 
 
 def prepare_env(*, debug: bool = False, out: str = "runs", watchdog: bool = True) -> dict[str, str]:
@@ -71,7 +93,7 @@ def collectives(group=None) -> dict:
 
 
 class Watchdog:
-    """One thread per rank (see the module docstring), running inside `with`; `beat(step)` after every step."""
+    """One thread per rank (see the module docstring), from `start` to `stop`; `beat(step)` after every step."""
 
     def __init__(
         self,
@@ -87,30 +109,33 @@ class Watchdog:
         self.factor, self.min_s, self.cap_s = factor, min_s, 0.9 * timeout_s  # report before the collective fails
         self.poll_s = poll_s or min(1.0, min_s / 4)
         self.durations: deque[float] = deque(maxlen=50)
-        self.step, self.last_beat, self.fired_at = 0, time.perf_counter(), -1
+        self.step, self.last_beat, self.fired_at, self.held = 0, time.perf_counter(), -1, False
         self.reports: list[dict] = []  # rank 0: what it logged, for tests and callers
         self._stop = threading.Event()
         store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-        self.store = dist.PrefixStore("tdr-watchdog/", store) if store is not None else None
+        prefix = f"tdr-watchdog/{self.run_dir.name}/"  # this run's keys: a group may train more than one run
+        self.store = dist.PrefixStore(prefix, store) if store is not None else None
         self._thread = threading.Thread(target=self._watch, name="tdr-watchdog", daemon=True)
 
-    def __enter__(self) -> Watchdog:
+    def start(self) -> Watchdog:
+        """Start the thread (factor 0: the watchdog is off, and nothing starts)."""
         if self.factor > 0:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def hold(self) -> None:
+        """Evaluation or a checkpoint runs until the next beat: no step's median applies, only the cap."""
+        self.held = True
 
     def beat(self, step: int, *, timed: bool = True) -> None:
         """A step ended (timed=False: evaluation or a checkpoint ended; not a step time for the median)."""
         now = time.perf_counter()
         if timed:
             self.durations.append(now - self.last_beat)
-        self.step, self.last_beat = step, now
+        self.step, self.last_beat, self.held = step, now, False
 
     def threshold(self) -> float:
-        if len(self.durations) < 5:  # no median yet (the first steps compile, warm caches): only the cap
+        if self.held or len(self.durations) < 5:  # no median yet (the first steps compile, warm caches): the cap
             return self.cap_s
         return min(max(self.factor * statistics.median(self.durations), self.min_s), self.cap_s)
 
@@ -137,12 +162,16 @@ class Watchdog:
             **collectives(),
         }
         path = self.run_dir / f"hang-rank{self.topo.rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)  # another node's rank: the run folder may be rank 0's only
         with open(path, "w") as f:
             f.write(json.dumps(info) + "\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)  # C-level: works while the main thread is stuck
-        logger.warning(
-            f"watchdog: step {self.step + 1} has run {stalled:.0f}s (threshold {info['threshold_s']}s); stack in {path}"
+        print(
+            f"warning: watchdog: rank {self.topo.rank}: step {self.step + 1} has run {stalled:.0f}s (threshold "
+            f"{info['threshold_s']}s); stack in {path}",
+            file=sys.stderr,
+            flush=True,
         )
         if self.store is not None:
             self.store.set(f"rank{self.topo.rank}", json.dumps(info))
@@ -159,9 +188,14 @@ class Watchdog:
         for r in range(1, self.topo.world_size):
             if self.store is not None and self.store.check([f"rank{r}"]):
                 infos[r] = json.loads(self.store.get(f"rank{r}"))
+                self.store.delete_key(f"rank{r}")  # read once: a later stall waits for fresh summaries
         report = behind(infos, world_size=self.topo.world_size)
         self.reports.append(report)
-        logger.warning(f"watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt")
+        print(
+            f"warning: watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt",
+            file=sys.stderr,
+            flush=True,
+        )
         with open(self.run_dir / "hang-report.json", "w") as f:
             json.dump({**report, "ranks": infos}, f, indent=2)
 
@@ -184,32 +218,3 @@ def behind(infos: dict[int, dict], *, world_size: int) -> dict:
     if silent:
         message += f"; rank(s) {', '.join(map(str, silent))} sent no report (stuck holding the GIL, or dead)"
     return {"behind": late, "silent": silent, "message": message}
-
-
-def profiler(run_dir: Path, topo: Topology, *, enabled: bool, skip: int = 5, active: int = 3):
-    """torch.profiler over `active` steps after `skip`, a Chrome trace per rank in run_dir/profile/;
-    call .step() after every step. Disabled: a stand-in whose enter, exit and step do nothing."""
-    if not enabled:
-        return _NoProfiler()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if topo.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    folder = Path(run_dir) / "profile"
-    folder.mkdir(parents=True, exist_ok=True)
-    return torch.profiler.profile(
-        activities=activities,
-        record_shapes=True,
-        schedule=torch.profiler.schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1),
-        on_trace_ready=lambda prof: prof.export_chrome_trace(str(folder / f"rank{topo.rank}.json")),
-    )
-
-
-class _NoProfiler:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def step(self) -> None:
-        pass

@@ -3,14 +3,15 @@
     ./launch_single_node.sh ddp_monitored --epochs 5 --hang-factor 20
     torchrun --standalone --nproc-per-node 2 -m recipes run ddp_monitored --comm-hook fp16 --bucket-mb 50
     python -m recipes run ddp_monitored --profile --max-steps 20   # one process, no launcher
+    ./launch_single_node.sh ddp_monitored --ckpt-every 100 --ckpt-async --log-to tensorboard
 
 Each train record gets where the step's time went (data, compute, comm_wait, optimizer; the
-slowest rank's step), peak memory, the gradient norm and, on a known GPU, MFU. A watchdog thread
-on every rank writes every thread's stack and names the rank the others wait for when a step
-takes --hang-factor times the median; --debug sets TORCH_DISTRIBUTED_DEBUG and the NCCL flight
-recorder; --profile writes a torch.profiler trace per rank. Tuning: DDP comm hooks (fp16, bf16,
-PowerSGD compression), bucket size, gradients as bucket views, torch.compile after wrapping,
-activation checkpointing per block, channels-last (docs/monitoring.md has the numbers).
+slowest rank's step), peak memory and, on a known GPU, MFU. A watchdog thread on every rank writes
+every thread's stack and names the rank the others wait for when a step takes --hang-factor times
+the median; --debug sets TORCH_DISTRIBUTED_DEBUG and the NCCL flight recorder; --profile writes a
+torch.profiler trace per rank. Tuning: DDP comm hooks (fp16, bf16, PowerSGD compression), bucket
+size, gradients as bucket views, torch.compile after wrapping, activation checkpointing per block,
+channels-last; --ckpt-async writes checkpoints in a background thread (docs/monitoring.md).
 """
 
 import itertools
@@ -19,103 +20,163 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import comm, data, dist, models, steps, tuning, watchdog
-from core.config import AsyncCheckpoints, Checkpointing, DDPOptions, Training, cli_main, option
-from core.monitor import Monitor
-from core.run import Run
+from core import ckpt, comm, data, dist, folder, hf, meter, models, monitor, replicas, steps, trackers, weights
+from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
+from core.config import Checkpointing, DDPOptions, Training, cli_main
+from core.loss import make_loss
+from core.metrics import flops_per_sample, peak_flops
+from core.tuning import TuningOptions, checkpoint_blocks, to_channels_last
+from core.watchdog import DebugOptions, Watchdog, prepare_env
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions):
-    """ddp's options, and the monitoring and tuning ones."""
+class Config(
+    Training,
+    Checkpointing,
+    AsyncCheckpoints,
+    DDPOptions,
+    comm.CommOptions,
+    TuningOptions,
+    DebugOptions,
+    trackers.Tracking,
+    hf.HFExport,
+):
+    """ddp's options, and the monitoring, debugging, tuning, asynchronous checkpoint and tracker ones."""
 
-    comm_hook: str = option(
-        "none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank", choices=comm.HOOKS
-    )
-    bucket_mb: float = option(
-        25.0,
-        "DDP gradient bucket size in MB (one all-reduce per bucket)",
-        check=lambda v: 0 < v <= 1e5,
-        fix="use a size in MB from above 0 to 100000 (25: DDP's)",
-    )
-    grad_as_bucket_view: bool = option(False, "gradients are views into DDP's buckets (saves a copy and memory)")
-    compile: bool = option(False, "torch.compile the model (after DDP wraps it)")
-    activation_checkpointing: bool = option(False, "recompute each block's activations in backward (less memory)")
-    channels_last: bool = option(False, "channels-last memory format for conv models (GPU)")
-    hang_factor: float = option(
-        20.0,
-        "watchdog: dump every rank's stack when a step takes this many times the median step (0: off)",
-        check=lambda v: v == 0 or 1 < v <= 1e6,
-        fix="use 0 (off) or a multiple above 1 of the median step",
-    )
-    hang_min_s: float = option(
-        60.0,
-        "watchdog: never call a step shorter than this many seconds a hang",
-        check=lambda v: 0 < v <= 1e7,
-        fix="use a positive number of seconds",
-    )
-    debug: bool = option(False, "TORCH_DISTRIBUTED_DEBUG, and the NCCL flight recorder on GPU")
-    profile: bool = option(False, "write a torch.profiler trace of a few steps, one file per rank")
+
+def check(cfg: Config) -> None:
+    """Before launch: a comm hook the backend lacks, and tuning options the model does not fit (on the meta device)."""
+    backend = "nccl" if dist.pick_device(0).type == "cuda" else "gloo"  # what init_pg picks (TDR_BACKEND aside)
+    comm.check_hook(cfg.comm_hook, backend=backend)
+    if cfg.channels_last or cfg.activation_checkpointing:
+        with torch.device("meta"):  # shapes only: the layers and blocks are found without memory
+            model = models.build_model(cfg.model)
+        if cfg.channels_last:
+            to_channels_last(model)
+        if cfg.activation_checkpointing:
+            checkpoint_blocks(model)
 
 
 def main(cfg: Config) -> dict:
-    watchdog.prepare_env(debug=cfg.debug, out=cfg.out, watchdog=cfg.hang_factor > 0)  # read when the group is made
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
+    check(cfg)
+    prepare_env(debug=cfg.debug, out=cfg.out, watchdog=cfg.hang_factor > 0)  # read when the group is made
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
     try:
-        with Run.start(cfg, topo, recipe="ddp_monitored", global_batch=cfg.batch_size * topo.world_size) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
-    # Build. The same seed on every rank gives every replica the same initial weights.
+def train(cfg: Config, topo: dist.Topology) -> dict:
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    global_batch = cfg.batch_size * topo.world_size
+
+    # Build. The same seed on every rank gives every replica the same initial weights. The order is torch's:
+    # change the plain model, wrap it, register the comm hook, compile the wrapper.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    model = comm.prepare_batchnorm(model, sync=cfg.sync_batchnorm, warn=run.print)
-    # The order is torch's: change the plain model, wrap it, register the hook, compile the wrapper.
-    model = tuning.before_wrap(
-        model, channels_last=cfg.channels_last, activation_checkpointing=cfg.activation_checkpointing
-    )
+    if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
+        weights.load_weights(model, cfg.init_from)
+    if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only; the pre-check says so on CPU)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.channels_last:  # conv weights in NHWC, the layout tensor cores read fastest
+        model = to_channels_last(model)
+    if cfg.activation_checkpointing:  # each block's activations recomputed in backward instead of kept
+        checkpoint_blocks(model)
     ddp_model = DistributedDataParallel(
         model,
         device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
-        bucket_cap_mb=cfg.bucket_mb,
-        gradient_as_bucket_view=cfg.grad_as_bucket_view,
+        bucket_cap_mb=cfg.bucket_mb,  # one all-reduce per bucket, started as soon as its gradients are ready
+        gradient_as_bucket_view=cfg.grad_as_bucket_view,  # .grad points into the bucket: one copy less
     )
-    comm.register(ddp_model, cfg.comm_hook, backend=topo.backend)
-    train_model = tuning.after_wrap(ddp_model, compile=cfg.compile)
+    comm.register(ddp_model, cfg.comm_hook, backend=topo.backend)  # fp16/bf16/PowerSGD compression; none: DDP's own
+    train_model = torch.compile(ddp_model) if cfg.compile else ddp_model  # after DDP: graph breaks at its buckets
+    torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
     train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
     val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
-    total = run.total_steps(train_loader)
+    total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)
+    loss_fn = make_loss(cfg.loss, model=model)
+    timer = monitor.StepClock(topo.device)  # where each step's time goes, from hooks: no code in the step
+    timer.attach(train_model, optimizer)
+    peak = peak_flops(topo.device)  # MFU on a known GPU only: its peak FLOP/s, and one sample's FLOPs on meta
+    flops = peak and flops_per_sample(lambda: models.build_model(cfg.model), train_set[0])
 
-    # Train. DDP averages the gradients inside backward(); the monitor times each phase from hooks.
-    step = progress["step"]
-    with Monitor(run, train_model, optimizer, cfg=cfg, sample=next(iter(train_set), None)) as monitor:
-        for epoch in range(progress["epoch"], cfg.epochs):
-            if step >= total:  # --max-steps reached; a resumed run that had finished stops here
-                break
-            data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
-            for batch in itertools.islice(train_loader, total - step):
-                batch = data.to_device(batch, topo.device)
-                metrics, stats = steps.train_step(train_model, [batch], optimizer=optimizer, loss_fn=loss_fn)
-                scheduler.step()
-                step += 1
-                run.step(
-                    step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total, **monitor.step(step)
+    # The run folder: a new one, or the one of the checkpoint --resume names, refused before it is touched when
+    # the checkpoint cannot continue in this job. Then that checkpoint's state, every rank's own generator too,
+    # and the trackers --log-to names, which continue from the checkpoint's step.
+    run = folder.open_run(
+        cfg, topo, recipe="ddp_monitored", global_batch=global_batch, newest=ckpt.newest_good, header=ckpt.read_metadata
+    )
+    start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+    run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
+    saver = CheckpointSaver(background=cfg.ckpt_async)  # --ckpt-async: a thread writes the file
+    watch = Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
+    watch.start()  # a thread: a step that takes --hang-factor times the median gets every rank's stack written
+    profiler = monitor.profiler(run.path, topo, enabled=cfg.profile)  # --profile: a trace of a few steps per rank
+    profiler.start()
+
+    # Train. DDP averages the gradients inside backward(): every replica takes the same step.
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
+            break
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
+        for batch in itertools.islice(train_loader, total - step):
+            batch = data.to_device(batch, topo.device)
+            metrics, grad_norm = steps.step_plain(train_model, batch, optimizer=optimizer, loss_fn=loss_fn)
+            scheduler.step()
+            step, consumed = step + 1, consumed + global_batch
+            skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics)
+            watch.beat(step)
+            profiler.step()
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
+                timing = monitor.breakdown(  # the phases of every rank's steps since the last record (a collective)
+                    timer.take(), device=topo.device, global_batch=global_batch, flops_per_sample=flops, peak_flops=peak
                 )
-                run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)
-            run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers, **timing)
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused(), monitor.paused(timer, watch):
+                    saver.save(
+                        run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
+                    )
+        with clock.paused(), monitor.paused(timer, watch):  # each rank evaluates its share; the sums are all-reduced
+            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
+    profiler.stop()
+    watch.stop()
+    saver.close()  # the last background write lands before the final weights (or its failure is one line)
 
-    # Rank 0 alone writes the weights: every rank vouches that it holds the same ones.
-    return run.finish(model, **comm.replicas_report(model))
+    # Rank 0 alone writes the weights (and a Hugging Face folder for a transformers model); every rank vouches that
+    # it holds the same ones.
+    saved = weights.write_weights(run, model.state_dict())
+    hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    summary = meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        **replicas.replicas_report(model.state_dict()),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+    )
+    trackers.close(run)
+    return summary
 
 
 if __name__ == "__main__":

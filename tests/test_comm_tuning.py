@@ -3,22 +3,25 @@
 Layer 2 (a 2-rank gloo world): DDP with each comm hook and bucket option against DDP's own reducer.
 Exact options (hook `none`, bucket size, gradient views, static graph) match bit for bit or to float
 rounding; fp16 compression and PowerSGD are approximate, and are held to a stated tolerance on the
-loss curve. Layer 1/3: activation checkpointing, channels-last and torch.compile against the plain model.
+loss curve. The recipe with the exact options trains like ddp. Activation checkpointing, channels-last
+and torch.compile against the plain model; the recipe with --compile and activation checkpointing in a
+world of one against the plain recipe.
 """
 
-import sys
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from core import comm, tuning
-from core.config import RecipeError, parse_args
+from core.config import RecipeError, UsageError, parse_args
+from core.loss import make_loss
 from core.models import CNN, MLP
-from core.parallel import wrap_ddp
-from core.steps import cross_entropy, step_plain
-from helpers import REPO, run, user_env
+from core.steps import step_plain
+from recipes import ddp, ddp_monitored
 from recipes.ddp_monitored import Config
 from world import GlooWorld
 
@@ -52,13 +55,16 @@ def train_ddp(topo, hook, ddp_options):
     """This rank's half of every global batch through DDP; returns the job-wide loss curve and the weights."""
     torch.manual_seed(0)
     model = MLP(hidden=256, depth=2)
-    ddp = wrap_ddp(model, device=topo.device, comm_hook=hook, **ddp_options)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    ddp_model = DistributedDataParallel(model, **ddp_options)
+    if hook is not None:
+        comm.register(ddp_model, hook, backend=topo.backend)
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
+    loss_fn = make_loss("ce", model=model)
     share = GLOBAL_BATCH // topo.world_size
     losses = []
     for x, y in _batches(1):
         mine = (x[topo.rank * share : (topo.rank + 1) * share], y[topo.rank * share : (topo.rank + 1) * share])
-        metrics = step_plain(ddp, mine, optimizer=optimizer, loss_fn=cross_entropy)
+        metrics, _ = step_plain(ddp_model, mine, optimizer=optimizer, loss_fn=loss_fn)
         loss = metrics["loss_sum"].clone()
         torch.distributed.all_reduce(loss)
         losses.append(loss.item() / GLOBAL_BATCH)
@@ -103,25 +109,32 @@ def test_lossy_hooks_stay_within_tolerance_of_the_uncompressed_run(world2, refer
 
 def test_bf16_hook_on_gloo_is_one_clear_line():
     with pytest.raises(RecipeError, match="--comm-hook bf16 needs the nccl backend.*use --comm-hook fp16"):
-        comm.make_hook("bf16", backend="gloo")
+        comm.check_hook("bf16", backend="gloo")
 
 
 def test_options_are_cli_flags():
     cfg, _ = parse_args(Config, ["--compile", "--grad-as-bucket-view", "--bucket-mb", "4", "--comm-hook", "fp16"])
     assert cfg.compile is True and cfg.grad_as_bucket_view is True
     assert cfg.static_graph is False and cfg.bucket_mb == 4.0 and cfg.comm_hook == "fp16"
-    proc = run(
-        [sys.executable, "-m", "recipes", "run", "ddp_monitored", "--comm-hook", "zstd", "--dry-run"], check=False
-    )
-    assert proc.returncode == 2 and "zstd" in proc.stderr
+    with pytest.raises(UsageError, match="zstd"):  # the CLI's exit status 2
+        parse_args(Config, ["--comm-hook", "zstd"])
     with pytest.raises(RecipeError, match="--bucket-mb 0"):
         Config(bucket_mb=0)
 
 
-def _train_plain(model, batches, *, channels_last=False):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+def test_the_pre_check_refuses_what_the_backend_or_the_model_cannot_take(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU job: gloo
+    with pytest.raises(RecipeError, match="--comm-hook bf16 needs the nccl backend"):
+        ddp_monitored.check(Config(comm_hook="bf16"))
+    with pytest.raises(RecipeError, match="--channels-last.*no Conv2d"):
+        ddp_monitored.check(Config(channels_last=True, model="mlp"))
+    ddp_monitored.check(Config(channels_last=True, activation_checkpointing=True, model="cnn"))  # both fit a CNN
+
+
+def _train_plain(model, batches):
+    optimizer, loss_fn = torch.optim.AdamW(model.parameters(), lr=3e-3), make_loss("ce", model=model)
     for x, y in batches:
-        step_plain(model, (x, y), optimizer=optimizer, loss_fn=cross_entropy)
+        step_plain(model, (x, y), optimizer=optimizer, loss_fn=loss_fn)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -144,7 +157,7 @@ def test_channels_last_trains_like_contiguous():
     torch.manual_seed(0)
     plain = _train_plain(CNN(channels=8), batches)
     torch.manual_seed(0)
-    model = tuning.before_wrap(CNN(channels=8), channels_last=True)
+    model = tuning.to_channels_last(CNN(channels=8))
     assert model.blocks[0][0].weight.is_contiguous(memory_format=torch.channels_last)
     for key, value in _train_plain(model, batches).items():
         torch.testing.assert_close(value, plain[key], rtol=1e-4, atol=1e-5)  # other kernels, other summation order
@@ -157,14 +170,48 @@ def test_tuning_options_refuse_models_they_do_not_fit():
         tuning.to_channels_last(MLP())
 
 
-def test_compile_trains_the_recipe_like_the_plain_run(tmp_path):
-    """ddp_monitored with --compile (torch.compile after DDP) ends at the plain run's weights."""
-    env = user_env(PYTHONPATH=str(REPO / "tests"))
-    common = ["-m", "recipes", "run", "ddp_monitored", "--model", "tiny:mlp", "--max-steps", "6", "--epochs", "1"]
-    weights = []
-    for extra in ([], ["--compile", "--activation-checkpointing"]):
-        out = tmp_path / ("compiled" if extra else "plain")
-        run([sys.executable, *common, "--out", str(out), *extra], env=env, timeout=280)
-        weights.append(load_file(next(out.glob("ddp_monitored-*/model.safetensors"))))
-    for key, value in weights[0].items():
-        torch.testing.assert_close(weights[1][key], value, rtol=1e-4, atol=1e-5)  # inductor fuses, sums reorder
+def train_recipe(topo, name, cfg):
+    """A recipe's own train on this world's ranks; rank 0 returns the final weights."""
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers left behind in the world's process
+    summary = {"ddp": ddp, "ddp_monitored": ddp_monitored}[name].train(cfg, topo)
+    return load_file(summary["weights"]) if topo.is_rank0 else None
+
+
+@pytest.fixture(scope="module")
+def ddp_weights(world2, tmp_path_factory):
+    """The plain ddp recipe: what ddp_monitored's options are compared with."""
+    cfg = ddp.Config(model="tiny:mlp", max_steps=6, epochs=1, out=str(tmp_path_factory.mktemp("ddp")))
+    return world2.run(train_recipe, "ddp", cfg)[0]
+
+
+@pytest.mark.parametrize(
+    "options, exact",
+    [
+        ({"bucket_mb": 0.001, "grad_as_bucket_view": True, "static_graph": True}, True),  # 1 KB: many buckets
+        ({"comm_hook": "fp16"}, False),  # the hook is installed: other numbers, close ones
+    ],
+)
+def test_the_recipe_with_comm_options_trains_like_ddp(world2, ddp_weights, tmp_path, options, exact):
+    cfg = Config(model="tiny:mlp", max_steps=6, epochs=1, hang_factor=0, out=str(tmp_path), **options)
+    weights = world2.run(train_recipe, "ddp_monitored", cfg)[0]
+    assert weights.keys() == ddp_weights.keys()
+    for key, value in ddp_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=0 if exact else 1e-2, atol=0 if exact else 1e-3)
+    assert exact or any(not torch.equal(weights[k], v) for k, v in ddp_weights.items())
+
+
+@pytest.fixture(scope="module")
+def world1():  # compiling takes a while on a busy 2-core machine
+    with GlooWorld(1, timeout_s=400) as world:
+        yield world
+
+
+def test_compile_and_activation_checkpointing_train_the_recipe_like_the_plain_run(world1, tmp_path):
+    """ddp_monitored with --compile (torch.compile after DDP) and --activation-checkpointing ends at the plain
+    run's weights."""
+    common = {"model": "tiny:mlp", "max_steps": 6, "epochs": 1, "hang_factor": 0}
+    plain = world1.run(train_recipe, "ddp_monitored", Config(**common, out=str(tmp_path / "plain")))[0]
+    tuned = Config(**common, out=str(tmp_path / "tuned"), compile=True, activation_checkpointing=True)
+    compiled = world1.run(train_recipe, "ddp_monitored", tuned)[0]
+    for key, value in plain.items():
+        torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=1e-5)  # inductor fuses, sums reorder

@@ -1,4 +1,5 @@
-"""Monitoring and debugging: metrics records, progress output, the hang watchdog, plots, --profile.
+"""Monitoring and debugging (ddp_monitored): the step-time breakdown in the train records, the progress line, the
+hang watchdog, the profiler, --debug's environment, plots.
 
 Also a test-only model factory: `--model test_monitoring:stall_mlp` with TDR_TEST_STALL=RANK:CALL:SECONDS
 makes that rank's forward stop for SECONDS at its CALL-th call (an Event wait; core/ has no test hooks).
@@ -8,19 +9,19 @@ import json
 import os
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core import watchdog
-from core.meter import progress_line
-from core.metrics import PHASES
+from core import ckpt, folder, meter, monitor, watchdog
+from core.loss import make_loss
 from core.models import MLP
-from core.monitor import Monitor
-from core.run import Run
-from core.steps import make_loss, train_step
-from helpers import REPO, run, torchrun, user_env
+from core.steps import step_plain
+from helpers import REPO, run, user_env
+from recipes import ddp_monitored
 
 TESTS = str(REPO / "tests")
 
@@ -35,7 +36,7 @@ class StallMLP(MLP):
     def forward(self, x):
         self.calls += 1
         rank, call, seconds = self.stall
-        if int(os.environ.get("RANK", "0")) == rank and self.calls == call:
+        if (dist.get_rank() if dist.is_initialized() else 0) == rank and self.calls == call:
             threading.Event().wait(seconds)  # this rank stops; the others wait for it in the all-reduce
         return super().forward(x)
 
@@ -45,61 +46,68 @@ def stall_mlp():
 
 
 def monitored_training(topo, out, steps):
-    """Each rank trains on different data through ddp_monitored's pieces; returns the train record rank 0 wrote."""
-    from recipes.ddp_monitored import Config
-
-    os.environ["TDR_PEAK_TFLOPS"] = "1"  # a made-up peak, so that MFU is computed on CPU
+    """Each rank trains on different data with ddp_monitored's step clock; returns the train records rank 0 wrote."""
     torch.manual_seed(0)
-    cfg = Config(out=out, log_every=steps, hang_factor=0, model="tiny:mlp")
+    cfg = ddp_monitored.Config(out=out, model="tiny:mlp")
     sizes = [8 + 4 * r for r in range(topo.world_size)]  # ranks with different batch sizes: sums combine exactly
-    with Run.start(cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes)) as run:
-        model = MLP(hidden=32, depth=2)
-        ddp = DistributedDataParallel(model)
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(topo.rank)
-        local = 0.0
-        with Monitor(run, ddp, optimizer, cfg=cfg, sample=(torch.zeros(64), 0)) as monitor:
-            for step in range(1, steps + 1):
-                batch = (
-                    torch.randn(sizes[topo.rank], 64, generator=gen),
-                    torch.randint(10, (sizes[topo.rank],), generator=gen),
-                )
-                metrics, stats = train_step(ddp, [batch], optimizer=optimizer, loss_fn=make_loss("ce"))
-                local += metrics["loss_sum"].item()
-                run.step(step, metrics=metrics, stats=stats, lr=1e-3, total=steps, **monitor.step(step))
-    metrics_file = run.run_dir / "metrics.jsonl"  # rank 0 writes it; every rank returns what it says
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines()] if topo.is_rank0 else []
-    return [r for r in records if r["kind"] == "train"], local
+    run_folder = folder.open_run(
+        cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes), newest=ckpt.newest_good, header=ckpt.read_metadata
+    )
+    model = MLP(hidden=32, depth=2)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    clock, timer, loss_fn = meter.Meter(topo.device), monitor.StepClock(topo.device), make_loss("ce", model=model)
+    timer.attach(ddp, optimizer)
+    gen = torch.Generator().manual_seed(topo.rank)
+    local = 0.0
+    for _ in range(steps):
+        if topo.rank == 1:
+            threading.Event().wait(0.02)  # rank 1's data comes late: its data phase differs from rank 0's
+        batch = (
+            torch.randn(sizes[topo.rank], 64, generator=gen),
+            torch.randint(10, (sizes[topo.rank],), generator=gen),
+        )
+        metrics, grad_norm = step_plain(ddp, batch, optimizer=optimizer, loss_fn=loss_fn)
+        local += metrics["loss_sum"].item()
+        clock.add(metrics)
+    mine = timer.take()
+    timing = monitor.breakdown(mine, device=topo.device, global_batch=sum(sizes), flops_per_sample=1e6, peak_flops=1e12)
+    meter.log_train(run_folder, clock, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
+    if not topo.is_rank0:  # rank 0 writes the records; every rank returns what it trained on and timed
+        return [], local, mine
+    records = [json.loads(line) for line in (run_folder.path / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"], local, mine
 
 
+@pytest.mark.world
 def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_path):
-    (records, local0), (_, local1) = world2.run(monitored_training, str(tmp_path), 6)
+    (records, local0, mine0), (_, local1, mine1) = world2.run(monitored_training, str(tmp_path), 6)
     first = records[0]
-    wanted = {
-        "loss",
-        "acc",
-        "samples_per_s",
-        "peak_mem_mb",
-        "grad_norm",
-        "mfu",
-        "step_ms_max",
-        *(f"{p}_ms" for p in PHASES),
-    }
-    assert wanted <= first.keys()
+    assert mine0["steps"] == mine1["steps"] == 6
+    for phase in monitor.PHASES:  # each phase: the mean over the ranks of each rank's mean step
+        assert first[f"{phase}_ms"] == pytest.approx((mine0[phase] + mine1[phase]) / 12, rel=1e-9)
+    assert first["step_ms_max"] == pytest.approx(max(mine0["step"], mine1["step"]) / 6, rel=1e-9)
+    assert mine1["data"] > mine0["data"]  # rank 1's late data is in the job's record, not rank 0's alone
+    wanted = {"loss", "acc", "samples_per_s", "peak_mem_mb", "grad_norm", "mfu", "step_ms_max"}
+    assert wanted | {f"{p}_ms" for p in monitor.PHASES} <= first.keys()
     assert first["loss"] == pytest.approx((local0 + local1) / (6 * (8 + 12)))  # both ranks' samples, weighted
     parts = sum(first[f"{p}_ms"] for p in ("data", "compute", "comm_wait", "optimizer"))
     assert first["step_ms"] == pytest.approx(parts, rel=1e-6) and first["comm_wait_ms"] > 0
     assert first["step_ms_max"] >= first["step_ms"] > 0 and first["peak_mem_mb"] > 0 and first["grad_norm"] > 0
-    assert 0 < first["mfu"]
+    assert first["mfu"] == pytest.approx(1e6 * 10 / (first["step_ms"] / 1e3) / 1e12)  # 20 samples over 2 ranks
 
 
-def test_the_progress_line_names_the_step_and_the_job_numbers():
-    assert progress_line(40, 115, epoch=1, loss=0.41234, acc=0.5, samples_per_s=1875.4, tokens_per_s=9e4) == (
-        "step 40/115 epoch 1 loss 0.4123 acc 0.5000 1875 samples/s 90000 tokens/s"
-    )
-    assert progress_line(1, 2, epoch=0) == "step 1/2 epoch 0"  # nothing read yet
+@pytest.mark.fast
+def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys):
+    run_folder = folder.RunFolder(tmp_path, None, "ddp_monitored", {}, True)
+    numbers = {"loss": 0.41234, "acc": 0.5, "samples_per_s": 1875.4, "tokens_per_s": 9e4}
+    meter.log_train(run_folder, SimpleNamespace(read=lambda: numbers), step=40, total=115, epoch=1, step_ms=3.0)
+    assert capsys.readouterr().out == "step 40/115 epoch 1 loss 0.4123 acc 0.5000 1875 samples/s 90000 tokens/s\n"
+    meter.log_train(run_folder, SimpleNamespace(read=lambda: {}), step=1, total=2, epoch=0)
+    assert capsys.readouterr().out == "step 1/2 epoch 0\n"  # nothing read yet
 
 
+@pytest.mark.fast
 def test_behind_names_the_rank_with_fewest_collectives():
     infos = {0: {"step": 7, "issued": 30}, 1: {"step": 7, "issued": 28}, 2: {"step": 7, "issued": 30}}
     report = watchdog.behind(infos, world_size=4)
@@ -107,69 +115,84 @@ def test_behind_names_the_rank_with_fewest_collectives():
     assert watchdog.behind({0: {"step": 3, "issued": 9}}, world_size=1)["behind"] == [0]
 
 
-def test_watchdog_fires_on_a_stalled_rank_and_names_it(tmp_path):
-    """Rank 1 stops in forward for 8 s; every rank writes its stack, rank 0 says rank 1 is behind."""
-    env = user_env(PYTHONPATH=TESTS, TDR_TEST_STALL="1:12:8")
-    proc = run(
-        torchrun(
-            "-m",
-            "recipes",
-            "run",
-            "ddp_monitored",
-            "--model",
-            "test_monitoring:stall_mlp",
-            "--max-steps",
-            "18",
-            "--hang-factor",
-            "3",
-            "--hang-min-s",
-            "1",
-            "--out",
-            str(tmp_path),
-            "--timeout-s",
-            "60",
-        ),
-        env=env,
-        timeout=180,
-    )
-    run_dir = next(tmp_path.glob("ddp_monitored-*"))
-    report = json.loads((run_dir / "hang-report.json").read_text())
+def stalled_recipe_run(topo, out):
+    """ddp_monitored's train on 2 ranks; rank 1 stops in forward at step 12 for 6 s; the profiler traces steps 6-9."""
+    os.environ["TDR_TEST_STALL"] = "1:12:6"
+    os.environ["TDR_PEAK_TFLOPS"] = "1"  # a made-up peak, so that MFU is computed on CPU
+    try:
+        cfg = ddp_monitored.Config(
+            model="test_monitoring:stall_mlp",
+            max_steps=18,
+            log_every=6,
+            hang_factor=3,
+            hang_min_s=2,
+            timeout_s=60,
+            profile=True,
+            out=out,
+        )
+        return ddp_monitored.train(cfg, topo)
+    finally:
+        del os.environ["TDR_TEST_STALL"], os.environ["TDR_PEAK_TFLOPS"]
+
+
+@pytest.fixture(scope="module")
+def stalled(world2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stalled")
+    world2.run(stalled_recipe_run, str(out))
+    return next(out.glob("ddp_monitored-*"))
+
+
+@pytest.mark.world
+def test_watchdog_fires_on_a_stalled_rank_and_names_it(stalled):
+    """Rank 1 stops in forward; every rank writes its stack, rank 0 says rank 1 is behind; the run then finishes."""
+    report = json.loads((stalled / "hang-report.json").read_text())
     assert report["behind"] == [1] and report["silent"] == [], report
+    assert "rank(s) 1 behind" in report["message"]
     assert report["ranks"]["0"]["issued"] > report["ranks"]["1"]["issued"]
-    stacks = {r: (run_dir / f"hang-rank{r}.txt").read_text() for r in (0, 1)}
+    stacks = {r: (stalled / f"hang-rank{r}.txt").read_text() for r in (0, 1)}
     assert "in forward" in stacks[1] and "test_monitoring.py" in stacks[1]  # where rank 1 stopped
     assert "gloo:all_reduce" in stacks[0].splitlines()[0]  # rank 0's last collective, waiting for rank 1
-    assert "rank(s) 1 behind" in proc.stderr
-    assert '"kind": "summary"' in (run_dir / "metrics.jsonl").read_text()  # the stall passed; the run finished
+    assert '"kind": "summary"' in (stalled / "metrics.jsonl").read_text()  # the stall passed; the run finished
 
 
-def test_profile_writes_a_trace_per_rank_and_debug_sets_the_environment(tmp_path, monkeypatch):
-    run(
-        [
-            sys.executable,
-            "-m",
-            "recipes",
-            "run",
-            "ddp_monitored",
-            "--model",
-            "tiny:mlp",
-            "--max-steps",
-            "12",
-            "--profile",
-            "--debug",
-            "--out",
-            str(tmp_path),
-        ],
-        env=user_env(PYTHONPATH=TESTS),
-    )
-    trace = json.loads(next(tmp_path.glob("ddp_monitored-*/profile/rank0.json")).read_text())
-    assert any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
+@pytest.mark.world
+def test_the_recipe_writes_the_breakdown_and_a_profile_trace_per_rank(stalled):
+    records = [json.loads(line) for line in (stalled / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [6, 12, 18]
+    for record in train:
+        assert {"step_ms_max", "peak_mem_mb", "grad_norm", "mfu", *(f"{p}_ms" for p in monitor.PHASES)} <= record.keys()
+    assert train[1]["step_ms_max"] > 1000  # the window of the stall: rank 1's stalled step (6 s over 6 steps)
+    for rank in (0, 1):
+        trace = json.loads((stalled / "profile" / f"rank{rank}.json").read_text())
+        assert any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
+
+
+@pytest.mark.fast
+def test_debug_sets_the_environment_the_process_group_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "environ", {"TORCH_FR_BUFFER_SIZE": "7"})
     set_now = watchdog.prepare_env(debug=True, out=str(tmp_path))
     assert set_now["TORCH_FR_BUFFER_SIZE"] == "7"  # the user's own setting wins
     gpu = torch.cuda.is_available()
     assert set_now["TORCH_DISTRIBUTED_DEBUG"] == ("DETAIL" if gpu else "INFO")  # DETAIL + gloo + DDP segfaults
     assert ("TORCH_NCCL_DUMP_ON_TIMEOUT" in set_now) == gpu
+    assert watchdog.prepare_env(debug=False, out=str(tmp_path), watchdog=False) == {}
+
+
+def test_the_command_line_runs_main_with_debug_profile_and_async_checkpoints(tmp_path):
+    """One process through `python -m recipes run`: the pre-check, main's environment, init_pg and train."""
+    args = ["--model", "tiny:mlp", "--max-steps", "12", "--profile", "--debug", "--ckpt-every", "6", "--ckpt-async"]
+    run(
+        [sys.executable, "-m", "recipes", "run", "ddp_monitored", *args, "--out", str(tmp_path)],
+        env=user_env(PYTHONPATH=TESTS),
+    )
+    run_dir = next(tmp_path.glob("ddp_monitored-*"))
+    trace = json.loads((run_dir / "profile" / "rank0.json").read_text())
+    assert any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
+    assert [p.name for p in ckpt.list_checkpoints(run_dir / "ckpt")] == [
+        "step-000006.safetensors",
+        "step-000012.safetensors",
+    ]
 
 
 def _records(folder, steps, throughput):

@@ -1,0 +1,108 @@
+"""Asynchronous checkpoints (--ckpt-async): the step waits only while the train state is copied to host memory;
+a thread of rank 0 writes core.ckpt's file while training goes on.
+
+    saver = ckpt_async.CheckpointSaver(background=cfg.ckpt_async)   # background=False: core.ckpt's save, as is
+    saver.save(run, model=model, optimizer=optimizer, progress=progress, keep=cfg.keep, scheduler=scheduler)
+    saver.close()   # the end of the run: the last write lands, or its failure is one line
+
+The file is core.ckpt's (snapshot, then write_checkpoint: atomic, checksummed), byte for byte the one a
+synchronous save writes. One write is in flight at a time: the next save, and the end of the run, wait for
+it first, and a write that failed is named by its own step. The host copy is kept from save to save (pinned
+memory for a GPU's tensors): fresh memory's page faults cost as much as the copy itself. What it costs: a kill
+during a write loses that checkpoint (the one before stays whole), and rank 0 holds a second copy of the state.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core import ckpt
+from core.config import Options, RecipeError, option
+from core.dist import broadcast_object
+from core.folder import RunFolder
+
+
+@dataclass(frozen=True)
+class AsyncCheckpoints(Options):
+    title = "checkpoints"
+    ckpt_async: bool = option(
+        False, "write checkpoints in a background thread: the step waits only for the copy to host memory"
+    )
+
+
+def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `tensors` in host `buffers`, kept and reused from the previous save (pinned for a GPU's tensors),
+    so training may change the originals while the copy is written. Returns the copy, in the tensors' order."""
+    for key in buffers.keys() - tensors.keys():
+        del buffers[key]
+    for key, tensor in tensors.items():
+        buffer = buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()  # the copies are complete before training changes the originals
+    return {key: buffers[key] for key in tensors}  # separate buffers: tied weights are two tensors, as savable makes
+
+
+class CheckpointSaver:
+    """core.ckpt.save_checkpoint, or (background=True) the same file written by a thread of rank 0."""
+
+    def __init__(self, *, background: bool):
+        self.background = background
+        self.buffers: dict[str, torch.Tensor] = {}  # the host copy, reused save after save
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.writing: tuple[Path, int] | None = None  # the file in flight and its step: what an error names
+
+    def save(self, run: RunFolder, *, model, optimizer, progress: dict, keep: int, scheduler=None, scaler=None) -> Path:
+        """Every --ckpt-every steps, on every rank (the RNG gather is a collective): RUN/ckpt/step-N.safetensors.
+        Waits for the previous write first."""
+        state = {"scheduler": scheduler, "scaler": scaler}
+        if not self.background:
+            return ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=progress, keep=keep, **state)
+        self.wait()
+        tensors, metadata = ckpt.snapshot(run, model=model, optimizer=optimizer, progress=progress, **state)
+        path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"  # core.ckpt.save_checkpoint's name
+        if run.writer:
+            copy = stage(tensors, self.buffers)
+            self.writing = path, progress["step"]
+            self.thread = threading.Thread(target=self._write, args=(path, copy, metadata, keep), daemon=True)
+            self.thread.start()
+        return path
+
+    def _write(self, path: Path, tensors: dict, metadata: dict, keep: int) -> None:
+        try:
+            ckpt.write_checkpoint(path, tensors, metadata, keep=keep)
+        except BaseException as err:  # said in the training thread, at the next save or close
+            self.error = err
+
+    def wait(self) -> None:
+        """Until the write in flight (if any) has landed; a failed one is one RecipeError line on every rank (a
+        collective, so that no rank trains on while rank 0 stops)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        err, self.error = self.error, None
+        failed = None
+        if err is not None:
+            path, step = self.writing
+            why = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
+            failed = (
+                f"{path}: writing the checkpoint of step {step} in the background failed ({why}); the checkpoints "
+                f"before it are whole: free space or point --out at another disk, then --resume auto"
+            )
+        if self.background:
+            failed = broadcast_object(failed)
+        if failed and err is not None and not isinstance(err, OSError):
+            raise err  # a bug, not the disk: its traceback (the other ranks get the line)
+        if failed:
+            raise RecipeError(failed)
+
+    def close(self) -> None:
+        """The end of the run: the last write lands before the final weights and the summary."""
+        self.wait()

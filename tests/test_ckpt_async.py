@@ -1,0 +1,209 @@
+"""Asynchronous checkpoints (core/ckpt_async.py, ddp_monitored's --ckpt-async): the same file as a synchronous
+save, the step waiting only for the copy to host memory, one write in flight, a failed write named by its own
+step on every rank, the run's end waiting for the last write, and --ckpt-async refused by the recipes without it."""
+
+import json
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core import ckpt, ckpt_async
+from core.ckpt_io import list_checkpoints
+from core.config import RecipeError, UsageError, parse_args
+from core.folder import RunFolder
+from recipes import ddp_monitored
+from tiny import TiedMLP
+from tools.cli import _explained
+from tools.registry import RECIPES
+from world import GlooWorld
+
+
+def _train_state(seed=0, steps=3):
+    torch.manual_seed(seed)
+    model = TiedMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 64)).square().mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _progress(step):
+    return {"epoch": 0, "samples": 8 * step, "step": step, "skipped": 0}
+
+
+def _run(path, *, writer=True) -> RunFolder:
+    config = {"recipe": "ddp_monitored", "world_size": 1, "global_batch": 8, "lr": 0.01}
+    return RunFolder(Path(path), None, "ddp_monitored", config, writer)
+
+
+@pytest.mark.fast
+def test_async_save_writes_the_same_bytes_and_snapshots_before_returning(tmp_path):
+    model, optimizer = _train_state()
+    sync_path = ckpt.save_checkpoint(
+        _run(tmp_path / "sync"), model=model, optimizer=optimizer, progress=_progress(5), keep=2
+    )
+    saver, run = ckpt_async.CheckpointSaver(background=True), _run(tmp_path / "async")
+    async_path = saver.save(run, model=model, optimizer=optimizer, progress=_progress(5), keep=2)
+    with torch.no_grad():  # training goes on while the file is written: the file keeps the state of the save
+        model.hidden.weight.add_(1.0)
+    optimizer.state[model.hidden.weight]["exp_avg"].add_(1.0)
+    saver.save(run, model=model, optimizer=optimizer, progress=_progress(6), keep=2)  # waits for step 5's write first
+    saver.close()
+    assert async_path.read_bytes() == sync_path.read_bytes()
+    assert [p.name for p in list_checkpoints(tmp_path / "async" / "ckpt")] == [
+        async_path.name,
+        "step-000006.safetensors",
+    ]
+
+
+@pytest.mark.fast
+def test_the_step_waits_for_the_copy_only_and_reuses_the_host_buffers(tmp_path, monkeypatch):
+    """The write is held back until the test lets it go: save() has returned by then, and the next save waits."""
+    release, writers, real_write = threading.Event(), [], ckpt.write_checkpoint
+
+    def held_write(path, tensors, metadata, *, keep):
+        writers.append(threading.current_thread())
+        assert release.wait(timeout=60)
+        real_write(path, tensors, metadata, keep=keep)
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", held_write)
+    model, optimizer = _train_state()
+    saver, run = ckpt_async.CheckpointSaver(background=True), _run(tmp_path)
+    path = saver.save(run, model=model, optimizer=optimizer, progress=_progress(1), keep=2)
+    buffers = {key: buffer.data_ptr() for key, buffer in saver.buffers.items()}
+    assert saver.thread.is_alive() and not path.exists()  # the step goes on while the file is being written
+    assert writers[0] is not threading.main_thread()
+    release.set()
+    saver.save(run, model=model, optimizer=optimizer, progress=_progress(2), keep=2)
+    assert path.exists()  # the second save waited for the first write
+    assert {key: buffer.data_ptr() for key, buffer in saver.buffers.items()} == buffers  # the same host memory
+    release.clear()
+    saver.save(run, model=model, optimizer=optimizer, progress=_progress(3), keep=2)
+    closing = threading.Thread(target=saver.close)
+    closing.start()
+    closing.join(timeout=0.5)
+    assert closing.is_alive()  # the run's end waits for the write in flight
+    release.set()
+    closing.join()
+    tensors, _ = ckpt.read_checkpoint(run.path / "ckpt" / "step-000003.safetensors")  # whole, checksums hold
+    torch.testing.assert_close(tensors["model/hidden.weight"], model.hidden.weight, rtol=0, atol=0)
+
+
+@pytest.mark.fast
+def test_a_failed_background_write_is_named_by_its_own_step(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    model, optimizer = _train_state()
+    saver, run = ckpt_async.CheckpointSaver(background=True), _run(tmp_path / "file")
+    saver.save(run, model=model, optimizer=optimizer, progress=_progress(2), keep=2)  # fails in the background
+    with pytest.raises(RecipeError) as failed:
+        saver.save(run, model=model, optimizer=optimizer, progress=_progress(4), keep=2)  # said before step 4's
+    message = str(failed.value)
+    assert "step-000002.safetensors" in message and "step 2" in message and "\n" not in message
+    assert "step 4" not in message and "--resume auto" in message
+    saver.save(run, model=model, optimizer=optimizer, progress=_progress(6), keep=2)
+    with pytest.raises(RecipeError, match="step 6"):  # the run's end: the last write's failure, one line
+        saver.close()
+    saver.close()  # said once
+
+
+def _save_in_world(topo, folder, background):
+    model, optimizer = _train_state(seed=0)
+    torch.manual_seed(100 + topo.rank)  # each rank's generator differs: the checkpoint holds both
+    run = replace(_run(folder, writer=topo.is_rank0), config={**_run(folder).config, "world_size": 2})
+    if background:
+        saver = ckpt_async.CheckpointSaver(background=True)
+        saver.save(run, model=model, optimizer=optimizer, progress=_progress(7), keep=2)
+        saver.close()
+    else:
+        ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=_progress(7), keep=2)
+    return torch.rand(1).item()
+
+
+def _fail_in_world(topo, path):
+    """Rank 0's write fails (its run folder is a file); every rank hears it at the run's end, none waits."""
+    model, optimizer = _train_state()
+    saver = ckpt_async.CheckpointSaver(background=True)
+    saver.save(_run(path, writer=topo.is_rank0), model=model, optimizer=optimizer, progress=_progress(3), keep=2)
+    try:
+        saver.close()
+    except RecipeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with GlooWorld(2) as world:
+        yield world
+
+
+@pytest.mark.world
+def test_async_equals_sync_in_a_world_of_two_and_a_failure_reaches_every_rank(world2, tmp_path):
+    draws_sync = world2.run(_save_in_world, str(tmp_path / "sync"), False)
+    draws_async = world2.run(_save_in_world, str(tmp_path / "async"), True)
+    name = "ckpt/step-000007.safetensors"
+    assert (tmp_path / "sync" / name).read_bytes() == (tmp_path / "async" / name).read_bytes()
+    assert draws_sync == draws_async and draws_sync[0] != draws_sync[1]  # the gather left each generator alone
+    (tmp_path / "file").write_text("not a folder")
+    said = world2.run(_fail_in_world, str(tmp_path / "file"))
+    assert said[0] == said[1] and "step 3" in said[0], said
+
+
+def _train_monitored(topo, cfg):
+    """The recipe's train, its background writes slowed down: returns its summary and the writes still in flight."""
+    real_write, writes = ckpt.write_checkpoint, {"started": 0, "done": 0}
+
+    def slow_write(*args, **kwargs):
+        writes["started"] += 1
+        threading.Event().wait(0.5)  # a slow disk: the run's end must wait for this write
+        real_write(*args, **kwargs)
+        writes["done"] += 1
+
+    ckpt.write_checkpoint = slow_write
+    try:
+        summary = ddp_monitored.train(cfg, topo)
+    finally:
+        ckpt.write_checkpoint = real_write
+    return summary, writes["started"] - writes["done"]
+
+
+@pytest.mark.world
+def test_the_recipe_with_ckpt_async_resumes_bitwise_and_ends_after_its_last_write(world2, tmp_path):
+    cfg = ddp_monitored.Config(
+        model="tiny:mlp",
+        max_steps=8,
+        ckpt_every=4,
+        keep=3,
+        log_every=4,
+        hang_factor=0,
+        ckpt_async=True,
+        out=str(tmp_path),
+    )
+    (_, in_flight), _ = world2.run(_train_monitored, cfg)
+    assert in_flight == 0  # train returned after its last write
+    run_dir = tmp_path / "ddp_monitored-1"
+    saved = list_checkpoints(run_dir / "ckpt")
+    assert [p.name for p in saved] == ["step-000004.safetensors", "step-000008.safetensors"]
+    _, meta = ckpt.read_checkpoint(saved[-1])  # the run's last write had landed, whole, when train returned
+    assert json.loads(meta["progress"])["step"] == 8
+    uninterrupted = load_file(run_dir / "model.safetensors")
+    (summary, _), _ = world2.run(_train_monitored, cfg.replace(resume=str(saved[0])))  # steps 5 to 8, from step 4
+    assert summary["steps"] == 8
+    for key, value in load_file(run_dir / "model.safetensors").items():
+        assert torch.equal(value, uninterrupted[key]), key
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", ["ddp", "ddp_amp", "dp"])
+def test_recipes_without_async_saves_refuse_the_option_naming_the_one_that_takes_it(name):
+    config = RECIPES[name].load().Config
+    with pytest.raises(UsageError) as refused:
+        parse_args(config, ["--ckpt-async"])
+    assert str(_explained(refused.value, name, config)) == f"--ckpt-async: {name} does not take it; ddp_monitored does"
+    assert parse_args(ddp_monitored.Config, ["--ckpt-async"])[0].ckpt_async is True
