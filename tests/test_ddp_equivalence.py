@@ -3,7 +3,6 @@
 import pytest
 import torch
 from torch import nn
-
 from torch.nn.parallel import DistributedDataParallel
 
 from core.loss import make_loss
