@@ -5,13 +5,13 @@
 Two more figures (issue 14): the cost of the checksums (the same write without them, with the old
 blocksum64-crc32 ones and with the xxh3 ones, in turn in each repeat; goal: at most 10% slower), and
 the time a training step is blocked by a checkpoint of a train state, background
-(CheckpointSaver(background=True): a host copy) against in-line (the whole write); goal: at most
+(core.ckpt_async.CheckpointSaver(background=True): a host copy) against in-line (the whole write); goal: at most
 0.2x. The floor of the background figure is a host copy of the state, printed too: for a GPU's
 state that is a pinned device-to-host copy (tens of GB/s); for a CPU's state it is a memcpy, which
 on a small shared machine runs no faster than the write itself.
 
 Rows: the raw sequential write speed of this disk (dd with conv=fdatasync: the physical
-bound), our checkpoint path (core.ckpt.save_weights: safetensors to a temporary name, fsync,
+bound), our checkpoint path (core.weights.write_weights: safetensors to a temporary name, fsync,
 rename), and torch.save + fsync. Reads: safetensors load_file against torch.load(weights_only=True),
 both from the page cache (dropping caches needs privileges a bench should not ask for);
 load_file maps the file, so its figure is the cost of opening it more than of reading it.
@@ -32,8 +32,10 @@ import torch
 from safetensors.torch import load_file
 
 from core.checksum import blocksum64_crc32, checksum
-from core.ckpt import CheckpointSaver, atomic_write, savable, save_weights, write_safetensors
-from core.ckpt_save import staged
+from core.ckpt_async import CheckpointSaver, stage
+from core.ckpt_io import atomic_write, write_safetensors
+from core.folder import RunFolder
+from core.weights import savable, write_weights
 
 
 def dd_write_mb_s(path: Path, mb: int) -> float:
@@ -60,8 +62,13 @@ def torch_save_fsync(state, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def save_weights(state, path: Path) -> None:
+    """What a run writes at its end (RUN/model.safetensors), here under `path`."""
+    write_weights(RunFolder(path.parent, None, "bench", {"model": "bench"}, True), state).rename(path)
+
+
 def save_with(state, path: Path, checksum_of) -> None:
-    """save_weights' write with another checksum function (None: no checksums)."""
+    """write_weights' write with another checksum function (None: no checksums)."""
     tensors = savable(state)
     atomic_write(path, lambda f: write_safetensors(f, tensors, checksum_of=checksum_of))
 
@@ -72,11 +79,11 @@ def hash_s(state, checksum_of) -> float:
     return timed(lambda: [checksum_of(t) for t in tensors.values()])
 
 
-def blocked_s(saver: CheckpointSaver, model, optimizer, step: int) -> float:
+def blocked_s(saver: CheckpointSaver, run: RunFolder, model, optimizer, step: int) -> float:
     """The time save() keeps the training loop waiting; the previous write has landed (untimed)."""
     saver.wait()
     start = time.perf_counter()
-    saver.save(model=model, optimizer=optimizer, progress={"epoch": 0, "samples": 0, "step": step})
+    saver.save(run, model=model, optimizer=optimizer, progress={"epoch": 0, "samples": 0, "step": step}, keep=1)
     blocked = time.perf_counter() - start
     saver.wait()
     return blocked
@@ -112,10 +119,8 @@ def main() -> None:
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the state is the model's
         trained = copy.deepcopy(model).to(args.device)
         copies = []  # a plain host copy of the state: the floor of any background save's blocked time
-        savers = {
-            "in-line": CheckpointSaver(folder / "inline", keep=1),
-            "background": CheckpointSaver(folder / "background", keep=1, background=True),
-        }
+        savers = {"in-line": CheckpointSaver(background=False), "background": CheckpointSaver(background=True)}
+        runs = {name: RunFolder(folder / name, None, "bench", {"global_batch": 1}, True) for name in savers}
         blocked, buffers = {name: [] for name in savers}, {}
         checksums = {"none": None, "old blocksum64-crc32": blocksum64_crc32, "new xxh3": checksum}
         save_s = {name: [] for name in checksums}  # seconds per save, each checksum in turn
@@ -138,8 +143,8 @@ def main() -> None:
             rows["ours without checksums"].append(size_mb / save_s["none"][-1])
             rows["ours with the old blocksum64-crc32"].append(size_mb / save_s["old blocksum64-crc32"][-1])
             for name, saver in savers.items():
-                blocked[name].append(blocked_s(saver, trained, optimizer, i))
-            copies.append(timed(staged, trained.state_dict(), buffers))
+                blocked[name].append(blocked_s(saver, runs[name], trained, optimizer, i))
+            copies.append(timed(stage, trained.state_dict(), buffers))
             rows["torch.save + fsync"].append(size_mb / timed(torch_save_fsync, model.state_dict(), theirs))
             rows["ours: safetensors load_file"].append(size_mb / timed(load_file, ours))
             rows["torch.load(weights_only=True)"].append(size_mb / timed(torch.load, theirs, weights_only=True))
