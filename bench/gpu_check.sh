@@ -49,13 +49,18 @@ done
 
 check "ddp_amp: fp16 + GradScaler" launch 1 -m recipes run ddp_amp --precision fp16 --max-steps 30 --log-every 10
 check "ddp_amp: bf16" launch 1 -m recipes run ddp_amp --precision bf16 --max-steps 30 --log-every 10
-check "ddp: --comm-hook bf16 (nccl)" launch 1 -m recipes run ddp --comm-hook bf16 --max-steps 20 --log-every 10
-check "ddp: cnn --channels-last" launch 1 -m recipes run ddp --model cnn --channels-last --max-steps 20 --log-every 10
-check "ddp: --debug (DETAIL, flight recorder)" launch 1 -m recipes run ddp --debug --max-steps 10 --log-every 5
-check "ddp: gpt fp32, 200 steps" launch 1 -m recipes run ddp --model gpt --data text --batch-size 64 \
-  --max-steps 200 --log-every 50 && last_train
-check "ddp: gpt --compile, 200 steps" launch 1 -m recipes run ddp --model gpt --data text --batch-size 64 \
-  --compile --max-steps 200 --log-every 50 && last_train
+check "ddp_monitored: --comm-hook bf16 (nccl)" launch 1 -m recipes run ddp_monitored --comm-hook bf16 --max-steps 20 \
+  --log-every 10
+check "ddp_monitored: cnn --channels-last" launch 1 -m recipes run ddp_monitored --model cnn --channels-last \
+  --max-steps 20 --log-every 10
+check "ddp_monitored: --debug (DETAIL, flight recorder)" launch 1 -m recipes run ddp_monitored --debug --max-steps 10 \
+  --log-every 5
+check "ddp_monitored: --ckpt-async (pinned host copy)" launch 1 -m recipes run ddp_monitored --ckpt-async \
+  --ckpt-every 10 --max-steps 30 --log-every 10
+check "ddp_monitored: gpt fp32, 200 steps" launch 1 -m recipes run ddp_monitored --model gpt --data text \
+  --batch-size 64 --max-steps 200 --log-every 50 && last_train
+check "ddp_monitored: gpt --compile, 200 steps" launch 1 -m recipes run ddp_monitored --model gpt --data text \
+  --batch-size 64 --compile --max-steps 200 --log-every 50 && last_train
 
 echo "$failures failure(s)"
 exit $((failures > 0))
