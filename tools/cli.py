@@ -33,14 +33,15 @@ def cli():
 
 @cli.command("ls")
 def list_recipes():
-    """A table of the recipes: name, what it builds on, multi-node, what it shows."""
-    rows = [("name", "builds on", "multi-node", "what it shows")]
+    """A table of the recipes: name, what it builds on, multi-node, the opt-in modules it takes, what it shows."""
+    rows = [("name", "builds on", "multi-node", "opt-ins (core/)", "what it shows")]
     rows += [
-        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", r.summary) for _, r in sorted(RECIPES.items())
+        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", ", ".join(r.opt_ins) or "-", r.summary)
+        for _, r in sorted(RECIPES.items())
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "help_option_names": []})
@@ -65,7 +66,9 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
     if "RANK" not in os.environ or dry_run or not os.environ.get("TDR_PRECHECKED"):  # the launcher ran it once
         from tools.precheck import precheck
 
-        precheck(recipe, module, cfg)
+        warnings = precheck(recipe, module, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        for line in warnings if os.environ.get("RANK", "0") == "0" else []:
+            click.echo(f"warning: {line}", err=True)
     if dry_run:
         click.echo(f"ok: {name} {cfg.to_dict()}")
         return
