@@ -172,8 +172,8 @@ def check_devices(model: nn.Module, *, spec: str, sync_batchnorm: bool) -> None:
     synced = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if synced:
         raise RecipeError(
-            f"--model {spec}: SyncBatchNorm layers ({few(synced)}) run on GPUs only, and this job runs on CPU; return plain "
-            f"BatchNorm from the factory on CPU (ddp's --sync-batchnorm converts them on GPUs)"
+            f"--model {spec}: SyncBatchNorm layers ({few(synced)}) run on GPUs only, and this job runs on CPU; "
+            f"return plain BatchNorm from the factory on CPU (ddp's --sync-batchnorm converts them on GPUs)"
         )
 
 
