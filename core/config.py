@@ -70,8 +70,8 @@ class Options:
 
 
 def at_least(low: int) -> dict:
-    """`option(..., **at_least(1))`: a whole number from `low` up."""
-    return {"check": lambda v: low <= v <= 2**31, "fix": f"use {low} or more"}
+    """`option(..., **at_least(1))`: a whole number from `low` up (to 2**31: a value past it is a typo)."""
+    return {"check": lambda v: low <= v <= 2**31, "fix": f"use {low} to 2**31"}
 
 
 def _plain_name(name: str) -> bool:
