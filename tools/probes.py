@@ -21,9 +21,7 @@ from torch.utils.data import default_collate
 
 from core import stream
 from core.config import RecipeError
-from core.data import build_data, to_device
 from core.loss import LOSSES, Loss, call_model, forward, make_loss
-from core.models import build_model
 
 
 @dataclass
@@ -31,6 +29,7 @@ class Finding:
     cause: str  # short: "unused parameters"
     detail: str  # which layers, why it breaks equivalence, and the fix
     crashes: bool = False  # makes DDP fail outright (rather than train apart): a likely cause of a crashed run
+    layers: tuple[str, ...] = ()  # the modules it is about, where `check` can switch them off (dropout)
 
 
 RANDOMNESS = "dropout or other randomness"  # a Finding's cause: equal in distribution, not bit for bit
@@ -68,21 +67,15 @@ def collated(samples: list, collate, *, spec: str):
         ) from None
 
 
-def sample_batches(data_spec: str, *, size: int, count: int = 1) -> list:
+def sample_batches(train, collate, *, spec: str, size: int, count: int = 1) -> list:
     """`count` batches of `size` training samples, collated as the recipe collates them (the factory's collate_fn
     or default_collate): map-style data or a stream, pairs or dicts. A problem is one RecipeError line."""
-    train, _, collate = build_data(data_spec)  # a factory that raises or returns the wrong thing: RecipeError
-    samples = first_samples(train, size * count, spec=data_spec)
+    samples = first_samples(train, size * count, spec=spec)
     if not samples:
-        raise RecipeError(f"--data {data_spec}: the training set is empty")
+        raise RecipeError(f"--data {spec}: the training set is empty")
     chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
     chunks = chunks[:1] + [c for c in chunks[1:] if len(c) == size]  # a short extra batch probes nothing new
-    return [collated(chunk, collate, spec=data_spec) for chunk in chunks[:count]]
-
-
-def sample_batch(data_spec: str, *, size: int):
-    """One collated batch of the first `size` training samples (see sample_batches)."""
-    return sample_batches(data_spec, size=size)[0]
+    return [collated(chunk, collate, spec=spec) for chunk in chunks[:count]]
 
 
 # --- the call the recipe makes, and one step -------------------------------------------------------------------
@@ -277,6 +270,7 @@ def probe(
                     f"{where} draws from the RNG: each rank draws its own (seeded seed + rank), as one process draws "
                     f"over the whole batch, so N ranks and one process train alike in distribution, not bit for bit"
                 ),
+                layers=tuple(dropout),
             )
         )
     findings += _deterministic_check(model, batch, seed=seed, loss=loss)
@@ -297,27 +291,3 @@ def _deterministic_check(model: nn.Module, batch, *, seed: int, loss: str) -> li
         return [Finding("non-deterministic layers", f"{message}; results differ from run to run")]
     finally:
         torch.use_deterministic_algorithms(before)
-
-
-def probe_spec(*, model: str, data: str, loss: str, batch_size: int, seed: int, takes: frozenset) -> list[Finding]:
-    """Build the model and two batches as the recipe does, and probe them; any failure is one RecipeError line."""
-    torch.manual_seed(seed)
-    built = build_model(model)
-    make_loss(loss, model=built)  # a bad --loss: one RecipeError line, as a bad --model or --data below
-    batches = sample_batches(data, size=batch_size, count=2)
-    device = next(built.parameters(), torch.empty(0)).device
-    batches = [to_device(b, device) for b in batches]
-    try:
-        check_call(built, batches[0], make_loss(loss, model=built), where=f"--model {model} --data {data}")
-        return probe(
-            built, batches[0], other=batches[1] if len(batches) > 1 else None, seed=seed, loss=loss, takes=takes
-        )
-    except RecipeError as err:  # the loss contract refused this model's output or this batch
-        message = str(err)
-        raise RecipeError(
-            message if message.startswith("--model") else f"--model {model} --data {data}: {message}"
-        ) from None
-    except Exception as err:  # the model can't train on this data at all: no point in launching anything
-        raise RecipeError(
-            f"--model {model} --data {data}: one training step fails ({one_line(err)}); fix the model or the data first"
-        ) from None
