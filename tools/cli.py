@@ -118,10 +118,15 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
             dest=dest,
             nproc=2 if recipe.multi_node else 1,
             keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
+            left_out=LEFT_OUT,
         )
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     click.echo(f"copied {name} to {dest}; run it with: {launch}")
+
+
+# What the package's runner has and a standalone copy does not (its header says so, in one line).
+LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 
 
 def retarget_commands(text: str, name: str, dest: str) -> str:
