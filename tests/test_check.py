@@ -163,6 +163,10 @@ def test_the_error_line_is_the_runs_own_one_sentence():
     assert _error_line("noise\nerror: --model m: the factory raised X\nValueError: y") == (
         "error: --model m: the factory raised X"
     )
+    ours = "error: --model m: " + "a long line of our own " * 20 + "ends here"
+    assert _error_line(f"[rank1]: {ours}") == ours  # one line already: never cut
+    words = "ValueError: " + "word " * 80
+    assert _error_line(words).endswith("word ...") and len(_error_line(words)) <= 244  # between words
 
 
 @pytest.mark.fast

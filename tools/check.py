@@ -59,14 +59,18 @@ class Report:
 
 
 def _error_line(stderr: str) -> str:
-    """The line that says why a run failed: its `error:` line, or the first exception raised in it (without
-    torchrun's rank prefix, cut after a sentence: DDP's own messages run to a paragraph)."""
+    """The line that says why a run failed: its `error:` line, whole, or the first exception raised in it (without
+    torchrun's rank prefix, cut after a sentence, or else between words: DDP's own messages run to a paragraph)."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line.strip()) for line in stderr.splitlines()]
     mine = [line for line in lines if line.startswith("error: ")]
+    if mine:
+        return mine[0]
     raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
-    line = (mine or raised or [line for line in lines if line] or ["(no output)"])[0]
+    line = (raised or [line for line in lines if line] or ["(no output)"])[0]
+    if len(line) <= 240:
+        return line
     cut = line.rfind(". ", 0, 240)
-    return line if len(line) <= 240 else line[: cut + 1] if cut > 0 else line[:240] + "..."
+    return line[: cut + 1] if cut > 0 else line[: line.rfind(" ", 0, 240)] + " ..."
 
 
 @dataclass(frozen=True)
