@@ -70,8 +70,8 @@ class Options:
 
 
 def at_least(low: int) -> dict:
-    """`option(..., **at_least(1))`: a whole number from `low` up."""
-    return {"check": lambda v: low <= v <= 2**31, "fix": f"use {low} or more"}
+    """`option(..., **at_least(1))`: a whole number from `low` up (to 2**31: a value past it is a typo)."""
+    return {"check": lambda v: low <= v <= 2**31, "fix": f"use {low} to 2**31"}
 
 
 def _plain_name(name: str) -> bool:
@@ -155,8 +155,9 @@ def cli_main(main: Callable, config: type, argv: list[str] | None = None) -> Non
     """`if __name__ == "__main__": cli_main(main, Config)`: parse, run; a user's error as one line."""
 
     def parse_and_run() -> int:
+        doc = sys.modules[main.__module__].__doc__ or ""  # a copy may have lost its docstring
         try:
-            cfg, dry_run = parse_args(config, argv, description=sys.modules[main.__module__].__doc__.split("\n")[0])
+            cfg, dry_run = parse_args(config, argv, description=doc.split("\n")[0])
             print(f"ok: {cfg.to_dict()}") if dry_run else main(cfg)
             return 0
         except UsageError as err:

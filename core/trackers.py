@@ -48,7 +48,12 @@ class Tracking(Options):
 
     def __post_init__(self):
         super().__post_init__()
-        check_trackers(self.log_to)
+        kinds = check_trackers(self.log_to)
+        if self.wandb_project and "wandb" not in kinds:  # never silently ignored
+            raise RecipeError(
+                f"--wandb-project {self.wandb_project}: names the W&B project of --log-to wandb, which is not given; "
+                f"add --log-to wandb, or drop --wandb-project"
+            )
 
 
 def check_trackers(log_to: str) -> list[str]:

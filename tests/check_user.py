@@ -72,7 +72,8 @@ def bert():
 
 
 class NanoGPT(nn.Module):
-    """nanoGPT's shape: forward(idx, targets=None) -> (logits, loss)."""
+    """nanoGPT's shape: forward(idx, targets=None) -> (logits, loss); without targets, the last position's logits
+    only (its inference path), so a loss taken outside the model cannot work."""
 
     def __init__(self):
         super().__init__()
@@ -83,8 +84,9 @@ class NanoGPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         x = x + torch.relu(self.mix(x.cumsum(1) / torch.arange(1, idx.shape[1] + 1)[:, None]))
         logits = self.head(x)
-        loss = None if targets is None else nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
+        if targets is None:
+            return logits[:, [-1], :], None
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def nano():
@@ -170,3 +172,52 @@ def crashing():
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise RuntimeError("this model needs one GPU per rank")
     return nn.Sequential(nn.Linear(64, 10))
+
+
+def lm():
+    """lm_stream's samples as a map-style data set (a list): what ddp, which reads no streams, trains on."""
+    return list(lm_stream()[0].samples), None
+
+
+class Masked(nn.Module):
+    """forward(x, mask): (input, mask, target) samples are passed as model(input, mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x, mask):
+        return self.linear(x * mask)
+
+
+def masked():
+    return Masked()
+
+
+def triples():
+    """(input, mask, target) samples: the digits with a mask that keeps every pixel."""
+    from core.datasets import digits
+
+    train, val = digits()
+    return [(x, torch.ones_like(x), y) for x, y in train], [(x, torch.ones_like(x), y) for x, y in val]
+
+
+def regression():
+    """Float targets the shape of the output: --loss auto takes mse."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 8, generator=gen)
+    y = x @ torch.randn(8, 2, generator=gen)
+    return list(zip(x[:200], y[:200])), list(zip(x[200:], y[200:]))
+
+
+def regressor():
+    return nn.Linear(8, 2)
+
+
+def syncbn():
+    return nn.Sequential(nn.Linear(64, 32), nn.SyncBatchNorm(32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def exits():
+    """A factory that ends the process (a script's main() called by mistake) instead of returning."""
+    raise SystemExit(0)

@@ -39,3 +39,33 @@ def torchrun(*args: str, nproc: int = 2) -> list[str]:
 
 def recipes_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "recipes", *args], **kwargs)
+
+
+# Recipes still being moved onto the new core (issue 19): while one of them does not import, the tests that run
+# it are skipped, saying so; once it imports, they run.
+CONVERTING = frozenset({"ddp_monitored", "fsdp", "tensor_parallel", "fsdp_tp", "pipeline", "pipeline_naive"})
+
+
+def waiting(name: str) -> bool:
+    """A recipe still being converted that does not import yet."""
+    if name not in CONVERTING:
+        return False
+    from tools.registry import RECIPES
+
+    try:
+        RECIPES[name].load()
+        return False
+    except ImportError:
+        return True
+
+
+def recipe_params(names) -> list:
+    """pytest parameters for recipe names, the ones still being converted skipped with the reason."""
+    import pytest
+
+    return [
+        pytest.param(n, marks=pytest.mark.skip(reason=f"{n} waits for its move to the new core (issue 19)"))
+        if waiting(n)
+        else n
+        for n in names
+    ]

@@ -20,13 +20,24 @@ from torch import nn
 
 import check_user
 from core.config import RecipeError
+from core.data import build_data
 from core.models import build_model
-from helpers import REPO, recipes_cli, user_env
+from helpers import REPO, recipe_params, recipes_cli, user_env
+from tools import probes
 from tools.check import REL_TOL, Crash, Report, _error_line, _verdict, check_recipe, compare_weights
-from tools.probes import Finding, probe, sample_batch, sample_batches
+from tools.probes import RANDOMNESS, Finding, probe
 from tools.registry import RECIPES
 
 DDP = frozenset({"find_unused_parameters", "static_graph", "sync_batchnorm"})  # the ddp recipes' DDPOptions
+
+
+def sample_batches(spec: str, *, size: int, count: int = 1) -> list:
+    train, _, collate = build_data(spec)
+    return probes.sample_batches(train, collate, spec=spec, size=size, count=count)
+
+
+def sample_batch(spec: str, *, size: int):
+    return sample_batches(spec, size=size)[0]
 
 
 class Drifting(nn.Module):
@@ -72,7 +83,7 @@ def test_probes_find_nothing_in_models_that_train_alike(model, data):
     [
         ("unused", "unused parameters", "spare.weight, spare.bias"),
         ("batchnorm", "BatchNorm without SyncBatchNorm", "1 (BatchNorm1d)"),
-        ("dropout", "dropout or other randomness not seeded per rank", "dropout (2)"),
+        ("dropout", RANDOMNESS, "dropout (2)"),
     ],
 )
 def test_probes_name_the_cause_and_the_layer(digits_batch, factory, cause, names):
@@ -152,6 +163,10 @@ def test_the_error_line_is_the_runs_own_one_sentence():
     assert _error_line("noise\nerror: --model m: the factory raised X\nValueError: y") == (
         "error: --model m: the factory raised X"
     )
+    ours = "error: --model m: " + "a long line of our own " * 20 + "ends here"
+    assert _error_line(f"[rank1]: {ours}") == ours  # one line already: never cut
+    words = "ValueError: " + "word " * 80
+    assert _error_line(words).endswith("word ...") and len(_error_line(words)) <= 244  # between words
 
 
 @pytest.mark.fast
@@ -167,7 +182,7 @@ def test_the_error_line_is_the_runs_own_one_sentence():
 )
 def test_what_fails_before_any_launch_is_one_line(model, data, message):
     with pytest.raises(RecipeError, match=message) as raised:
-        check_recipe(RECIPES["ddp"], model=model, data=data)
+        check_recipe(RECIPES["ddp_amp" if "stream" in data else "ddp"], model=model, data=data)
     assert "\n" not in str(raised.value)
 
 
@@ -190,21 +205,34 @@ def _agrees(proc):
 # The command on a built-in model and on a user's own module from the working folder. More models and data
 # (transformers GPT-2 and BERT, dicts, streams) go through the same check: tests/test_real_models.py.
 @pytest.mark.e2e
-def test_check_passes_on_a_built_in_model(tmp_path):
-    _agrees(_check("fsdp", tmp_path=tmp_path))
+@pytest.mark.parametrize("name", recipe_params(["fsdp"]))
+def test_check_passes_on_a_built_in_model(tmp_path, name):
+    _agrees(_check(name, tmp_path=tmp_path))
 
 
 @pytest.mark.e2e
 def test_check_agrees_on_a_users_model_and_stream(tmp_path):
-    _agrees(_check("ddp", "--model", "usermodels:nano", "--data", "usermodels:pair_stream", tmp_path=tmp_path))
+    _agrees(_check("ddp_amp", "--model", "usermodels:nano", "--data", "usermodels:pair_stream", tmp_path=tmp_path))
+
+
+@pytest.mark.e2e
+def test_check_reports_dropout_as_equal_in_distribution_not_bitwise(tmp_path):
+    """Each rank draws its own masks (seed + rank): the runs are compared with dropout off, and the verdict says
+    what holds with it on."""
+    proc = _check("ddp", "--model", "usermodels:dropout", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dropout (2) is off (p=0) in both runs" in proc.stdout and "within" in proc.stdout
+    assert "equivalent: in distribution, not bit for bit: with dropout off the runs match" in proc.stdout
 
 
 @pytest.mark.e2e
 def test_check_fails_on_an_unused_parameter_and_names_the_option(tmp_path):
+    """The runs' own pre-check refuses the model before DDP's first step; the probe names the likely cause."""
     proc = _check("ddp", "--model", "usermodels:unused", tmp_path=tmp_path)
     assert proc.returncode == 1
     assert "equivalent: NO: the run on 2 processes crashed" in proc.stdout
-    assert "the run crashed: RuntimeError: Expected to have finished reduction" in proc.stdout
+    crash = "the run crashed: error: --model usermodels:unused: parameters spare.weight, spare.bias get no gradient"
+    assert crash in proc.stdout
     assert "likely cause: unused parameters: spare.weight, spare.bias" in proc.stdout
     assert "pass --static-graph" in proc.stdout and "find_unused_parameters=True" not in proc.stdout
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
@@ -243,7 +271,7 @@ def test_a_run_that_crashes_is_named_as_a_crash_with_its_error(tmp_path):
 
 @pytest.mark.e2e
 def test_the_command_prints_one_error_line_not_a_traceback(tmp_path):
-    proc = _check("ddp", "--data", "usermodels:failing_stream", tmp_path=tmp_path)
+    proc = _check("ddp_amp", "--data", "usermodels:failing_stream", tmp_path=tmp_path)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "error: --data usermodels:failing_stream: reading the training set raised ConnectionError: "

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from core.models import MLP
-from helpers import REPO, recipes_cli, run, torchrun, user_env
+from helpers import REPO, recipe_params, recipes_cli, run, torchrun, user_env
 from tools.registry import RECIPES
 
 
@@ -21,10 +21,34 @@ def _one_error_line(proc):
     return lines[-1]
 
 
-def test_ls_lists_every_recipe():
-    out = recipes_cli("ls").stdout
-    for name in RECIPES:
-        assert name in out
+@pytest.mark.e2e
+def test_ls_lists_every_recipe_and_the_opt_ins_it_takes():
+    lines = recipes_cli("ls").stdout.splitlines()
+    assert lines[0].split()[:4] == ["name", "builds", "on", "multi-node"] and "opt-ins" in lines[0]
+    for name, recipe in RECIPES.items():
+        row = next(line for line in lines if line.split()[0] == name)
+        assert (", ".join(recipe.opt_ins) or " - ") in row and recipe.summary in row
+
+
+def _core_imports(name: str) -> set[str]:
+    """The core modules a recipe's file imports: `from core import a, b`, `from core.x import y`, `import core.x`."""
+    found = set()
+    for node in ast.walk(ast.parse(Path(RECIPES[name].source_file).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "core":
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("core."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("core.")}
+    return found
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", recipe_params(sorted(RECIPES)))
+def test_the_registry_names_exactly_the_opt_ins_a_recipe_imports(name):
+    """ddp is the base: a recipe's opt-ins are the core modules it imports that ddp does not (README's table)."""
+    assert RECIPES["ddp"].opt_ins == ()
+    assert sorted(RECIPES[name].opt_ins) == sorted(_core_imports(name) - _core_imports("ddp"))
 
 
 def test_help_works():
@@ -159,7 +183,7 @@ def test_launcher_default_job_trains_digits_and_writes_plain_weights(tmp_path):
     assert not any(k.startswith("module.") for k in state)
     model = MLP()
     model.load_state_dict(state)  # strict: every key of the plain model, nothing else
-    from core.data import digits
+    from core.datasets import digits
 
     inputs, targets = digits()[1][:]
     accuracy = (model(inputs).argmax(-1) == targets).float().mean().item()

@@ -6,10 +6,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from core.config import RecipeError
-from core.data import build_data, check_data_factory
-from core.models import build_model, check_model_factory
+from core.data import build_data
+from core.models import build_model
+from tools.precheck import check_data, check_model
+
+
+def check_data_factory(spec: str) -> dict:
+    return check_data(spec, streams=True, recipe="ddp_amp")
+
+
+def check_model_factory(spec: str):
+    return check_model(spec)
+
 
 FACTORIES = """
 import torch
@@ -100,7 +111,7 @@ def test_a_bad_model_factory_is_one_line(factories, name, words):
         ("data_empty", "the training set is empty"),
         ("data_empty_stream", "the training set is empty"),
         ("data_bad_sample", "a training sample is of type str"),
-        ("data_ragged", "collating two training samples raised RuntimeError"),
+        ("data_ragged", "collating 2 training samples raised RuntimeError"),
         ("data_bad_collate", "its collate_fn is of type str, not a function"),
     ],
 )
@@ -109,26 +120,25 @@ def test_a_bad_data_factory_is_one_line(factories, name, words):
 
 
 @pytest.mark.fast
-def test_good_factories_are_summarised_and_build_the_same_things(factories):
-    assert check_model_factory("fx:model_ok") == {"model": "Linear", "parameters": 10}
-    assert check_data_factory("fx:data_stream") == {
-        "train": None,
-        "val": None,
-        "stream": True,
-        "sample": "dict",
-        "collate_fn": False,
-    }
-    assert check_data_factory("fx:data_with_collate")["collate_fn"] is True
-    assert check_data_factory("digits") == {
-        "train": 1438,
-        "val": 359,
-        "stream": False,
-        "sample": "pair",
-        "collate_fn": False,
-    }
+def test_good_factories_are_accepted_and_build_the_same_things(factories):
+    model = check_model_factory("fx:model_ok")
+    assert isinstance(model, torch.nn.Linear) and sum(p.numel() for p in model.parameters()) == 10
+    stream = check_data_factory("fx:data_stream")
+    assert stream["stream"] is True and stream["collate"] is None
+    assert callable(check_data_factory("fx:data_with_collate")["collate"])
+    found = check_data_factory("digits")
+    assert len(found["train"]) == 1438 and len(found["val"]) == 359 and not found["stream"]
     train, val, collate = build_data("digits")
     assert len(train) == 1438 and len(val) == 359 and collate is None
     assert build_model("fx:model_ok").out_features == 2
+
+
+@pytest.mark.fast
+def test_a_stream_is_refused_by_a_recipe_that_reads_none_naming_those_that_do(factories):
+    with pytest.raises(RecipeError) as refused:
+        check_data("fx:data_stream", streams=False, recipe="ddp")
+    assert "its train set is a stream (an IterableDataset); ddp reads map-style data sets" in str(refused.value)
+    assert "ddp_amp" in str(refused.value)
 
 
 @pytest.mark.e2e

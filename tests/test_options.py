@@ -7,13 +7,14 @@ ignored one, and fails the test.
 """
 
 import dataclasses
+import re
 import sys
 
 import pytest
 
 from core import dist
 from core.config import RecipeError, UsageError, parse_args
-from helpers import recipes_cli
+from helpers import recipe_params, recipes_cli, waiting
 from tools.registry import RECIPES, takers
 
 NAMES = sorted(RECIPES)
@@ -28,13 +29,13 @@ def _fields(name) -> set[str]:
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", recipe_params(NAMES))
 def test_help_lists_exactly_the_config(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(_config(name), ["--help"], prog=name)
     assert exit_.value.code == 0
-    listed = {word[2:].replace("-", "_") for word in capsys.readouterr().out.split() if word.startswith("--")}
-    listed = {w.rstrip(",") for w in listed if not w.startswith("no_")} - {"help", "dry_run"}
+    words = re.findall(r"(?<![\w'])--([a-z][\w-]*)\b(?!')", capsys.readouterr().out)
+    listed = {w.replace("-", "_") for w in words if not w.startswith("no-")} - {"help", "dry_run"}
     assert listed == _fields(name)
 
 
@@ -43,7 +44,8 @@ def test_an_option_a_recipe_does_not_take_names_the_ones_that_do():
     with pytest.raises(UsageError) as refused:
         parse_args(_config("ddp"), ["--accum", "4"])
     assert refused.value.option == "--accum"
-    assert {"ddp_amp", "fsdp"} <= set(takers("--accum")) and "ddp" not in takers("--accum")
+    expected = {"ddp_amp"} | ({"fsdp"} if not waiting("fsdp") else set())
+    assert expected <= set(takers("--accum")) and "ddp" not in takers("--accum")
 
 
 @pytest.mark.e2e
@@ -57,16 +59,19 @@ def test_unknown_option_is_a_usage_error_naming_the_takers(tmp_path):
 
 BAD = [  # (option, value, words in the one line)
     ("--timeout-s", "inf", "--timeout-s inf: use a finite number"),
-    ("--timeout-s", "1e20", "--timeout-s 1e+20: use 1 second to a week"),
-    ("--seed", "100000000000000000000", "--seed 100000000000000000000: use 0 to 2**63-1"),
+    ("--timeout-s", "1e20", "--timeout-s 1e+20: use (0, 604800]"),
+    ("--timeout-s", "0", "--timeout-s 0.0: use (0, 604800]"),
+    ("--seed", "100000000000000000000", "--seed 100000000000000000000: use 0 to 2**31"),
     ("--seed", "1e20", "argument --seed: invalid int value: '1e20'"),
     ("--batch-size", "100000000000000000000000", "use 1 to 2**31"),
+    ("--batch-size", "0", "--batch-size 0: use 1 to 2**31"),
     ("--lr", "inf", "--lr inf: use a finite number"),
     ("--lr", "nan", "--lr nan: use a finite number"),
-    ("--lr", "1e6", "--lr 1000000.0: use a learning rate in (0, 10]"),
-    ("--name", "a/b", "--name a/b: use a plain name, not a path"),
-    ("--name", "../x", "--name ../x: use a plain name, not a path"),
-    ("--epochs", "-1", "--epochs -1: use 0 or more"),
+    ("--lr", "1e6", "--lr 1000000.0: use (0, 10]"),
+    ("--out", "", "--out '': name a folder, e.g. runs"),
+    ("--name", "a/b", "--name 'a/b': use a plain name, not a path"),
+    ("--name", "../x", "--name '../x': use a plain name, not a path"),
+    ("--epochs", "-1", "--epochs -1: use 0 to 2**31"),
 ]
 
 
@@ -79,6 +84,7 @@ def test_bad_values_fail_when_the_config_is_built(option, value, words):
 
 
 @pytest.mark.fast
+@pytest.mark.skipif(waiting("ddp_monitored"), reason="ddp_monitored waits for its move to the new core (issue 19)")
 @pytest.mark.parametrize("value", ["inf", "0", "1e6"])
 def test_bucket_size_is_checked_where_it_exists(value):
     with pytest.raises(RecipeError, match="--bucket-mb"):
@@ -137,7 +143,7 @@ NEVER_READ_IN_ONE_PROCESS = {"debug"}  # read before the process group exists, b
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", recipe_params(NAMES))
 def test_every_option_is_read_by_the_run(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TDR_DEVICE", "cpu")
     module = RECIPES[name].load()
@@ -149,6 +155,7 @@ def test_every_option_is_read_by_the_run(name, tmp_path, monkeypatch):
         "ckpt_every": 1,
         "log_every": 1,
         "out": str(tmp_path),
+        **({"log_to": "tensorboard"} if "log_to" in fields else {}),  # --wandb-project is read where a tracker is
         **{k: v for k, v in WALK.get(name, {}).items() if k in fields},
     }
     cfg = _recording(module.Config)(**values)

@@ -27,10 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from core.config import RecipeError
-from tools.probes import Finding, few, one_line, probe, probe_spec, sample_batch, sample_batches  # noqa: F401  (tests)
+from core.data import to_device
+from core.loss import make_loss
+from core.models import build_model
+from tools.precheck import check_data, check_model
+from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
 
 # Tolerances. N ranks add a batch's gradient up in another order than one process: ~1e-7 relative in
 # float32, which leaves the weights ~1e-5..1e-4 of the distance training moved them apart (see
@@ -53,14 +59,18 @@ class Report:
 
 
 def _error_line(stderr: str) -> str:
-    """The line that says why a run failed: its `error:` line, or the first exception raised in it (without
-    torchrun's rank prefix, cut after a sentence: DDP's own messages run to a paragraph)."""
+    """The line that says why a run failed: its `error:` line, whole, or the first exception raised in it (without
+    torchrun's rank prefix, cut after a sentence, or else between words: DDP's own messages run to a paragraph)."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line.strip()) for line in stderr.splitlines()]
     mine = [line for line in lines if line.startswith("error: ")]
+    if mine:
+        return mine[0]
     raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
-    line = (mine or raised or [line for line in lines if line] or ["(no output)"])[0]
+    line = (raised or [line for line in lines if line] or ["(no output)"])[0]
+    if len(line) <= 240:
+        return line
     cut = line.rfind(". ", 0, 240)
-    return line if len(line) <= 240 else line[: cut + 1] if cut > 0 else line[:240] + "..."
+    return line[: cut + 1] if cut > 0 else line[: line.rfind(" ", 0, 240)] + " ..."
 
 
 @dataclass(frozen=True)
@@ -73,13 +83,10 @@ class Crash:
     command: str = ""
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    """`python ARGS` in the user's cwd and environment, less any torchrun variables of an outer job."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
-    }
+def _start(args: list[str], *, env: dict[str, str]) -> subprocess.Popen:
+    """`python ARGS` in the user's cwd and environment (and `env`), less any torchrun variables of an outer job."""
+    outer = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    env = {k: v for k, v in os.environ.items() if k not in outer} | env
     env.setdefault("OMP_NUM_THREADS", "1")  # N processes on a few cores: no oversubscription
     return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -155,7 +162,6 @@ def _check(
     """`model`, `data`: None for the recipe's default; `loss`: its --loss; `options`: more of its own options for
     every run (--static-graph, say). The report says why when the runs differ or one crashed (`reason`)."""
     config = recipe.load().Config
-    takes = frozenset(f.name for f in dataclasses.fields(config))
     model, data = model or config().model, data or config().data  # None: the recipe's own default
     own = [*(["--loss", loss] if loss != "auto" else []), *options]
     report = Report(
@@ -164,12 +170,22 @@ def _check(
             f"steps on {nproc} processes against 1 process on the same global batch"
         ]
     )
-    report.findings = probe_spec(model=model, data=data, loss=loss, batch_size=batch_size, seed=seed, takes=takes)
+    report.findings = probe_spec(recipe, model=model, data=data, loss=loss, batch_size=batch_size, seed=seed)
+    dropout = next((f for f in report.findings if f.cause == RANDOMNESS and f.layers), None)
+    env = {}
+    if dropout:  # compare the runs bit for bit with the masks off; with them on, they agree in distribution only
+        report.findings.remove(dropout)
+        model, env = f"{__name__}:without_dropout", {"TDR_CHECK_MODEL": model}
+        report.lines.append(
+            f"  dropout ({few(list(dropout.layers))}) is off (p=0) in both runs: with it on, each rank draws its own "
+            f"masks (seed + rank), as one process draws them over the whole batch: equal in distribution, not bit "
+            f"for bit"
+        )
     args = ["recipes", "run", recipe.name, "--model", model, "--data", data, "--seed", str(seed), *own]
     quiet = ["--log-every", str(steps), "--timeout-s", str(min(timeout_s, 300.0))]  # not shown in a rerun command
     with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
         runs, crash = _three_runs(
-            args, quiet=quiet, tmp=tmp, nproc=nproc, steps=steps, batch_size=batch_size, timeout_s=timeout_s
+            args, quiet=quiet, tmp=tmp, nproc=nproc, steps=steps, batch_size=batch_size, timeout_s=timeout_s, env=env
         )
         if crash:
             return _verdict(report, crash=crash)
@@ -194,20 +210,55 @@ def _check(
         )
     report.equivalent = found.relative <= rel_tol and loss_diff <= loss_tol
     return _verdict(
-        report, mismatch=None if report.equivalent else "the weights or the loss differ beyond the tolerance"
+        report,
+        mismatch=None if report.equivalent else "the weights or the loss differ beyond the tolerance",
+        distribution=dropout is not None,
     )
 
 
+def without_dropout() -> nn.Module:
+    """`check`'s --model for a model with dropout: the user's (TDR_CHECK_MODEL) with every dropout layer at p=0, so
+    that the runs compare bit for bit everything the masks leave alone."""
+    model = build_model(os.environ["TDR_CHECK_MODEL"])
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+    return model
+
+
+def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int) -> list[Finding]:
+    """Build the model and two batches as the recipe does (the pre-check's factory checks), and probe them; any
+    failure is one RecipeError line."""
+    torch.manual_seed(seed)
+    built = check_model(model)
+    loss_fn = make_loss(loss, model=built)  # a bad --loss: one RecipeError line, as a bad --model or --data below
+    found = check_data(data, streams=recipe.streams, recipe=recipe.name)
+    batches = sample_batches(found["train"], found["collate"], spec=data, size=batch_size, count=2)
+    device = next(built.parameters(), torch.empty(0)).device
+    batches = [to_device(b, device) for b in batches]
+    takes = frozenset(f.name for f in dataclasses.fields(recipe.load().Config))
+    where = f"--model {model} --data {data}"
+    try:
+        check_call(built, batches[0], loss_fn, where=where)
+        return probe(built, batches[0], other=(batches[1:] or [None])[0], seed=seed, loss=loss, takes=takes)
+    except RecipeError as err:  # the loss contract refused this model's output or this batch
+        raise RecipeError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
+    except Exception as err:  # the model can't train on this data at all: no point in launching anything
+        fix = "fix the model or the data first"
+        raise RecipeError(f"{where}: one training step fails ({one_line(err)}); {fix}") from None
+
+
 def _three_runs(
-    args: list[str], *, quiet: list[str], tmp: str, nproc: int, steps: int, batch_size: int, timeout_s: float
+    args: list[str], *, quiet: list[str], tmp: str, nproc: int, steps: int, batch_size: int, timeout_s: float, env: dict
 ) -> tuple[list[dict], Crash | None]:
     """The recipe on `nproc` processes, on one with the global batch, and its weights before any step."""
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     command = [*torchrun, "-m", *args, "--max-steps", str(steps), "--batch-size", str(batch_size)]
     out = f"{tmp}/distributed"
-    distributed, (how, why) = _finish(_start([*command, *quiet, "--out", out]), out=out, timeout_s=timeout_s)
+    distributed, (how, why) = _finish(_start([*command, *quiet, "--out", out], env=env), out=out, timeout_s=timeout_s)
     if distributed is None:
-        return [], Crash(f"the run on {nproc} processes", how, why, "torchrun " + " ".join(command[2:]))
+        rerun = "".join(f"{k}={v} " for k, v in env.items()) + "torchrun " + " ".join(command[2:])
+        return [], Crash(f"the run on {nproc} processes", how, why, rerun)
     distributed.setdefault("global_batch", batch_size * nproc)
     accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
     batch = str(distributed["global_batch"] // accum)  # as the recipe counts it (tensor parallel: one batch)
@@ -217,18 +268,27 @@ def _three_runs(
         "single": ["-m", *args, "--max-steps", str(steps), "--batch-size", batch],
         "initial": ["-m", *args, "--epochs", "0", "--max-steps", "1", "--batch-size", batch],
     }
-    started = {k: _start([*c, *quiet, "--out", f"{tmp}/{k}"]) for k, c in commands.items()}
+    started = {k: _start([*c, *quiet, "--out", f"{tmp}/{k}"], env=env) for k, c in commands.items()}
     done = {k: _finish(proc, out=f"{tmp}/{k}", timeout_s=timeout_s) for k, proc in started.items()}
     for key, (summary, (how, why)) in done.items():
         if summary is None:
-            return [], Crash(f"the single-process run (batch {batch})", how, why, "python " + " ".join(commands[key]))
+            rerun = "".join(f"{k}={v} " for k, v in env.items()) + "python " + " ".join(commands[key])
+            return [], Crash(f"the single-process run (batch {batch})", how, why, rerun)
     return [distributed, done["single"][0], done["initial"][0]], None
 
 
-def _verdict(report: Report, *, mismatch: str | None = None, crash: Crash | None = None) -> Report:
+def _verdict(
+    report: Report, *, mismatch: str | None = None, crash: Crash | None = None, distribution: bool = False
+) -> Report:
+    """The closing lines: equivalent or not, and why. `distribution`: the runs were compared with dropout off."""
     if mismatch is None and crash is None:
         report.lines.append(
-            "equivalent: yes: distributed training of this model matches one process"
+            (
+                "equivalent: in distribution, not bit for bit: with dropout off the runs match; with it on each rank "
+                "draws its own masks, as one process would"
+                if distribution
+                else "equivalent: yes: distributed training of this model matches one process"
+            )
             + (" (but see the warnings)" if report.findings else "")
         )
         report.lines += [f"warning: {f.cause}: {f.detail}" for f in report.findings]

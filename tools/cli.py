@@ -33,14 +33,15 @@ def cli():
 
 @cli.command("ls")
 def list_recipes():
-    """A table of the recipes: name, what it builds on, multi-node, what it shows."""
-    rows = [("name", "builds on", "multi-node", "what it shows")]
+    """A table of the recipes: name, what it builds on, multi-node, the opt-in modules it takes, what it shows."""
+    rows = [("name", "builds on", "multi-node", "opt-ins (core/)", "what it shows")]
     rows += [
-        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", r.summary) for _, r in sorted(RECIPES.items())
+        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", ", ".join(r.opt_ins) or "-", r.summary)
+        for _, r in sorted(RECIPES.items())
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "help_option_names": []})
@@ -65,7 +66,9 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
     if "RANK" not in os.environ or dry_run or not os.environ.get("TDR_PRECHECKED"):  # the launcher ran it once
         from tools.precheck import precheck
 
-        precheck(recipe, module, cfg)
+        warnings = precheck(recipe, module, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        for line in warnings if os.environ.get("RANK", "0") == "0" else []:
+            click.echo(f"warning: {line}", err=True)
     if dry_run:
         click.echo(f"ok: {name} {cfg.to_dict()}")
         return
@@ -78,7 +81,7 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
 def _explained(err: UsageError, name: str, config: type) -> UsageError:
     """An option this recipe does not take: the recipes that do, or the nearest option it does take."""
     option = (err.option or "").split("=")[0]
-    if not option.startswith("--"):
+    if not option.startswith("--") or "unrecognized arguments" not in str(err):  # a bad value: argparse's line
         return err
     others = [n for n in takers(option) if n != name]
     if others:
@@ -115,10 +118,15 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
             dest=dest,
             nproc=2 if recipe.multi_node else 1,
             keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
+            left_out=LEFT_OUT,
         )
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     click.echo(f"copied {name} to {dest}; run it with: {launch}")
+
+
+# What the package's runner has and a standalone copy does not (its header says so, in one line).
+LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 
 
 def retarget_commands(text: str, name: str, dest: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 from collections.abc import Iterator
-from heapq import heappop, heappush
 from pathlib import Path
 
 from tools.inline_refs import (
@@ -189,10 +188,12 @@ class _Inliner:
         for i in range(2, 100):
             yield f"{base}_{i}"
 
-    def ordered_chunks(self) -> list[Chunk]:
-        """Inlined statements: module by module (a module after those it imports), each in source
-        order, moved only where a statement needs another one when it runs (decorators, bases...)."""
-        rank = {m: i for i, m in enumerate(self._module_order())}
+    def ordered_chunks(self, *, first: tuple[str, ...] = ()) -> list[Chunk]:
+        """Inlined statements: the modules `first` names, then module by module (a module after those it imports),
+        each in source order; a statement that needs another one when it runs (decorators, bases, defaults) waits
+        for it, and a module, once begun, goes on while it has statements ready."""
+        order = self._module_order()
+        rank = {m: i for i, m in enumerate([m for m in first if m in order] + [m for m in order if m not in first])}
         chunks = sorted(
             (c for c in self.included.values() if c.module != RECIPE), key=lambda c: (rank[c.module], c.index)
         )
@@ -203,17 +204,18 @@ class _Inliner:
                 if ref.at_import and ref.target[0] == "def":
                     _, source, name = ref.target
                     needs[i] |= {position[(source, j)] for j in self.modules[source].defines[name]} - {i}
-        heap, done, out = [i for i in needs if not needs[i]], set(), []
-        waiting = {i: set(n) for i, n in needs.items()}
-        while heap:
-            i = heappop(heap)
+        ready, done, out = [i for i in needs if not needs[i]], set(), []
+        while ready:
+            current = out[-1].module if out else None
+            i = min(ready, key=lambda j: (chunks[j].module != current, j))  # the module begun, else the first
+            ready.remove(i)
             out.append(chunks[i])
             done.add(i)
-            for j, need in waiting.items():
+            for j, need in needs.items():
                 if i in need:
                     need.discard(i)
                     if not need and j not in done:
-                        heappush(heap, j)
+                        ready.append(j)
         if len(out) != len(chunks):
             raise StandaloneError("the inlined definitions need each other at import time (a cycle)")
         return out

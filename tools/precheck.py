@@ -1,11 +1,15 @@
-"""The pre-check: everything that can be refused before any process starts, said in one line.
+"""The pre-check: everything that can be refused before any process starts, said in one line with the fix.
 
-The launchers run it once (`python -m recipes run NAME ... --dry-run`) before torchrun; a single-process
-`python -m recipes run` runs it first too. Nothing is written by it. A copied recipe does not carry it.
+The launchers run it once (`python -m recipes run NAME ... --dry-run`, WORLD_SIZE set to the job's) before
+torchrun; a single-process `python -m recipes run` runs it first too. It calls the factories once, takes one
+training step on the first samples through core.loss (the recipes' own forward), and checks what the run would
+refuse only once its ranks are up, with the same functions the run calls. Nothing is written by it. A copied
+recipe does not carry it: `python -m recipes run` does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import inspect
 import os
@@ -14,31 +18,56 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from core import ckpt, data, folder, models, stream
 from core.config import RecipeError
+from core.data import to_device
+from core.dist import Topology
 from core.factory import resolve_factory
 from core.loss import make_loss
+from tools.probes import (
+    batchnorm_layers,
+    check_call,
+    collated,
+    few,
+    first_samples,
+    losses_that_work,
+    one_line,
+    train_step,
+    unused_parameters,
+)
 
 
-def precheck(recipe, module, cfg) -> None:
-    """Raise RecipeError (one line) for anything that would fail once processes are running."""
+def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
+    """Raise RecipeError (one line) for anything that would fail once processes are running; return the warnings.
+    `world_size`: the processes the job will start (the launcher's WORLD_SIZE)."""
     if hasattr(module, "check"):  # the recipe's own structural checks (mesh sizes, model structure)
         module.check(cfg)
     check_writable(cfg.out)
-    check_data(cfg.data, streams=recipe.streams, recipe=recipe.name)
+    takes = {f.name for f in dataclasses.fields(cfg)}
+    dp = module.mesh(cfg, world_size)["dp"] if hasattr(module, "mesh") else world_size
+    found = check_data(cfg.data, streams=recipe.streams, recipe=recipe.name)
+    check_steps(found, cfg, dp=dp)
     model = check_model(cfg.model)
-    make_loss(cfg.loss, model=model)
+    check_devices(model, spec=cfg.model, sync_batchnorm=getattr(cfg, "sync_batchnorm", False))
     if cfg.init_from:
         from core.weights import load_weights
 
         load_weights(model, cfg.init_from)
+    samples = first_samples(found["train"], min(2, cfg.batch_size), spec=cfg.data)
+    batch = collated(samples, found["collate"], spec=cfg.data)
+    grads = check_step(model, batch, model_spec=cfg.model, data_spec=cfg.data, loss=cfg.loss)
+    if "find_unused_parameters" in takes and not (cfg.find_unused_parameters or cfg.static_graph):
+        check_unused(model, grads, spec=cfg.model)
     if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        check_resume(recipe.name, module, cfg, model)
+        check_resume(recipe.name, module, cfg, model, world_size=world_size, dp=dp)
+    return batchnorm_warnings(model) if "sync_batchnorm" in takes and not cfg.sync_batchnorm else []
 
 
 def call_checked(spec: str, builtins: dict, *, option: str):
-    """What the factory returns, called with no arguments; one line for arguments it needs or what it raised."""
+    """What the factory returns, called with no arguments; one line for arguments it needs, what it raised, or
+    its exit (sys.exit in a factory would otherwise end the pre-check as a success)."""
     factory = resolve_factory(spec, builtins, option=option)
     try:
         params = inspect.signature(factory).parameters.values()
@@ -55,12 +84,17 @@ def call_checked(spec: str, builtins: dict, *, option: str):
     except RecipeError:
         raise
     except (Exception, SystemExit) as err:  # the user's code: name it and what it raised, in one line
-        what = f"exited ({err.code})" if isinstance(err, SystemExit) else f"raised {type(err).__name__}"
-        raise RecipeError(f"{option} {spec}: the factory {what}: {' '.join(str(err).split())[:300]}") from None
+        if isinstance(err, SystemExit):  # would end the pre-check, and with code 0 pass it
+            raise RecipeError(
+                f"{option} {spec}: the factory called sys.exit({err.code!r}) instead of returning; return the "
+                f"{'model' if option == '--model' else 'data sets'}, or raise an exception that says what is wrong"
+            ) from None
+        raise RecipeError(f"{option} {spec}: the factory raised {one_line(err)}") from None
 
 
 def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
-    """Call the data factory once, check what it returns, and collate two training samples."""
+    """Call the data factory once and check what it returns: (train, val) or (train, val, collate_fn), data sets
+    this recipe reads, and samples it can pass to a model."""
     result = call_checked(spec, data.DATASETS, option="--data")
     shape = "the factory must return (train, val) or (train, val, collate_fn)"
     if not (isinstance(result, tuple | list) and len(result) in (2, 3)):
@@ -81,8 +115,8 @@ def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
         elif not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) or isinstance(dataset, str):
             raise RecipeError(f"--data {spec}: {shape}; its {name} is of type {type(dataset).__name__}, not a data set")
     if collate is not None and not callable(collate):
-        raise RecipeError(f"--data {spec}: {shape}; its collate_fn is of type {type(collate).__name__}")
-    samples = _first(train, 2)
+        raise RecipeError(f"--data {spec}: {shape}; its collate_fn is of type {type(collate).__name__}, not a function")
+    samples = first_samples(train, 2, spec=spec)
     if not samples:
         raise RecipeError(f"--data {spec}: the training set is empty")
     tuple_ok = isinstance(samples[0], tuple | list) and len(samples[0]) >= 2
@@ -92,28 +126,109 @@ def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
             f"(input, target) pair, an (input, ..., target) tuple or a dict of tensors, or the factory must also "
             f"return a collate_fn"
         )
-    try:
-        (collate or torch.utils.data.default_collate)(samples)
-    except Exception as err:  # e.g. sequences of different lengths and no collate_fn to pad them
-        raise RecipeError(
-            f"--data {spec}: collating two training samples raised {type(err).__name__}: "
-            f"{' '.join(str(err).split())[:200]}; return a collate_fn as the third item of the factory's result"
-        ) from None
+    collated(samples, collate, spec=spec)
     return {"train": train, "val": val, "collate": collate, "stream": stream.is_stream(train)}
 
 
-def _first(dataset, n: int) -> list:
-    if stream.is_stream(dataset):
-        return [s for _, s in zip(range(n), dataset)]
-    return [dataset[i] for i in range(min(n, len(dataset)))]
+def check_steps(found: dict, cfg, *, dp: int) -> None:
+    """The run's length as the run reckons it (core.data / core.stream total_steps on this rank's loader): a batch
+    larger than one rank's share of the data set, or a stream without a length and no --max-steps, is one line."""
+    accum = getattr(cfg, "accum", 1)
+    topo = Topology(0, 0, dp, dp, 0, torch.device("cpu"), "gloo")  # rank 0's share; every rank's is as long
+    if not found["stream"]:
+        loader = data.make_loader(found["train"], topo, batch_size=cfg.batch_size, seed=cfg.seed, workers=0)
+        data.total_steps(loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=accum)
+        return
+    loader = stream.make_loader(found["train"], topo, batch_size=cfg.batch_size)
+    total = stream.total_steps(loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=accum)
+    if total == 0 and cfg.epochs > 0 and not cfg.max_steps:  # a stream with a length, shorter than one step
+        samples = len(found["train"])
+        raise RecipeError(data.too_few_samples(samples, batch_size=cfg.batch_size, accum=accum, world=dp))
 
 
-def check_model(spec: str) -> torch.nn.Module:
+def check_model(spec: str) -> nn.Module:
     """Call the model factory once; the model, or one line naming what it returned."""
     model = call_checked(spec, models.MODELS, option="--model")
-    if not isinstance(model, torch.nn.Module):
+    if not isinstance(model, nn.Module):
         raise RecipeError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _gpu() -> bool:
+    """Whether the ranks will run on GPUs (core.dist.pick_device's choice)."""
+    return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
+
+
+def check_devices(model: nn.Module, *, spec: str, sync_batchnorm: bool) -> None:
+    """SyncBatchNorm runs on GPUs only: --sync-batchnorm, or SyncBatchNorm layers in the model, on a CPU job is one
+    line (torch would refuse it only in the first forward, with one process it would do nothing)."""
+    if _gpu():
+        return
+    if sync_batchnorm:
+        raise RecipeError(
+            "--sync-batchnorm: torch's SyncBatchNorm runs on GPUs only, and this job runs on CPU; leave "
+            "--sync-batchnorm off (each rank then keeps its own BatchNorm statistics)"
+        )
+    synced = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if synced:
+        raise RecipeError(
+            f"--model {spec}: SyncBatchNorm layers ({few(synced)}) run on GPUs only, and this job runs on CPU; "
+            f"return plain BatchNorm from the factory on CPU (ddp's --sync-batchnorm converts them on GPUs)"
+        )
+
+
+def check_step(model: nn.Module, batch, *, model_spec: str, data_spec: str, loss: str) -> dict[str, torch.Tensor]:
+    """One forward and backward of the first samples through core.loss, as the recipes take it; the gradients.
+    A sample that does not fit the forward's signature names the call and the signature; a --loss that cannot
+    work names the ones that would."""
+    where = f"--model {model_spec} --data {data_spec}"
+    device = next(model.parameters(), torch.empty(0)).device
+    batch = to_device(batch, device)
+    synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    try:
+        loss_fn = make_loss(loss, model=model)
+        check_call(model, batch, loss_fn, where=where)
+        for layer in synced:  # SyncBatchNorm trains on GPUs only; here its running statistics stand in
+            layer.eval()
+        return train_step(model, batch, loss_fn)[1]
+    except RecipeError as err:
+        failed = str(err)
+    except Exception as err:  # the user's model or data raised
+        failed = f"one training step on the first samples raised {one_line(err).rstrip('.')}"
+    finally:
+        for layer in synced:
+            layer.train()
+    working = " or ".join(losses_that_work(model, batch, besides=loss))
+    if failed.startswith(where):  # the sample does not fit the signature: its own fix, and a --loss that fits
+        raise RecipeError(failed + (f"; --loss {working} fits this model and data" if working else ""))
+    problem = failed.removeprefix(f"--loss {loss}: ").split("; ")[0]  # core.loss's problem; the fix is below
+    fix = (
+        f"use --loss {working}, with which this model and data give a loss" if working else "fix the model or the data"
+    )
+    raise RecipeError(f"{where} --loss {loss}: {problem}; {fix}")
+
+
+def check_unused(model: nn.Module, grads: dict, *, spec: str) -> None:
+    """DDP waits for every parameter's gradient: one that no forward uses ends the run at its second step."""
+    unused = unused_parameters(model, grads)
+    if unused:
+        raise RecipeError(
+            f"--model {spec}: parameters {few(unused)} get no gradient in a training step, so DDP would fail at the "
+            f"next one; pass --find-unused-parameters (a graph walk every step) or --static-graph (the same unused "
+            f"set every step), or remove or freeze them (requires_grad_(False)) in the factory"
+        )
+
+
+def batchnorm_warnings(model: nn.Module) -> list[str]:
+    """The line the DDP recipes' runs print for BatchNorm layers: each rank keeps its own statistics."""
+    names = batchnorm_layers(model)
+    if not names:
+        return []
+    fix = "--sync-batchnorm shares them" if _gpu() else "--sync-batchnorm (GPUs only) would share them"
+    return [
+        f"BatchNorm layers {few(names)} normalise with each rank's own batch and keep per-rank running statistics, "
+        f"so the replicas' buffers end up different; {fix}"
+    ]
 
 
 def check_writable(out: str) -> None:
@@ -140,27 +255,20 @@ def disk_error(err: OSError) -> str:
     return f"{err.filename or folder_}: {err.strerror or err}; check the folder"
 
 
-def check_resume(recipe: str, module, cfg, model) -> None:
+def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -> None:
     """The checkpoint --resume names (or auto finds) is whole, holds this model and continues in this job."""
-    dcp = _sharded(module)
+    dcp = getattr(module, "dcp", None)  # a recipe with sharded checkpoints imports core.dcp
     newest, header = (dcp.newest_good, dcp.read_metadata) if dcp else (ckpt.newest_good, ckpt.read_metadata)
     runs = folder.run_dirs(cfg.out, cfg.name or recipe)
     resume = cfg.resume or "auto"
     path = (newest(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = module.mesh(cfg, world_size) if hasattr(module, "mesh") else {"dp": world_size}
-    global_batch = cfg.batch_size * mesh["dp"] * getattr(cfg, "accum", 1)
+    global_batch = cfg.batch_size * dp * getattr(cfg, "accum", 1)
     config = {"recipe": recipe, "world_size": world_size, "global_batch": global_batch, **cfg.to_dict()}
     if dcp is None:  # whole, undamaged, and this model, then the header's options
         tensors, _ = ckpt.read_checkpoint(path)
         ckpt.check_shapes(path, tensors, model)
     else:
         dcp.check_shapes(path, model)
-    folder.check_continues(path, header(path), config, dp=mesh["dp"])
-
-
-def _sharded(module):
-    """The sharded-checkpoint module a recipe imports (core.dcp), or None for the one-file checkpoints."""
-    return getattr(module, "dcp", None)
+    folder.check_continues(path, header(path), config, dp=dp)

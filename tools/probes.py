@@ -1,25 +1,27 @@
-"""The probes of `python -m recipes check`: what in a model makes N ranks train apart from one process.
+"""One training step on the first samples, as the recipes take it (core.loss), for the pre-check and `check`.
 
-They run in the checking process, with no process group, on the first batches of the data as the recipe
-collates them and with the loss the recipe takes (core.loss): parameters that get no gradient, BatchNorm,
-randomness in the forward, non-deterministic ops. Each finding names the layers and a fix in the options the
-recipe actually has.
+The pre-check (tools/precheck.py) takes one step to refuse before launch what would fail in the ranks: a sample
+that does not fit the forward's signature, a loss that cannot work (naming the one that would), parameters no
+forward uses. `python -m recipes check` probes the same step for what makes N ranks train apart from one process:
+parameters that get no gradient, BatchNorm, randomness in the forward, non-deterministic ops. Each finding names
+the layers and a fix in the options the recipe actually has.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import inspect
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from core import stream
 from core.config import RecipeError
-from core.data import build_data, first_samples
-from core.loss import forward_loss, local_count, make_loss
-from core.models import build_model
+from core.loss import LOSSES, Loss, call_model, forward, make_loss
 
 
 @dataclass
@@ -27,21 +29,141 @@ class Finding:
     cause: str  # short: "unused parameters"
     detail: str  # which layers, why it breaks equivalence, and the fix
     crashes: bool = False  # makes DDP fail outright (rather than train apart): a likely cause of a crashed run
+    layers: tuple[str, ...] = ()  # the modules it is about, where `check` can switch them off (dropout)
+
+
+RANDOMNESS = "dropout or other randomness"  # a Finding's cause: equal in distribution, not bit for bit
 
 
 def few(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
 
 
-def _forward_backward(model: nn.Module, batch, *, seed: int, loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss and gradients of one training-mode step on a copy of `model` (the original is untouched), with the
-    loss the recipe takes (core.loss: any model output, pair or dict batches, -100 targets)."""
-    model = copy.deepcopy(model).train()
+def one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+
+
+# --- the first samples, collated as the recipe collates them -------------------------------------------------
+
+
+def first_samples(dataset, n: int, *, spec: str) -> list:
+    """The first `n` training samples of a map-style data set or a stream; one line when reading raises."""
+    try:
+        if stream.is_stream(dataset):
+            return list(itertools.islice(dataset, n))
+        return [dataset[i] for i in range(min(n, len(dataset)))]
+    except Exception as err:  # the user's data set raised while being read
+        raise RecipeError(f"--data {spec}: reading the training set raised {one_line(err)}") from None
+
+
+def collated(samples: list, collate, *, spec: str):
+    """The samples as one batch, by the factory's collate_fn or torch's default one; one line when it raises."""
+    try:
+        return (collate or default_collate)(samples)
+    except Exception as err:  # e.g. sequences of different lengths and no collate_fn to pad them
+        raise RecipeError(
+            f"--data {spec}: collating {len(samples)} training samples raised {one_line(err)}; "
+            f"return a collate_fn as the third item of the factory's result"
+        ) from None
+
+
+def sample_batches(train, collate, *, spec: str, size: int, count: int = 1) -> list:
+    """`count` batches of `size` training samples, collated as the recipe collates them (the factory's collate_fn
+    or default_collate): map-style data or a stream, pairs or dicts. A problem is one RecipeError line."""
+    samples = first_samples(train, size * count, spec=spec)
+    if not samples:
+        raise RecipeError(f"--data {spec}: the training set is empty")
+    chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
+    chunks = chunks[:1] + [c for c in chunks[1:] if len(c) == size]  # a short extra batch probes nothing new
+    return [collated(chunk, collate, spec=spec) for chunk in chunks[:count]]
+
+
+# --- the call the recipe makes, and one step -------------------------------------------------------------------
+
+
+class _Recorder:
+    """Stands in for the model in core.loss.call_model: keeps the arguments it is called with."""
+
+    def __call__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+        return torch.zeros(())
+
+
+def call_made(batch, loss: Loss) -> str:
+    """The call core.loss makes for this batch, written out: `model(sample[0], sample[1])` for an (input, mask,
+    target) sample, `model(input_ids=..., labels=...)` for a dict."""
+    recorder = _Recorder()
+    call_model(recorder, batch, loss)
+    parts = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
+
+    def named(value) -> str:
+        return next((f"sample[{key!r}]" for key, part in parts if part is value), "...")
+
+    words = [named(a) for a in recorder.args] + [f"{k}={named(v)}" for k, v in recorder.kwargs.items()]
+    return f"model({', '.join(words)})"
+
+
+def check_call(model: nn.Module, batch, loss: Loss, *, where: str) -> None:
+    """One line naming the call made and the forward's signature when the batch does not fit it."""
+    recorder = _Recorder()
+    call_model(recorder, batch, loss)
+    signature = inspect.signature(model.forward)
+    try:
+        signature.bind(*recorder.args, **recorder.kwargs)
+    except TypeError as err:
+        if isinstance(batch, Mapping):
+            what, fix = f"a dict sample ({', '.join(batch)})", "name forward's parameters as the dict's keys"
+        else:
+            what = f"a sample of {len(batch)} parts (inputs..., target)"
+            fix = "give forward one parameter per input (every part but the last, the target), or change the samples"
+        raise RecipeError(
+            f"{where}: {what} is passed as {call_made(batch, loss)}, and {type(model).__name__}.forward{signature} "
+            f"does not take it ({err}); {fix}"
+        ) from None
+
+
+def train_step(model: nn.Module, batch, loss: Loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and the gradients of one training-mode forward and backward through core.loss (the recipes' own
+    forward); the model's gradients are left as they were."""
+    model.train()
+    before = {n: p.grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    try:
+        value, _ = forward(model, batch, loss)
+        value.backward()
+        return value.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        for n, p in model.named_parameters():
+            p.grad = before[n]
+
+
+def losses_that_work(model: nn.Module, batch, *, besides: str) -> list[str]:
+    """The built-in --loss choices (other than `besides`) with which one forward of this batch gives a loss."""
+    working = []
+    for spec in (s for s in LOSSES if s != besides):
+        try:
+            with torch.no_grad():
+                forward(model, batch, make_loss(spec, model=model))
+            working.append(spec)
+        except Exception:  # this choice cannot work either
+            continue
+    return working
+
+
+def unused_parameters(model: nn.Module, grads: dict[str, torch.Tensor]) -> list[str]:
+    """Trainable parameters that got no gradient in a step."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and n not in grads]
+
+
+# --- the probes of `check` ------------------------------------------------------------------------------------
+
+
+def _forward_backward(model: nn.Module, batch, *, seed: int, loss: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """train_step on a copy of `model` (the original is untouched), seeded."""
+    model = copy.deepcopy(model)
     torch.manual_seed(seed)
-    count = local_count([batch], model=model, loss_fn=loss).clamp(min=1.0)  # one process: the mean over counted
-    value, _ = forward_loss(model, batch, loss_fn=loss, normalizer=count)
-    value.backward()
-    return value.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return train_step(model, batch, make_loss(loss, model=model))
 
 
 def _same(a, b) -> bool:
@@ -50,13 +172,11 @@ def _same(a, b) -> bool:
 
 def _unused(model: nn.Module, steps: list) -> tuple[list[str], bool]:
     """Trainable parameters without a gradient in some step probed, and whether it is the same set in every one."""
-    sets = [
-        frozenset(n for n, p in model.named_parameters() if p.requires_grad and n not in grads) for _, grads in steps
-    ]
+    sets = [frozenset(unused_parameters(model, grads)) for _, grads in steps]
     return [n for n, _ in model.named_parameters() if any(n in s for s in sets)], len(set(sets)) == 1
 
 
-def _unused_advice(names: list[str], *, every_step: bool, takes: frozenset[str]) -> str:
+def unused_advice(*, every_step: bool, takes: frozenset[str]) -> str:
     """The fix for parameters without a gradient, in the options this recipe has (never a DDP kwarg it can't set)."""
     if "find_unused_parameters" not in takes:
         return "remove them or freeze them (requires_grad_(False)) in the model factory if that is meant"
@@ -71,6 +191,15 @@ def _unused_advice(names: list[str], *, every_step: bool, takes: frozenset[str])
     )
 
 
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """The BatchNorm layers that normalise by each rank's share of the batch (not SyncBatchNorm), with their class."""
+    return [
+        f"{n} ({type(m).__name__})"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]
+
+
 def _batchnorm_advice(takes: frozenset[str], *, cuda: bool) -> str:
     if "sync_batchnorm" in takes and cuda:
         return "pass --sync-batchnorm (SyncBatchNorm: statistics over the global batch), or use LayerNorm/GroupNorm"
@@ -80,6 +209,10 @@ def _batchnorm_advice(takes: frozenset[str], *, cuda: bool) -> str:
             "or check on GPUs with --sync-batchnorm"
         )
     return "use LayerNorm/GroupNorm, or on GPUs return nn.SyncBatchNorm.convert_sync_batchnorm(model) from the factory"
+
+
+def dropout_layers(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
 
 
 def probe(
@@ -96,23 +229,18 @@ def probe(
 
     `other`: a second batch (which parameters are used may depend on it); `takes`: the recipe's option names
     (Config fields), so the advice names only options that exist; `cuda`: GPUs present (default: detected)."""
-    loss_fn, takes = make_loss(loss), frozenset(takes)
+    takes = frozenset(takes)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     findings = []
-    first, again, reseeded = (_forward_backward(model, batch, seed=s, loss=loss_fn) for s in (seed, seed, seed + 1))
-    varied = [again, reseeded] + ([_forward_backward(model, other, seed=seed, loss=loss_fn)] if other else [])
+    first, again, reseeded = (_forward_backward(model, batch, seed=s, loss=loss) for s in (seed, seed, seed + 1))
+    varied = [again, reseeded] + ([_forward_backward(model, other, seed=seed, loss=loss)] if other else [])
     unused, every = _unused(model, [first, *varied])
     if unused:
         ddp = "find_unused_parameters" in takes  # the recipes that wrap in DDP; the others tolerate a missing grad
         why = "so DDP waits for them and fails at the next step" if ddp else "so they never train"
-        advice = _unused_advice(unused, every_step=every, takes=takes)
+        advice = unused_advice(every_step=every, takes=takes)
         findings.append(Finding("unused parameters", f"{few(unused)} get no gradient, {why}; {advice}", crashes=ddp))
-    norms = [
-        f"{n} ({type(m).__name__})"
-        for n, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-    ]
-    if norms:
+    if norms := batchnorm_layers(model):
         findings.append(
             Finding(
                 "BatchNorm without SyncBatchNorm",
@@ -133,23 +261,23 @@ def probe(
             )
         )
     elif not _same(first, reseeded):
-        dropout = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+        dropout = dropout_layers(model)
         where = f"dropout ({few(dropout)})" if dropout else "randomness in forward() (torch.rand*, F.dropout)"
         findings.append(
             Finding(
-                "dropout or other randomness not seeded per rank",
+                RANDOMNESS,
                 (
-                    f"{where} draws from the RNG: every rank is seeded alike, so all ranks draw the same masks, and no "
-                    f"seeding draws the masks one process would; seed each rank apart (seed + rank) and compare "
-                    f"distributed with single-process with dropout off (p=0)"
+                    f"{where} draws from the RNG: each rank draws its own (seeded seed + rank), as one process draws "
+                    f"over the whole batch, so N ranks and one process train alike in distribution, not bit for bit"
                 ),
+                layers=tuple(dropout),
             )
         )
-    findings += _deterministic_check(model, batch, seed=seed, loss=loss_fn)
+    findings += _deterministic_check(model, batch, seed=seed, loss=loss)
     return findings
 
 
-def _deterministic_check(model: nn.Module, batch, *, seed: int, loss) -> list[Finding]:
+def _deterministic_check(model: nn.Module, batch, *, seed: int, loss: str) -> list[Finding]:
     """Ops that torch itself knows to be non-deterministic refuse to run in deterministic mode."""
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -163,51 +291,3 @@ def _deterministic_check(model: nn.Module, batch, *, seed: int, loss) -> list[Fi
         return [Finding("non-deterministic layers", f"{message}; results differ from run to run")]
     finally:
         torch.use_deterministic_algorithms(before)
-
-
-def one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-
-
-def sample_batches(data_spec: str, *, size: int, count: int = 1) -> list:
-    """`count` batches of `size` training samples, collated as the recipe collates them (the factory's collate_fn
-    or default_collate): map-style data or a stream, pairs or dicts. A problem is one RecipeError line."""
-    train, _, collate = build_data(data_spec)  # a factory that raises or returns the wrong thing: RecipeError
-    try:
-        samples = first_samples(train, size * count)
-    except Exception as err:  # the user's data set raised while being read
-        raise RecipeError(f"--data {data_spec}: reading the training set raised {one_line(err)}") from None
-    if not samples:
-        raise RecipeError(f"--data {data_spec}: the training set is empty")
-    try:
-        chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
-        chunks = chunks[:1] + [c for c in chunks[1:] if len(c) == size]  # a short extra batch probes nothing new
-        return [(collate or default_collate)(chunk) for chunk in chunks[:count]]
-    except Exception as err:
-        raise RecipeError(
-            f"--data {data_spec}: collating {size} training samples raised {one_line(err)}; "
-            f"return a collate_fn as the third item of the factory's result"
-        ) from None
-
-
-def sample_batch(data_spec: str, *, size: int):
-    """One collated batch of the first `size` training samples (see sample_batches)."""
-    return sample_batches(data_spec, size=size)[0]
-
-
-def probe_spec(*, model: str, data: str, loss: str, batch_size: int, seed: int, takes: frozenset) -> list[Finding]:
-    """Build the model and two batches as the recipe does, and probe them; any failure is one RecipeError line."""
-    torch.manual_seed(seed)
-    make_loss(loss)  # a bad --loss: one RecipeError line, as a bad --model or --data below
-    built = build_model(model)
-    batches = sample_batches(data, size=batch_size, count=2)
-    try:
-        return probe(
-            built, batches[0], other=batches[1] if len(batches) > 1 else None, seed=seed, loss=loss, takes=takes
-        )
-    except RecipeError as err:  # the loss contract refused this model's output or this batch
-        raise RecipeError(f"--model {model} --data {data}: {err}") from None
-    except Exception as err:  # the model can't train on this data at all: no point in launching anything
-        raise RecipeError(
-            f"--model {model} --data {data}: one training step fails ({one_line(err)}); fix the model or the data first"
-        ) from None

@@ -26,7 +26,12 @@ class Recipe:
     summary: str
     builds_on: str | None = None
     multi_node: bool = True  # False: one process drives every local device (the launcher starts one)
-    streams: bool = False  # it reads streams (IterableDatasets) through core.stream; the others refuse them
+    opt_ins: tuple[str, ...] = ()  # the core modules it takes beyond ddp's (the base): `ls` shows them
+
+    @property
+    def streams(self) -> bool:
+        """It reads streams (IterableDatasets) through core.stream; the others refuse them before launch."""
+        return "stream" in self.opt_ins
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -43,13 +48,14 @@ _BUILT_IN = [
         "recipes.ddp_amp",
         "ddp + autocast (bf16/fp16), GradScaler, accumulation with no_sync, clipping",
         builds_on="ddp",
-        streams=True,
+        opt_ins=("amp", "exact_loss", "stream", "trackers"),
     ),
     Recipe(
         "ddp_monitored",
         "recipes.ddp_monitored",
         "ddp + step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile",
         builds_on="ddp",
+        opt_ins=("monitor", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
     ),
     Recipe(
         "dp",
@@ -63,27 +69,28 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 fully_shard per block; sharded checkpoints; bf16; CPU offload",
         builds_on="ddp_amp",
-        streams=True,
+        opt_ins=("parallel", "amp", "exact_loss", "stream", "dcp", "trackers"),
     ),
     Recipe(
         "tensor_parallel",
         "recipes.tensor_parallel",
         "Megatron-style column/row splits of each block's Linear layers (DTensor)",
         builds_on="fsdp",
-        streams=True,
+        opt_ins=("parallel", "tp_plan", "amp", "exact_loss", "stream", "dcp", "trackers"),
     ),
     Recipe(
         "fsdp_tp",
         "recipes.fsdp_tp",
         "2-D mesh: tensor parallel within groups of --tp ranks, FSDP2 across them",
         builds_on="fsdp",
-        streams=True,
+        opt_ins=("parallel", "tp_plan", "amp", "exact_loss", "stream", "dcp", "trackers"),
     ),
     Recipe(
         "pipeline",
         "recipes.pipeline",
         "torch.distributed.pipelining: GPipe / 1F1B / interleaved, pp x dp",
         builds_on="ddp_amp",
+        opt_ins=("pipeline", "amp", "dcp", "trackers"),
     ),
     Recipe(
         "pipeline_naive",
@@ -91,6 +98,7 @@ _BUILT_IN = [
         "model parallel by hand: stages on devices, one process",
         builds_on="dp",
         multi_node=False,
+        opt_ins=("pipeline",),
     ),
 ]
 

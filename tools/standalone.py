@@ -16,6 +16,8 @@ never given where a local variable of that name would hide it.
 
 import ast
 import re
+import shutil
+import subprocess
 import sys
 import textwrap
 from bisect import bisect_right
@@ -253,6 +255,12 @@ def _requirements(inliner: _Inliner, keys: Iterable[tuple]) -> tuple[list[str], 
     return sorted(third_party & top), sorted(third_party - top)
 
 
+# The modules that hold the step (and the loss it takes): right after the recipe's functions, so that the step a
+# reader came for is a few lines below the loop that calls it. A definition that needs another one when the file
+# runs (a default value, a base class) waits for it, and takes its module's name again where it lands.
+STEP_MODULES = ("core.amp", "core.steps", "core.exact_loss", "core.loss")
+
+
 def standalone_source(
     source: str,
     *,
@@ -261,11 +269,15 @@ def standalone_source(
     nproc: int = 2,
     packages: tuple[str, ...] = ("core",),
     keep_builtins: dict[str, str] | None = None,
+    first: tuple[str, ...] = STEP_MODULES,
+    left_out: str = "",
 ) -> str:
     """The text of one Python file that runs recipe `name` (its `source`) with nothing from `packages`.
 
     `dest` is the file's name as the user runs it (the docstring's launch lines use it); `nproc`
-    the process count a `./launch_single_node.sh` line started, now written out for torchrun.
+    the process count a `./launch_single_node.sh` line started, now written out for torchrun; `first`: the
+    modules placed right after the recipe's functions; `left_out`: what the package's runner has that the copy
+    does not, for the header. The text is `ruff format`ted where ruff is installed.
     """
     inliner = _Inliner(packages, keep_builtins=keep_builtins)
     recipe = inliner.load(RECIPE, source.encode())
@@ -273,34 +285,85 @@ def standalone_source(
     names = inliner.names(recipe)
     own_imports = {_key(t): n for n, t in recipe.globals.items() if t[0] == "ext"}
     used = {k: names[k] for k in inliner.discovered if k[0] == "ext"} | own_imports
-    chunks = inliner.ordered_chunks()
+    chunks = inliner.ordered_chunks(first=first)
     needs, lazy = _requirements(inliner, used)
-    files = ", ".join(f"{m.replace('.', '/')}.py" for m in inliner._module_order())
     docstring = b"".join(recipe.source.splitlines(keepends=True)[: recipe.header_end]).decode()
-    header = textwrap.fill(
-        f"A standalone copy of the `{name}` recipe of torch-dist-recipes, made by `python -m recipes cp {name} "
-        f"{dest} --standalone`. It needs {', '.join(needs) or 'only the standard library'}"
-        + (f" (and {', '.join(lazy)}, imported only inside the functions that use it)" if lazy else "")
-        + f". Nothing is imported from torch-dist-recipes: the code the recipe uses of {', '.join(packages)} is "
-        f"inlined below it, section by section, as it was in {files} when copied. The recipe's functions come "
-        f"first; its Config and the lines that start it come last, once the helpers they use are defined.",
-        width=100,
-        initial_indent="# ",
-        subsequent_indent="# ",
-    )
+    header = [
+        f"# A standalone copy of torch-dist-recipes' {name} recipe, made by "
+        f"`python -m recipes cp {name} FILE --standalone`.",
+        f"# It needs {', '.join(needs) or 'only the standard library'}"
+        + (f" ({', '.join(lazy)}: imported only where used)" if lazy else "")
+        + f"; the {', '.join(packages)} code it uses is inlined below the recipe's functions, marked with its file.",
+    ]
+    if left_out:
+        header.append(f"# Left out: {left_out} (`python -m recipes run {name}` has them).")
+    header = "\n".join(textwrap.fill(line, width=118, subsequent_indent="# ") for line in header)
     top = [_launch_lines(docstring, dest, nproc).rstrip("\n"), header] if docstring else [header]
     # the recipe's functions come before the helpers their annotations name: annotations must not be evaluated
     imports = ["from __future__ import annotations", "", *_import_lines(used, inliner.submodules)]
-    parts = ["\n\n".join([*top, "\n".join(imports).rstrip("\n")])]  # one blank line, as ruff format has it
     early = [chunk for chunk in recipe.chunks if _definable_first(chunk.node)]
-    parts.append(f"# {'-' * 30} the {name} recipe {'-' * 30}")
-    parts += [_chunk_text(recipe, chunk, names).rstrip("\n") for chunk in early]
+    late = [chunk for chunk in recipe.chunks if chunk not in early]
+    blocks = [(recipe, chunk, f"the {name} recipe" if i == 0 else None) for i, chunk in enumerate(early)]
     section = None
     for chunk in chunks:
-        if chunk.module != section:
-            section = chunk.module
-            parts.append(f"# {'-' * 30} inlined from {section.replace('.', '/')}.py {'-' * 30}")
-        parts.append(_chunk_text(inliner.modules[chunk.module], chunk, names).rstrip("\n"))
-    parts.append(f"# {'-' * 30} the {name} recipe's Config and start {'-' * 30}")
-    parts += [_chunk_text(recipe, chunk, names).rstrip("\n") for chunk in recipe.chunks if chunk not in early]
-    return "\n\n\n".join(parts) + "\n"
+        mark = f"inlined from {chunk.module.replace('.', '/')}.py" if chunk.module != section else None
+        blocks.append((inliner.modules[chunk.module], chunk, mark))
+        section = chunk.module
+    blocks += [
+        (recipe, chunk, f"the {name} recipe's Config and start" if i == 0 else None) for i, chunk in enumerate(late)
+    ]
+    body = ""
+    for i, (module, chunk, mark) in enumerate(blocks):
+        text = _chunk_text(module, chunk, names).strip("\n")
+        text = f"# {mark}\n{text}" if mark else text
+        body += (_separator(blocks[i - 1], (module, chunk, mark)) if i else "") + text
+    text = "\n\n".join([*top, "\n".join(imports).rstrip("\n")]) + "\n\n\n" + body + "\n"
+    return ruff_format(text)
+
+
+def _separator(before: tuple, after: tuple) -> str:
+    """Blank lines between two top-level statements: none between simple statements that stood together in one
+    module (constants), two around a function or class, as ruff format has them."""
+    (module, first, _), (_, second, mark) = before, after
+    simple = not isinstance(first.node, _DEFINITIONS) and not isinstance(second.node, _DEFINITIONS)
+    together = simple and first.module == second.module and second.index == first.index + 1 and mark is None
+    if together:
+        between = module.source.splitlines()[first.node.end_lineno : second.node.lineno - 1]
+        return "\n" + "\n" * min(sum(1 for line in between if not line.strip()), 1)
+    return "\n\n\n"
+
+
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def ruff_format(text: str) -> str:
+    """`text` as `ruff format` (line length 120, no configuration read) writes it, where ruff is installed."""
+    try:
+        from ruff.__main__ import find_ruff_bin
+
+        ruff = find_ruff_bin()
+    except (ImportError, FileNotFoundError):
+        ruff = shutil.which("ruff")
+    if not ruff:
+        return text
+    done = subprocess.run(
+        [ruff, "format", "--isolated", "--line-length", "120", "-"], input=text, capture_output=True, text=True
+    )
+    return done.stdout if done.returncode == 0 and done.stdout else text
+
+
+def copy_size(text: str) -> tuple[int, int]:
+    """(lines, code lines): code lines are those left without docstrings, comments and blank lines."""
+    tree = ast.parse(text)
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings |= set(range(body[0].lineno, body[0].end_lineno + 1))
+    code = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        code += bool(stripped) and not stripped.startswith("#") and number not in docstrings
+    return len(text.splitlines()), code

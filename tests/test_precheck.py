@@ -1,0 +1,153 @@
+"""The pre-check (tools/precheck.py): what it can know before launch, it says in one line naming the fix.
+
+Fast: tools.precheck.precheck on the recipes' own Configs, with a user's models and data (tests/check_user.py):
+one training step on the first samples through core.loss, so the sample's shape against the forward's signature,
+the loss choice, parameters no forward uses, SyncBatchNorm on CPU, the batch against the data set, streams
+without a length. End to end: the launcher and `python -m recipes run` refuse each before any rank starts, with
+one line and no torchrun report, and leave nothing behind.
+"""
+
+import os
+import sys
+
+import pytest
+
+from core.config import RecipeError
+from helpers import REPO, recipes_cli, run, user_env
+from tools.precheck import precheck
+from tools.registry import RECIPES
+
+TESTS = str(REPO / "tests")
+
+
+def _precheck(name: str = "ddp", *, world_size: int = 1, **options) -> list[str]:
+    recipe = RECIPES[name]
+    module = recipe.load()
+    return precheck(recipe, module, module.Config(**options), world_size=world_size)
+
+
+def _refused(name: str = "ddp", **options) -> str:
+    with pytest.raises(RecipeError) as refused:
+        _precheck(name, **options)
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+@pytest.fixture(autouse=True)
+def _user_modules(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(TESTS)
+    monkeypatch.setenv("TDR_DEVICE", "cpu")  # the CPU job, GPUs or not
+    monkeypatch.chdir(tmp_path)  # --out runs: writable, and nothing may appear in it
+
+
+@pytest.mark.fast
+def test_samples_of_three_parts_are_passed_as_inputs_and_target():
+    """(input, mask, target): model(input, mask), the last part the target. A forward that takes one input is told
+    which call was made and what its signature is."""
+    assert _precheck(model="check_user:masked", data="check_user:triples") == []
+    line = _refused(model="mlp", data="check_user:triples")
+    assert "a sample of 3 parts (inputs..., target) is passed as model(sample[0], sample[1])" in line
+    assert "MLP.forward(x: 'torch.Tensor') -> 'torch.Tensor' does not take it" in line
+    assert line.startswith("--model mlp --data check_user:triples: ")
+
+
+@pytest.mark.fast
+def test_a_nanogpt_model_trains_on_its_own_loss_and_another_choice_names_the_one_that_works():
+    """forward(idx, targets=None): --loss auto hands it the targets (core.loss) and the pre-check agrees; --loss ce
+    takes its inference output (the last position only), which cannot work: one line naming --loss auto."""
+    assert _precheck("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2) == []
+    line = _refused("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2, loss="ce")
+    assert line.startswith("--model check_user:nano --data check_user:pair_stream --loss ce: one training step")
+    assert "Expected input batch_size" in line
+    assert line.endswith("use --loss auto or model, with which this model and data give a loss")
+
+
+@pytest.mark.fast
+def test_float_targets_get_mse_and_a_loss_that_cannot_work_names_the_one_that_would():
+    assert _precheck(model="check_user:regressor", data="check_user:regression") == []
+    line = _refused(model="check_user:regressor", data="check_user:regression", loss="ce")
+    assert "--loss ce: " in line and "use --loss auto or mse" in line
+    assert "takes no targets; use --loss auto or ce" in _refused(loss="model")  # mlp's forward(x)
+
+
+@pytest.mark.fast
+def test_parameters_no_forward_uses_name_them_and_the_two_flags():
+    line = _refused(model="check_user:unused")
+    assert line.startswith("--model check_user:unused: parameters spare.weight, spare.bias get no gradient")
+    assert "--find-unused-parameters" in line and "--static-graph" in line
+    assert _precheck(model="check_user:unused", static_graph=True) == []
+    assert _precheck(model="check_user:unused", find_unused_parameters=True) == []
+    assert _precheck("dp", model="check_user:unused") == []  # no DDP: nothing waits for their gradients
+
+
+@pytest.mark.fast
+def test_syncbatchnorm_without_a_gpu_and_the_batchnorm_warning():
+    assert "--sync-batchnorm: torch's SyncBatchNorm runs on GPUs only" in _refused(sync_batchnorm=True)
+    assert "SyncBatchNorm layers (1) run on GPUs only" in _refused(model="check_user:syncbn")
+    (warning,) = _precheck(model="check_user:batchnorm")
+    assert warning.startswith("BatchNorm layers 1 (BatchNorm1d) normalise with each rank's own batch")
+    assert _precheck("dp", model="check_user:batchnorm") == []  # one process: no replicas to tell apart
+
+
+@pytest.mark.fast
+def test_a_batch_larger_than_one_ranks_share_and_a_stream_without_max_steps():
+    assert "--batch-size 5000: the training set (1438 samples)" in _refused(batch_size=5000)
+    line = _refused(batch_size=800, world_size=2)  # 1438 samples: 719 a rank
+    assert "gives each of 2 rank(s) 719, less than a step; use --batch-size 719 or less" in line
+    assert "--accum 2" in _refused("ddp_amp", batch_size=500, accum=2, world_size=2)
+    assert "a stream without a length; set --max-steps" in _refused("ddp_amp", data="check_user:pair_stream")
+    assert "ddp reads map-style data sets" in _refused(data="check_user:pair_stream", max_steps=2)
+
+
+@pytest.mark.fast
+def test_a_factory_that_exits_is_refused():
+    assert "--model check_user:exits: the factory called sys.exit(0) instead of returning" in _refused(
+        model="check_user:exits"
+    )
+
+
+# --- before launch, for real: the launcher stops at its pre-check ----------------------------------------------
+
+LAUNCH = [  # (options, words of the one line): each was refused only in the ranks, or not at all
+    (["--data", "check_user:pair_stream"], "a stream without a length; set --max-steps"),
+    (["--sync-batchnorm"], "--sync-batchnorm: torch's SyncBatchNorm runs on GPUs only"),
+    (["--model", "check_user:exits"], "the factory called sys.exit(0)"),
+    (["--out", ""], "--out '': name a folder"),
+    (["--model", "check_user:unused"], "parameters spare.weight, spare.bias get no gradient"),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("options,words", LAUNCH, ids=[" ".join(o) for o, _ in LAUNCH])
+def test_the_launcher_refuses_before_any_rank_starts(options, words, tmp_path):
+    recipe = "ddp_amp" if any("pair_stream" in o for o in options) else "ddp"
+    proc = run(
+        [str(REPO / "launch_single_node.sh"), recipe, *options],
+        cwd=tmp_path,
+        env=user_env(PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), TDR_DEVICE="cpu"),
+        check=False,
+        timeout=120,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[transformers]")]
+    assert proc.returncode != 0 and lines == [lines[-1]] and lines[-1].startswith("error: "), proc.stderr
+    assert words in lines[-1] and "torchrun" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir()), "nothing is written"
+
+
+@pytest.mark.e2e
+def test_the_warning_is_said_once_before_launch_and_a_run_alone_checks_first(tmp_path):
+    """python -m recipes run (no launcher) runs the pre-check itself; TDR_PRECHECKED=1 under torchrun skips it in
+    the ranks, whose launcher ran it."""
+    env = user_env(PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), TDR_DEVICE="cpu")
+    proc = recipes_cli("run", "ddp", "--model", "check_user:batchnorm", "--max-steps", "2", cwd=tmp_path, env=env)
+    assert proc.stderr.count("warning: BatchNorm layers 1 (BatchNorm1d)") == 1
+    alone = recipes_cli("run", "ddp", "--sync-batchnorm", cwd=tmp_path, env=env, check=False)
+    assert alone.returncode == 1 and alone.stderr.strip().splitlines()[-1].startswith("error: --sync-batchnorm")
+    checked = user_env(PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), TDR_DEVICE="cpu", TDR_PRECHECKED="1")
+    proc = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "recipes"]
+        + ["run", "ddp", "--model", "check_user:batchnorm", "--max-steps", "1", "--out", str(tmp_path / "ranks")],
+        cwd=tmp_path,
+        env=checked,
+    )
+    assert "warning: BatchNorm" not in proc.stderr and "summary " in proc.stdout
