@@ -139,7 +139,6 @@ def init_pg(
             f"NPROC_PER_NODE differs between nodes: this node runs {local_world_size} of {world_size} "
             f"processes on {nodes} nodes; start every node with the same NPROC_PER_NODE"
         )
-    die_with_launcher()  # before anything slow: a worker whose torchrun is gone must not train on
     device = pick_device(local_rank)
     backend = backend or os.environ.get("TDR_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

@@ -79,6 +79,8 @@ class Run:
         choice = broadcast_object(choice)
         if isinstance(choice, str):
             raise RecipeError(choice)
+        if topo.is_rank0:  # on stderr, where the launchers read it: a stopped job names its newest checkpoint
+            print(f"run folder {choice['run_dir']}", file=sys.stderr, flush=True)
         return cls(cfg, topo, recipe=recipe, global_batch=global_batch, mesh=mesh, **choice)
 
     @classmethod
