@@ -407,13 +407,13 @@ def test_a_rank_killed_or_stopped_is_one_line_then_the_restart_resumes(job):
     """MAX_RESTARTS=1: rank 1 killed with SIGKILL, or stopped with SIGSTOP past --timeout-s: one line naming the rank
     and the signal and the restart; the restarted group resumes from the newest checkpoint and the job exits 0."""
     restart = env(NPROC_PER_NODE="2", MAX_RESTARTS="1")
-    opts = ["--max-steps", "60", "--resume", "auto", "--timeout-s", "8"]
+    opts = ["--max-steps", "30", "--resume", "auto", "--timeout-s", "8"]
     killed, stopped = (job(name, *opts, environ=restart) for name in ("killed", "stopped"))
     for one, sig in ((killed, signal.SIGKILL), (stopped, signal.SIGSTOP)):
         one.wait_for_training()
         os.kill(one.ranks()["1"], sig)
     for one, said in (
-        (killed, "rank 1 died of SIGKILL (not sent by this launcher or torchrun"),
+        (killed, "rank 1 died of SIGKILL, sent by neither the launcher nor torchrun: the OOM killer"),
         (stopped, "rank 1 was stopped (SIGSTOP) and stopped answering: a collective timed out after --timeout-s"),
     ):
         assert one.wait() == 0, one.stderr[-3000:]

@@ -98,12 +98,12 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
         return "symptom", error, traceback
     if end.get("signal") and not end.get("closed_by"):
         why = {
-            signal.SIGKILL: "not sent by this launcher or torchrun: the kernel's OOM killer (see dmesg), or a kill -9",
+            signal.SIGKILL: "sent by neither the launcher nor torchrun: the OOM killer (see dmesg) or a kill -9",
             signal.SIGSEGV: "a crash in native code",
             signal.SIGABRT: "a crash in native code",
             signal.SIGBUS: "a crash in native code",
         }.get(end["signal"], "sent by another process, not by torchrun")
-        return "killed", f"rank {rank} died of {signame(end['signal'])} ({why})", []
+        return "killed", f"rank {rank} died of {signame(end['signal'])}, {why}", []
     if end.get("stopped"):
         return "stopped", f"rank {rank} was stopped ({signame(end['stopped'])}) and stopped answering", []
     if end.get("closed_by"):
@@ -186,11 +186,13 @@ def progress(run_dir: Path) -> tuple[int | None, Path | None]:
     return step, newest[1] if newest else None
 
 
-def stop_line(what: str, signum: int, *, sent_to: str, run_dir: str | None) -> str:
+def stop_line(what: str, signum: int, *, sent_to: str, run_dir: str | None, multi_node: bool) -> str:
     """The closing line of a run stopped by `signum`: where it stopped, the checkpoint kept, how to go on."""
     head = f"error: {what} stopped by {signame(signum)} (sent to {sent_to})"
-    if run_dir is None:  # not this node's to tell (rank 0 is elsewhere), or it stopped before training
+    if run_dir is None and multi_node:  # rank 0, which tells the run folder, may be on another node
         return f"{head}; checkpoints already written are kept on rank 0's node: rerun with --resume auto to continue"
+    if run_dir is None:  # rank 0 names the run folder before it builds the model
+        return f"{head} before training began"
     step, newest = progress(Path(run_dir))
     at = f" after step {step}" if step else ""
     if newest is None:
@@ -243,7 +245,10 @@ class Supervisor:
             if kind == "\x1f":
                 self.rank_line(rank, text)
             else:
-                self.rank_event(rank, json.loads(text))
+                try:
+                    self.rank_event(rank, json.loads(text))
+                except ValueError:  # torn: longer than a pipe writes at once, and mixed with another's line
+                    say(text)
         else:
             self.torchrun_line(line)
 
@@ -335,7 +340,7 @@ class Supervisor:
             return 0
         if stopped:
             sent_to = "the launcher" if self.stop else "torchrun"
-            say(stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir))
+            say(stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir, multi_node=bool(self.this_node)))
             return 128 + stopped
         if returncode < 0:
             say(
