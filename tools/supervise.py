@@ -38,6 +38,7 @@ from pathlib import Path
 
 RELEASE_S = 3.0  # a held traceback not followed by the rank's end or `error:` line within this is shown as it is
 LIMIT = 400  # characters of a cause in the closing line
+GRACE_S = 10.0  # how long after torchrun's end the ranks' last words may still come
 CLOSING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 GLOG = re.compile(r"[IWEC]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] (.*)")  # torchrun's own log lines
 FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
@@ -87,8 +88,8 @@ def last_words(held: list[str]) -> tuple[str | None, list[str]]:
 
 def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
     """How one rank ended: (kind, a line saying it, its traceback). Kinds, most telling first: raised,
-    killed, stopped; symptom (an error that follows from another's: the network, a timeout); silent
-    (closed by torchrun while it still ran); ok."""
+    killed, stopped, vanished (no end reported); symptom (an error that follows from another's: the network,
+    a timeout); silent (closed by torchrun while it still ran); ok."""
     error, traceback = last_words(state["held"])
     end = state["end"] or {}
     if error and not SYMPTOM.search(error):
@@ -96,6 +97,8 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
         return "raised", f"rank {said[1]} raised {said[2]}" if said else error, traceback
     if error:
         return "symptom", error, traceback
+    if state["end"] is None:  # tools/worker.py reports every end it lives to see: it was killed too
+        return "vanished", f"rank {rank} was killed together with the tools/worker.py that ran it (SIGKILL?)", []
     if end.get("signal") and not end.get("closed_by"):
         why = {
             signal.SIGKILL: "sent by neither the launcher nor torchrun: the OOM killer (see dmesg) or a kill -9",
@@ -123,7 +126,7 @@ def explain(
     fates = {r: fate(r, ranks[r]) for r in order}
     symptoms = [fates[r][1] for r in order if fates[r][0] == "symptom"]
     timeout = next((m[0] for m in map(TIMEOUT.search, symptoms) if m), None)
-    for kind in ("raised", "killed", "stopped"):
+    for kind in ("raised", "killed", "stopped", "vanished"):
         first = next((r for r in order if fates[r][0] == kind), None)
         if first is not None:
             _, line, traceback = fates[first]
@@ -274,8 +277,9 @@ class Supervisor:
         state["blank"] = 0
 
     def rank_event(self, rank: str, event: dict) -> None:
+        state = self.rank(rank)  # "started": a rank of this group, even one that never writes a line
         if event.get("event") == "ended":
-            self.rank(rank)["end"] = event
+            state["end"] = event
 
     def torchrun_line(self, line: str) -> None:
         if self.traceback is not None:  # after its traceback torchrun prints only its report: ours replaces it
@@ -377,10 +381,12 @@ def start_torchrun(command: list[str]) -> subprocess.Popen:
     return subprocess.Popen(command, stderr=subprocess.PIPE, process_group=0, preexec_fn=die_with_us)
 
 
-def pump(fd: int, feed: Callable[[str], None], tick: Callable[[], None], *, every: float = 0.5) -> None:
-    """feed(line) for every line read from `fd` until its end, and tick() at least every `every` seconds."""
+def pump(
+    fd: int, feed: Callable[[str], None], tick: Callable[[], None], *, every: float = 0.5, until: Callable[[], bool]
+) -> None:
+    """feed(line) for every line read from `fd` until its end or until(), and tick() at least every `every` seconds."""
     pending = b""
-    while True:
+    while not until():
         ready, _, _ = select.select([fd], [], [], every)
         chunk = os.read(fd, 65536) if ready else None
         if chunk == b"":
@@ -428,8 +434,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for signum in CLOSING:
         signal.signal(signum, on_signal)
+    ended = []  # when torchrun was first seen ended
+
+    def torchrun_gone_a_while() -> bool:  # a rank that outlives it (deaf to SIGTERM) holds the pipe open: go on
+        if torchrun.poll() is not None and not ended:
+            ended.append(time.monotonic())
+        return bool(ended) and time.monotonic() - ended[0] > GRACE_S
+
     try:
-        pump(torchrun.stderr.fileno(), watch.feed, watch.tick)
+        pump(torchrun.stderr.fileno(), watch.feed, watch.tick, until=torchrun_gone_a_while)
         return watch.finish(torchrun.wait())
     finally:
         if opts.remove:

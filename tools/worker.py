@@ -10,8 +10,8 @@ It stays between torchrun and the rank, for two reasons:
   group once, with a SIGCONT, so that a stopped rank ends too.
 - the launchers' tools/supervise.py reads our stderr (torchrun's) and learns, per rank:
       "\x1e" RANK "\x1f" LINE    a line the rank wrote to its stderr
-      "\x1e" RANK "\x1d" JSON    the rank stopped, or ended: exit code or signal, and the signal
-                                   torchrun closed the group with, if it did
+      "\x1e" RANK "\x1d" JSON    the rank started, stopped, or ended: exit code or signal, and the
+                                   signal torchrun closed the group with, if it did
   so that it prints one rank's traceback and names the rank that failed, and how.
 Standard library only: it starts before every rank.
 """
@@ -80,6 +80,7 @@ def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
 
     for signum in CLOSING:
         signal.signal(signum, on_closing)
+    send(tag(rank, EVENT, json.dumps({"event": "started", "pid": child.pid, "t": time.time()})))
     reader = threading.Thread(target=relay, args=(child.stderr, rank), daemon=True)
     reader.start()
     while True:
