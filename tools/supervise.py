@@ -79,11 +79,25 @@ def shorten(text: str, limit: int = LIMIT) -> str:
 
 
 def last_words(held: list[str]) -> tuple[str | None, list[str]]:
-    """A rank's held lines as (its last `error:` line without the prefix, the lines before it)."""
+    """A rank's held lines as (what ended it, the traceback above): its last `error:` line without the prefix
+    (`rank R: Type: message` after a traceback, or a one-line error), else the exception its traceback ends in."""
     for i in range(len(held) - 1, -1, -1):
         if held[i].startswith("error: "):
             return held[i][len("error: ") :], held[:i]
-    return None, held
+    return final_exception(held), held
+
+
+def final_exception(lines: list[str]) -> str | None:
+    """`Type: message` (on one line) of the last traceback in `lines`, or None when there is none."""
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")), default=None)
+    if start is None:
+        return None
+    rest = lines[start + 1 :]
+    at = next((i for i, line in enumerate(rest) if line.strip() and not line.startswith((" ", "\t"))), None)
+    if at is None:
+        return None
+    text = " ".join(line.strip() for line in rest[at:] if line.strip())
+    return re.sub(r"^[\w.]+\.(\w+)(?=:|$)", r"\1", text)  # torch.distributed.DistBackendError: DistBackendError
 
 
 def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
@@ -92,11 +106,11 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
     a timeout); silent (closed by torchrun while it still ran); ok."""
     error, traceback = last_words(state["held"])
     end = state["end"] or {}
-    if error and not SYMPTOM.search(error):
-        said = re.fullmatch(r"rank (\d+): (.*)", error)
-        return "raised", f"rank {said[1]} raised {said[2]}" if said else error, traceback
-    if error:
-        return "symptom", error, traceback
+    said = error and re.fullmatch(r"rank \d+: (.*)", error)  # a rank's uncaught exception: `error: rank R: ...`
+    if said or (error and traceback):
+        error = f"rank {rank} raised {said[1] if said else error}"
+    if error:  # else a one-line error every rank prints alike (core's RecipeError): as it is
+        return "symptom" if SYMPTOM.search(error) else "raised", error, traceback
     if state["end"] is None:  # tools/worker.py reports every end it lives to see: it was killed too
         return "vanished", f"rank {rank} was killed together with the tools/worker.py that ran it (SIGKILL?)", []
     if end.get("signal") and not end.get("closed_by"):
