@@ -333,7 +333,7 @@ class Supervisor:
         self.ranks = {}
         if self.failures <= self.max_restarts and self.stop is None and self.torchrun_signal is None:
             restart = f"restart {self.failures} of MAX_RESTARTS={self.max_restarts}"
-            say(f"{self.note}: {shorten(cause)}; restarting the group ({restart})")
+            say(f"{self.note}: the group failed (exitcode {exitcode}): {shorten(cause)}; restarting it ({restart})")
         else:
             self.cause = cause
 
