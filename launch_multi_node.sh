@@ -20,6 +20,10 @@
 #                   Exported as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME: without it gloo takes the
 #                   address of the hostname, which is 127.0.0.1 on many machines, and the job dies
 #                   with "Connection refused".
+#
+# A run that does not finish ends with one `error:` line: the rank that failed and why (a rank's own
+# traceback above it, once), or the signal that stopped it (SIGTERM, SIGINT, SIGHUP: the exit status is
+# 128 + the signal), the last step and the checkpoint kept. docs/multinode.md: "What the launchers say".
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 note() { echo "launch_multi_node: $*" >&2; }

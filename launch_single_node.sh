@@ -12,6 +12,10 @@
 #                   on 127.0.0.1, so nothing listens beyond this machine and jobs never collide. Set,
 #                   torchrun's store listens on MASTER_PORT on every interface, as torch binds it)
 #   MAX_RESTARTS    how often torchrun restarts the whole group after a failure (default 0)
+#
+# A run that does not finish ends with one `error:` line: the rank that failed and why (a rank's own
+# traceback above it, once), or the signal that stopped it (SIGTERM, SIGINT, SIGHUP: the exit status is
+# 128 + the signal), the last step and the checkpoint kept. docs/multinode.md: "What the launchers say".
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+import tools.supervise
 from core.dist import free_port
 from helpers import REPO, run, user_env
-from tools.supervise import explain, shorten, torchrun_error
+from tools.supervise import Supervisor, explain, shorten, torchrun_error
 
 SINGLE, MULTI = str(REPO / "launch_single_node.sh"), str(REPO / "launch_multi_node.sh")
 BOUND_S = 30  # a worker still alive this long after its launcher died is an orphan
@@ -490,4 +491,19 @@ def test_a_closing_line_is_cut_between_words_and_torchruns_port_error_is_one_lin
     assert torchrun_error(traceback) == (
         "port 29500 is already in use on this machine: set MASTER_PORT to a free port (the same on every node)",
         False,
+    )
+
+
+@pytest.mark.fast
+def test_a_traceback_a_rank_prints_and_survives_is_shown_after_a_pause(capsys, monkeypatch):
+    """Held back while it may end the rank; a rank that goes on (it caught and printed the exception) shows it."""
+    watch = Supervisor(what="ddp", note="launch_single_node", max_restarts=0, this_node=None, master=None)
+    for line in ("step 1 ok", "Traceback (most recent call last):", '  File "x.py", line 1, in f', "KeyError: 'k'"):
+        watch.feed(f"\x1e1\x1f{line}")
+    watch.tick()
+    assert capsys.readouterr().err == "step 1 ok\n"
+    monkeypatch.setattr(tools.supervise, "RELEASE_S", -1.0)  # as if the rank had gone on for a while
+    watch.tick()
+    assert (
+        capsys.readouterr().err == "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nKeyError: 'k'\n"
     )

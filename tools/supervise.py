@@ -104,10 +104,15 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
     """How one rank ended: (kind, a line saying it, its traceback). Kinds, most telling first: raised,
     killed, stopped, vanished (no end reported); symptom (an error that follows from another's: the network,
     a timeout); silent (closed by torchrun while it still ran); ok."""
-    error, traceback = last_words(state["held"])
     end = state["end"] or {}
+    if state["end"] is not None and end.get("code") == 0:
+        return "ok", "", []
+    error, traceback = last_words(state["held"])
+    if error is None and state.get("released") and end.get("code") and not end.get("closed_by"):
+        # it printed its traceback, then took a while to exit (shown already): that exception ended it
+        error, traceback = final_exception(state["released"]), []
     said = error and re.fullmatch(r"rank \d+: (.*)", error)  # a rank's uncaught exception: `error: rank R: ...`
-    if said or (error and traceback):
+    if said or (error and EXCEPTION.fullmatch(error)):
         error = f"rank {rank} raised {said[1] if said else error}"
     if error:  # else a one-line error every rank prints alike (core's RecipeError): as it is
         return "symptom" if SYMPTOM.search(error) else "raised", error, traceback
@@ -272,7 +277,7 @@ class Supervisor:
     def rank(self, rank: str) -> dict:
         state = self.ranks.get(rank)
         if state is None or state["end"] is not None:  # a rank of a new group (torchrun restarted it)
-            state = self.ranks[rank] = {"held": [], "held_t": 0.0, "blank": 0, "end": None}
+            state = self.ranks[rank] = {"held": [], "held_t": 0.0, "blank": 0, "end": None, "released": []}
         return state
 
     def rank_line(self, rank: str, text: str) -> None:
@@ -314,9 +319,11 @@ class Supervisor:
         now = time.monotonic()
         for state in self.ranks.values():
             held = state["held"]
-            if held and state["end"] is None and now - state["held_t"] > RELEASE_S and last_words(held)[0] is None:
+            said = any(text.startswith("error: ") for text in held)  # the rank's last line: it is ending
+            if held and state["end"] is None and now - state["held_t"] > RELEASE_S and not said:
                 for text in held:
                     say(text)
+                state["released"] = list(held)
                 held.clear()
 
     def group_failed(self, exitcode: int, local_rank: str) -> None:
