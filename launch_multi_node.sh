@@ -20,10 +20,16 @@
 #                   Exported as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME: without it gloo takes the
 #                   address of the hostname, which is 127.0.0.1 on many machines, and the job dies
 #                   with "Connection refused".
+#
+# A run that does not finish ends with one `error:` line: the rank that failed and why (a rank's own
+# traceback above it, once), or the signal that stopped it (SIGTERM, SIGINT, SIGHUP: the exit status is
+# 128 + the signal), the last step and the checkpoint kept. docs/multinode.md: "What the launchers say".
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 note() { echo "launch_multi_node: $*" >&2; }
 
+need_runtime
+need_tmpdir
 pick_target "$@"  # `./launch_multi_node.sh --max-steps 2` means ddp, as on a single node
 
 # Check everything that can be checked here, one line each, before any port is taken.
@@ -62,7 +68,7 @@ else
   nproc=$(( gpus > 0 ? gpus : 2 ))
 fi
 # Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
-WORLD_SIZE=$(( nproc * ${max_nodes} )) python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
+WORLD_SIZE=$(( nproc * ${max_nodes} )) "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
 
 # The network: which address is MASTER_ADDR, is it this node, and which interface reaches it.
 if [[ "$master" =~ ^[0-9.]+$ ]]; then
@@ -74,8 +80,7 @@ fi
 route=$(ip -o route get "$master_ip" 2>/dev/null) || route=""
 [[ "$route" == local* || "$master_ip" == 127.* ]] && master_is_here=1 || master_is_here=0
 if [[ -n "${IFNAME:-}" ]]; then
-  ip -o link show dev "$IFNAME" >/dev/null 2>&1 \
-    || fail "IFNAME=$IFNAME: no such interface here (have: $(ip -o link show | awk -F': ' '{printf "%s ", $2}'))"
+  need_interfaces IFNAME "$IFNAME"
   ifname="$IFNAME"
 elif [[ -z "$route" ]]; then
   fail "MASTER_ADDR=$master ($master_ip): no route from this node; check the address or set IFNAME"
@@ -128,26 +133,9 @@ else
               --rdzv-conf "timeout=$rdzv_timeout")
 fi
 
-# One line for the cause of a failure (launch_common.sh), and for a timeout, whether node 0 answers.
-explain() {
-  local cause
-  cause=$(failure_cause "$log" "$local_ip") || true
-  if [[ "$cause" == "a collective timed out"* ]]; then
-    local ms who="a peer node"
-    ms=$(grep -aoE 'Timed out waiting [0-9]+ms' "$log" | sed -n 1p | grep -oE '[0-9]+') || true
-    if [[ "$local_ip" != "$master_ip" ]] && ! port_open; then who="node 0 at $master_ip"; fi
-    cause="no answer from $who within ${ms:+$(( ms / 1000 ))s }(--timeout-s): the peer is unreachable (network down?) or stuck; see its log"
-  fi
-  [[ -n "$cause" ]] || cause="see torchrun's report above"
-  echo "$cause"
-}
-
-# torchrun runs in the background so a TERM/INT to this script reaches it; its stderr is kept so
-# that a failure ends with one line that says what went wrong, after torchrun's own report.
-log=$(mktemp "${TMPDIR:-/tmp}/launch_multi_node.XXXXXX")
-trap 'rm -f "$log"' EXIT
-rc=0
-run_torchrun "$log" "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
-  "${target[@]}" ${args[@]+"${args[@]}"} || rc=$?
-(( rc == 0 )) || echo "error: this node ($local_ip) failed (torchrun exit $rc): $(explain)" >&2
-exit "$rc"
+# From here this shell is tools/supervise.py: torchrun, and one closing line for a failure or a stop
+# (with this node's and node 0's addresses: a connection lost to a rank here is not the lost peer).
+supervise --what "this node ($local_ip)" --note launch_multi_node --max-restarts "$max_restarts" \
+  --this-node "$local_ip" --master "$master_ip:$port" -- \
+  torchrun "${rendezvous[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
+  "${worker[@]}" "${target[@]}" ${args[@]+"${args[@]}"}

@@ -12,19 +12,30 @@
 #                   on 127.0.0.1, so nothing listens beyond this machine and jobs never collide. Set,
 #                   torchrun's store listens on MASTER_PORT on every interface, as torch binds it)
 #   MAX_RESTARTS    how often torchrun restarts the whole group after a failure (default 0)
+#
+# A run that does not finish ends with one `error:` line: the rank that failed and why (a rank's own
+# traceback above it, once), or the signal that stopped it (SIGTERM, SIGINT, SIGHUP: the exit status is
+# 128 + the signal), the last step and the checkpoint kept. docs/multinode.md: "What the launchers say".
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
+need_runtime
+need_tmpdir
 pick_target "$@"
 
 # Check everything here, one line each, before any process or port is taken.
 max_restarts="${MAX_RESTARTS:-0}"
 need_count MAX_RESTARTS "$max_restarts" 0 "use how often to restart the group after a failure, 0 or more"
+max_restarts=$(( 10#$max_restarts ))
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
   need_count NPROC_PER_NODE "$NPROC_PER_NODE" 1 "use the number of processes to start, 1 or more"
   nprocs=$(( 10#$NPROC_PER_NODE ))
 fi
-[[ -z "${MASTER_PORT:-}" ]] || need_port MASTER_PORT "$MASTER_PORT"
+if [[ -n "${MASTER_PORT:-}" ]]; then
+  need_port MASTER_PORT "$MASTER_PORT"
+  port_free "$MASTER_PORT" || fail "MASTER_PORT=$MASTER_PORT is already in use on this machine: pick a free port, or unset MASTER_PORT (the ranks then meet through a private file)"
+fi
+[[ -z "${GLOO_SOCKET_IFNAME:-}" ]] || need_interfaces GLOO_SOCKET_IFNAME "$GLOO_SOCKET_IFNAME"
 if [[ -z "${nprocs:-}" ]]; then
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   nprocs=$(( gpus > 0 ? gpus : 2 ))
@@ -33,35 +44,28 @@ case "$recipe" in
   dp|pipeline_naive) nprocs=1 ;;  # one process drives every local device
 esac
 # Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
-WORLD_SIZE="$nprocs" python "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
+WORLD_SIZE="$nprocs" "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
 # Share the cores between the processes (torchrun would otherwise set 1 and warn about it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / nprocs > 0 ? $(nproc) / nprocs : 1 ))}"
 
-log=$(mktemp "${TMPDIR:-/tmp}/launch_single_node.XXXXXX")
-rdzv_file="$log.rdzv"
-trap 'rm -f "$log" "$rdzv_file"' EXIT
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/launch_single_node.XXXXXX")
 if [[ -n "${MASTER_PORT:-}" ]]; then
   rendezvous=(--nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
 else
   # torchrun --standalone's stores listen on every interface (torch's TCPStore binds them all). Instead:
   # the agent meets itself in a file, and rank 0 hosts the workers' store on 127.0.0.1 (core.dist.init_pg).
-  rendezvous=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "$rdzv_file" --rdzv-conf store_type=file
+  rendezvous=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "$tmp/rdzv" --rdzv-conf store_type=file
               --rdzv-id "single-$$" --local-addr 127.0.0.1)
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # the workers' own store, not one in the agent
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"  # gloo would bind the hostname's address, maybe eth0's
 fi
 # A restarted group must not reuse the first round's store: stale gloo addresses in it make the
 # new workers dial dead ones ("Connection refused"); see pytorch/pytorch#135712.
-if (( 10#$max_restarts > 0 )); then
+if (( max_restarts > 0 )); then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 fi
 
-rc=0
-run_torchrun "$log" "${rendezvous[@]}" --nproc-per-node "$nprocs" --max-restarts "$(( 10#$max_restarts ))" \
-  "${target[@]}" ${args[@]+"${args[@]}"} || rc=$?
-if (( rc != 0 )); then
-  cause=$(failure_cause "$log") && [[ -n "$cause" ]] || cause="see torchrun's report above"
-  (( rc <= 128 )) || cause="torchrun was ended by signal $(( rc - 128 )); $cause"
-  echo "error: $recipe failed (torchrun exit $rc): $cause" >&2
-fi
-exit "$rc"
+# From here this shell is tools/supervise.py: torchrun, and one closing line for a failure or a stop.
+supervise --what "$recipe" --note launch_single_node --max-restarts "$max_restarts" --remove "$tmp" -- \
+  torchrun "${rendezvous[@]}" --nproc-per-node "$nprocs" --max-restarts "$max_restarts" \
+  "${worker[@]}" "${target[@]}" ${args[@]+"${args[@]}"}

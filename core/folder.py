@@ -18,6 +18,7 @@ import math
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def open_run(
     if isinstance(choice, str):
         raise RecipeError(choice)
     run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.is_rank0, lock)
-    say(run, f"run folder {run.path}")
+    if run.writer:  # on stderr: the launcher's supervisor reads it to say which checkpoint a stopped job kept
+        print(f"run folder {run.path}", file=sys.stderr, flush=True)
     return run
 
 

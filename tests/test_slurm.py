@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
+
+import pytest
 
 from core.dist import free_port
 from helpers import REPO, run, user_env
@@ -75,7 +78,7 @@ def test_sbatch_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path):
     env = fake_slurm(tmp_path, MASTER_PORT=str(port))
     del env["GLOO_SOCKET_IFNAME"]  # the launcher chooses it
     run(["bash", str(REPO / "launch_slurm.sbatch"), "ddp", "--epochs", "1"], env=env, timeout=120)
-    record = tmp_path / "record"
+    record, python = tmp_path / "record", shutil.which("python", path=env["PATH"])
     srun_args = (record / "srun.args").read_text().split()
     assert srun_args[:3] == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     for node in (0, 1):
@@ -95,6 +98,11 @@ def test_sbatch_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path):
             "3",
             "--max-restarts",
             "0",
+            "--no-python",  # each rank under tools/worker.py, which ties it to torchrun and reports how it ended
+            python,
+            str(REPO / "tools" / "worker.py"),
+            python,
+            "-u",
             "-m",
             "recipes",
             "run",
@@ -118,3 +126,17 @@ def test_sbatch_outside_slurm_says_so():
     proc = run(["bash", str(REPO / "launch_slurm.sbatch"), "ddp"], env=user_env(), check=False, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: not inside a SLURM job: submit with sbatch launch_slurm.sbatch NAME [options]"
+
+
+@pytest.mark.parametrize("missing", ["srun", "scontrol"])
+def test_sbatch_in_a_job_without_slurms_commands_says_so(tmp_path, missing):
+    """SLURM's variables set but its commands not on PATH (not a SLURM node, or its bin/ not on PATH): one line."""
+    env = fake_slurm(tmp_path)
+    (tmp_path / "bin" / missing).unlink()
+    proc = run(["bash", str(REPO / "launch_slurm.sbatch"), "ddp"], env=env, check=False, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: {missing} is not on PATH: this is not a SLURM node (or SLURM's bin/ is missing from PATH); "
+        "submit with sbatch launch_slurm.sbatch NAME [options]"
+    )
+    assert not (tmp_path / "record" / "srun.args").exists()

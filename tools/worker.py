@@ -1,0 +1,126 @@
+"""One rank under the launchers: torchrun starts this file (--no-python), and it starts the rank.
+
+    torchrun --no-python ... python tools/worker.py python -m recipes run ddp --epochs 3
+
+It stays between torchrun and the rank, for two reasons:
+- the rank's life is tied to torchrun's: when torchrun dies, even by `kill -9`, the kernel sends this
+  process SIGTERM (PR_SET_PDEATHSIG; torchrun starts each worker in a session of its own, so nothing
+  else would), and this process dies only after the rank, or by SIGKILL, which the rank then gets too.
+  The signals torchrun closes a group with (SIGTERM, SIGINT, SIGHUP, SIGQUIT) reach the rank's process
+  group once, with a SIGCONT, so that a stopped rank ends too.
+- the launchers' tools/supervise.py reads our stderr (torchrun's) and learns, per rank:
+      "\x1e" RANK "\x1f" LINE    a line the rank wrote to its stderr
+      "\x1e" RANK "\x1d" JSON    the rank started, stopped, or ended: exit code or signal, and the
+                                   signal torchrun closed the group with, if it did
+  so that it prints one rank's traceback and names the rank that failed, and how.
+Standard library only: it starts before every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+LINE, EVENT = "\x1f", "\x1d"
+CLOSING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what torchrun closes a group with
+
+
+def die_with_parent(signum: int, *, parent: int) -> None:
+    """Have the kernel send `signum` to this process when `parent` (the thread that started it) exits."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent or parent == 1:  # it died before prctl: no signal would ever come
+        os.kill(os.getpid(), signum)
+
+
+def tag(rank: str, kind: str, text: str) -> bytes:
+    return f"\x1e{rank}{kind}{text}\n".encode(errors="replace")
+
+
+def send(data: bytes) -> None:
+    """One write (atomic on a pipe up to 4 KiB): lines of several ranks never mix."""
+    try:
+        os.write(2, data)
+    except OSError:  # the supervisor is gone: keep draining the rank's pipe all the same
+        pass
+
+
+def relay(pipe, rank: str) -> None:
+    """Copy the rank's stderr to ours, line by line, each tagged with the rank."""
+    for raw in iter(pipe.readline, b""):
+        send(tag(rank, LINE, raw.decode(errors="replace").rstrip("\r\n")))
+
+
+def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
+    """Run the rank to its end; returns its wait status and what happened to it (see the module docstring)."""
+    me = os.getpid()
+    state = {"closed_by": None, "stopped": None, "stopped_when_closed": None, "ended": False}
+    child = subprocess.Popen(
+        argv,
+        stderr=subprocess.PIPE,
+        process_group=0,  # torchrun's signals reach this process only: each gets to the rank exactly once, below
+        preexec_fn=lambda: die_with_parent(signal.SIGKILL, parent=me),  # we die only after the rank, or by SIGKILL
+    )
+
+    def on_closing(signum, _frame) -> None:
+        if state["closed_by"] is None:
+            state["closed_by"], state["stopped_when_closed"] = signum, state["stopped"]
+        if not state["ended"]:  # reaped: its group id may be another's by now
+            for sig in (signum, signal.SIGCONT):  # a stopped rank acts on it now, not never
+                try:
+                    os.killpg(child.pid, sig)  # the rank and what it started (data loader workers), as torchrun would
+                except ProcessLookupError:
+                    pass
+
+    for signum in CLOSING:
+        signal.signal(signum, on_closing)
+    send(tag(rank, EVENT, json.dumps({"event": "started", "pid": child.pid, "t": time.time()})))
+    reader = threading.Thread(target=relay, args=(child.stderr, rank), daemon=True)
+    reader.start()
+    while True:
+        _, status = os.waitpid(child.pid, os.WUNTRACED | os.WCONTINUED)
+        if os.WIFSTOPPED(status):
+            state["stopped"] = os.WSTOPSIG(status)
+            send(tag(rank, EVENT, json.dumps({"event": "stopped", "signal": state["stopped"], "t": time.time()})))
+        elif os.WIFCONTINUED(status):
+            state["stopped"] = None
+        else:
+            state["ended"] = True
+            break
+    reader.join(timeout=2)  # a process the rank started may still hold its stderr open
+    return status, state
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit("usage: python tools/worker.py PROGRAM [ARGS...] (started by the launchers' torchrun)")
+    die_with_parent(signal.SIGTERM, parent=os.getppid())  # passed on to the rank, as any closing signal
+    rank = os.environ.get("RANK", "?")
+    status, state = supervise(argv, rank=rank)
+    code = os.waitstatus_to_exitcode(status)
+    ended = {
+        "event": "ended",
+        "local_rank": os.environ.get("LOCAL_RANK"),
+        "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+        "code": code if code >= 0 else None,
+        "signal": -code if code < 0 else None,
+        "closed_by": state["closed_by"],
+        "stopped": state["stopped_when_closed"] or state["stopped"],
+        "t": time.time(),
+    }
+    send(tag(rank, EVENT, json.dumps(ended)))
+    if code < 0:  # end as the rank ended, so that torchrun reports what it would have reported
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
