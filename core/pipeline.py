@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.amp import StepStats, autocast
+from core.amp import StepStats, autocast, micro_batch_groups
 from core.config import RecipeError
 from core.dist import broadcast_object
 from core.grads import clip_grad_norm
@@ -266,14 +266,17 @@ def step_pipeline(
 
 
 @torch.no_grad()
-def evaluate_pipeline(schedule, loader, *, holds_last: bool, device: torch.device, batch_size: int) -> dict:
-    """Validation loss and accuracy, forward only through the schedule, over the loader's full batches (the schedule
-    needs micro-batches of one size, so a smaller last batch is left out); sums all-reduced once at the end."""
+def evaluate_pipeline(schedule, loader, *, accum: int, holds_last: bool, device: torch.device) -> dict:
+    """Validation loss and accuracy, forward only through the schedule, K = accum batches a run (the schedule's
+    micro-batch count), over the loader's full groups: the schedule needs micro-batches of one size, so a smaller
+    last batch is left out. Sums all-reduced once at the end."""
+    if loader is None:
+        return {}
     tally = Tally(device)
-    for inputs, targets in loader:
-        if len(inputs) != batch_size:
+    for group in micro_batch_groups(loader, accum, device=device):
+        inputs, targets = (torch.cat(parts) for parts in zip(*group))
+        if len(inputs) != loader.batch_size * accum:
             continue
-        inputs, targets = inputs.to(device), targets.to(device)
         losses: list[torch.Tensor] = []
         outputs = schedule.eval(inputs, target=targets, losses=losses)
         if holds_last:

@@ -108,6 +108,8 @@ def _head_dim(style: ParallelStyle, module: nn.Module, parent: nn.Module) -> int
     """The attention's head_dim when the split must keep whole heads: a Linear in an attention (a module with an
     int head_dim) whose sharded side is each rank's local slice (a colwise output, a rowwise input)."""
     head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(style, ColwiseParallel | RowwiseParallel):  # the GPT's sequence-parallel styles split no heads
+        return None
     local = style.output_layouts[0] if isinstance(style, ColwiseParallel) else style.input_layouts[0]
     if isinstance(module, nn.Linear) and isinstance(head_dim, int) and isinstance(local, Shard):
         return head_dim

@@ -31,9 +31,7 @@ from core.exact_loss import forward_sums, make_exact_loss
 
 
 @dataclass(frozen=True)
-class Config(
-    Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport
-):
+class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
     title = "fully sharded data parallel"
