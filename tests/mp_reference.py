@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core import amp, data, models
+from core import amp, data, models, weights
 from core.dist import Topology
 from core.exact_loss import make_exact_loss
 
@@ -34,11 +34,14 @@ def run_recipe_rng(topo, name: str, cfg) -> tuple[dict, str]:
 
 
 def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
-    """One process, one model, each step on the concatenation of the `replicas` data shares' next --accum
-    batches, clipped at --clip, under autocast at --precision, with the loss the recipe takes."""
+    """One process, one model (from --init-from's weights when given), each step on the concatenation of the
+    `replicas` data shares' next --accum batches, clipped at --clip, under autocast at --precision, with the loss
+    the recipe takes."""
     torch.manual_seed(cfg.seed)
     train_set, _, _ = data.build_data(cfg.data)
     model = models.build_model(cfg.model)
+    if cfg.init_from:
+        weights.load_weights(model, cfg.init_from)
     loss_fn = make_exact_loss(cfg.loss, model=model)
     loaders = [
         data.make_loader(
@@ -113,3 +116,24 @@ class DropoutGPT(nn.Module):
 
 def dropout_gpt() -> nn.Module:
     return DropoutGPT()
+
+
+class CountingMLP(nn.Module):
+    """The MLP with a buffer forward adds its inputs to: each rank counts its own share, so the replicas' buffers
+    differ at the end (as a running statistic that is not BatchNorm's does)."""
+
+    def __init__(self):
+        super().__init__()
+        from core.models import MLP
+
+        self.mlp = MLP(hidden=32, depth=2)
+        self.register_buffer("inputs_seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.inputs_seen += x.detach().sum()
+        return self.mlp(x)
+
+
+def counting_mlp() -> nn.Module:
+    return CountingMLP()
