@@ -59,9 +59,11 @@ def test_pipeline_equals_single_process(world2, one_share, tmp_path, schedule, m
 @pytest.mark.world
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_equals_single_process(world2, one_share, tmp_path, sequence_parallel):
+    """Also issue 20.7: the two ranks are one tensor-parallel group (dp rank 0): they end on one generator state."""
     cfg = config("tensor_parallel", out=str(tmp_path), sequence_parallel=sequence_parallel)
-    summaries = world2.run(run_recipe, "tensor_parallel", cfg)
-    assert_same_weights(summaries[0], one_share, **TOL)
+    (summary, first), (_, second) = world2.run(run_recipe_rng, "tensor_parallel", cfg)
+    assert first == second
+    assert_same_weights(summary, one_share, **TOL)
 
 
 @pytest.mark.world
@@ -76,10 +78,11 @@ def test_tensor_parallel_splits_a_llama_by_its_own_plan_like_one_process(world2,
 
 @pytest.mark.world
 def test_fsdp_equals_single_process(world2, tmp_path):
+    """Also issue 20.7: after the build each rank reseeds with seed + rank: they end on different generator states."""
     cfg = config("fsdp", out=str(tmp_path))
-    summaries = world2.run(run_recipe, "fsdp", cfg)
-    assert summaries[0]["global_batch"] == 2 * cfg.batch_size and summaries[0]["replicas_identical"]
-    assert_same_weights(summaries[0], reference(cfg, replicas=2), **TOL)
+    (summary, first), (_, second) = world2.run(run_recipe_rng, "fsdp", cfg)
+    assert summary["global_batch"] == 2 * cfg.batch_size and summary["replicas_identical"] and first != second
+    assert_same_weights(summary, reference(cfg, replicas=2), **TOL)
 
 
 @pytest.mark.world
@@ -130,7 +133,7 @@ def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
     assert summary["val_acc"] == pytest.approx(expected["val_acc"])
 
 
-# --- issue 20.6 and 20.7: buffers compared across ranks; every data-parallel rank its own random stream --------
+# --- issue 20.6: buffers compared across ranks (20.7, each data-parallel rank's own stream: above) ---------------
 
 
 @pytest.mark.world
@@ -139,16 +142,6 @@ def test_fsdp_names_the_buffers_that_differ_across_ranks(world2, tmp_path):
     cfg = config("fsdp", out=str(tmp_path), model="mp_reference:counting_mlp", data="digits", max_steps=2)
     summary = world2.run(run_recipe, "fsdp", cfg)[0]
     assert summary["replicas_identical"] is False and "inputs_seen" in summary["replicas_differ"]
-
-
-@pytest.mark.world
-@pytest.mark.parametrize("name, same", [("fsdp", False), ("tensor_parallel", True)])
-def test_each_data_parallel_rank_draws_its_own_stream(world2, tmp_path, name, same):
-    """After the build every dp rank reseeds with seed + dp rank: fsdp's two ranks end on different generator
-    states, tensor parallel's two (one group, dp rank 0) on the same one."""
-    cfg = config(name, out=str(tmp_path), max_steps=1)
-    (_, first), (_, second) = world2.run(run_recipe_rng, name, cfg)
-    assert (first == second) is same
 
 
 # --- resume (issue 14.1, 14.2, 11.1): a run that stopped after a checkpoint continues to the same weights ------
@@ -166,11 +159,11 @@ def _resumed(world, name: str, cfg, finished: dict, tmp_path, *, stop: int, **ch
     return world.run(run_recipe, name, cfg.replace(out=str(out), resume="auto", **changes))[0]
 
 
-RESUMABLE = {  # fsdp's model draws dropout: each rank's generator must come back from the checkpoint
-    "fsdp": dict(accum=2, clip=0.05, batch_size=4, model="mp_reference:dropout_gpt"),
-    "tensor_parallel": dict(clip=0.05),
-    "pipeline": dict(accum=2, clip=0.05, microbatches=2, pp=2),
-    "fsdp_tp": dict(tp=2, clip=0.05),
+RESUMABLE = {  # name: (options, changes that keep the global batch on one rank; None: not tried there)
+    "fsdp": (dict(accum=2, clip=0.05, batch_size=4, model="mp_reference:dropout_gpt"), None),  # each rank's dropout
+    "tensor_parallel": (dict(clip=0.05), {}),  # tp 2 -> 1: DCP reads each rank's new slices from the saved ones
+    "pipeline": (dict(accum=2, clip=0.05, microbatches=2, pp=0), {}),  # pp 2 -> 1: the stages keep the model's names
+    "fsdp_tp": (dict(tp=2, clip=0.05), dict(tp=1)),
 }
 
 
@@ -183,17 +176,23 @@ def _check_resume(name: str, cfg) -> None:
 
 @pytest.mark.world
 @pytest.mark.parametrize("name", list(RESUMABLE))
-def test_resume_at_the_same_world_size_is_bitwise(world2, tmp_path, monkeypatch, name):
+def test_resume_at_the_same_world_size_is_bitwise(world2, world1, tmp_path, monkeypatch, name):
     """The pre-check (WORLD_SIZE set, no process group) lets the same job resume; it ends bitwise where the run that
-    never stopped did, and once finished it trains nothing more."""
-    cfg = config(name, out=str(tmp_path / "whole"), max_steps=4, ckpt_every=2, keep=5, **RESUMABLE[name])
+    never stopped did, and once finished it trains nothing more. 14.2: the checkpoint continues on one rank too, at
+    the same global batch, resharded to that layout (within float rounding: sums in another order)."""
+    options, on_one = RESUMABLE[name]
+    cfg = config(name, out=str(tmp_path / "whole"), max_steps=4, ckpt_every=2, keep=5, **options)
     finished = world2.run(run_recipe, name, cfg)[0]
     weights = load_file(finished["weights"])
     with monkeypatch.context() as env:
         env.setenv("WORLD_SIZE", "2")
         _check_resume(name, cfg.replace(resume="auto"))
-    resumed = _resumed(world2, name, cfg, finished, tmp_path, stop=2)
+    resumed = _resumed(world2, name, cfg, finished, tmp_path / "two", stop=2)
     assert resumed["steps"] == 4 and _same(load_file(resumed["weights"]), weights)
+    if on_one is not None:
+        alone = _resumed(world1, name, cfg, finished, tmp_path / "one", stop=2, **on_one)
+        assert alone["world_size"] == 1 and alone["global_batch"] == finished["global_batch"]
+        assert_same_weights(alone, weights, **TOL)
     again = world2.run(run_recipe, name, cfg.replace(resume="auto"))[0]  # 11.1: nothing past --max-steps
     assert again["already_finished"] and _same(load_file(finished["weights"]), weights)
 
@@ -244,23 +243,13 @@ def test_a_missing_shard_is_skipped_by_auto_and_named_for_a_path(world2, tmp_pat
     assert [r["step"] for r in _records(resumed) if r["kind"] == "resume"] == [1]
 
 
-ON_ONE = {  # name: (options on 2 ranks, changes on 1) that keep the global batch
-    "fsdp": ({}, {"batch_size": 16}),  # 16 = 2 x 8 = 1 x 16
-    "tensor_parallel": ({}, {}),  # tp 2 -> 1: DCP reads each rank's new slices from the saved ones
-    "fsdp_tp": ({"tp": 2}, {"tp": 1}),
-    "pipeline": ({"pp": 0, "microbatches": 2}, {}),  # pp 2 -> 1: the stages' tensors keep the model's names
-}
-
-
 @pytest.mark.world
-@pytest.mark.parametrize("name", list(ON_ONE))
-def test_resume_from_two_ranks_on_one(world2, world1, tmp_path, name):
-    """14.2: a 2-rank checkpoint continues on 1 rank at the same global batch, resharded to the new layout."""
-    options, changes = ON_ONE[name]
-    cfg = config(name, out=str(tmp_path / "whole"), max_steps=4, ckpt_every=2, keep=5, **options)
-    finished = world2.run(run_recipe, name, cfg)[0]
-    resumed = _resumed(world1, name, cfg, finished, tmp_path, stop=2, **changes)
-    assert resumed["steps"] == 4 and resumed["world_size"] == 1 and resumed["global_batch"] == finished["global_batch"]
+def test_fsdp_resumes_from_two_ranks_on_one(world2, world1, tmp_path):
+    """14.2: a 2-rank checkpoint continues on 1 rank at the same global batch (16 = 2 x 8 = 1 x 16)."""
+    cfg = config("fsdp", out=str(tmp_path / "whole"), max_steps=4, ckpt_every=2, keep=5)
+    finished = world2.run(run_recipe, "fsdp", cfg)[0]
+    resumed = _resumed(world1, "fsdp", cfg, finished, tmp_path, stop=2, batch_size=16)
+    assert resumed["steps"] == 4 and resumed["world_size"] == 1 and resumed["global_batch"] == 16
     assert_same_weights(resumed, load_file(finished["weights"]), **TOL)
 
 
@@ -397,11 +386,13 @@ def test_pipeline_accumulation_clip_and_precision_equal_one_process(world2, prec
     _assert_pairs(pairs, **tol)
 
 
-def accumulate(model, micro_batches, loss_fn, *, dp_group) -> None:
-    """step_amp's fp32 backward, by hand: each micro-batch's summed loss over the global count, backward."""
+def accumulate(model, micro_batches, loss_fn, *, dp_group, sync=amp.grad_sync) -> None:
+    """step_amp's fp32 backward, by hand: each micro-batch's summed loss over the global count, backward; the
+    gradients reduced across ranks in the last one's only (`sync`: core.amp.grad_sync's shape)."""
     normalizer = global_count(micro_batches, loss_fn, group=dp_group) / torch.distributed.get_world_size(dp_group)
-    for batch in micro_batches:
-        forward_exact(model, batch, loss_fn, normalizer=normalizer)[0].backward()
+    for i, batch in enumerate(micro_batches):
+        with sync(model, enabled=i == len(micro_batches) - 1):
+            forward_exact(model, batch, loss_fn, normalizer=normalizer)[0].backward()
 
 
 def tp_accum_clip(topo, via_step_amp: bool):
