@@ -77,7 +77,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its shard of them
         weights.load_weights(model, cfg.init_from)
-    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
     dp_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     policy = parallel.fsdp_policy(cfg.precision, offload=cfg.offload)  # bf16 compute, fp32 gradient reduction
     for block in parallel.shard_units(model, blocks=cfg.blocks):  # each gathered only while it runs
@@ -94,6 +93,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
+    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
     # checkpoint's state (every rank reads its own shard, resharded to this world size), and the trackers.

@@ -87,7 +87,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its part of them
         weights.load_weights(model, cfg.init_from)
-    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
     device_mesh = parallel.build_mesh(topo, plan_dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
     plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model)
@@ -111,6 +110,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
+    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
     counts = tp_mesh.get_local_rank() == 0  # one rank per tp group counts the group's batch
 
     # The run folder, new or resumed, the checkpoint's state (every rank reads its shards), and the trackers.

@@ -83,7 +83,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its slices of them
         weights.load_weights(model, cfg.init_from)
-    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=cfg.sequence_parallel)
     with tp_plan.ties_and_heads_kept(model, plan, tp=device_mesh["tp"].size()):  # a tied lm_head stays tied
@@ -101,6 +100,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each slice on its own rank
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
+    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
     counts = device_mesh["tp"].get_local_rank() == 0  # the ranks hold one batch: one of them counts it
 
     # The run folder, new or resumed, the checkpoint's state (every rank reads its slices), and the trackers.
