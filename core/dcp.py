@@ -208,6 +208,21 @@ def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dic
     return tensors, optim_sd["param_groups"], scalars
 
 
+def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with each storage once: a tied weight (lm_head and the embedding) under its first name only, as
+    safetensors refuses shared memory; loading into that one fills the other names, which share its storage."""
+    out, seen = {}, set()
+    for key, value in tensors.items():
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
+        where = (
+            (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) if local.numel() else key
+        )
+        if where not in seen:
+            out[key] = value
+        seen.add(where)
+    return out
+
+
 def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     return {f"rng/{rank}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
@@ -263,7 +278,7 @@ def save_sharded(
     _barrier()
     tensors, groups, scalars = _train_tensors(model, optimizer)
     tensors |= _rng_tensors(_rank())  # each rank its own generator: bitwise resume
-    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    dcp.save(_untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     everyone, shapes = all_gather_object((_file_checksums(tmp), scalars)), _shapes(tensors)  # every file is closed
     if _rank() == 0:
         info = {
@@ -348,7 +363,7 @@ def load_sharded(
     saved = {key for sums in info["checksums"].values() for key in sums}
     rng = {k: v for k, v in _rng_tensors(_rank()).items() if k in saved}  # none for a rank the saving job lacked
     optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
-    dcp.load(tensors | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    dcp.load(_untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     set_state_dict(_root(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if scheduler is not None and info["scheduler"] is not None:

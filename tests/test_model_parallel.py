@@ -198,6 +198,16 @@ def test_resume_at_the_same_world_size_is_bitwise(world2, world1, tmp_path, monk
 
 
 @pytest.mark.world
+def test_fsdp_checkpoints_tied_weights_and_resumes_bitwise(world2, tmp_path):
+    """Two modules share one weight (a tied lm_head): safetensors refuses shared memory, so the shard holds it once
+    and loading fills both."""
+    cfg = config("fsdp", out=str(tmp_path / "whole"), model="tiny:tied", data="digits", max_steps=2, ckpt_every=1)
+    finished = world2.run(run_recipe, "fsdp", cfg.replace(keep=5))[0]
+    resumed = _resumed(world2, "fsdp", cfg, finished, tmp_path, stop=1)
+    assert resumed["steps"] == 2 and _same(load_file(resumed["weights"]), load_file(finished["weights"]))
+
+
+@pytest.mark.world
 def test_a_checkpoint_under_another_recipe_or_precision_is_refused_in_one_line(world2, tmp_path, monkeypatch):
     """14.7: the pre-check names both sides: an fsdp checkpoint under tensor_parallel, a bf16 one resumed in fp32."""
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=2, precision="bf16")
