@@ -44,7 +44,7 @@ from core.dist import all_gather_object
 from core.folder import RunFolder, say, write_record
 from core.weights import check_model_matches
 
-FORMAT = "torch-dist-recipes/dcp/2"  # /2: the run's metadata as core.ckpt's header has it, xxh3 checksums
+FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
 DONE = "checkpoint.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 

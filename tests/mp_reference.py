@@ -14,7 +14,7 @@ from core import amp, data, models, weights
 from core.dist import Topology
 from core.exact_loss import make_exact_loss
 
-BASE = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
+BASE = dict(model="gpt", data="mp_reference:short_text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
 
 
 def config(name: str, **changes):
@@ -78,7 +78,16 @@ def assert_same_weights(summary: dict, expected: dict[str, torch.Tensor], *, ato
         torch.testing.assert_close(saved[key], value, atol=atol, rtol=rtol, msg=lambda m, k=key: f"{k}: {m}")
 
 
-# --- models for --model mp_reference:NAME (the tests folder is on the workers' path) ----------------------------
+# --- factories for --model / --data mp_reference:NAME (the tests folder is on the workers' path) -----------------
+
+
+def short_text():
+    """The `text` data with 40 validation windows (of ~600): each run's evaluation, a collective a batch under
+    tensor parallelism, stays short; the training set is text's own."""
+    from core.gpt import text
+
+    train, val = text()
+    return train, torch.utils.data.Subset(val, range(40))
 
 
 def tiny_llama() -> nn.Module:
