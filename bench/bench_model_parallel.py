@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import dist, parallel, pipeline, steps  # noqa: E402
 from core.gpt import GPT  # noqa: E402
+from core.loss import make_loss  # noqa: E402
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -83,17 +84,15 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
     from torch.distributed.pipelining import PipelineStage
 
     stage = BusyTimer(pipeline.split_pipeline(model, num_stages=2, stage_index=topo.rank)).to(topo.device)
-    sched = pipeline.build_schedule(
-        schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m, loss_fn=steps.cross_entropy
-    )
+    sched = pipeline.build_schedule(schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m)
     optimizer = torch.optim.SGD(stage.parameters(), lr=1e-3)
     x = torch.randint(128, (m * micro, 64), device=topo.device)
     busy = wall = 0.0
     for i in range(steps_ + 1):  # the first step warms up (allocations, connections) and is not counted
         stage.busy = 0.0
-        dist.barrier()
+        torch.distributed.barrier()
         started = time.perf_counter()
-        pipeline.step_pipeline(sched, (x, x), optimizer=optimizer, holds_last=topo.rank == 1)
+        pipeline.step_pipeline(sched, [(x, x)], optimizer=optimizer, holds_last=topo.rank == 1)  # the recipe's step
         stage.flush()
         if i:
             busy, wall = busy + stage.busy, wall + time.perf_counter() - started
@@ -114,16 +113,18 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def memory(topo, *, kind: str) -> dict:
     torch.manual_seed(0)
     model = GPT(dim=256, heads=8, layers=4).to(topo.device)
-    if kind == "fsdp":
+    if kind == "fsdp":  # the fsdp recipe's fully_shard calls
         parallel.apply_fsdp(model, mesh=parallel.build_mesh(topo, {"dp": topo.world_size}))
     else:
-        model = parallel.wrap_ddp(model, device=topo.device)
+        ids = [topo.device.index] if topo.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if topo.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(topo.device)
     x = torch.randint(128, (8, 64), device=topo.device)
+    loss_fn = make_loss("ce", model=model)
     for _ in range(2):
-        steps.step_plain(model, (x, x), optimizer=optimizer, loss_fn=steps.cross_entropy)
+        steps.step_plain(model, (x, x), optimizer=optimizer, loss_fn=loss_fn)
     peak = torch.cuda.max_memory_allocated(topo.device) if topo.device.type == "cuda" else None
     return {"state_MiB": state_bytes(model, optimizer) / 2**20, "peak_MiB": peak and peak / 2**20}
 

@@ -1,27 +1,35 @@
-"""Sharded checkpoints: every rank writes its own shard through torch.distributed.checkpoint (DCP).
+"""Sharded checkpoints: every rank writes its own shard through torch.distributed.checkpoint (DCP), with the calls
+of core.ckpt, so a sharded recipe differs from ddp_amp by `ckpt.` -> `dcp.`:
 
-    ckpt/step-000120/
+    run = folder.open_run(cfg, topo, ..., newest=dcp.newest_good, header=dcp.read_metadata)
+    start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    dcp.save_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep)
+
+    RUN/ckpt/step-000120/
       shard-0000R-model-00001-of-00001.safetensors   rank R-1's tensors (DCP's HuggingFaceStorageWriter)
       checkpoint.json                                  everything else, and what makes the folder complete
 
-Tensors (keyed model/<fqn>, optim/<fqn>/<name>, rng/<rank>/<kind>): DTensor shards (fully_shard,
-TP, both) and plain tensors (pipeline stages); one held by several ranks is written once.
-checkpoint.json: world size, progress, scheduler, scaler, optimizer hyper-parameters, the recipe's
-metadata, model shapes, a checksum per tensor of every file and one over itself. Non-tensor values
-go there because DCP's safetensors writer would put them as raw bytes before the header.
+Tensors (keyed model/<fqn>, optim/<fqn>/<name>, rng/<rank>/<kind>): DTensor shards (fully_shard, TP, both) and
+plain tensors (pipeline stages); one held by several ranks is written once. checkpoint.json: the run's metadata
+(recipe, config, global batch, world size, trackers), progress, scheduler, scaler, optimizer hyper-parameters,
+the model's whole shapes, a checksum per tensor of every file (core.checksum) and one over itself. Non-tensor
+values go there because DCP's safetensors writer would put them as raw bytes before the header.
 
-Atomic: all ranks write into .step-N.tmp/, rank 0 adds checkpoint.json once every rank is done,
-then renames the folder to step-N. A kill at any moment leaves the older checkpoints whole, and a
-folder without a valid checkpoint.json is never picked. Loading at another world size reshards
-(DCP reads each rank's new slices from the saved chunks). All ranks must see the same folder.
+Atomic: all ranks write into .step-N.tmp/, rank 0 adds checkpoint.json once every rank is done, then renames the
+folder to step-N. A kill at any moment leaves the older checkpoints whole. A folder without a valid
+checkpoint.json, or with a shard file missing or damaged, is passed over by `--resume auto` (a warning line) and
+named in one line when --resume names it. Loading at another world size reshards (DCP reads each rank's new
+slices from the saved chunks). All ranks must see the same folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -29,21 +37,16 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from core.ckpt import check_model_matches
-from core.ckpt_io import tensor_checksum
+from core.checksum import checksum, checksum_matches
+from core.ckpt import START
 from core.config import RecipeError
-from core.dcp_meta import (  # noqa: F401  (re-exported: the checks live there)
-    DONE,
-    FORMAT,
-    STEP_DIR,
-    check_sharded,
-    digest,
-    latest_sharded,
-    list_sharded,
-    read_info,
-    refuse_mismatch,
-)
-from core.dist import barrier
+from core.dist import all_gather_object
+from core.folder import RunFolder, say, write_record
+from core.weights import check_model_matches
+
+FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
+DONE = "checkpoint.json"
+STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def _rank() -> int:
@@ -54,13 +57,121 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _gather(obj) -> list:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if _world() == 1:
-        return [obj]
-    out = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+# --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
+
+
+def digest(info: dict) -> str:
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
+
+
+def read_info(path: Path) -> dict:
+    """checkpoint.json, checked whole (its own checksum); a RecipeError line when it isn't a good one."""
+    if (path / "ckpt").is_dir() or path.name == "ckpt":  # a run folder, or its ckpt folder: which step?
+        raise RecipeError(f"--resume {path}: a folder of checkpoints, not one; pass one of them, or --resume auto")
+    try:
+        info = json.loads((path / DONE).read_text())
+        sealed = info.pop("self_checksum")
+    except (OSError, ValueError, KeyError, AttributeError) as err:
+        raise RecipeError(
+            f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); "
+            f"resume from another step-N folder in {path.parent}"
+        ) from None
+    if digest(info) != sealed:
+        raise RecipeError(
+            f"{path / DONE}: its checksum does not match its contents (edited or corrupted); "
+            f"resume from another step-N folder in {path.parent}"
+        )
+    if info.get("format") != FORMAT:
+        raise RecipeError(
+            f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from a checkpoint "
+            f"written by this project's sharded save"
+        )
+    return info
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """What core.ckpt.read_metadata gives of a one-file checkpoint (recipe, config, global_batch, world_size,
+    trackers, progress: strings), from checkpoint.json alone; one RecipeError line when it isn't a good one."""
+    info = read_info(Path(path))
+    return {**info["metadata"], "world_size": str(info["world_size"]), "progress": json.dumps(info["progress"])}
+
+
+def list_sharded(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints (step-N folders with a valid checkpoint.json) in ckpt_dir, oldest first."""
+    found = []
+    for path in Path(ckpt_dir).glob("step-*"):
+        if (m := STEP_DIR.fullmatch(path.name)) and path.is_dir():
+            try:
+                read_info(path)
+            except RecipeError:
+                continue  # incomplete or damaged: never picked
+            found.append((int(m.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+
+def _file_problems(path: Path, info: dict, names: list[str], *, values: bool) -> list[str]:
+    """What is wrong with these shard files of the checkpoint: missing, unreadable, and (values=True) a tensor that
+    does not match its checksum or holds NaN or inf. Each problem names the file."""
+    problems = []
+    for name in names:
+        try:
+            with safe_open(str(path / name), framework="pt") as f:  # checks the header and that no byte is missing
+                for key, want in info["checksums"][name].items() if values else ():
+                    t = f.get_tensor(key)
+                    if not checksum_matches(t, want):
+                        problems.append(f"tensor {key} in {name} does not match its checksum")
+                    elif t.is_floating_point() and not torch.isfinite(t).all():
+                        problems.append(f"tensor {key} in {name} holds NaN or inf")
+        except FileNotFoundError:
+            problems.append(f"shard file {name} is missing")
+        except Exception as err:  # noqa: BLE001 a truncated or unreadable file
+            problems.append(f"shard file {name} is unreadable ({type(err).__name__}: {' '.join(str(err).split())})")
+    return problems
+
+
+def _damage(path: Path, problems: list[str]) -> str:
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    fix = f"resume from an older step-N folder in {path.parent} (--resume auto skips damaged ones)"
+    return f"{path}: {problems[0]}{more}; the checkpoint is damaged: {fix}"
+
+
+def _extra_files(path: Path, info: dict) -> list[str]:
+    extra = sorted({p.name for p in path.glob("*.safetensors")} - set(info["checksums"]))  # DCP would read them too
+    return [f"{name} is not one of its files" for name in extra[:1]]
+
+
+def newest_good(run_dir: Path) -> Path | None:
+    """The newest checkpoint of RUN/ckpt whose checkpoint.json and every shard read back whole and undamaged (rank 0
+    reads them all); a newer one is passed over in a warning line that names what is wrong."""
+    for path in reversed(list_sharded(Path(run_dir) / "ckpt")):
+        info = read_info(path)
+        problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=True)
+        if not problems:
+            return path
+        why = f"damaged ({problems[0]})"
+        print(f"warning: --resume auto: skipping {path}, {why}; taking the one before", file=sys.stderr)
+    return None
+
+
+def check_shapes(path: str | os.PathLike, model: nn.Module) -> None:
+    """The pre-check: one RecipeError line when the checkpoint holds another model than `model` (the plain one, a
+    meta-device one will do) or a shard file is missing or unreadable (named). The values are checked at load."""
+    path = Path(path)
+    info = read_info(path)
+    problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=False)
+    if problems:
+        raise RecipeError(_damage(path, problems))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    fix = "resume with the --model it was trained with, or start a new run"
+    check_model_matches(path, {k: tuple(v) for k, v in info["shapes"].items()}, expected, fix=fix)
+
+
+# --- writing and reading the shards (collectives) ----------------------------------------------------------------
 
 
 def _root(model: nn.Module | list[nn.Module]) -> nn.Module:
@@ -76,9 +187,9 @@ def _root(model: nn.Module | list[nn.Module]) -> nn.Module:
 
 
 def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    """The model's global shapes (DTensor.shape is the whole tensor's), merged over ranks: a collective."""
+    """The model's whole shapes (DTensor.shape is the whole tensor's), merged over ranks: a collective."""
     mine = {k.removeprefix("model/"): list(v.shape) for k, v in tensors.items() if k.startswith("model/")}
-    return {k: v for shapes in _gather(mine) for k, v in shapes.items()}
+    return {k: v for shapes in all_gather_object(mine) for k, v in shapes.items()}
 
 
 def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dict]:
@@ -97,6 +208,21 @@ def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dic
     return tensors, optim_sd["param_groups"], scalars
 
 
+def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with each storage once: a tied weight (lm_head and the embedding) under its first name only, as
+    safetensors refuses shared memory; loading into that one fills the other names, which share its storage."""
+    out, seen = {}, set()
+    for key, value in tensors.items():
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
+        where = (
+            (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) if local.numel() else key
+        )
+        if where not in seen:
+            out[key] = value
+        seen.add(where)
+    return out
+
+
 def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     return {f"rng/{rank}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
@@ -108,7 +234,7 @@ def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
     out = {}
     for path in sorted(p for p in folder.iterdir() if name.fullmatch(p.name)):
         with safe_open(str(path), framework="pt") as f:
-            out[path.name] = {key: tensor_checksum(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
+            out[path.name] = {key: checksum(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
     return out
 
 
@@ -149,11 +275,11 @@ def save_sharded(
         for stale in ckpt_dir.glob(".step-*.tmp"):  # left by a killed save: saves never overlap
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
-    barrier()
+    _barrier()
     tensors, groups, scalars = _train_tensors(model, optimizer)
-    tensors |= _rng_tensors(_rank())
-    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    everyone, shapes = _gather((_file_checksums(tmp), scalars)), _shapes(tensors)  # every rank's file is closed
+    tensors |= _rng_tensors(_rank())  # each rank its own generator: bitwise resume
+    dcp.save(_untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    everyone, shapes = all_gather_object((_file_checksums(tmp), scalars)), _shapes(tensors)  # every file is closed
     if _rank() == 0:
         info = {
             "format": FORMAT,
@@ -177,33 +303,19 @@ def save_sharded(
         shutil.rmtree(aside, ignore_errors=True)
         for old in list_sharded(ckpt_dir)[:-keep] if keep > 0 else []:  # only once the new one is in place
             shutil.rmtree(old)
-    barrier()
+    _barrier()
     return final
 
 
 def _verify_files(path: Path, info: dict) -> None:
-    """Every rank checks a share of the files (checksums, finite values); all ranks fail together."""
+    """Every rank checks a share of the files (present, checksums, finite values); all ranks fail together."""
     names = sorted(info["checksums"])
-    extra = sorted({p.name for p in path.glob("*.safetensors")} - set(names))  # DCP's reader would read them too
-    problems = [f"{name} is not one of its files" for name in extra[:1] if _rank() == 0]
-    for name in names[_rank() :: _world()]:
-        try:
-            with safe_open(str(path / name), framework="pt") as f:
-                for key, want in info["checksums"][name].items():
-                    t = f.get_tensor(key)
-                    if tensor_checksum(t) != want:
-                        problems.append(f"tensor {key} in {name} does not match its checksum")
-                    elif t.is_floating_point() and not torch.isfinite(t).all():
-                        problems.append(f"tensor {key} in {name} holds NaN or inf")
-        except Exception as err:  # noqa: BLE001 a missing, truncated or unreadable file
-            problems.append(f"{name} is unreadable ({type(err).__name__}: {err})")
-    problems = sorted(p for mine in _gather(problems) for p in mine)
+    problems = (_extra_files(path, info) if _rank() == 0 else []) + _file_problems(
+        path, info, names[_rank() :: _world()], values=True
+    )
+    problems = sorted(p for mine in all_gather_object(problems) for p in mine)
     if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise RecipeError(
-            f"{path}: {problems[0]}{more}; the checkpoint is damaged: resume from an older "
-            f"step-N folder in {path.parent}"
-        )
+        raise RecipeError(_damage(path, problems))
 
 
 def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) -> dict:
@@ -246,12 +358,12 @@ def load_sharded(
     path = Path(path)
     info = read_info(path)
     tensors, groups, _ = _train_tensors(model, optimizer)
-    check_model_matches(path, info["shapes"], _shapes(tensors))  # the stages of all ranks make the model
+    check_model_matches(path, info["shapes"], _shapes(tensors), fix="resume with the --model it was trained with")
     _verify_files(path, info)
     saved = {key for sums in info["checksums"].values() for key in sums}
     rng = {k: v for k, v in _rng_tensors(_rank()).items() if k in saved}  # none for a rank the saving job lacked
     optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
-    dcp.load(tensors | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    dcp.load(_untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     set_state_dict(_root(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if scheduler is not None and info["scheduler"] is not None:
@@ -261,3 +373,34 @@ def load_sharded(
     for key, value in rng.items():
         torch.set_rng_state(value) if key.endswith("/cpu") else torch.cuda.set_rng_state(value)
     return info["progress"]
+
+
+# --- core.ckpt's calls, for a recipe ----------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    run: RunFolder, *, model, optimizer, progress: dict, keep: int, scheduler=None, scaler=None
+) -> Path:
+    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard (a collective), with the run's metadata
+    as core.ckpt's header has it. `model`: the sharded model, or a list of this rank's pipeline stages."""
+    metadata = {
+        "recipe": run.recipe,
+        "config": json.dumps(run.config),
+        "global_batch": str(run.config["global_batch"]),
+        "trackers": json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()}),  # W&B's run id
+    }
+    state = {"scheduler": scheduler, "scaler": scaler, "keep": keep, "metadata": metadata}
+    return save_sharded(run.path / "ckpt", model=model, optimizer=optimizer, progress=progress, **state)
+
+
+def load_checkpoint(run: RunFolder, *, model, optimizer, scheduler=None, scaler=None) -> dict:
+    """The train state of the checkpoint the run continues from, every rank its own part (resharded to this job's
+    mesh), its generators too; returns the progress (START for a new run). A collective."""
+    if run.resume_from is None:
+        return dict(START)
+    found = load_sharded(run.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    progress = {**START, **{k: v for k, v in found.items() if k in START}}
+    shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
+    say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    return progress

@@ -170,7 +170,3 @@ def generate(model: nn.Module, prompt: str, *, tokens: int = 100, context: int =
         logits = model(ids[:, -context:])
         ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return decode(ids[0])
-
-
-# Shared-option defaults of the model-parallel recipes (@register(..., defaults=RECIPE_DEFAULTS)).
-RECIPE_DEFAULTS = {"model": "gpt", "data": "text", "epochs": 1, "lr": 3e-3}

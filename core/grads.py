@@ -1,33 +1,12 @@
-"""Gradients across ranks: holding their all-reduce back (accumulation), and their norm and clipping
-for every layout a recipe has: replicated (DDP), sharded DTensors (fully_shard, tensor parallel), the
-two mixed, and disjoint plain tensors split over a group (pipeline stages)."""
+"""The gradients' norm and clipping for every layout a recipe has: replicated (DDP), sharded DTensors
+(fully_shard, tensor parallel), the two mixed, and disjoint plain tensors split over a group (pipeline stages)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
-from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
-
-@contextmanager
-def grad_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
-    """Whether the forward and backward inside reduce gradients across ranks.
-
-    The hook point for accumulation: DDP (also under torch.compile, which forwards attributes to it)
-    skips its all-reduce under no_sync() and keeps adding to .grad locally; a model without
-    no_sync() has nothing to hold back. Another wrapper passes its own function of this shape to
-    `step_amp(sync=...)` (fully_shard's: model.set_requires_gradient_sync(False) ... (True)).
-    """
-    no_sync = getattr(model, "no_sync", None)
-    if enabled or no_sync is None:
-        yield
-    else:
-        with no_sync():
-            yield
 
 
 def _dtensor() -> type | tuple:
@@ -65,8 +44,8 @@ def total_norm(grads: list[torch.Tensor], *, norm_type: float = 2.0) -> torch.Te
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float, *, norm_type: float = 2.0, group=None) -> torch.Tensor:
-    """core.steps.clip_grad_norm for any layout: replicated (DDP), DTensor (fully_shard, TP) and the two mixed
-    (TP), and disjoint plain tensors split over `group` (pipeline stages). Returns the total norm; scales
+    """Clip the gradients' total norm to max_norm, for any layout: replicated (DDP), DTensor (fully_shard, TP), the
+    two mixed (TP), and disjoint plain tensors split over `group` (pipeline stages). Returns the total norm; scales
     the gradients by one factor on every rank when max_norm > 0 and the norm exceeds it."""
     parameters = [p for p in parameters if p.grad is not None]
     norm = total_norm([p.grad for p in parameters], norm_type=norm_type)

@@ -1,4 +1,6 @@
-"""Pipeline parallelism: cut a block-sequence model into stages, and run torch's schedules on them.
+"""Pipeline parallelism: cut a block-sequence model into stages, and run torch's schedules on them: the pipeline
+recipe's step (schedule.step, then the gradients averaged over the data-parallel pipelines and clipped over the
+stages) and its evaluation (schedule.eval).
 
 A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its
 forward is `model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the
@@ -9,6 +11,7 @@ whole model's state dict.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -17,10 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core.amp import StepStats, autocast, micro_batch_groups
 from core.config import RecipeError
 from core.dist import broadcast_object
 from core.grads import clip_grad_norm
-from core.steps import Tally, autocast, batch_metrics, summarize
+from core.loss import IGNORE, metrics
+from core.meter import Tally, summarize
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -121,9 +126,6 @@ def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
     return len(blocks)
 
 
-check_block_model = check_pipeline_model  # the earlier name, kept for the recipes that call it
-
-
 def split_pipeline(
     model: nn.Module,
     *,
@@ -137,7 +139,7 @@ def split_pipeline(
     balance: "params" (parameter counts), "time" (forward+backward time on `sample`, measured
     on every rank, rank 0's numbers used) or a list of blocks per stage, e.g. [2, 4].
     """
-    count = check_block_model(model, num_stages=num_stages)
+    count = check_pipeline_model(model, num_stages=num_stages)
     if isinstance(balance, str):
         sizes = plan_split(block_weights(model, balance=balance, sample=sample), num_stages)
     else:
@@ -184,7 +186,12 @@ def _divisor_near(n: int, want: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
 
 
-def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Callable):
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss: the mean cross-entropy over the targets that count (not -100), logits (..., classes)."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+
+
+def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Callable = cross_entropy):
     """torch's schedule for `name`. Its default scale_grads=True divides the summed micro-batch
     gradients by `microbatches`: with a mean loss per micro-batch that is the whole batch's mean."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -208,8 +215,9 @@ def gather_state_dict(stages: Sequence[nn.Module], *, dst: int = 0) -> dict[str,
     return {k: v for part in parts for k, v in part.items()} if parts else {}
 
 
-def average_gradients(params: Sequence[nn.Parameter], *, group, size: int) -> None:
-    """Data parallel across pipeline replicas: average each stage's gradients over `group`."""
+def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:
+    """Data parallel across pipeline replicas: average each stage's gradients over `group` (None: no replicas)."""
+    size = dist.get_world_size(group) if group is not None else 1
     if size > 1:
         for p in params:
             if p.grad is not None:
@@ -217,55 +225,60 @@ def average_gradients(params: Sequence[nn.Parameter], *, group, size: int) -> No
                 p.grad /= size
 
 
+def _no_metrics(device: torch.device) -> dict[str, torch.Tensor]:
+    """What a stage without the loss adds to the job's sums: nothing, under the keys core.meter reads."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    return {"loss_sum": zero, "count": zero, "samples": zero}
+
+
 def step_pipeline(
     schedule,
-    batch: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
     optimizer: torch.optim.Optimizer,
     holds_last: bool,
-    dp_group=None,
-    dp_size: int = 1,
     precision: str = "fp32",
     clip: float = 0.0,
+    dp_group=None,
     pp_group=None,
-) -> dict[str, torch.Tensor]:
-    """One optimizer step through the pipeline. Every rank passes the whole batch (the first stage
-    reads the inputs, the last the targets); the last stage returns the batch's metrics, the
-    others an empty dict. The schedule splits the batch into micro-batches and, by default,
-    divides the summed gradients by their number: the step is the whole batch's.
-
-    Accumulation: pass K batches (a list) to a schedule built for K x microbatches; they run as one batch.
-    precision "bf16": the stages' forwards under autocast (no fp16: it needs a loss scale the stages agree on,
-    core.config.ShardedPrecision). clip > 0: the norm over all stages (pp_group: the ranks holding
-    this replica's stages; the dp replicas hold equal averaged gradients, so they are not counted again),
-    and a step whose gradients are not finite is skipped."""
-    if isinstance(batch, list):
-        batch = tuple(torch.cat(parts) for parts in zip(*batch))
-    inputs, targets = batch
+) -> tuple[dict[str, torch.Tensor], StepStats]:
+    """One optimizer step through the pipeline: core.amp.step_amp's shape for a schedule. Every rank passes the
+    whole batch (the first stage reads the inputs, the last the targets); the schedule cuts it into micro-batches
+    and divides the summed gradients by their number, so the step is the whole batch's. --accum K: K batches to a
+    schedule built for K x --microbatches, run as one. Then the gradients are averaged over the dp pipelines
+    (dp_group), their norm taken over all stages (pp_group: the dp replicas hold equal gradients, not counted
+    again) and clipped; a step whose gradients are not finite is not taken. precision "bf16": the stages' forwards
+    under autocast. Returns the batch's metric sums (zeros but on the last stage) and the StepStats."""
+    inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
     optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
     with autocast(precision, device=inputs.device):
-        outputs = schedule.step(inputs, target=targets, losses=losses)
+        outputs = schedule.step(inputs, target=targets, losses=losses)  # forwards and backwards, stage to stage
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    average_gradients(params, group=dp_group, size=dp_size)
-    if clip <= 0 or torch.isfinite(clip_grad_norm(params, clip, group=pp_group)):
+    average_gradients(params, group=dp_group)
+    norm = float(clip_grad_norm(params, clip, group=pp_group))  # the step's one host sync
+    if finite := math.isfinite(norm):
         optimizer.step()
     if not holds_last:
-        return {}
-    return batch_metrics(outputs, targets, torch.stack(losses).mean())  # equal micro-batches: mean of means
+        return _no_metrics(inputs.device), StepStats(norm, not finite)
+    mean = torch.stack(losses).mean()  # equal micro-batches: the mean of their means
+    return metrics(outputs, targets, mean, samples=len(targets)), StepStats(norm, not finite)
 
 
 @torch.no_grad()
-def evaluate_pipeline(schedule, loader, *, holds_last: bool, device: torch.device, batch_size: int) -> dict:
-    """Validation loss and accuracy, forward only, over the loader's full batches (the schedule
-    needs micro-batches of one size, so a smaller last batch is left out)."""
+def evaluate_pipeline(schedule, loader, *, accum: int, holds_last: bool, device: torch.device) -> dict:
+    """Validation loss and accuracy, forward only through the schedule, K = accum batches a run (the schedule's
+    micro-batch count), over the loader's full groups: the schedule needs micro-batches of one size, so a smaller
+    last batch is left out. Sums all-reduced once at the end."""
+    if loader is None:
+        return {}
     tally = Tally(device)
-    for inputs, targets in loader:
-        if len(inputs) != batch_size:
+    for group in micro_batch_groups(loader, accum, device=device):
+        inputs, targets = (torch.cat(parts) for parts in zip(*group))
+        if len(inputs) != loader.batch_size * accum:
             continue
-        inputs, targets = inputs.to(device), targets.to(device)
         losses: list[torch.Tensor] = []
         outputs = schedule.eval(inputs, target=targets, losses=losses)
         if holds_last:
-            tally.add(batch_metrics(outputs, targets, torch.stack(losses).mean()))
+            tally.add(metrics(outputs, targets, torch.stack(losses).mean(), samples=len(targets)))
     return summarize(tally.reduce(), prefix="val_")

@@ -7,14 +7,17 @@ that does not split it into equal shards (on a meta-device model, before any pro
 apply_model_tp hands it to DTensor's parallelize_module. A model without a plan but with the built-in
 GPT's layout gets core.parallel's Megatron plan instead. Nothing here imports transformers.
 
-    tp_plan.check_tp_plan(meta_model, tp=world_size)   # the pre-check
-    tp_plan.apply_model_tp(model, tp_mesh)             # after the process group exists
+    tp_plan.check_tp_plan(meta_model, tp=world_size)   # the pre-check (the recipe's check(cfg))
+    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model)
+    with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
+        parallelize_module(model, tp_mesh, plan)        # after the process group exists
 """
 
 from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -105,6 +108,8 @@ def _head_dim(style: ParallelStyle, module: nn.Module, parent: nn.Module) -> int
     """The attention's head_dim when the split must keep whole heads: a Linear in an attention (a module with an
     int head_dim) whose sharded side is each rank's local slice (a colwise output, a rowwise input)."""
     head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(style, ColwiseParallel | RowwiseParallel):  # the GPT's sequence-parallel styles split no heads
+        return None
     local = style.output_layouts[0] if isinstance(style, ColwiseParallel) else style.input_layouts[0]
     if isinstance(module, nn.Linear) and isinstance(head_dim, int) and isinstance(local, Shard):
         return head_dim
@@ -197,17 +202,26 @@ def _retie(model: nn.Module, tied: dict[int, list[tuple[nn.Module, str]]]) -> No
             setattr(module, other, getattr(first, name))
 
 
-def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
-    """Shard the model over a 1-D `mesh` in place by its own plan (core.parallel's for the built-in GPT)."""
-    check_tp_plan(model, tp=mesh.size())
-    plan = model_tp_plan(model)
-    if plan is None:
-        return parallel.apply_tp(model, mesh)
+@contextmanager
+def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
+    """Around parallelize_module(model, mesh, plan): weights the model shares (a tied lm_head and embedding) stay
+    one parameter, and an attention that stores its head count sees its rank's share of the heads."""
     tied: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             tied.setdefault(id(param), []).append((module, name))
-    parallelize_module(model, mesh, plan)
+    yield
     _retie(model, {key: owners for key, owners in tied.items() if len(owners) > 1})
-    _localize_heads(model, plan, mesh.size())
+    _localize_heads(model, plan, tp)
+
+
+def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
+    """Split the model over a 1-D `mesh` in place by its own plan (core.parallel's for the built-in GPT): the
+    recipes' lines, for tests."""
+    check_tp_plan(model, tp=mesh.size())
+    plan = model_tp_plan(model)
+    if plan is None:
+        return parallel.apply_tp(model, mesh)
+    with ties_and_heads_kept(model, plan, tp=mesh.size()):
+        parallelize_module(model, mesh, plan)
     return model

@@ -1,4 +1,4 @@
-"""fsdp: ddp_amp with the model fully sharded (FSDP2, fully_shard), one block at a time.
+"""fsdp: ddp_amp with the model fully sharded (FSDP2, fully_shard), one block at a time, and sharded checkpoints.
 
     ./launch_single_node.sh fsdp --max-steps 100
     ./launch_single_node.sh fsdp --precision bf16 --accum 4 --clip 1.0
@@ -14,7 +14,7 @@ batch (batch size x world size x accum). --accum K holds the reduce-scatter back
 K-1 micro-batches (set_requires_gradient_sync); --clip takes the norm over all shards;
 --precision bf16 computes in bf16 and reduces gradients in fp32 (MixedPrecisionPolicy);
 --offload keeps the shards and the optimizer step in CPU memory (GPUs). Checkpoints are
-sharded: every rank writes its own shard, and a run resumes at another world size.
+sharded (core.dcp): every rank writes its own shard, and a run resumes at another world size.
 Rank 0 gathers the full weights at the end into one safetensors file.
 """
 
@@ -23,23 +23,15 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import fully_shard
 
-from core import data, dist, models, parallel, steps
-from core.config import (
-    Accumulation,
-    Checkpointing,
-    RecipeError,
-    ShardedPrecision,
-    Training,
-    cli_main,
-    option,
-    with_default,
-)
-from core.sharded_run import ShardedRun
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, trackers, weights
+from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.exact_loss import forward_sums, make_exact_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
+class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
     title = "fully sharded data parallel"
@@ -66,44 +58,64 @@ def check(cfg: Config) -> None:
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
+    check(cfg)  # a copy has no pre-check: the same refusals here
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
     try:
-        global_batch = cfg.batch_size * topo.world_size * cfg.accum
-        with ShardedRun.start(
-            cfg, topo, recipe="fsdp", global_batch=global_batch, mesh=mesh(cfg, topo.world_size)
-        ) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
+def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    global_batch = cfg.batch_size * topo.world_size * cfg.accum
+
     # Build. The same seed on every rank gives the same weights; fully_shard keeps each rank's slice of them.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
+    if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its shard of them
+        weights.load_weights(model, cfg.init_from)
     dp_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
-    parallel.apply_fsdp(model, mesh=dp_mesh, precision=cfg.precision, offload=cfg.offload, blocks=cfg.blocks or None)
-    train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
-    val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    policy = parallel.fsdp_policy(cfg.precision, offload=cfg.offload)  # bf16 compute, fp32 gradient reduction
+    for block in parallel.shard_units(model, blocks=cfg.blocks):  # each gathered only while it runs
+        fully_shard(block, mesh=dp_mesh, **policy)
+    fully_shard(model, mesh=dp_mesh, **policy)
+    torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
+    if stream.is_stream(train_set):  # an IterableDataset: read in order and dealt out by position, no sampler
+        train_loader = stream.make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate)
+        val_loader = stream.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+        total = stream.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    else:
+        train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
+        val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+        total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
-    total = run.total_steps(train_loader, accum=cfg.accum)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)  # every rank reads its own shard
+    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+
+    # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
+    # checkpoint's state (every rank reads its own shard, resharded to this world size), and the trackers.
+    run = folder.open_run(
+        cfg, topo, recipe="fsdp", global_batch=global_batch, newest=dcp.newest_good, header=dcp.read_metadata
+    )
+    start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+    run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered in the last one's backward only.
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
-        groups = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
+        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            # bf16 lives in fully_shard's MixedPrecisionPolicy (apply_fsdp), so no autocast here
-            metrics, stats = steps.train_step(
+            metrics, stats = amp.step_amp(  # bf16 lives in fully_shard's MixedPrecisionPolicy: no autocast here
                 model,
                 micro_batches,
                 optimizer=optimizer,
@@ -113,14 +125,44 @@ def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
                 dp_group=dp_mesh.get_group(),
             )
             scheduler.step()
-            step += 1
-            run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
-            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)  # every rank its shard
-        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
+            step, consumed = step + 1, consumed + global_batch
+            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics)
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():  # every rank writes its own shard
+                    state = {"optimizer": optimizer, "scheduler": scheduler}
+                    dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
+        with clock.paused():  # every forward is a collective: a rank whose share ran out repeats its last, uncounted
+            evaluation = parallel.evaluate_sharded(
+                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
+            )
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Every rank sends its shards; rank 0 writes the whole model as one file.
-    return run.finish(model)
+    # Every rank sends its shards; rank 0 writes the whole model (and a Hugging Face folder for a transformers
+    # model). The buffers are not sharded: every rank vouches that it holds the same ones.
+    full = parallel.full_state_dict(model)
+    saved = weights.write_weights(run, full)
+    hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    summary = meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        **replicas.replicas_report(dict(model.named_buffers())),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+    )
+    trackers.close(run)
+    return summary
 
 
 if __name__ == "__main__":
-    cli_main(main, Config, check=check)
+    cli_main(main, Config)

@@ -5,12 +5,12 @@
     ./launch_single_node.sh fsdp_tp --tp 2        # 2 processes: tp=2, dp=1 (tensor parallel only)
 
 Ranks form a dp x tp mesh (rank = dp_index * tp + tp_index, so a tensor-parallel group is
-neighbouring ranks, the ones on one node's fast link). Within a group, the blocks' Linear layers
-are split column/row-wise as in tensor_parallel and all its ranks see the same batch; across
-groups, fully_shard shards those DTensor slices again and averages gradients as in fsdp, each
-group taking its own share of the data. Global batch: --batch-size x dp x --accum. The world size
-must be a multiple of --tp. --clip takes the norm over both meshes; checkpoints are sharded and
-resume with the same --tp (dp may change). Rank 0 gathers the full weights into one file.
+neighbouring ranks, the ones on one node's fast link). Within a group, the Linear layers are split
+column/row-wise as in tensor_parallel (the model's own plan, or the built-in GPT's) and all its ranks
+see the same batch; across groups, fully_shard shards those DTensor slices again and averages
+gradients as in fsdp, each group taking its own share of the data. Global batch: --batch-size x dp x
+--accum. The world size must be a multiple of --tp. --clip takes the norm over both meshes;
+checkpoints are sharded and resume at another dp. Rank 0 gathers the full weights into one file.
 """
 
 import dataclasses
@@ -20,23 +20,16 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
-from core import data, dist, models, parallel, steps
-from core.config import (
-    Accumulation,
-    Checkpointing,
-    RecipeError,
-    ShardedPrecision,
-    Training,
-    cli_main,
-    option,
-    with_default,
-)
-from core.sharded_run import ShardedRun
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, tp_plan, trackers, weights
+from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.exact_loss import forward_sums, make_exact_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
+class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"
@@ -60,78 +53,135 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """Everything refusable, before any process starts: the mesh, precision, the model's structure (meta device)."""
+    """Everything refusable, before any process starts: the mesh, the model's plan and blocks (meta device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % cfg.tp:
         raise RecipeError(
             f"--tp {cfg.tp}: the world size {world} is not a multiple of it, so no dp x tp mesh "
             f"can be built; launch a multiple of {cfg.tp} processes or use --tp {world}"
         )
-    with torch.device("meta"):  # shapes only: the heads split into tp whole shards, and the blocks are found
+    with torch.device("meta"):  # shapes only: the plan splits into tp whole shards, and the blocks are found
         model = models.build_model(cfg.model)
-    parallel.check_tp(model, cfg.tp)
+    tp_plan.check_tp_plan(model, tp=cfg.tp)  # the model's own plan or the GPT's; neither: one line suggesting fsdp
     parallel.find_blocks(model, name=cfg.blocks or None)
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
+    check(cfg)  # a copy has no pre-check: the same refusals here
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
     try:
-        plan = mesh(cfg, topo.world_size)
-        global_batch = cfg.batch_size * plan["dp"] * cfg.accum  # a tp group shares one batch
-        with ShardedRun.start(cfg, topo, recipe="fsdp_tp", global_batch=global_batch, mesh=plan) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
+def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    plan_dims = mesh(cfg, topo.world_size)
+    global_batch = cfg.batch_size * plan_dims["dp"] * cfg.accum  # a tp group shares one batch
+
     # Build: slice within each tp group first, then shard those slices across the dp groups.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
-    parallel.apply_tp(model, device_mesh["tp"])
-    parallel.apply_fsdp(model, mesh=device_mesh["dp"], precision=cfg.precision, blocks=cfg.blocks or None)
-    dp, dp_rank = device_mesh["dp"].size(), device_mesh["dp"].get_local_rank()
+    if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its part of them
+        weights.load_weights(model, cfg.init_from)
+    device_mesh = parallel.build_mesh(topo, plan_dims)
+    dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
+    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model)
+    with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
+        parallelize_module(model, tp_mesh, plan)
+    policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
+    for block in parallel.shard_units(model, blocks=cfg.blocks):
+        fully_shard(block, mesh=dp_mesh, **policy)
+    fully_shard(model, mesh=dp_mesh, **policy)
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    torch.manual_seed(cfg.seed + dp_rank)  # each dp group its own dropout; a tp group one stream, as DTensor needs
     my_group = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # a tp group shares its data
-    train_loader = data.make_loader(train_set, my_group, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
-    val_loader = data.make_loader(val_set, my_group, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    if stream.is_stream(train_set):  # an IterableDataset: read in order and dealt out by position, no sampler
+        train_loader = stream.make_loader(train_set, my_group, batch_size=cfg.batch_size, collate_fn=collate)
+        val_loader = stream.make_loader(val_set, my_group, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+        total = stream.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    else:
+        options = {"batch_size": cfg.batch_size, "collate_fn": collate}
+        train_loader = data.make_loader(train_set, my_group, seed=cfg.seed, **options)
+        val_loader = data.make_loader(val_set, my_group, train=False, **options)
+        total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
-    total = run.total_steps(train_loader, accum=cfg.accum)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)  # every rank reads its shards
-    counts = device_mesh["tp"].get_local_rank() == 0  # one rank per tp group counts the group's batch
+    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+    counts = tp_mesh.get_local_rank() == 0  # one rank per tp group counts the group's batch
+
+    # The run folder, new or resumed, the checkpoint's state (every rank reads its shards), and the trackers.
+    run = folder.open_run(
+        cfg, topo, recipe="fsdp_tp", global_batch=global_batch, newest=dcp.newest_good, header=dcp.read_metadata, dp=dp
+    )
+    start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+    run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
-        groups = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
+        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            # bf16 lives in fully_shard's MixedPrecisionPolicy (apply_fsdp), so no autocast here
-            metrics, stats = steps.train_step(
+            metrics, stats = amp.step_amp(  # bf16 lives in fully_shard's MixedPrecisionPolicy: no autocast here
                 model,
                 micro_batches,
                 optimizer=optimizer,
                 loss_fn=loss_fn,
                 clip=cfg.clip,
                 sync=parallel.fsdp_sync,
-                dp_group=device_mesh["dp"].get_group(),
+                dp_group=dp_mesh.get_group(),
             )
             scheduler.step()
-            step += 1
-            run.step(step, metrics=metrics if counts else {}, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
-            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)  # every rank its shard
-        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)  # a tp group's ranks count alike: means are right
+            step, consumed = step + 1, consumed + global_batch
+            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():  # every rank writes its own shard
+                    state = {"optimizer": optimizer, "scheduler": scheduler}
+                    dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
+        with clock.paused():  # a tp group's ranks count alike, each forward a collective: the means are right
+            evaluation = parallel.evaluate_sharded(
+                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
+            )
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Every rank sends its shards; rank 0 writes the whole model as one file.
-    return run.finish(model, tp=cfg.tp, dp=dp)
+    # Every rank sends its shards; rank 0 writes the whole model (and a Hugging Face folder for a transformers
+    # model). The buffers are not sharded: every rank vouches that it holds the same ones.
+    full = parallel.full_state_dict(model)
+    saved = weights.write_weights(run, full)
+    hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    summary = meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        tp=tp_mesh.size(),
+        dp=dp,
+        **replicas.replicas_report(dict(model.named_buffers())),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+    )
+    trackers.close(run)
+    return summary
 
 
 if __name__ == "__main__":
-    cli_main(main, Config, check=check)
+    cli_main(main, Config)

@@ -16,35 +16,23 @@ equals one process's on the whole batch. --accum K runs K batches as one schedul
 --microbatches micro-batches. With W = pp x dp ranks, dp pipelines each train on their own share of
 the data and average their gradients. Global batch: --batch-size x dp x --accum. --clip takes the
 norm over all stages; --precision bf16 runs the stages under autocast. Checkpoints are sharded
-(every rank writes its stages) and resume with the same --pp and schedule.
+(every rank writes its stages).
 """
 
 import dataclasses
-import functools
 import itertools
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from core import data, dist, models, parallel, pipeline, steps
-from core.config import (
-    Accumulation,
-    Checkpointing,
-    RecipeError,
-    ShardedPrecision,
-    Training,
-    cli_main,
-    option,
-    with_default,
-)
-from core.sharded_run import ShardedRun
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, pipeline, trackers, weights
+from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
+class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
     title = "pipeline parallelism"
@@ -93,105 +81,118 @@ def check(cfg: Config) -> None:
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
+    check(cfg)  # a copy has no pre-check: the same refusals here
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
     try:
-        plan = mesh(cfg, topo.world_size)
-        global_batch = cfg.batch_size * plan["dp"] * cfg.accum  # the stages of one pipeline share its batch
-        with ShardedRun.start(cfg, topo, recipe="pipeline", global_batch=global_batch, mesh=plan) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
-    # Data: every stage of one pipeline reads the same batches; the dp pipelines read disjoint shares.
-    torch.manual_seed(cfg.seed)  # the same weights on every rank; each keeps its own stages
-    train_set, val_set, collate = data.build_data(cfg.data)
+def train(cfg: Config, topo: dist.Topology) -> dict:
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     dp, pp, pp_rank = device_mesh["dp"].size(), device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
-    my_row = dataclasses.replace(topo, rank=device_mesh["dp"].get_local_rank(), world_size=dp)
-    train_loader = data.make_loader(train_set, my_row, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
-    val_loader = data.make_loader(val_set, my_row, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    dp_rank, global_batch = device_mesh["dp"].get_local_rank(), cfg.batch_size * dp * cfg.accum
 
-    # Build: cut the blocks into stages and keep this rank's (two, looped, for interleaved1f1b).
-    model, per_rank = models.build_model(cfg.model), 2 if cfg.schedule == "interleaved1f1b" else 1
+    # Build: the same weights on every rank, cut into stages; this rank keeps its own (two, looped, for
+    # interleaved1f1b), each wrapped in a PipelineStage that sends and receives between neighbouring ranks.
+    torch.manual_seed(cfg.seed)
+    train_set, val_set, collate = data.build_data(cfg.data)
+    model = models.build_model(cfg.model)
+    if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its stages of them
+        weights.load_weights(model, cfg.init_from)
+    per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
     timed = cfg.balance == "time"  # --balance time measures the blocks on one micro-batch of inputs
-    sample = (
-        torch.stack([x for x, _ in data.first_samples(train_set, cfg.batch_size // cfg.microbatches)])
-        if timed
-        else None
-    )
+    sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)]) if timed else None
     split = dict(num_stages=num_stages, balance=cfg.balance, sample=sample)
     stages = [pipeline.split_pipeline(model, stage_index=i, **split).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
     runners = [PipelineStage(m, i, num_stages, topo.device, group=pp_group) for m, i in zip(stages, stage_ids)]
     micro = cfg.microbatches * cfg.accum  # --accum K: K batches as one schedule run
-    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=steps.cross_entropy)
+    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=pipeline.cross_entropy)
     holds_last = stage_ids[-1] == num_stages - 1
+    torch.manual_seed(cfg.seed + dp_rank)  # from here each pipeline draws its own dropout, as one process would
+    my_row = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # the stages of one pipeline share its batches
+    train_loader = data.make_loader(train_set, my_row, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
+    val_loader = data.make_loader(val_set, my_row, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=cfg.lr)
-    total = run.total_steps(train_loader, accum=cfg.accum)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    progress = run.resume(model=stages, optimizer=optimizer, scheduler=scheduler)  # every rank reads its stages
-    run.print(f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
+
+    # The run folder, new or resumed, the checkpoint's state (every rank reads its stages), and the trackers.
+    run = folder.open_run(
+        cfg, topo, recipe="pipeline", global_batch=global_batch, newest=dcp.newest_good, header=dcp.read_metadata, dp=dp
+    )
+    start = dcp.load_checkpoint(run, model=stages, optimizer=optimizer, scheduler=scheduler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+    run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
+    folder.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
     # Train. Every rank calls the schedule with the whole batch; the first stage reads the inputs, the last the targets.
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
-        batches = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
-        for micro_batches in itertools.islice(batches, total - step):
-            metrics, stats = pipeline_step(
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
+        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        for micro_batches in itertools.islice(groups, total - step):
+            metrics, stats = pipeline.step_pipeline(  # schedule.step: forwards and backwards, stage to stage
                 schedule,
                 micro_batches,
                 optimizer=optimizer,
                 holds_last=holds_last,
                 precision=cfg.precision,
                 clip=cfg.clip,
-                dp=dp,
                 dp_group=dp_group,
                 pp_group=pp_group,
             )
             scheduler.step()
-            step += 1
-            run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
-            run.checkpoint(step, model=stages, optimizer=optimizer, scheduler=scheduler)  # every rank its stages
-        forward_only = functools.partial(  # through the same schedule
-            evaluate, schedule, val_loader, accum=cfg.accum, holds_last=holds_last, device=topo.device
-        )
-        run.evaluate(stages, val_loader, step=step, compute=forward_only)
+            step, consumed = step + 1, consumed + global_batch
+            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics)  # the last stage's; the other stages add zeros
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():  # every rank writes its own stages
+                    state = {"optimizer": optimizer, "scheduler": scheduler}
+                    dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
+        with clock.paused():  # forward only, through the same schedule: K batches a run, as in training
+            evaluation = pipeline.evaluate_pipeline(
+                schedule, val_loader, accum=cfg.accum, holds_last=holds_last, device=topo.device
+            )
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # The stages' tensors, merged on rank 0 into the plain model's state dict and written as one file.
-    return run.finish(stages, state=pipeline.gather_state_dict(stages), pp=pp, dp=dp)
-
-
-def pipeline_step(schedule, micro_batches, *, optimizer, holds_last, precision, clip, dp, dp_group, pp_group):
-    """One optimizer step: the K micro-batch groups through the schedule as one batch, gradients averaged over the
-    dp pipelines, clipped by the norm over all stages; a step whose gradients are not finite is skipped."""
-    inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
-    optimizer.zero_grad(set_to_none=True)
-    losses = []
-    with steps.autocast(precision, device=inputs.device):
-        outputs = schedule.step(inputs, target=targets, losses=losses)  # forwards and backwards, stage to stage
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    pipeline.average_gradients(params, group=dp_group, size=dp)
-    norm = float(parallel.clip_grad_norm(params, clip, group=pp_group))  # the dp replicas hold equal gradients
-    if math.isfinite(norm):
-        optimizer.step()
-    metrics = steps.batch_metrics(outputs, targets, torch.stack(losses).mean()) if holds_last else {}
-    return metrics, steps.StepStats(grad_norm=norm, skipped=not math.isfinite(norm), scale=1.0)
-
-
-def evaluate(schedule, loader, *, accum: int, holds_last: bool, device: torch.device) -> dict:
-    """Validation loss and accuracy over the loader's full batches, K at a time: the schedule's micro-batch count."""
-    joined = (tuple(map(torch.cat, zip(*group))) for group in steps.micro_batch_groups(loader, accum, device=device))
-    return pipeline.evaluate_pipeline(
-        schedule, joined, holds_last=holds_last, device=device, batch_size=loader.batch_size * accum
+    # The stages' tensors, merged on rank 0 into the plain model's state dict and written as one file (and a
+    # Hugging Face folder for a transformers model: a meta-device model lends its config and class).
+    full = pipeline.gather_state_dict(stages)
+    saved = weights.write_weights(run, full)
+    with torch.device("meta"):
+        lender = models.build_model(cfg.model)
+    hf.write_hf_folder(run, lender, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    summary = meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        pp=pp,
+        dp=dp,
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
     )
+    trackers.close(run)
+    return summary
 
 
 if __name__ == "__main__":
-    cli_main(main, Config, check=check)
+    cli_main(main, Config)

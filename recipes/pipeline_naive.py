@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import data, dist, models, pipeline, steps
+from core import ckpt, data, dist, folder, hf, meter, models, pipeline, steps, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, with_default
-from core.run import Run
+from core.loss import make_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing):
+class Config(Training, Checkpointing, hf.HFExport):
     """The shared training and checkpoint options; the tiny GPT on the embedded text by default."""
 
     model: str = with_default(Training, "model", "gpt")
@@ -37,14 +37,12 @@ class Config(Training, Checkpointing):
 
 
 class PipelineParallelModel(nn.Module):
-    """Stage k's blocks on devices[k]; forward hands the activations from device to device.
-
-    The plain model is kept as `.module`, so its state dict (and the saved weights) has no prefix."""
+    """Stage k's blocks on devices[k]; forward hands the activations from device to device."""
 
     def __init__(self, module: nn.Module, devices: list[torch.device]):
         super().__init__()
         self.module = module
-        count = pipeline.check_block_model(module, num_stages=1)
+        count = pipeline.check_pipeline_model(module, num_stages=1)
         weights = [float(sum(p.numel() for p in b.parameters())) for b in module.blocks]
         sizes = pipeline.plan_split(weights, min(len(devices), count))
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
@@ -62,6 +60,7 @@ class PipelineParallelModel(nn.Module):
 
 
 def check(cfg: Config) -> None:
+    """Everything refusable, before any process starts: one process, and a model of blocks."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError(
             f"pipeline_naive runs in one process but was started with WORLD_SIZE="
@@ -69,53 +68,100 @@ def check(cfg: Config) -> None:
             f"the pipeline recipe for several processes"
         )
     with torch.device("meta"):
-        pipeline.check_block_model(models.build_model(cfg.model), num_stages=1)
+        pipeline.check_pipeline_model(models.build_model(cfg.model), num_stages=1)
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)
+    check(cfg)  # a copy has no pre-check: the same refusals here
     topo = dist.init_pg(timeout_s=cfg.timeout_s)  # a world of one: the shared helpers work unchanged
     try:
-        with Run.start(cfg, topo, recipe="pipeline_naive", global_batch=cfg.batch_size) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: Run) -> dict:
+def train(cfg: Config, topo: dist.Topology) -> dict:
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    global_batch = cfg.batch_size  # one process
+
+    # Build: the plain model's blocks spread over the GPUs (the CPU alone without them).
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
+    plain = models.build_model(cfg.model)
+    if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
+        weights.load_weights(plain, cfg.init_from)
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
-    model = PipelineParallelModel(models.build_model(cfg.model), devices)
+    model = PipelineParallelModel(plain, devices)
     output_device = model.placement[-1][0]  # targets meet the logits on the last device
-    run.print(
-        f"pipeline_naive: blocks per device {[(str(d), len(ix)) for d, ix in model.placement]}; "
-        f"one device busy at a time"
-    )
     train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
     val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    total = run.total_steps(train_loader)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr)
+    total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)
+    loss_fn = make_loss(cfg.loss, model=plain)
 
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    # The run folder, new or resumed, and the checkpoint's state (of the plain model: its own names).
+    run = folder.open_run(
+        cfg,
+        topo,
+        recipe="pipeline_naive",
+        global_batch=global_batch,
+        newest=ckpt.newest_good,
+        header=ckpt.read_metadata,
+    )
+    start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+    placed = [(str(d), len(ix)) for d, ix in model.placement]
+    folder.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
+
+    # Train. One batch at a time through every device in turn.
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
-            batch = data.to_device(batch, output_device)
-            metrics, stats = steps.train_step(model, [batch], optimizer=optimizer, loss_fn=loss_fn)
+            batch = data.to_device(batch, output_device)  # forward moves the inputs to the first device itself
+            metrics, grad_norm = steps.step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
             scheduler.step()
-            step += 1
-            run.step(step, metrics=metrics, stats=stats, lr=scheduler.get_last_lr()[0], total=total)
-            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)
-        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)
+            step, consumed = step + 1, consumed + global_batch
+            skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics)
+            if step % cfg.log_every == 0 or step == total:
+                lr = scheduler.get_last_lr()[0]
+                meter.log_train(
+                    run, clock, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped
+                )
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():
+                    ckpt.save_checkpoint(
+                        run, model=plain, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
+                    )
+        with clock.paused():
+            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    return run.finish(model, devices=len(model.placement))
+    # The plain model's weights, and a Hugging Face folder for a transformers model.
+    saved = weights.write_weights(run, plain.state_dict())
+    hf.write_hf_folder(run, plain, plain.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    return meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        devices=len(model.placement),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+    )
 
 
 if __name__ == "__main__":
-    cli_main(main, Config, check=check)
+    cli_main(main, Config)

@@ -2,6 +2,7 @@
 
     ./launch_single_node.sh tensor_parallel --max-steps 100
     ./launch_single_node.sh tensor_parallel --sequence-parallel --accum 2 --clip 1.0
+    ./launch_single_node.sh tensor_parallel --model mypkg.models:llama   # a transformers model's own plan
     torchrun --standalone --nproc-per-node 2 -m recipes run tensor_parallel --ckpt-every 50
     python -m recipes run tensor_parallel --max-steps 50   # one process: a tp size of 1
 
@@ -9,11 +10,12 @@ Every rank holds a slice of every block: attention's q, k, v and the MLP's first
 by output column (ColwiseParallel: each rank computes its own heads and hidden units), the layers
 after them by input row (RowwiseParallel: partial sums, all-reduced). That is one all-reduce per
 sub-layer forward and one backward, so tensor parallelism belongs inside a node on a fast link.
-All ranks see the same batch: the global batch is --batch-size x --accum. --sequence-parallel keeps
-the residual stream split along the sequence between sub-layers (LayerNorm on a shard), turning
-each all-reduce into a reduce-scatter and an all-gather. --clip takes the norm over the shards and
-the layers the plan leaves whole; checkpoints are sharded (every rank writes its slices) and resume
-on the same number of ranks. The model needs the GPT's attn.q/k/v/proj and mlp.fc/proj layers.
+The plan is the model's own where it declares one (a transformers Llama, Qwen, Mistral:
+config.base_model_tp_plan, core.tp_plan), else the built-in GPT's (core.parallel). All ranks see
+the same batch: the global batch is --batch-size x --accum. --sequence-parallel (the GPT's plan)
+keeps the residual stream split along the sequence between sub-layers (LayerNorm on a shard),
+turning each all-reduce into a reduce-scatter and an all-gather. --clip takes the norm over the
+shards and the layers the plan leaves whole; checkpoints are sharded (every rank writes its slices).
 """
 
 import dataclasses
@@ -22,22 +24,15 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor.parallel import parallelize_module
 
-from core import data, dist, models, parallel, steps
-from core.config import (
-    Accumulation,
-    Checkpointing,
-    ShardedPrecision,
-    Training,
-    cli_main,
-    option,
-    with_default,
-)
-from core.sharded_run import ShardedRun
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, tp_plan, trackers, weights
+from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.exact_loss import forward_sums, make_exact_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
+class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
     """The shared options and sequence parallelism; the tiny GPT on the embedded text by default."""
 
     title = "tensor parallelism"
@@ -46,7 +41,7 @@ class Config(Training, Checkpointing, ShardedPrecision, Accumulation):
     data: str = with_default(Training, "data", "text")
     epochs: int = with_default(Training, "epochs", 1)
     lr: float = with_default(Training, "lr", 3e-3)
-    sequence_parallel: bool = option(False, "split LayerNorm and the residual stream along the sequence")
+    sequence_parallel: bool = option(False, "split LayerNorm and the residual stream along the sequence (the GPT)")
 
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
@@ -55,63 +50,133 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """Everything refusable, before any process starts: the model's structure on the meta device."""
-    with torch.device("meta"):  # shapes only: the heads and MLP units must split into tp whole shards
+    """Everything refusable, before any process starts: the model's plan, on a meta-device model."""
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    with torch.device("meta"):  # shapes only: the plan must split every layer it names into tp whole shards
         model = models.build_model(cfg.model)
-    parallel.check_tp(model, int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)
+    tp_plan.check_tp_plan(model, tp=tp)  # the model's own plan or the GPT's; neither: one line suggesting fsdp
+    if cfg.sequence_parallel and tp_plan.model_tp_plan(model) is not None:
+        raise RecipeError(
+            f"--sequence-parallel: only the built-in GPT's plan splits the sequence; {type(model).__name__} splits "
+            f"by its own plan: drop --sequence-parallel"
+        )
+    if cfg.sequence_parallel:  # the GPT's layout: blocks = [Embed, Block..., Head(ln, out)]
+        parallel.check_tp(model, tp, sequence_parallel=True)
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE; a world of one without
+    check(cfg)  # a copy has no pre-check: the same refusals here
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
     try:
-        global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
-        with ShardedRun.start(
-            cfg, topo, recipe="tensor_parallel", global_batch=global_batch, mesh=mesh(cfg, topo.world_size)
-        ) as run:
-            return train(cfg, topo, run)
+        return train(cfg, topo)
     finally:
         dist.cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology, run: ShardedRun) -> dict:
+def train(cfg: Config, topo: dist.Topology) -> dict:
+    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
+
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
     torch.manual_seed(cfg.seed)
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
-    tp_mesh = parallel.build_mesh(topo, {"tp": topo.world_size})
-    parallel.apply_tp(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)  # the parallelize_module plan
+    if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its slices of them
+        weights.load_weights(model, cfg.init_from)
+    device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
+    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=cfg.sequence_parallel)
+    with tp_plan.ties_and_heads_kept(model, plan, tp=device_mesh["tp"].size()):  # a tied lm_head stays tied
+        parallelize_module(model, device_mesh["tp"], plan)
+    torch.manual_seed(cfg.seed + device_mesh["dp"].get_local_rank())  # one group, one stream: DTensor needs it
     one_group = dataclasses.replace(topo, rank=0, world_size=1)  # every rank loads the group's whole batch
-    train_loader = data.make_loader(train_set, one_group, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
-    val_loader = data.make_loader(val_set, one_group, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    if stream.is_stream(train_set):  # an IterableDataset: read in order, no sampler
+        train_loader = stream.make_loader(train_set, one_group, batch_size=cfg.batch_size, collate_fn=collate)
+        val_loader = stream.make_loader(val_set, one_group, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+        total = stream.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    else:
+        options = {"batch_size": cfg.batch_size, "collate_fn": collate}
+        train_loader = data.make_loader(train_set, one_group, seed=cfg.seed, **options)
+        val_loader = data.make_loader(val_set, one_group, train=False, **options)
+        total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each slice on its own rank
-    total = run.total_steps(train_loader, accum=cfg.accum)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = steps.make_loss(cfg.loss)
-    progress = run.resume(model=model, optimizer=optimizer, scheduler=scheduler)  # every rank reads its slices
+    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+    counts = device_mesh["tp"].get_local_rank() == 0  # the ranks hold one batch: one of them counts it
 
-    # Train. The ranks hold one batch: rank 0 alone counts it in the logged loss and throughput.
-    step = progress["step"]
-    for epoch in range(progress["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached; a resumed run that had finished stops here
+    # The run folder, new or resumed, the checkpoint's state (every rank reads its slices), and the trackers.
+    run = folder.open_run(
+        cfg,
+        topo,
+        recipe="tensor_parallel",
+        global_batch=global_batch,
+        newest=dcp.newest_good,
+        header=dcp.read_metadata,
+        dp=1,
+    )
+    start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
+        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        return {"steps": start["step"], "already_finished": True}
+    run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
+
+    # Train. Each Linear's forward and backward all-reduce inside the tp group; AdamW steps each rank's slices.
+    step, skipped, evaluation = start["step"], start["skipped"], {}
+    for epoch in range(start["epoch"], cfg.epochs):
+        if step >= total:  # --max-steps reached
             break
-        data.set_epoch(train_loader, epoch, consumed=run.epoch(epoch))  # resumed mid-epoch: skip what was trained
-        groups = steps.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        data.set_epoch(train_loader, epoch, consumed=consumed)
+        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = steps.train_step(
-                model, micro_batches, optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, clip=cfg.clip
+            metrics, stats = amp.step_amp(
+                model,
+                micro_batches,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                precision=cfg.precision,
+                clip=cfg.clip,
+                dp_group=device_mesh["dp"].get_group(),
             )
             scheduler.step()
-            step += 1
-            run.step(
-                step, metrics=metrics if topo.is_rank0 else {}, stats=stats, lr=scheduler.get_last_lr()[0], total=total
+            step, consumed = step + 1, consumed + global_batch
+            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            clock.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
+            if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                progress = {"epoch": epoch, "samples": consumed, "step": step, "skipped": skipped}
+                with clock.paused():  # every rank writes its own slices
+                    state = {"optimizer": optimizer, "scheduler": scheduler}
+                    dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
+        with clock.paused():  # every rank the same batches, each forward a collective: the means are right
+            evaluation = parallel.evaluate_sharded(
+                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
             )
-            run.checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler)  # every rank its slices
-        run.evaluate(model, val_loader, loss_fn=loss_fn, step=step)  # every rank the same batches: the means are right
+        meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Every rank sends its slices; rank 0 writes the whole model as one file.
-    return run.finish(model)
+    # Every rank sends its slices; rank 0 writes the whole model (and a Hugging Face folder for a transformers
+    # model). The buffers are whole on every rank: every rank vouches that it holds the same ones.
+    full = parallel.full_state_dict(model)
+    saved = weights.write_weights(run, full)
+    hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    summary = meter.log_summary(
+        run,
+        clock,
+        **evaluation,
+        train_loss=clock.last.get("loss"),
+        steps=step,
+        skipped_steps=skipped,
+        world_size=topo.world_size,
+        global_batch=global_batch,
+        tp=device_mesh["tp"].size(),
+        **replicas.replicas_report(dict(model.named_buffers())),
+        weights=str(saved),
+        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+    )
+    trackers.close(run)
+    return summary
 
 
 if __name__ == "__main__":
-    cli_main(main, Config, check=check)
+    cli_main(main, Config)

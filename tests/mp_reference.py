@@ -1,18 +1,20 @@
-"""Shared by the model-parallel tests: run a recipe's train() on a gloo rank as its main() would, and the same
-training as one plain process on the same global batches."""
+"""Shared by the model-parallel tests: run a recipe's train() on a gloo rank as its main() would, the same training
+as one plain process on the same global batches, and small models for --model module:function."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
-from core import data, models, steps
+from core import amp, data, models, weights
 from core.dist import Topology
-from core.sharded_run import ShardedRun
+from core.exact_loss import make_exact_loss
 
-BASE = dict(model="gpt", data="text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
+BASE = dict(model="gpt", data="mp_reference:short_text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
 
 
 def config(name: str, **changes):
@@ -21,20 +23,26 @@ def config(name: str, **changes):
 
 
 def run_recipe(topo, name: str, cfg) -> dict:
-    """On each rank: recipes.<name>.train inside Run.start, as main() calls it; returns the summary."""
-    module = importlib.import_module(f"recipes.{name}")
-    plan = module.mesh(cfg, topo.world_size)
-    global_batch = cfg.batch_size * plan["dp"] * cfg.accum
-    with ShardedRun.start(cfg, topo, recipe=name, global_batch=global_batch, mesh=plan) as run:
-        return module.train(cfg, topo, run)
+    """On each rank: recipes.<name>.train, as its main() calls it (train opens the run folder itself)."""
+    return importlib.import_module(f"recipes.{name}").train(cfg, topo)
+
+
+def run_recipe_rng(topo, name: str, cfg) -> tuple[dict, str]:
+    """run_recipe, and a digest of this rank's generator state when it ends (which stream the rank drew from)."""
+    summary = run_recipe(topo, name, cfg)
+    return summary, hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
 def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
-    """One process, one model, each step on the concatenation of the `replicas` data shares' next --accum
-    batches, clipped at --clip, under autocast at --precision."""
+    """One process, one model (from --init-from's weights when given), each step on the concatenation of the
+    `replicas` data shares' next --accum batches, clipped at --clip, under autocast at --precision, with the loss
+    the recipe takes."""
     torch.manual_seed(cfg.seed)
-    model = models.build_model(cfg.model)
     train_set, _, _ = data.build_data(cfg.data)
+    model = models.build_model(cfg.model)
+    if cfg.init_from:
+        weights.load_weights(model, cfg.init_from)
+    loss_fn = make_exact_loss(cfg.loss, model=model)
     loaders = [
         data.make_loader(
             train_set,
@@ -51,9 +59,7 @@ def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
     accum = getattr(cfg, "accum", 1)
     for _, shares in zip(range(cfg.max_steps), zip(*(_groups(loader, accum) for loader in loaders))):
         batch = tuple(torch.cat(parts) for parts in zip(*(b for share in shares for b in share)))
-        steps.train_step(
-            model, [batch], optimizer=optimizer, loss_fn=steps.cross_entropy, clip=cfg.clip, precision=cfg.precision
-        )
+        amp.step_amp(model, [batch], optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, precision=cfg.precision)
         scheduler.step()
     return model.state_dict()
 
@@ -70,3 +76,73 @@ def assert_same_weights(summary: dict, expected: dict[str, torch.Tensor], *, ato
     assert saved.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(saved[key], value, atol=atol, rtol=rtol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# --- factories for --model / --data mp_reference:NAME (the tests folder is on the workers' path) -----------------
+
+
+def short_text():
+    """The `text` data with 40 validation windows (of ~600): each run's evaluation, a collective a batch under
+    tensor parallelism, stays short; the training set is text's own."""
+    from core.gpt import text
+
+    train, val = text()
+    return train, torch.utils.data.Subset(val, range(40))
+
+
+def tiny_llama() -> nn.Module:
+    """A transformers Llama from a tiny config (no download) over the text data's 128 characters: it declares its
+    own tensor-parallel plan (config.base_model_tp_plan)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class DropoutGPT(nn.Module):
+    """The tiny GPT with dropout after its embedding: each rank's masks come from its own generator."""
+
+    def __init__(self):
+        super().__init__()
+        from core.gpt import GPT
+
+        gpt = GPT(dim=32, heads=2, layers=2)
+        gpt.blocks.insert(1, nn.Dropout(0.2))
+        self.blocks = gpt.blocks
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.blocks(tokens)
+
+
+def dropout_gpt() -> nn.Module:
+    return DropoutGPT()
+
+
+class CountingMLP(nn.Module):
+    """The MLP with a buffer forward adds its inputs to: each rank counts its own share, so the replicas' buffers
+    differ at the end (as a running statistic that is not BatchNorm's does)."""
+
+    def __init__(self):
+        super().__init__()
+        from core.models import MLP
+
+        self.mlp = MLP(hidden=32, depth=2)
+        self.register_buffer("inputs_seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.inputs_seen += x.detach().sum()
+        return self.mlp(x)
+
+
+def counting_mlp() -> nn.Module:
+    return CountingMLP()

@@ -12,6 +12,7 @@ from torch import nn
 
 from core import gpt, pipeline, steps
 from core.config import RecipeError
+from core.loss import make_loss
 from core.pipeline import plan_split, split_pipeline
 from tools.cli import run_cli
 
@@ -101,9 +102,9 @@ def test_gpt_learns_on_cpu():
     train, _ = gpt.text()
     loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loss_fn = make_loss("auto", model=model)
     losses = [
-        steps.step_plain(model, batch, optimizer=optimizer, loss_fn=steps.cross_entropy)
-        for batch, _ in zip(loader, range(40))
+        steps.step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)[0] for batch, _ in zip(loader, range(40))
     ]
     first, last = (m["loss_sum"] / m["count"] for m in (losses[0], losses[-1]))
     assert last < first - 1.0, (first, last)  # from ~ln(128)=4.85 to well under 3.85 in 40 steps
@@ -114,7 +115,7 @@ def _cli(name, args, monkeypatch, capsys, world_size):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tiny:tied, a test model factory
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tiny:tied, check_user:gpt2: test model factories
     code = run_cli(["run", name, *args])
     return code, capsys.readouterr().err
 
@@ -137,7 +138,16 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="--offload is refu
         ("tensor_parallel", [], 3, "tensor parallel size 3 must divide the 4 attention heads"),
         ("fsdp_tp", ["--tp", "2"], 3, "--tp 2: the world size 3 is not a multiple of it"),
         ("fsdp_tp", ["--tp", "8"], 8, "tensor parallel size 8 must divide the 4 attention heads"),
-        ("tensor_parallel", ["--model", "mlp", "--data", "digits"], 2, "tensor parallelism needs model.blocks"),
+        ("tensor_parallel", ["--model", "mlp", "--data", "digits"], 2, "MLP: tensor parallelism needs a plan"),
+        ("tensor_parallel", ["--model", "check_user:gpt2"], 2, "GPT2LMHeadModel: tensor parallelism needs a plan"),
+        ("fsdp_tp", ["--model", "check_user:gpt2"], 2, "this model has neither; use fsdp for this model"),
+        ("tensor_parallel", ["--model", "mp_reference:tiny_llama", "--sequence-parallel"], 2, "only the built-in GPT"),
+        (
+            "tensor_parallel",
+            ["--model", "mp_reference:tiny_llama"],
+            3,
+            "size 3 must divide the 128 vocab rows of model.embed",
+        ),
         ("fsdp", ["--blocks", "layers"], 2, "--blocks layers: GPT has no nn.ModuleList or nn.Sequential there"),
         ("fsdp_tp", ["--blocks", "h"], 2, "--blocks h: GPT has no nn.ModuleList or nn.Sequential there"),
         pytest.param("fsdp", ["--offload"], 2, "--offload: there is no GPU", marks=NO_GPU),

@@ -1,13 +1,13 @@
 """Layer 2 on 4 gloo ranks: the 2-D meshes. pipeline with pp=2 x dp=2 and fsdp_tp with dp=2 x tp=2
 give the parameters one process gets on the same global batches (each step: both data shares).
-Tolerance as in test_model_parallel.py: atol 2e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
+Tolerance as in test_model_parallel.py: atol 5e-5, rtol 1e-4 after 3 AdamW steps at lr 1e-3."""
 
 import pytest
 
 from mp_reference import assert_same_weights, config, reference, run_recipe
 from world import GlooWorld
 
-TOL = dict(atol=2e-5, rtol=1e-4)
+TOL = dict(atol=5e-5, rtol=1e-4)
 pytestmark = [pytest.mark.world, pytest.mark.slow]  # 4 processes on a 2-core machine
 
 
@@ -49,7 +49,7 @@ def pipeline_dp_accum_clip(topo):
     from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
     from torch.distributed.pipelining import PipelineStage
 
-    from core import parallel, pipeline, steps
+    from core import parallel, pipeline
 
     batches = _token_batches(size=16)
     expected, _ = _one_process(batches, k=1)
@@ -57,7 +57,7 @@ def pipeline_dp_accum_clip(topo):
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
     stages = [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())]
-    sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=steps.cross_entropy)
+    sched = pipeline.build_schedule("1f1b", stages, microbatches=4)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
@@ -67,7 +67,6 @@ def pipeline_dp_accum_clip(topo):
             optimizer=optimizer,
             holds_last=pp_rank == 1,
             dp_group=mesh["dp"].get_group(),
-            dp_size=2,
             clip=CLIP,
             pp_group=mesh["pp"].get_group(),
         )
@@ -86,23 +85,24 @@ def fsdp_tp_accum_clip(topo):
     """dp=2 x tp=2: TP inside a pair, fully_shard across pairs, K=2 micro-batches under fsdp_sync, the clip's
     norm over the 2-D DTensor shards."""
     import torch
-    from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
+    from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches, accumulate
 
-    from core import parallel, steps
+    from core import grads, parallel
+    from core.exact_loss import make_exact_loss
 
     batches = _token_batches(size=16)
     expected, expected_norms = _one_process(batches, k=1)
     mesh = parallel.build_mesh(topo, {"dp": 2, "tp": 2})
     model = parallel.apply_fsdp(parallel.apply_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = make_exact_loss("ce", model=model)
     norms, dp_rank = [], mesh["dp"].get_local_rank()
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path with parallel.clip_grad_norm: the TP layers'
-        steps.accumulate_grads(
-            model, list(zip(x.chunk(2), y.chunk(2))), loss_fn=steps.cross_entropy, sync=parallel.fsdp_sync
-        )  # grads live on the dp x tp mesh, the others on dp's
-        norms.append(float(parallel.clip_grad_norm(model.parameters(), CLIP)))
+        optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path with grads.clip_grad_norm: the TP layers'
+        micro = list(zip(x.chunk(2), y.chunk(2)))  # grads live on the dp x tp mesh, the others on dp's
+        accumulate(model, micro, loss_fn, dp_group=mesh["dp"].get_group(), sync=parallel.fsdp_sync)
+        norms.append(float(grads.clip_grad_norm(model.parameters(), CLIP)))
         optimizer.step()
     full = parallel.full_state_dict(model)
     return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None

@@ -1,5 +1,7 @@
-"""Layer 3: the model-parallel recipes as a user runs them, through launch_single_node.sh on 2 CPU
-processes: the loss falls, and rank 0's model.safetensors loads into the plain GPT."""
+"""Layer 3: a model-parallel recipe as a user runs it, through launch_single_node.sh on 2 CPU processes (the
+pre-check, torchrun, the loopback store, main): the loss falls, and rank 0's model.safetensors loads into the
+plain GPT. One launch: what it proves is the same for every recipe, whose train() the world tests run
+(tests/test_model_parallel.py), main() in one process too (tests/test_options.py)."""
 
 import json
 
@@ -14,11 +16,7 @@ from helpers import REPO, run, user_env
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "recipe, options",
-    [
-        ("pipeline", ["--schedule", "1f1b", "--microbatches", "8"]),
-        ("tensor_parallel", []),
-        ("fsdp", []),
-    ],
+    [("fsdp", ["--ckpt-every", "20"])],
 )
 def test_recipe_trains_the_gpt_on_two_processes(tmp_path, recipe, options):
     proc = run(
@@ -42,6 +40,8 @@ def test_recipe_trains_the_gpt_on_two_processes(tmp_path, recipe, options):
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert len(losses) == 5 and losses[-1] < losses[0] - 0.5, losses  # from ~4.8 (chance) down
     assert json.loads((run_dir / "config.json").read_text())["world_size"] == 2
+    assert [p.name for p in (run_dir / "ckpt").iterdir()] == ["step-000020"]  # every rank's shard, and the seal
+    assert len(list((run_dir / "ckpt" / "step-000020").glob("shard-*.safetensors"))) == 2
     model = gpt()
     model.load_state_dict(load_file(run_dir / "model.safetensors"))  # strict: every key, every shape
     assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.int64))).all()
