@@ -62,6 +62,7 @@ def _error_line(stderr: str) -> str:
     """The line that says why a run failed: its `error:` line, whole, or the first exception raised in it (without
     torchrun's rank prefix, cut after a sentence, or else between words: DDP's own messages run to a paragraph)."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line.strip()) for line in stderr.splitlines()]
+    lines = [re.sub(r"^error: rank \d+: ", "", line) for line in lines]  # an uncaught exception: cut as one raised
     mine = [line for line in lines if line.startswith("error: ")]
     if mine:
         return mine[0]

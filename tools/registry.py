@@ -55,7 +55,7 @@ _BUILT_IN = [
         "recipes.ddp_monitored",
         "ddp + step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile",
         builds_on="ddp",
-        opt_ins=("monitor", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
+        opt_ins=("monitor", "metrics", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
     ),
     Recipe(
         "dp",
