@@ -60,7 +60,11 @@ class Options:
             if meta.get("choices") and value not in meta["choices"]:
                 raise RecipeError(f"{flag(f.name)} {value}: choose one of {', '.join(meta['choices'])}")
             if meta.get("check") and not meta["check"](value):
-                raise RecipeError(f"{flag(f.name)} {value if value != '' else repr(value)}: {meta['fix']}")
+                raise RecipeError(
+                    f"{flag(f.name)} {value!r}: {meta['fix']}"
+                    if isinstance(value, str)
+                    else f"{flag(f.name)} {value}: {meta['fix']}"
+                )
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)

@@ -88,19 +88,19 @@ def set_epoch(loader: DataLoader, epoch: int, *, consumed: int = 0) -> None:
 def total_steps(loader: DataLoader, *, epochs: int, max_steps: int, accum: int = 1) -> int:
     """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps.
     One RecipeError line when a rank's share of the training set does not hold one whole step."""
-    share, batches = loader.sampler.num_samples, len(loader)
-    if share < loader.batch_size or batches < accum:
-        samples, world = len(loader.dataset), loader.sampler.num_replicas
-        raise RecipeError(too_few_batches(samples, batches, batch_size=loader.batch_size, accum=accum, world=world))
-    total = epochs * (batches // accum)
+    share, world = loader.sampler.num_samples, loader.sampler.num_replicas
+    if share < loader.batch_size * accum:
+        raise RecipeError(too_few_batches(len(loader.dataset), batch_size=loader.batch_size, accum=accum, world=world))
+    total = epochs * (len(loader) // accum)
     return min(total, max_steps) if max_steps else total
 
 
-def too_few_batches(samples: int, batches: int, *, batch_size: int, accum: int, world: int) -> str:
-    """The line for a training set whose share per rank holds less than one whole batch, or fewer than --accum."""
+def too_few_batches(samples: int, *, batch_size: int, accum: int, world: int) -> str:
+    """The line for a training set whose share per rank holds less than one step: a whole batch, --accum times."""
     share, what = samples // world, f"--batch-size {batch_size}" + (f" --accum {accum}" if accum > 1 else "")
     if share >= batch_size:
-        return f"{what}: an epoch has only {batches} micro-batches per rank; use --accum {batches} or less"
+        whole = share // batch_size
+        return f"{what}: an epoch has only {whole} whole micro-batches per rank; use --accum {whole} or less"
     fix = f"use --batch-size {share} or less" if share else f"use fewer than {world} rank(s)"
     gives = f"the training set ({samples} samples) gives each of {world} rank(s) {share}"
     return f"{what}: {gives}, not one whole batch; {fix}"

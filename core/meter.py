@@ -116,10 +116,24 @@ def log_eval(run: RunFolder, evaluation: dict, *, step: int, epoch: int) -> dict
     return evaluation
 
 
-def log_summary(run: RunFolder, meter: Meter, **fields) -> dict:
-    """The closing `summary` record and line: every rank returns the same numbers."""
-    elapsed = time.perf_counter() - meter.started if meter.started else 0.0
-    summary = {**fields, **meter.throughput(), "elapsed_s": round(elapsed, 3)}
+def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, skipped: int, weights, **extra) -> dict:
+    """The closing `summary` record and line (every rank returns the same numbers): the last evaluation, the last
+    train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes), where the weights are, and the
+    throughput of the training clock."""
+    config, elapsed = run.config, time.perf_counter() - meter.started if meter.started else 0.0
+    summary = {
+        **evaluation,
+        "train_loss": meter.last.get("loss"),
+        "steps": steps,
+        "skipped_steps": skipped,
+        "world_size": config["world_size"],
+        "global_batch": config["global_batch"],
+        **extra,
+        "weights": str(weights),
+        **({"init_from": config["init_from"]} if config.get("init_from") else {}),
+        **meter.throughput(),
+        "elapsed_s": round(elapsed, 3),
+    }
     write_record(run, {"kind": "summary", **summary})
     say(run, "summary " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return summary

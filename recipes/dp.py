@@ -106,19 +106,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # The weights, and a Hugging Face folder for a transformers model.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    return meter.log_summary(
-        run,
-        clock,
-        **evaluation,
-        train_loss=clock.last.get("loss"),
-        steps=step,
-        skipped_steps=skipped,
-        world_size=topo.world_size,
-        global_batch=global_batch,
-        devices=max(gpus, 1),
-        weights=str(saved),
-        **({"init_from": cfg.init_from} if cfg.init_from else {}),
-    )
+    return meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, devices=max(gpus, 1))
 
 
 if __name__ == "__main__":

@@ -176,20 +176,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     with torch.device("meta"):
         lender = models.build_model(cfg.model)
     hf.write_hf_folder(run, lender, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(
-        run,
-        clock,
-        **evaluation,
-        train_loss=clock.last.get("loss"),
-        steps=step,
-        skipped_steps=skipped,
-        world_size=topo.world_size,
-        global_batch=global_batch,
-        pp=pp,
-        dp=dp,
-        weights=str(saved),
-        **({"init_from": cfg.init_from} if cfg.init_from else {}),
-    )
+    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, pp=pp, dp=dp)
     trackers.close(run)
     return summary
 

@@ -149,17 +149,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     saved = weights.write_weights(run, plain.state_dict())
     hf.write_hf_folder(run, plain, plain.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     return meter.log_summary(
-        run,
-        clock,
-        **evaluation,
-        train_loss=clock.last.get("loss"),
-        steps=step,
-        skipped_steps=skipped,
-        world_size=topo.world_size,
-        global_batch=global_batch,
-        devices=len(model.placement),
-        weights=str(saved),
-        **({"init_from": cfg.init_from} if cfg.init_from else {}),
+        run, clock, evaluation, steps=step, skipped=skipped, weights=saved, devices=len(model.placement)
     )
 
 

@@ -163,16 +163,12 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     summary = meter.log_summary(
         run,
         clock,
-        **evaluation,
-        train_loss=clock.last.get("loss"),
+        evaluation,
         steps=step,
-        skipped_steps=skipped,
-        world_size=topo.world_size,
-        global_batch=global_batch,
+        skipped=skipped,
+        weights=saved,
         tp=device_mesh["tp"].size(),
         **replicas.replicas_report(dict(model.named_buffers())),
-        weights=str(saved),
-        **({"init_from": cfg.init_from} if cfg.init_from else {}),
     )
     trackers.close(run)
     return summary

@@ -397,8 +397,10 @@ def test_accum_larger_than_an_epoch_is_refused(tmp_path):
         "run", "ddp_amp", "--accum", "100", "--batch-size", "64", "--out", str(tmp_path), check=False, timeout=120
     )
     line = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and "--accum 100: an epoch has only 23 micro-batches per rank" in line, proc.stderr
-    assert "use --accum 23 or less" in line
+    assert proc.returncode == 1 and "--accum 100: an epoch has only 22 whole micro-batches per rank" in line, (
+        proc.stderr
+    )
+    assert "use --accum 22 or less" in line
 
 
 def test_a_data_set_smaller_than_one_batch_advises_what_fits(tmp_path):
@@ -418,7 +420,7 @@ def test_a_data_set_smaller_than_one_batch_advises_what_fits(tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "(1 samples) gives each of 1 rank(s) 1, not one whole batch" in line, proc.stderr
     assert line.endswith("use --batch-size 1 or less")
-    line = too_few_batches(1, 0, batch_size=32, accum=2, world=2)  # on 2 ranks the one sample is dropped
+    line = too_few_batches(1, batch_size=32, accum=2, world=2)  # on 2 ranks the one sample is dropped
     assert "(1 samples) gives each of 2 rank(s) 0, not one whole batch; use fewer than 2 rank(s)" in line
     assert "--accum 0" not in line
 

@@ -12,6 +12,7 @@ from core import comm, parallel, pipeline, tuning
 from core.config import RecipeError
 from core.gpt import GPT
 from core.models import MLP
+from core.replicas import replicas_report
 from world import GlooWorld
 
 transformers = pytest.importorskip("transformers")
@@ -96,13 +97,17 @@ def test_pre_checks_accept_the_gpt_on_meta():
 
 
 @pytest.mark.fast
-def test_batchnorm_layers_and_sync_batchnorm_on_cpu():
+def test_batchnorm_layers_and_sync_batchnorm_on_cpu(monkeypatch):
+    from tools.precheck import check_devices
+    from tools.probes import batchnorm_layers
+
+    monkeypatch.setenv("TDR_DEVICE", "cpu")
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2), nn.BatchNorm1d(2))
-    assert comm.batchnorm_layers(model) == ["1", "4"] and comm.batchnorm_layers(MLP()) == []
+    assert batchnorm_layers(model) == ["1 (BatchNorm2d)", "4 (BatchNorm1d)"] and batchnorm_layers(MLP()) == []
     with pytest.raises(RecipeError, match="--sync-batchnorm: .*GPUs only"):
-        comm.to_sync_batchnorm(model, device=torch.device("cpu"))
-    converted = comm.to_sync_batchnorm(model, device=torch.device("meta"))  # any accelerator: converted
-    assert isinstance(converted[1], nn.SyncBatchNorm)
+        check_devices(model, spec="m", sync_batchnorm=True)
+    with pytest.raises(RecipeError, match="SyncBatchNorm layers .* run on GPUs only"):
+        check_devices(nn.SyncBatchNorm.convert_sync_batchnorm(model), spec="m", sync_batchnorm=False)
 
 
 @pytest.mark.fast
@@ -202,14 +207,12 @@ def test_torch_refuses_sync_batchnorm_on_cpu(world2):
 
 
 @pytest.mark.fast
-def test_prepare_batchnorm_warns_naming_the_layers_and_refuses_sync_on_cpu():
-    said = []
-    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    assert parallel.prepare_batchnorm(model, sync=False, warn=said.append) is model
-    assert len(said) == 1 and "BatchNorm layers 1 " in said[0] and "--sync-batchnorm" in said[0]
-    assert parallel.prepare_batchnorm(MLP(), sync=True, warn=said.append) is not None and len(said) == 1
-    with pytest.raises(RecipeError, match="--sync-batchnorm"):
-        parallel.prepare_batchnorm(model, sync=True, warn=said.append)
+def test_the_pre_check_warns_naming_the_batchnorm_layers():
+    from tools.precheck import batchnorm_warnings
+
+    said = batchnorm_warnings(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)))
+    assert len(said) == 1 and "BatchNorm layers 1 (BatchNorm1d) " in said[0] and "--sync-batchnorm" in said[0]
+    assert batchnorm_warnings(MLP()) == []
 
 
 def batchnorm_replicas(topo):
@@ -217,10 +220,13 @@ def batchnorm_replicas(topo):
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp(torch.randn(6, 4) + topo.rank).sum().backward()  # each rank's own batch statistics
-    return parallel.replicas_report(model)
+    return replicas_report(model.state_dict())
 
 
 @pytest.mark.world
 def test_summary_says_why_batchnorm_replicas_differ(world2):
-    report = world2.run(batchnorm_replicas)[0]
-    assert report == {"replicas_identical": False, "replicas_differ": "BatchNorm running statistics are per rank (1)"}
+    report = world2.run(batchnorm_replicas)[0]  # the ranks shift the inputs: the running mean differs, not the variance
+    assert report == {
+        "replicas_identical": False,
+        "replicas_differ": "1.running_mean: BatchNorm statistics are per rank",
+    }

@@ -12,6 +12,7 @@ micro-batch) is off by 1e-3 or more.
 
 import importlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -171,7 +172,9 @@ def _check_resume(name: str, cfg) -> None:
     """What the launchers run before torchrun (WORLD_SIZE set, no process group) for a resume."""
     from tools.precheck import check_resume
 
-    check_resume(name, importlib.import_module(f"recipes.{name}"), cfg, models.build_model(cfg.model))
+    module, world_size = importlib.import_module(f"recipes.{name}"), int(os.environ.get("WORLD_SIZE", "1"))
+    dp = module.mesh(cfg, world_size)["dp"]
+    check_resume(name, module, cfg, models.build_model(cfg.model), world_size=world_size, dp=dp)
 
 
 @pytest.mark.world

@@ -95,7 +95,7 @@ def test_a_recipe_takes_the_options_from_its_command_line():
 
 
 def test_a_bad_wandb_project_is_refused_when_the_config_is_built():
-    with pytest.raises(RecipeError, match=r"--wandb-project team/x: use a W&B project name"):
+    with pytest.raises(RecipeError, match=r"--wandb-project 'team/x': use a W&B project name"):
         Tracking(wandb_project="team/x")
 
 

@@ -143,7 +143,7 @@ def check_steps(found: dict, cfg, *, dp: int) -> None:
     total = stream.total_steps(loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=accum)
     if total == 0 and cfg.epochs > 0 and not cfg.max_steps:  # a stream with a length, shorter than one step
         samples = len(found["train"])
-        raise RecipeError(data.too_few_samples(samples, batch_size=cfg.batch_size, accum=accum, world=dp))
+        raise RecipeError(data.too_few_batches(samples, batch_size=cfg.batch_size, accum=accum, world=dp))
 
 
 def check_model(spec: str) -> nn.Module:

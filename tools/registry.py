@@ -90,7 +90,7 @@ _BUILT_IN = [
         "recipes.pipeline",
         "torch.distributed.pipelining: GPipe / 1F1B / interleaved, pp x dp",
         builds_on="ddp_amp",
-        opt_ins=("pipeline", "amp", "dcp", "trackers"),
+        opt_ins=("parallel", "pipeline", "amp", "dcp", "trackers"),
     ),
     Recipe(
         "pipeline_naive",
