@@ -137,8 +137,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None = None, description: str = ""):
     """(the Config from a command line, whether --dry-run was given): one --option per field, in a --help section
     per group. `--help` prints and exits 0."""
-    usage, formatter = f"{prog or '%(prog)s'} [OPTIONS]", argparse.ArgumentDefaultsHelpFormatter
-    parser = _Parser(prog=prog, usage=usage, description=description, allow_abbrev=False, formatter_class=formatter)
+    parser = _Parser(prog=prog, usage=f"{prog or '%(prog)s'} [OPTIONS]", description=description, allow_abbrev=False)
     sections = {}  # one per group title, in the Config's order; a field goes to the group that declares it
     for group in (c for c in config.__mro__ if c.__dict__.get("__annotations__")):
         title = group.__dict__.get("title", f"{group.__name__} options")
@@ -149,7 +148,8 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
         how = {"type": kind, "choices": choices, "metavar": None if choices else kind.__name__.upper()}
         if kind is bool:
             how = {"action": argparse.BooleanOptionalAction}
-        sections[f.name].add_argument(flag(f.name), default=f.default, help=f.metadata.get("help", ""), **how)
+        shown = "" if f.default == "" or f.default is False else f" (default: {f.default})"  # a flag: its --no- form
+        sections[f.name].add_argument(flag(f.name), default=f.default, help=f.metadata.get("help", "") + shown, **how)
     parser.add_argument("--dry-run", action="store_true", help="check the options and exit without training")
     values = vars(parser.parse_args(argv))
     return config(**{k: v for k, v in values.items() if k != "dry_run"}), values["dry_run"]
