@@ -58,17 +58,11 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     (only those, by name: the caller holds the run's lock, so no write of ours is in flight)."""
     removed = []
     for folder in (Path(run_dir), Path(run_dir) / "ckpt"):
-        for path in folder.glob(".*.tmp-*") if folder.is_dir() else []:
+        for path in folder.glob(".*.tmp-*"):  # none in a folder that does not exist
             if TEMPORARY.fullmatch(path.name) and path.is_file():
                 path.unlink(missing_ok=True)
                 removed.append(path)
     return removed
-
-
-def _encode(header: dict) -> memoryview:
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
-    return memoryview(struct.pack("<Q", len(encoded)) + encoded)
 
 
 def write_safetensors(
@@ -92,7 +86,9 @@ def write_safetensors(
     if checksum_of is not None:  # None: no checksums (bench/bench_ckpt.py measures what they cost)
         header["__metadata__"]["checksums"] = json.dumps({key: checksum_of(t) for key, t in tensors.items()})
         header["__metadata__"]["header_checksum"] = header_checksum(header)
-    _write_all(f, _encode(header))
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
+    _write_all(f, memoryview(struct.pack("<Q", len(encoded)) + encoded))
     for tensor in tensors.values():
         if tensor.numel():
             _write_all(f, tensor.reshape(-1).view(torch.uint8).numpy().data)  # no copy: the tensor's own bytes
@@ -145,4 +141,4 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Checkpoints in a folder, oldest first (temporary files of an interrupted write are ignored)."""
     folder = Path(ckpt_dir)
     found = [(int(m.group(1)), p) for p in folder.glob("step-*.safetensors") if (m := CKPT_NAME.fullmatch(p.name))]
-    return [p for _, p in sorted(found)] if folder.is_dir() else []
+    return [p for _, p in sorted(found)]
