@@ -35,7 +35,8 @@ START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}  # the progress of a
 
 def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, scheduler=None, scaler=None):
     """(tensors, metadata) of the whole train state: every rank's generators are gathered (a collective)."""
-    rng = all_gather_object({"cpu": torch.get_rng_state(), **_cuda_rng()})  # each rank its own: bitwise resume
+    mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
     optim_tensors, optim_rest = {}, {"param_groups": optimizer.state_dict()["param_groups"], "scalars": {}}
     for index, per_param in optimizer.state_dict()["state"].items():
         for name, value in per_param.items():
@@ -59,10 +60,6 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, sch
         "trackers": json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()}),  # W&B's run id
     }
     return tensors, metadata
-
-
-def _cuda_rng() -> dict:
-    return {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
 
 
 def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) -> None:
@@ -165,13 +162,10 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=No
     if torch.cuda.is_available() and f"rng/{rank}/cuda" in tensors:
         torch.cuda.set_rng_state(tensors[f"rng/{rank}/cuda"])
     progress = {**START, **json.loads(meta["progress"])}
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **_shape_of(run)})
+    shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     return progress
-
-
-def _shape_of(run: RunFolder) -> dict:
-    return {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
