@@ -14,14 +14,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from core.config import RecipeError
-from core.factory import call_factory
+from core.factory import resolve_factory
 
 DATASETS = {"digits": "core.datasets:digits", "synthetic": "core.datasets:synthetic", "text": "core.gpt:text"}
 
 
 def build_data(spec: str) -> tuple:
     """`--data`: a built-in name or a user's `module:function`. Returns (train, val, collate_fn or None)."""
-    result = call_factory(spec, DATASETS, option="--data")
+    result = resolve_factory(spec, DATASETS, option="--data")()  # called with no arguments
     return (*result, None)[:3] if isinstance(result, tuple | list) else (result, None, None)
 
 
