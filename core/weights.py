@@ -88,10 +88,8 @@ def check_model_matches(where, saved: dict[str, tuple], expected: dict[str, tupl
 def check_weights(path: str, model: nn.Module) -> None:
     """One line naming the keys when the weights at `path` do not fit the plain model (their headers only, so the
     pre-check runs it on a meta-device model before launch)."""
-    expected, shapes = (
-        {key: tuple(t.shape) for key, t in model.state_dict().items()},
-        read_weights(path, shapes_only=True),
-    )
+    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    shapes = read_weights(path, shapes_only=True)
     fix = "use weights saved from this --model, or load another layout with from_pretrained in your --model factory"
     check_model_matches(f"--init-from {path}", shapes, expected, fix=fix, tied=tied_names(model))
 
