@@ -49,19 +49,6 @@ DONE = "checkpoint.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
-
-
 # --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
 
 
@@ -223,14 +210,15 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    """This rank's generators, under its rank."""
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {f"rng/{rank}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
+    return {f"rng/{dist.get_rank()}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
 
 
 def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
     """{file: {key: checksum}} of this rank's own safetensors file(s) in `folder`, read back from disk."""
-    name = re.compile(rf"shard-{_rank() + 1:05d}-model-\d+-of-\d+\.safetensors")
+    name = re.compile(rf"shard-{dist.get_rank() + 1:05d}-model-\d+-of-\d+\.safetensors")
     out = {}
     for path in sorted(p for p in folder.iterdir() if name.fullmatch(p.name)):
         with safe_open(str(path), framework="pt") as f:
@@ -271,19 +259,19 @@ def save_sharded(
 
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / f"step-{progress['step']:06d}", ckpt_dir / f".step-{progress['step']:06d}.tmp"
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         for stale in ckpt_dir.glob(".step-*.tmp"):  # left by a killed save: saves never overlap
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
-    _barrier()
+    dist.barrier()
     tensors, groups, scalars = _train_tensors(model, optimizer)
-    tensors |= _rng_tensors(_rank())  # each rank its own generator: bitwise resume
+    tensors |= _rng_tensors()  # each rank its own generator: bitwise resume
     dcp.save(_untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     everyone, shapes = all_gather_object((_file_checksums(tmp), scalars)), _shapes(tensors)  # every file is closed
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         info = {
             "format": FORMAT,
-            "world_size": _world(),
+            "world_size": dist.get_world_size(),
             "torch": torch.__version__,
             "progress": progress,
             "metadata": dict(metadata or {}),
@@ -301,18 +289,18 @@ def save_sharded(
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
         shutil.rmtree(aside, ignore_errors=True)
-        for old in list_sharded(ckpt_dir)[:-keep] if keep > 0 else []:  # only once the new one is in place
+        for old in list_sharded(ckpt_dir)[:-keep]:  # only once the new one is in place
             shutil.rmtree(old)
-    _barrier()
+    dist.barrier()
     return final
 
 
 def _verify_files(path: Path, info: dict) -> None:
     """Every rank checks a share of the files (present, checksums, finite values); all ranks fail together."""
-    names = sorted(info["checksums"])
-    problems = (_extra_files(path, info) if _rank() == 0 else []) + _file_problems(
-        path, info, names[_rank() :: _world()], values=True
-    )
+    rank, names = dist.get_rank(), sorted(info["checksums"])
+    problems = _file_problems(path, info, names[rank :: dist.get_world_size()], values=True)
+    if rank == 0:
+        problems += _extra_files(path, info)
     problems = sorted(p for mine in all_gather_object(problems) for p in mine)
     if problems:
         raise RecipeError(_damage(path, problems))
@@ -361,7 +349,7 @@ def load_sharded(
     check_model_matches(path, info["shapes"], _shapes(tensors), fix="resume with the --model it was trained with")
     _verify_files(path, info)
     saved = {key for sums in info["checksums"].values() for key in sums}
-    rng = {k: v for k, v in _rng_tensors(_rank()).items() if k in saved}  # none for a rank the saving job lacked
+    rng = {k: v for k, v in _rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
     optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
     dcp.load(_untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
