@@ -68,13 +68,13 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def block_times(blocks: Sequence[nn.Module], sample: torch.Tensor, *, repeats: int = 3) -> list[float]:
+def block_times(blocks: Sequence[nn.Module], sample: torch.Tensor) -> list[float]:
     """Seconds for each block's forward + backward on `sample` (fed through the blocks before it)."""
     times, x = [], sample
     for block in blocks:
         x_in = x.detach().requires_grad_(x.is_floating_point())
         fastest = float("inf")
-        for _ in range(repeats):  # the fastest of a few: the least disturbed by other work
+        for _ in range(3):  # the fastest of three: the least disturbed by other work
             started = time.perf_counter()
             out = block(x_in)
             out.float().sum().backward()
@@ -202,16 +202,14 @@ def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Calla
     return kind(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
 
 
-def gather_state_dict(stages: Sequence[nn.Module], *, dst: int = 0) -> dict[str, torch.Tensor]:
-    """Every stage's tensors, merged on rank `dst` into the whole model's state dict ({} elsewhere).
+def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """Every stage's tensors, merged on rank 0 into the whole model's state dict ({} elsewhere): a collective.
 
     Stage keys are the original model's, so the merge is a dict union (data-parallel replicas
     of a stage send equal tensors; the union keeps one)."""
     mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(mine, parts, dst=dst)
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts else {}
 
 
@@ -223,12 +221,6 @@ def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)  # gloo has no AVG: sum, then divide
                 p.grad /= size
-
-
-def _no_metrics(device: torch.device) -> dict[str, torch.Tensor]:
-    """What a stage without the loss adds to the job's sums: nothing, under the keys core.meter reads."""
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    return {"loss_sum": zero, "count": zero, "samples": zero}
 
 
 def step_pipeline(
@@ -259,8 +251,9 @@ def step_pipeline(
     norm = float(clip_grad_norm(params, clip, group=pp_group))  # the step's one host sync
     if finite := math.isfinite(norm):
         optimizer.step()
-    if not holds_last:
-        return _no_metrics(inputs.device), StepStats(norm, not finite)
+    if not holds_last:  # nothing to add to the job's sums, under the keys core.meter reads
+        zero = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        return {"loss_sum": zero, "count": zero, "samples": zero}, StepStats(norm, not finite)
     mean = torch.stack(losses).mean()  # equal micro-batches: the mean of their means
     return metrics(outputs, targets, mean, samples=len(targets)), StepStats(norm, not finite)
 
