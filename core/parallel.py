@@ -11,6 +11,7 @@ every forward is a collective. The recipes call torch's fully_shard and parallel
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -53,9 +54,7 @@ class ShardedPrecision(Options):
 def check_mesh(world_size: int, dims: dict[str, int]) -> None:
     """Refuse, before any process group exists, a mesh whose sizes don't multiply to the world size."""
     shape = " x ".join(f"{name}={size}" for name, size in dims.items())
-    total = 1
-    for size in dims.values():
-        total *= size
+    total = math.prod(dims.values())
     if min(dims.values()) < 1 or total != world_size:
         raise RecipeError(
             f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
