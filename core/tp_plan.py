@@ -193,15 +193,6 @@ def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -
                 setattr(modules[name], attr, count // tp)
 
 
-def _retie(model: nn.Module, tied: dict[int, list[tuple[nn.Module, str]]]) -> None:
-    """Point every owner of a once-shared weight at one sharded parameter again: parallelize_module distributes
-    each module's weight on its own, which would leave a tied lm_head and embedding two separate parameters."""
-    for owners in tied.values():
-        first, name = owners[0]
-        for module, other in owners[1:]:
-            setattr(module, other, getattr(first, name))
-
-
 @contextmanager
 def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
     """Around parallelize_module(model, mesh, plan): weights the model shares (a tied lm_head and embedding) stay
@@ -211,7 +202,11 @@ def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp:
         for name, param in module.named_parameters(recurse=False):
             tied.setdefault(id(param), []).append((module, name))
     yield
-    _retie(model, {key: owners for key, owners in tied.items() if len(owners) > 1})
+    # parallelize_module distributed each module's weight on its own: point every owner of a once-shared weight
+    # at the first owner's sharded parameter again
+    for (first, name), *others in tied.values():
+        for module, other in others:
+            setattr(module, other, getattr(first, name))
     _localize_heads(model, plan, tp)
 
 
