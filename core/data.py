@@ -65,10 +65,8 @@ def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = 
     """
     if dataset is None:
         return None
-    workers, on_gpu = (
-        (2 if topo.device.type == "cuda" else 0) if workers is None else workers,
-        topo.device.type == "cuda",
-    )
+    on_gpu = topo.device.type == "cuda"
+    workers = (2 if on_gpu else 0) if workers is None else workers
     options = dict(num_workers=workers, pin_memory=on_gpu, persistent_workers=workers > 0, collate_fn=collate_fn)
     if not train:
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)
