@@ -60,19 +60,14 @@ def read_info(path: Path) -> dict:
     """checkpoint.json, checked whole (its own checksum); a RecipeError line when it isn't a good one."""
     if (path / "ckpt").is_dir() or path.name == "ckpt":  # a run folder, or its ckpt folder: which step?
         raise RecipeError(f"--resume {path}: a folder of checkpoints, not one; pass one of them, or --resume auto")
+    fix = f"resume from another step-N folder in {path.parent}"
     try:
         info = json.loads((path / DONE).read_text())
         sealed = info.pop("self_checksum")
     except (OSError, ValueError, KeyError, AttributeError) as err:
-        raise RecipeError(
-            f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); "
-            f"resume from another step-N folder in {path.parent}"
-        ) from None
+        raise RecipeError(f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); {fix}") from None
     if digest(info) != sealed:
-        raise RecipeError(
-            f"{path / DONE}: its checksum does not match its contents (edited or corrupted); "
-            f"resume from another step-N folder in {path.parent}"
-        )
+        raise RecipeError(f"{path / DONE}: its checksum does not match its contents (edited or corrupted); {fix}")
     if info.get("format") != FORMAT:
         raise RecipeError(
             f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from a checkpoint "
@@ -82,8 +77,10 @@ def read_info(path: Path) -> dict:
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """What core.ckpt.read_metadata gives of a one-file checkpoint (recipe, config, global_batch, world_size,
-    trackers, progress: strings), from checkpoint.json alone; one RecipeError line when it isn't a good one."""
+    """What core.ckpt.read_metadata gives of a one-file checkpoint, from checkpoint.json alone.
+
+    Recipe, config, global_batch, world_size, trackers, progress: strings. One RecipeError line when it isn't a
+    good one."""
     info = read_info(Path(path))
     return {**info["metadata"], "world_size": str(info["world_size"]), "progress": json.dumps(info["progress"])}
 
@@ -102,8 +99,9 @@ def list_sharded(ckpt_dir: str | os.PathLike) -> list[Path]:
 
 
 def _file_problems(path: Path, info: dict, names: list[str], *, values: bool) -> list[str]:
-    """What is wrong with these shard files of the checkpoint: missing, unreadable, and (values=True) a tensor that
-    does not match its checksum or holds NaN or inf. Each problem names the file."""
+    """What is wrong with these shard files of the checkpoint, each problem naming the file.
+
+    Missing, unreadable, and (values=True) a tensor that does not match its checksum or holds NaN or inf."""
     problems = []
     for name in names:
         try:
@@ -133,8 +131,9 @@ def _extra_files(path: Path, info: dict) -> list[str]:
 
 
 def newest_good(run_dir: Path) -> Path | None:
-    """The newest checkpoint of RUN/ckpt whose checkpoint.json and every shard read back whole and undamaged (rank 0
-    reads them all); a newer one is passed over in a warning line that names what is wrong."""
+    """The newest checkpoint of RUN/ckpt whose checkpoint.json and every shard read back whole and undamaged.
+
+    Rank 0 reads them all; a newer one is passed over in a warning line that names what is wrong."""
     for path in reversed(list_sharded(Path(run_dir) / "ckpt")):
         info = read_info(path)
         problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=True)
@@ -146,8 +145,10 @@ def newest_good(run_dir: Path) -> Path | None:
 
 
 def check_shapes(path: str | os.PathLike, model: nn.Module) -> None:
-    """The pre-check: one RecipeError line when the checkpoint holds another model than `model` (the plain one, a
-    meta-device one will do) or a shard file is missing or unreadable (named). The values are checked at load."""
+    """The pre-check: one RecipeError line when the checkpoint holds another model or lacks a shard file.
+
+    `model`: the plain one (a meta-device one will do). A missing or unreadable shard file is named. The values
+    are checked at load."""
     path = Path(path)
     info = read_info(path)
     problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=False)
@@ -196,8 +197,10 @@ def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dic
 
 
 def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors with each storage once: a tied weight (lm_head and the embedding) under its first name only, as
-    safetensors refuses shared memory; loading into that one fills the other names, which share its storage."""
+    """The tensors with each storage once: a tied weight under its first name only.
+
+    A tied weight: lm_head and the embedding. safetensors refuses shared memory; loading into that one fills the
+    other names, which share its storage."""
     out, seen = {}, set()
     for key, value in tensors.items():
         local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
@@ -307,8 +310,9 @@ def _verify_files(path: Path, info: dict) -> None:
 
 
 def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) -> dict:
-    """The optimizer state dict for set_state_dict: loaded tensors, saved scalars and hyper-parameters
-    over this rank's own param groups (their "params" differ between pipeline stages)."""
+    """The optimizer state dict for set_state_dict over this rank's own param groups.
+
+    Loaded tensors, saved scalars and hyper-parameters; the groups' "params" differ between pipeline stages."""
     if len(groups) != len(info["param_groups"]):
         raise RecipeError(
             f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
@@ -338,8 +342,9 @@ def load_sharded(
     scheduler=None,
     scaler=None,
 ) -> dict:
-    """Restore the train state saved by save_sharded on every rank, resharding where the world size
-    changed (DTensor models), and return the progress dict. A collective."""
+    """Restore the train state saved by save_sharded on every rank, and return the progress dict.
+
+    It reshards where the world size changed (DTensor models). A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict  # here: only sharded recipes load DCP
 
@@ -369,8 +374,10 @@ def load_sharded(
 def save_checkpoint(
     run: RunFolder, *, model, optimizer, progress: dict, keep: int, scheduler=None, scaler=None
 ) -> Path:
-    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard (a collective), with the run's metadata
-    as core.ckpt's header has it. `model`: the sharded model, or a list of this rank's pipeline stages."""
+    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard (a collective).
+
+    With the run's metadata as core.ckpt's header has it. `model`: the sharded model, or a list of this rank's
+    pipeline stages."""
     metadata = {
         "recipe": run.recipe,
         "config": json.dumps(run.config),
@@ -382,8 +389,9 @@ def save_checkpoint(
 
 
 def load_checkpoint(run: RunFolder, *, model, optimizer, scheduler=None, scaler=None) -> dict:
-    """The train state of the checkpoint the run continues from, every rank its own part (resharded to this job's
-    mesh), its generators too; returns the progress (START for a new run). A collective."""
+    """The train state of the checkpoint the run continues from, every rank its own part; returns the progress.
+
+    Resharded to this job's mesh, its generators too; START for a new run. A collective."""
     if run.resume_from is None:
         return dict(START)
     found = load_sharded(run.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
