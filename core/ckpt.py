@@ -71,8 +71,9 @@ def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) ->
 
 
 def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, keep: int, **state) -> Path:
-    """Every --ckpt-every steps: RUN/ckpt/step-N.safetensors with the whole train state (a collective; rank 0
-    writes, the others wait for it, so a kill after this finds the checkpoint). `state`: scheduler, scaler."""
+    """Every --ckpt-every steps: RUN/ckpt/step-N.safetensors with the whole train state (a collective).
+
+    Rank 0 writes, the others wait for it, so a kill after this finds the checkpoint. `state`: scheduler, scaler."""
     tensors, metadata = snapshot(run, model=model, optimizer=optimizer, progress=progress, **state)
     path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
     if run.writer:  # a full disk raises OSError here, and the checkpoints before stay whole
@@ -136,8 +137,10 @@ def newest_good(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=None, scaler=None) -> dict:
-    """The train state of the checkpoint the run continues from, into every rank; returns the progress (START for a
-    new run). A collective: rank 0 reads and verifies the file and sends it (other nodes need not see it)."""
+    """The train state of the checkpoint the run continues from, into every rank; returns the progress.
+
+    START for a new run. A collective: rank 0 reads and verifies the file and sends it (other nodes need not see
+    it)."""
     if run.resume_from is None:
         return dict(START)
     payload = None
@@ -182,8 +185,9 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
 
 
 def check_shapes(path: Path, tensors: dict, model: nn.Module) -> None:
-    """One RecipeError line naming the missing and unexpected keys and the misshapen ones, when the checkpoint
-    holds another model than `model`."""
+    """One RecipeError line naming the keys that differ when the checkpoint holds another model than `model`.
+
+    It names the missing, the unexpected and the misshapen keys."""
     saved = {k.removeprefix("model/"): tuple(v.shape) for k, v in tensors.items() if k.startswith("model/")}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     fix = "resume with the --model it was trained with, or start a new run"

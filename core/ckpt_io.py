@@ -34,8 +34,9 @@ def header_checksum(header: dict) -> str:
 
 
 def atomic_write(path: str | os.PathLike, write) -> Path:
-    """Call `write(file)` on a temporary file, fsync, then rename over `path`: readers see the old
-    file or the new one, never half of one."""
+    """Call `write(file)` on a temporary file, fsync, then rename over `path`.
+
+    Readers see the old file or the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -54,8 +55,9 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete the `.NAME.tmp-PID` files an interrupted atomic_write left in run_dir and run_dir/ckpt
-    (only those, by name: the caller holds the run's lock, so no write of ours is in flight)."""
+    """Delete the `.NAME.tmp-PID` files an interrupted atomic_write left in run_dir and run_dir/ckpt.
+
+    Only those, by name: the caller holds the run's lock, so no write of ours is in flight."""
     removed = []
     for folder in (Path(run_dir), Path(run_dir) / "ckpt"):
         for path in folder.glob(".*.tmp-*"):  # none in a folder that does not exist
@@ -68,11 +70,11 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
 def write_safetensors(
     f, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, *, checksum_of=checksum
 ) -> None:
-    """The safetensors format, written straight from the tensors' memory (CPU, contiguous) into an
-    open file, with the checksums in its header.
+    """The safetensors format, with the checksums in its header, written straight from the tensors' memory.
 
-    safetensors.torch.save_file first copies every tensor into a bytes object; at checkpoint
-    sizes that copy halves the write speed, so the (simple, documented) format is written here.
+    The tensors are on the CPU and contiguous; `f` is an open file. safetensors.torch.save_file first copies
+    every tensor into a bytes object; at checkpoint sizes that copy halves the write speed, so the (simple,
+    documented) format is written here.
     """
     header, offset = {"__metadata__": dict(metadata or {})}, 0
     for key, tensor in tensors.items():
@@ -115,8 +117,10 @@ def read_header(path: str | os.PathLike) -> dict:
 
 
 def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: str = "") -> None:
-    """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a
-    value no training state can hold (a non-finite weight or optimizer state, a negative average of squares)."""
+    """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a bad value.
+
+    A bad value is one no training state can hold: a non-finite weight or optimizer state, a negative average of
+    squares."""
     fix = fix or f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
     meta = header.get("__metadata__", {})
     if meta.get("header_checksum") != header_checksum(header):

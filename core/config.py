@@ -126,8 +126,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None = None, description: str = ""):
-    """(the Config from a command line, whether --dry-run was given): one --option per field, in a --help section
-    per group. `--help` prints and exits 0."""
+    """(the Config from a command line, whether --dry-run was given): one --option per field.
+
+    Each group's options get a --help section. `--help` prints and exits 0."""
     usage, formatter = f"{prog or '%(prog)s'} [OPTIONS]", argparse.ArgumentDefaultsHelpFormatter
     parser = _Parser(prog=prog, usage=usage, description=description, allow_abbrev=False, formatter_class=formatter)
     sections = {}  # one per group title, in the Config's order; a field goes to the group that declares it

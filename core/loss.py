@@ -36,9 +36,11 @@ class Loss:
 
 
 def make_loss(spec: str, *, model: nn.Module) -> Loss:
-    """`--loss` for `model` (the plain one, not its wrapper): auto (the model's own loss when its forward takes the
-    targets, else cross-entropy, or mse for float targets), ce, mse, model, or `module:function(outputs, batch)`
-    returning the batch's mean loss. A choice that cannot work is one RecipeError line."""
+    """`--loss` for `model` (the plain one, not its wrapper).
+
+    auto (the model's own loss when its forward takes the targets, else cross-entropy, or mse for float targets),
+    ce, mse, model, or `module:function(outputs, batch)` returning the batch's mean loss. A choice that cannot work
+    is one RecipeError line."""
     if spec not in LOSSES:
         return Loss(spec, resolve_factory(spec, dict.fromkeys(LOSSES), option="--loss"))
     params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
@@ -70,8 +72,10 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 
 
 def call_model(model: nn.Module, batch, loss: Loss, **extra):
-    """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple, with the targets where the
-    model takes them for its own loss. `extra`: more keyword arguments for the model (num_items_in_batch)."""
+    """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple.
+
+    A tuple's targets are passed where the model takes them for its own loss. `extra`: more keyword arguments for
+    the model (num_items_in_batch)."""
     if isinstance(batch, Mapping):
         return model(**batch, **extra), batch.get("labels")
     *inputs, targets = batch
@@ -112,9 +116,10 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
 
 
 def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool = False) -> dict[str, torch.Tensor]:
-    """Sums (not means) that add up over micro-batches and ranks: loss_sum, count (counted targets, or samples
-    where there are none or they are floats), samples, and correct where the logits are class scores for the targets
-    (after the causal-LM shift when `shift`)."""
+    """Sums (not means) that add up over micro-batches and ranks: loss_sum, count, samples, correct.
+
+    count: counted targets, or samples where there are none or they are floats; correct where the logits are class
+    scores for the targets (after the causal-LM shift when `shift`)."""
     n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)
     count = n if targets is None or targets.is_floating_point() else targets.ne(IGNORE).sum().double()
     sums = {"loss_sum": mean.detach().double() * count, "count": count, "samples": n}

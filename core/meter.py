@@ -117,9 +117,10 @@ def log_eval(run: RunFolder, evaluation: dict, *, step: int, epoch: int) -> dict
 
 
 def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, skipped: int, weights, **extra) -> dict:
-    """The closing `summary` record and line (every rank returns the same numbers): the last evaluation, the last
-    train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes), where the weights are, and the
-    throughput of the training clock."""
+    """The closing `summary` record and line; every rank returns the same numbers.
+
+    The last evaluation, the last train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes),
+    where the weights are, and the throughput of the training clock."""
     config, elapsed = run.config, time.perf_counter() - meter.started if meter.started else 0.0
     summary = {
         **evaluation,

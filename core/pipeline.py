@@ -100,8 +100,10 @@ def block_weights(model: nn.Module, *, balance: str | Sequence[int], sample: tor
 
 
 def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
-    """The number of blocks; a RecipeError, naming the structure pipelining needs, when the model can't be
-    cut into `num_stages` stages. Reads only attributes, so it runs on a meta-device model in the pre-check."""
+    """The number of blocks; a RecipeError naming the structure pipelining needs when the model lacks it.
+
+    That is, when the model can't be cut into `num_stages` stages. Reads only attributes, so it runs on a
+    meta-device model in the pre-check."""
     name = type(model).__name__
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
@@ -260,9 +262,10 @@ def step_pipeline(
 
 @torch.no_grad()
 def evaluate_pipeline(schedule, loader, *, accum: int, holds_last: bool, device: torch.device) -> dict:
-    """Validation loss and accuracy, forward only through the schedule, K = accum batches a run (the schedule's
-    micro-batch count), over the loader's full groups: the schedule needs micro-batches of one size, so a smaller
-    last batch is left out. Sums all-reduced once at the end."""
+    """Validation loss and accuracy, forward only through the schedule, K = accum batches a run.
+
+    K is the schedule's micro-batch count, over the loader's full groups: the schedule needs micro-batches of one
+    size, so a smaller last batch is left out. Sums all-reduced once at the end."""
     if loader is None:
         return {}
     tally = Tally(device)

@@ -9,8 +9,10 @@ from core.dist import all_gather_object
 
 
 def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:
-    """{"replicas_identical": bool}, and when they differ "replicas_differ": which tensors (a collective: every rank
-    calls it). Pass model.state_dict() for DDP, the buffers for fully_shard (its parameters are shards)."""
+    """{"replicas_identical": bool}, and when they differ "replicas_differ": which tensors.
+
+    A collective: every rank calls it. Pass model.state_dict() for DDP, the buffers for fully_shard (its
+    parameters are shards)."""
     mine = {k: checksum(t) for k, t in tensors.items()}
     everyone = all_gather_object(mine)
     differ = [k for k in mine if any(other.get(k) != mine[k] for other in everyone)]

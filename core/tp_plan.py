@@ -105,8 +105,10 @@ def _split_dim(style: ParallelStyle, module: nn.Module) -> int:
 
 
 def _head_dim(style: ParallelStyle, module: nn.Module, parent: nn.Module) -> int | None:
-    """The attention's head_dim when the split must keep whole heads: a Linear in an attention (a module with an
-    int head_dim) whose sharded side is each rank's local slice (a colwise output, a rowwise input)."""
+    """The attention's head_dim when the split must keep whole heads, else None.
+
+    That is a Linear in an attention (a module with an int head_dim) whose sharded side is each rank's local slice
+    (a colwise output, a rowwise input)."""
     head_dim = getattr(parent, "head_dim", None)
     if not isinstance(style, ColwiseParallel | RowwiseParallel):  # the GPT's sequence-parallel styles split no heads
         return None
@@ -195,8 +197,10 @@ def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -
 
 @contextmanager
 def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
-    """Around parallelize_module(model, mesh, plan): weights the model shares (a tied lm_head and embedding) stay
-    one parameter, and an attention that stores its head count sees its rank's share of the heads."""
+    """Around parallelize_module(model, mesh, plan): tied weights stay tied, head counts become local.
+
+    Weights the model shares (a tied lm_head and embedding) stay one parameter, and an attention that stores its
+    head count sees its rank's share of the heads."""
     tied: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -211,8 +215,9 @@ def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp:
 
 
 def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
-    """Split the model over a 1-D `mesh` in place by its own plan (core.parallel's for the built-in GPT): the
-    recipes' lines, for tests."""
+    """Split the model over a 1-D `mesh` in place by its own plan (core.parallel's for the built-in GPT).
+
+    The recipes' lines, for tests."""
     check_tp_plan(model, tp=mesh.size())
     plan = model_tp_plan(model)
     if plan is None:

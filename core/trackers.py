@@ -117,9 +117,11 @@ class Trackers:
 
 
 def attach(run: RunFolder, cfg: Tracking, *, step: int, header) -> RunFolder:
-    """`run`, whose records (core.folder.write_record) also go to the trackers --log-to names: on rank 0 only, one
-    W&B run for the job. `step`: the optimizer step training continues after; `header(path)`: a checkpoint's
-    metadata, whose "trackers" entry (state()) continues the W&B run the checkpoint was logged to."""
+    """`run`, whose records also go to the trackers --log-to names (rank 0 only).
+
+    core.folder.write_record hands them on; one W&B run for the job. `step`: the optimizer step training continues
+    after; `header(path)`: a checkpoint's metadata, whose "trackers" entry (state()) continues the W&B run the
+    checkpoint was logged to."""
     kinds = check_trackers(cfg.log_to)
     if not kinds or not run.writer:
         return run
