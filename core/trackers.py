@@ -144,12 +144,10 @@ def open_trackers(
     checkpoint resumed (None: a fresh run, or a checkpoint without one), `step`: the optimizer step training
     continues after (0 for a fresh run), `project`: --wandb-project."""
     tensorboard = _open_tensorboard(run_dir, step=step) if "tensorboard" in kinds else None
+    wandb_run = None
     try:
-        wandb_run = (
-            _open_wandb(run_dir, config=config, resume_state=resume_state, project=project)
-            if "wandb" in kinds
-            else None
-        )
+        if "wandb" in kinds:
+            wandb_run = _open_wandb(run_dir, config=config, resume_state=resume_state, project=project)
     except BaseException:
         if tensorboard is not None:
             tensorboard.close()
