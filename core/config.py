@@ -147,13 +147,13 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
     return config(**{k: v for k, v in values.items() if k != "dry_run"}), values["dry_run"]
 
 
-def cli_main(main: Callable, config: type, argv: list[str] | None = None) -> None:
+def cli_main(main: Callable, config: type) -> None:
     """`if __name__ == "__main__": cli_main(main, Config)`: parse, run; a user's error as one line."""
 
     def parse_and_run() -> int:
         doc = sys.modules[main.__module__].__doc__ or ""  # a copy may have lost its docstring
         try:
-            cfg, dry_run = parse_args(config, argv, description=doc.split("\n")[0])
+            cfg, dry_run = parse_args(config, description=doc.split("\n")[0])
             print(f"ok: {cfg.to_dict()}") if dry_run else main(cfg)
             return 0
         except UsageError as err:
