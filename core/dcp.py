@@ -39,6 +39,7 @@ from torch import nn
 
 from core.checksum import checksum, checksum_matches
 from core.ckpt import START
+from core.ckpt_io import atomic_write
 from core.config import RecipeError
 from core.dist import all_gather_object
 from core.folder import RunFolder, say, write_record
@@ -230,10 +231,8 @@ def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
 
 
 def _write_json(path: Path, info: dict) -> None:
-    with open(path, "w") as f:
-        json.dump({**info, "self_checksum": digest(info)}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    text = json.dumps({**info, "self_checksum": digest(info)}, indent=1, sort_keys=True)
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _fsync_dir(path: Path) -> None:
