@@ -71,10 +71,6 @@ def build_mesh(topo, dims: dict[str, int]):
 # --- fully_shard -------------------------------------------------------------------------------------------------
 
 
-def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
-
-
 def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.Module] | None:
     """The model's repeated blocks: (path, container), or None when it has none.
 
@@ -82,7 +78,7 @@ def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.M
     candidates. Without, the ModuleList / Sequential whose children repeat one class (GPT-2's and
     nanoGPT's `transformer.h`, Llama's `model.layers`, `blocks` here) holding the most parameters,
     the outermost on a tie."""
-    containers = _containers(model)
+    containers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
     if name is not None:
         found = dict(containers).get(name)
         if found is None:

@@ -170,9 +170,10 @@ def check_pipeline(
             f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model"
         )
     if microbatches < 1 or batch_size % microbatches:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        near = min(divisors, key=lambda d: (abs(d - microbatches), d))
         raise RecipeError(
-            f"--microbatches {microbatches}: must divide --batch-size {batch_size} "
-            f"(e.g. --microbatches {_divisor_near(batch_size, microbatches)})"
+            f"--microbatches {microbatches}: must divide --batch-size {batch_size} (e.g. --microbatches {near})"
         )
     if schedule == "1f1b" and microbatches < pp:
         raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
@@ -182,10 +183,6 @@ def check_pipeline(
             f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
             f"(or fewer than {2 * pp}); use {pp * rounds}"
         )
-
-
-def _divisor_near(n: int, want: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
