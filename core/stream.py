@@ -99,10 +99,8 @@ def all_ranks(flag: bool, *, device: torch.device) -> bool:
 
 
 def in_step(loader, *, device: torch.device) -> Iterator[tuple[object, bool]]:
-    """(batch, counted), the same number on every rank, for evaluating a sharded model.
-
-    Each forward is a collective there: a rank whose share ran out repeats its last batch with counted=False until
-    every rank's share is done."""
+    """(batch, counted), the same number on every rank, for evaluating a sharded model (each forward a collective):
+    a rank whose share ran out repeats its last batch with counted=False until every rank's share is done."""
     batches, last = iter(loader), None
     while True:
         batch = next(batches, None)
