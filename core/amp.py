@@ -22,13 +22,9 @@ from torch import nn
 
 from core.config import Options, at_least, option
 from core.data import to_device
-from core.exact_loss import ExactLoss, forward_exact, global_count, local_count
+from core.exact_loss import ExactLoss, forward_exact, global_count
 from core.grads import clip_grad_norm
 from core.steps import check_finite
-
-
-def _cuda_for_fp16(precision: str) -> bool:
-    return precision != "fp16" or torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -38,7 +34,7 @@ class Precision(Options):
         "fp32",
         "compute precision (autocast; fp16 adds dynamic loss scaling)",
         choices=("fp32", "bf16", "fp16"),
-        check=_cuda_for_fp16,
+        check=lambda precision: precision != "fp16" or torch.cuda.is_available(),
         fix="fp16 needs a CUDA GPU; on CPU use --precision bf16",
     )
 
@@ -60,8 +56,10 @@ def autocast(precision: str, *, device: torch.device):
 
 
 def make_scaler(precision: str, *, device: torch.device, **options) -> torch.amp.GradScaler:
-    """Dynamic loss scaling for fp16; bf16 and fp32 share fp32's exponent range and get a disabled scaler, whose
-    scale(), unscale_(), step() and update() pass straight through. Its state_dict() belongs in every checkpoint."""
+    """Dynamic loss scaling for fp16; for bf16 and fp32 a disabled scaler that passes straight through.
+
+    bf16 and fp32 share fp32's exponent range: the disabled scaler's scale(), unscale_(), step() and update() do
+    nothing. Its state_dict() belongs in every checkpoint."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16", **options)
 
 
@@ -77,8 +75,10 @@ def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list
 
 @contextmanager
 def grad_sync(model: nn.Module, *, enabled: bool):
-    """Whether the backward inside reduces gradients across ranks: DDP's no_sync() holds its all-reduce back and
-    keeps adding to .grad. Another wrapper passes its own function of this shape (core.parallel.fsdp_sync)."""
+    """Whether the backward inside reduces gradients across ranks (DDP's no_sync() when it does not).
+
+    no_sync() holds DDP's all-reduce back and keeps adding to .grad. Another wrapper passes its own function of this
+    shape (core.parallel.fsdp_sync)."""
     if enabled or not hasattr(model, "no_sync"):
         yield
     else:
@@ -118,9 +118,7 @@ def step_amp(
     optimizer.zero_grad(set_to_none=True)
     group = dp_group if dp_group is not None else getattr(model, "process_group", None)
     world = dist.get_world_size(group) if group is not None else 1
-    count = (
-        global_count(micro_batches, loss_fn, group=group) if group is not None else local_count(micro_batches, loss_fn)
-    )
+    count = global_count(micro_batches, loss_fn, group=group)
     normalizer = count.clamp(min=1.0) / world  # no counted target anywhere: zero gradients, not nan
     sums = {}
     for i, batch in enumerate(micro_batches):

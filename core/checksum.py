@@ -19,8 +19,9 @@ _OLD_BLOCK = 4096  # bytes the old format summed into one 64-bit word
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes, in memory order, as a uint8 array: a view of its own memory when it is a
-    contiguous CPU tensor (a copy otherwise)."""
+    """The tensor's bytes, in memory order, as a uint8 array.
+
+    A view of its own memory when it is a contiguous CPU tensor (a copy otherwise)."""
     t = t.detach().cpu().contiguous().reshape(-1)
     return t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)  # an empty tensor has no storage
 
@@ -31,8 +32,10 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def blocksum64_crc32(t: torch.Tensor) -> str:
-    """The old format: the bytes summed as 64-bit words (wrapping) per 4 KiB block, CRC32 over the sums
-    and the tail. Blind to words reordered within a block and to changes that cancel in a block's sum."""
+    """The old format: 64-bit word sums per 4 KiB block, CRC32 over the sums and the tail.
+
+    The words are summed wrapping. Blind to words reordered within a block and to changes that cancel in a
+    block's sum."""
     data = _bytes(t)
     whole = len(data) // _OLD_BLOCK * _OLD_BLOCK
     sums = np.add.reduce(data[:whole].view(np.uint64).reshape(-1, _OLD_BLOCK // 8), axis=1, dtype=np.uint64)

@@ -35,7 +35,8 @@ START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}  # the progress of a
 
 def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, scheduler=None, scaler=None):
     """(tensors, metadata) of the whole train state: every rank's generators are gathered (a collective)."""
-    rng = all_gather_object({"cpu": torch.get_rng_state(), **_cuda_rng()})  # each rank its own: bitwise resume
+    mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
     optim_tensors, optim_rest = {}, {"param_groups": optimizer.state_dict()["param_groups"], "scalars": {}}
     for index, per_param in optimizer.state_dict()["state"].items():
         for name, value in per_param.items():
@@ -61,10 +62,6 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, sch
     return tensors, metadata
 
 
-def _cuda_rng() -> dict:
-    return {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-
-
 def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) -> None:
     """Rank 0: write the file atomically, then drop all but the newest `keep` (only once the new one is in place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,8 +71,9 @@ def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) ->
 
 
 def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, keep: int, **state) -> Path:
-    """Every --ckpt-every steps: RUN/ckpt/step-N.safetensors with the whole train state (a collective; rank 0
-    writes, the others wait for it, so a kill after this finds the checkpoint). `state`: scheduler, scaler."""
+    """Every --ckpt-every steps: RUN/ckpt/step-N.safetensors with the whole train state (a collective).
+
+    Rank 0 writes, the others wait for it, so a kill after this finds the checkpoint. `state`: scheduler, scaler."""
     tensors, metadata = snapshot(run, model=model, optimizer=optimizer, progress=progress, **state)
     path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
     if run.writer:  # a full disk raises OSError here, and the checkpoints before stay whole
@@ -139,8 +137,10 @@ def newest_good(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=None, scaler=None) -> dict:
-    """The train state of the checkpoint the run continues from, into every rank; returns the progress (START for a
-    new run). A collective: rank 0 reads and verifies the file and sends it (other nodes need not see it)."""
+    """The train state of the checkpoint the run continues from, into every rank; returns the progress.
+
+    START for a new run. A collective: rank 0 reads and verifies the file and sends it (other nodes need not see
+    it)."""
     if run.resume_from is None:
         return dict(START)
     payload = None
@@ -165,13 +165,10 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=No
     if torch.cuda.is_available() and f"rng/{rank}/cuda" in tensors:
         torch.cuda.set_rng_state(tensors[f"rng/{rank}/cuda"])
     progress = {**START, **json.loads(meta["progress"])}
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **_shape_of(run)})
+    shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     return progress
-
-
-def _shape_of(run: RunFolder) -> dict:
-    return {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
@@ -188,8 +185,9 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
 
 
 def check_shapes(path: Path, tensors: dict, model: nn.Module) -> None:
-    """One RecipeError line naming the missing and unexpected keys and the misshapen ones, when the checkpoint
-    holds another model than `model`."""
+    """One RecipeError line naming the keys that differ when the checkpoint holds another model than `model`.
+
+    It names the missing, the unexpected and the misshapen keys."""
     saved = {k.removeprefix("model/"): tuple(v.shape) for k, v in tensors.items() if k.startswith("model/")}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     fix = "resume with the --model it was trained with, or start a new run"

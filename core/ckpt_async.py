@@ -35,8 +35,10 @@ class AsyncCheckpoints(Options):
 
 
 def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of `tensors` in host `buffers`, kept and reused from the previous save (pinned for a GPU's tensors),
-    so training may change the originals while the copy is written. Returns the copy, in the tensors' order."""
+    """A copy of `tensors` in host `buffers`, so training may change the originals while the copy is written.
+
+    The buffers are kept and reused from the previous save (pinned for a GPU's tensors). Returns the copy, in the
+    tensors' order."""
     for key in buffers.keys() - tensors.keys():
         del buffers[key]
     for key, tensor in tensors.items():
@@ -82,8 +84,9 @@ class CheckpointSaver:
             self.error = err
 
     def wait(self) -> None:
-        """Until the write in flight (if any) has landed; a failed one is one RecipeError line on every rank (a
-        collective, so that no rank trains on while rank 0 stops)."""
+        """Until the write in flight (if any) has landed; a failed one is one RecipeError line on every rank.
+
+        A collective, so that no rank trains on while rank 0 stops."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None

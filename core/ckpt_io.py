@@ -34,8 +34,9 @@ def header_checksum(header: dict) -> str:
 
 
 def atomic_write(path: str | os.PathLike, write) -> Path:
-    """Call `write(file)` on a temporary file, fsync, then rename over `path`: readers see the old
-    file or the new one, never half of one."""
+    """Call `write(file)` on a temporary file, fsync, then rename over `path`.
+
+    Readers see the old file or the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -54,31 +55,26 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete the `.NAME.tmp-PID` files an interrupted atomic_write left in run_dir and run_dir/ckpt
-    (only those, by name: the caller holds the run's lock, so no write of ours is in flight)."""
+    """Delete the `.NAME.tmp-PID` files an interrupted atomic_write left in run_dir and run_dir/ckpt.
+
+    Only those, by name: the caller holds the run's lock, so no write of ours is in flight."""
     removed = []
     for folder in (Path(run_dir), Path(run_dir) / "ckpt"):
-        for path in folder.glob(".*.tmp-*") if folder.is_dir() else []:
+        for path in folder.glob(".*.tmp-*"):  # none in a folder that does not exist
             if TEMPORARY.fullmatch(path.name) and path.is_file():
                 path.unlink(missing_ok=True)
                 removed.append(path)
     return removed
 
 
-def _encode(header: dict) -> memoryview:
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
-    return memoryview(struct.pack("<Q", len(encoded)) + encoded)
-
-
 def write_safetensors(
     f, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, *, checksum_of=checksum
 ) -> None:
-    """The safetensors format, written straight from the tensors' memory (CPU, contiguous) into an
-    open file, with the checksums in its header.
+    """The safetensors format, with the checksums in its header, written straight from the tensors' memory.
 
-    safetensors.torch.save_file first copies every tensor into a bytes object; at checkpoint
-    sizes that copy halves the write speed, so the (simple, documented) format is written here.
+    The tensors are on the CPU and contiguous; `f` is an open file. safetensors.torch.save_file first copies
+    every tensor into a bytes object; at checkpoint sizes that copy halves the write speed, so the (simple,
+    documented) format is written here.
     """
     header, offset = {"__metadata__": dict(metadata or {})}, 0
     for key, tensor in tensors.items():
@@ -92,7 +88,9 @@ def write_safetensors(
     if checksum_of is not None:  # None: no checksums (bench/bench_ckpt.py measures what they cost)
         header["__metadata__"]["checksums"] = json.dumps({key: checksum_of(t) for key, t in tensors.items()})
         header["__metadata__"]["header_checksum"] = header_checksum(header)
-    _write_all(f, _encode(header))
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
+    _write_all(f, memoryview(struct.pack("<Q", len(encoded)) + encoded))
     for tensor in tensors.values():
         if tensor.numel():
             _write_all(f, tensor.reshape(-1).view(torch.uint8).numpy().data)  # no copy: the tensor's own bytes
@@ -119,8 +117,10 @@ def read_header(path: str | os.PathLike) -> dict:
 
 
 def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: str = "") -> None:
-    """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a
-    value no training state can hold (a non-finite weight or optimizer state, a negative average of squares)."""
+    """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a bad value.
+
+    A bad value is one no training state can hold: a non-finite weight or optimizer state, a negative average of
+    squares."""
     fix = fix or f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
     meta = header.get("__metadata__", {})
     if meta.get("header_checksum") != header_checksum(header):
@@ -145,4 +145,4 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Checkpoints in a folder, oldest first (temporary files of an interrupted write are ignored)."""
     folder = Path(ckpt_dir)
     found = [(int(m.group(1)), p) for p in folder.glob("step-*.safetensors") if (m := CKPT_NAME.fullmatch(p.name))]
-    return [p for _, p in sorted(found)] if folder.is_dir() else []
+    return [p for _, p in sorted(found)]

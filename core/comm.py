@@ -79,13 +79,11 @@ def check_hook(name: str, *, backend: str) -> None:
         )
 
 
-def register(ddp: DDP, name: str, *, backend: str, powersgd_rank: int = 2, powersgd_start: int = 10) -> DDP:
+def register(ddp: DDP, name: str, *, backend: str) -> DDP:
     """Install hook `name` on a DDP module, once, before its first backward (`none`: DDP's own reducer, no hook)."""
     check_hook(name, backend=backend)
-    if name == "powersgd":  # the first powersgd_start steps are plain all-reduces, as PowerSGD's paper advises
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start
-        )
+    if name == "powersgd":  # rank-2 approximations; the first 10 steps plain all-reduces, as PowerSGD's paper advises
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     compress = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
     if name in compress:

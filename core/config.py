@@ -29,9 +29,9 @@ class RecipeError(Exception):
 class UsageError(RecipeError):
     """A bad command line (exit status 2). `option` names an option this recipe does not take."""
 
-    def __init__(self, message: str, *, option: str | None = None, hint: str = ""):
+    def __init__(self, message: str, *, option: str | None = None):
         super().__init__(message)
-        self.option, self.hint = option, hint
+        self.option = option
 
 
 def option(default, help: str, *, choices: tuple[str, ...] | None = None, check=None, fix: str = ""):
@@ -60,11 +60,8 @@ class Options:
             if meta.get("choices") and value not in meta["choices"]:
                 raise RecipeError(f"{flag(f.name)} {value}: choose one of {', '.join(meta['choices'])}")
             if meta.get("check") and not meta["check"](value):
-                raise RecipeError(
-                    f"{flag(f.name)} {value!r}: {meta['fix']}"
-                    if isinstance(value, str)
-                    else f"{flag(f.name)} {value}: {meta['fix']}"
-                )
+                shown = repr(value) if isinstance(value, str) else value
+                raise RecipeError(f"{flag(f.name)} {shown}: {meta['fix']}")
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -93,16 +90,10 @@ class Training(Options):
     )
     seed: int = option(0, "seed of the weights and the data order; rank r draws dropout from seed + r", **at_least(0))
     model: str = option("mlp", "built-in model (mlp, cnn, gpt) or module:function returning an nn.Module")
-    init_from: str = option(
-        "", "start from these weights: a .safetensors file or a Hugging Face folder (never a pickle)"
-    )
+    init_from: str = option("", "start from these weights: a .safetensors file or a Hugging Face folder (no pickle)")
     data: str = option("digits", "built-in data (digits, synthetic, text) or module:function returning (train, val)")
-    loss: str = option(
-        "auto", "auto (the model's own if it has one, else ce or mse), ce, mse, model, or module:function"
-    )
-    on_nonfinite: str = option(
-        "stop", "a step with a non-finite loss or gradient: stop, or skip it", choices=("stop", "skip")
-    )
+    loss: str = option("auto", "auto (the model's own loss, else ce or mse), ce, mse, model, or module:function")
+    on_nonfinite: str = option("stop", "a non-finite loss or gradient: stop or skip the step", choices=("stop", "skip"))
     out: str = option("runs", "folder that gets one sub-folder per run", check=bool, fix="name a folder, e.g. runs")
     name: str = option(
         "", "run folder name prefix (default: the recipe)", check=_plain_name, fix="use a plain name, not a path"
@@ -135,8 +126,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None = None, description: str = ""):
-    """(the Config from a command line, whether --dry-run was given): one --option per field, in a --help section
-    per group. `--help` prints and exits 0."""
+    """(the Config from a command line, whether --dry-run was given): one --option per field.
+
+    Each group's options get a --help section. `--help` prints and exits 0."""
     parser = _Parser(prog=prog, usage=f"{prog or '%(prog)s'} [OPTIONS]", description=description, allow_abbrev=False)
     sections = {}  # one per group title, in the Config's order; a field goes to the group that declares it
     for group in (c for c in config.__mro__ if c.__dict__.get("__annotations__")):
@@ -155,13 +147,13 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
     return config(**{k: v for k, v in values.items() if k != "dry_run"}), values["dry_run"]
 
 
-def cli_main(main: Callable, config: type, argv: list[str] | None = None) -> None:
+def cli_main(main: Callable, config: type) -> None:
     """`if __name__ == "__main__": cli_main(main, Config)`: parse, run; a user's error as one line."""
 
     def parse_and_run() -> int:
         doc = sys.modules[main.__module__].__doc__ or ""  # a copy may have lost its docstring
         try:
-            cfg, dry_run = parse_args(config, argv, description=doc.split("\n")[0])
+            cfg, dry_run = parse_args(config, description=doc.split("\n")[0])
             print(f"ok: {cfg.to_dict()}") if dry_run else main(cfg)
             return 0
         except UsageError as err:

@@ -14,14 +14,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from core.config import RecipeError
-from core.factory import call_factory
+from core.factory import resolve_factory
 
 DATASETS = {"digits": "core.datasets:digits", "synthetic": "core.datasets:synthetic", "text": "core.gpt:text"}
 
 
 def build_data(spec: str) -> tuple:
     """`--data`: a built-in name or a user's `module:function`. Returns (train, val, collate_fn or None)."""
-    result = call_factory(spec, DATASETS, option="--data")
+    result = resolve_factory(spec, DATASETS, option="--data")()  # called with no arguments
     return (*result, None)[:3] if isinstance(result, tuple | list) else (result, None, None)
 
 
@@ -65,10 +65,8 @@ def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = 
     """
     if dataset is None:
         return None
-    workers, on_gpu = (
-        (2 if topo.device.type == "cuda" else 0) if workers is None else workers,
-        topo.device.type == "cuda",
-    )
+    on_gpu = topo.device.type == "cuda"
+    workers = (2 if on_gpu else 0) if workers is None else workers
     options = dict(num_workers=workers, pin_memory=on_gpu, persistent_workers=workers > 0, collate_fn=collate_fn)
     if not train:
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)

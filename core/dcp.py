@@ -39,6 +39,7 @@ from torch import nn
 
 from core.checksum import checksum, checksum_matches
 from core.ckpt import START
+from core.ckpt_io import atomic_write
 from core.config import RecipeError
 from core.dist import all_gather_object
 from core.folder import RunFolder, say, write_record
@@ -47,19 +48,6 @@ from core.weights import check_model_matches
 FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
 DONE = "checkpoint.json"
 STEP_DIR = re.compile(r"step-(\d+)")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
 
 
 # --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
@@ -73,19 +61,14 @@ def read_info(path: Path) -> dict:
     """checkpoint.json, checked whole (its own checksum); a RecipeError line when it isn't a good one."""
     if (path / "ckpt").is_dir() or path.name == "ckpt":  # a run folder, or its ckpt folder: which step?
         raise RecipeError(f"--resume {path}: a folder of checkpoints, not one; pass one of them, or --resume auto")
+    fix = f"resume from another step-N folder in {path.parent}"
     try:
         info = json.loads((path / DONE).read_text())
         sealed = info.pop("self_checksum")
     except (OSError, ValueError, KeyError, AttributeError) as err:
-        raise RecipeError(
-            f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); "
-            f"resume from another step-N folder in {path.parent}"
-        ) from None
+        raise RecipeError(f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); {fix}") from None
     if digest(info) != sealed:
-        raise RecipeError(
-            f"{path / DONE}: its checksum does not match its contents (edited or corrupted); "
-            f"resume from another step-N folder in {path.parent}"
-        )
+        raise RecipeError(f"{path / DONE}: its checksum does not match its contents (edited or corrupted); {fix}")
     if info.get("format") != FORMAT:
         raise RecipeError(
             f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from a checkpoint "
@@ -95,8 +78,10 @@ def read_info(path: Path) -> dict:
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """What core.ckpt.read_metadata gives of a one-file checkpoint (recipe, config, global_batch, world_size,
-    trackers, progress: strings), from checkpoint.json alone; one RecipeError line when it isn't a good one."""
+    """What core.ckpt.read_metadata gives of a one-file checkpoint, from checkpoint.json alone.
+
+    Recipe, config, global_batch, world_size, trackers, progress: strings. One RecipeError line when it isn't a
+    good one."""
     info = read_info(Path(path))
     return {**info["metadata"], "world_size": str(info["world_size"]), "progress": json.dumps(info["progress"])}
 
@@ -115,8 +100,9 @@ def list_sharded(ckpt_dir: str | os.PathLike) -> list[Path]:
 
 
 def _file_problems(path: Path, info: dict, names: list[str], *, values: bool) -> list[str]:
-    """What is wrong with these shard files of the checkpoint: missing, unreadable, and (values=True) a tensor that
-    does not match its checksum or holds NaN or inf. Each problem names the file."""
+    """What is wrong with these shard files of the checkpoint, each problem naming the file.
+
+    Missing, unreadable, and (values=True) a tensor that does not match its checksum or holds NaN or inf."""
     problems = []
     for name in names:
         try:
@@ -146,8 +132,9 @@ def _extra_files(path: Path, info: dict) -> list[str]:
 
 
 def newest_good(run_dir: Path) -> Path | None:
-    """The newest checkpoint of RUN/ckpt whose checkpoint.json and every shard read back whole and undamaged (rank 0
-    reads them all); a newer one is passed over in a warning line that names what is wrong."""
+    """The newest checkpoint of RUN/ckpt whose checkpoint.json and every shard read back whole and undamaged.
+
+    Rank 0 reads them all; a newer one is passed over in a warning line that names what is wrong."""
     for path in reversed(list_sharded(Path(run_dir) / "ckpt")):
         info = read_info(path)
         problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=True)
@@ -159,8 +146,10 @@ def newest_good(run_dir: Path) -> Path | None:
 
 
 def check_shapes(path: str | os.PathLike, model: nn.Module) -> None:
-    """The pre-check: one RecipeError line when the checkpoint holds another model than `model` (the plain one, a
-    meta-device one will do) or a shard file is missing or unreadable (named). The values are checked at load."""
+    """The pre-check: one RecipeError line when the checkpoint holds another model or lacks a shard file.
+
+    `model`: the plain one (a meta-device one will do). A missing or unreadable shard file is named. The values
+    are checked at load."""
     path = Path(path)
     info = read_info(path)
     problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=False)
@@ -209,8 +198,10 @@ def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dic
 
 
 def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors with each storage once: a tied weight (lm_head and the embedding) under its first name only, as
-    safetensors refuses shared memory; loading into that one fills the other names, which share its storage."""
+    """The tensors with each storage once: a tied weight under its first name only.
+
+    A tied weight: lm_head and the embedding. safetensors refuses shared memory; loading into that one fills the
+    other names, which share its storage."""
     out, seen = {}, set()
     for key, value in tensors.items():
         local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
@@ -223,14 +214,15 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    """This rank's generators, under its rank."""
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {f"rng/{rank}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
+    return {f"rng/{dist.get_rank()}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
 
 
 def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
     """{file: {key: checksum}} of this rank's own safetensors file(s) in `folder`, read back from disk."""
-    name = re.compile(rf"shard-{_rank() + 1:05d}-model-\d+-of-\d+\.safetensors")
+    name = re.compile(rf"shard-{dist.get_rank() + 1:05d}-model-\d+-of-\d+\.safetensors")
     out = {}
     for path in sorted(p for p in folder.iterdir() if name.fullmatch(p.name)):
         with safe_open(str(path), framework="pt") as f:
@@ -239,10 +231,8 @@ def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
 
 
 def _write_json(path: Path, info: dict) -> None:
-    with open(path, "w") as f:
-        json.dump({**info, "self_checksum": digest(info)}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    text = json.dumps({**info, "self_checksum": digest(info)}, indent=1, sort_keys=True)
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -271,19 +261,19 @@ def save_sharded(
 
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / f"step-{progress['step']:06d}", ckpt_dir / f".step-{progress['step']:06d}.tmp"
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         for stale in ckpt_dir.glob(".step-*.tmp"):  # left by a killed save: saves never overlap
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
-    _barrier()
+    dist.barrier()
     tensors, groups, scalars = _train_tensors(model, optimizer)
-    tensors |= _rng_tensors(_rank())  # each rank its own generator: bitwise resume
+    tensors |= _rng_tensors()  # each rank its own generator: bitwise resume
     dcp.save(_untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     everyone, shapes = all_gather_object((_file_checksums(tmp), scalars)), _shapes(tensors)  # every file is closed
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         info = {
             "format": FORMAT,
-            "world_size": _world(),
+            "world_size": dist.get_world_size(),
             "torch": torch.__version__,
             "progress": progress,
             "metadata": dict(metadata or {}),
@@ -301,26 +291,27 @@ def save_sharded(
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
         shutil.rmtree(aside, ignore_errors=True)
-        for old in list_sharded(ckpt_dir)[:-keep] if keep > 0 else []:  # only once the new one is in place
+        for old in list_sharded(ckpt_dir)[:-keep]:  # only once the new one is in place
             shutil.rmtree(old)
-    _barrier()
+    dist.barrier()
     return final
 
 
 def _verify_files(path: Path, info: dict) -> None:
     """Every rank checks a share of the files (present, checksums, finite values); all ranks fail together."""
-    names = sorted(info["checksums"])
-    problems = (_extra_files(path, info) if _rank() == 0 else []) + _file_problems(
-        path, info, names[_rank() :: _world()], values=True
-    )
+    rank, names = dist.get_rank(), sorted(info["checksums"])
+    problems = _file_problems(path, info, names[rank :: dist.get_world_size()], values=True)
+    if rank == 0:
+        problems += _extra_files(path, info)
     problems = sorted(p for mine in all_gather_object(problems) for p in mine)
     if problems:
         raise RecipeError(_damage(path, problems))
 
 
 def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) -> dict:
-    """The optimizer state dict for set_state_dict: loaded tensors, saved scalars and hyper-parameters
-    over this rank's own param groups (their "params" differ between pipeline stages)."""
+    """The optimizer state dict for set_state_dict over this rank's own param groups.
+
+    Loaded tensors, saved scalars and hyper-parameters; the groups' "params" differ between pipeline stages."""
     if len(groups) != len(info["param_groups"]):
         raise RecipeError(
             f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
@@ -350,8 +341,9 @@ def load_sharded(
     scheduler=None,
     scaler=None,
 ) -> dict:
-    """Restore the train state saved by save_sharded on every rank, resharding where the world size
-    changed (DTensor models), and return the progress dict. A collective."""
+    """Restore the train state saved by save_sharded on every rank, and return the progress dict.
+
+    It reshards where the world size changed (DTensor models). A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict  # here: only sharded recipes load DCP
 
@@ -361,7 +353,7 @@ def load_sharded(
     check_model_matches(path, info["shapes"], _shapes(tensors), fix="resume with the --model it was trained with")
     _verify_files(path, info)
     saved = {key for sums in info["checksums"].values() for key in sums}
-    rng = {k: v for k, v in _rng_tensors(_rank()).items() if k in saved}  # none for a rank the saving job lacked
+    rng = {k: v for k, v in _rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
     optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
     dcp.load(_untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
@@ -381,8 +373,10 @@ def load_sharded(
 def save_checkpoint(
     run: RunFolder, *, model, optimizer, progress: dict, keep: int, scheduler=None, scaler=None
 ) -> Path:
-    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard (a collective), with the run's metadata
-    as core.ckpt's header has it. `model`: the sharded model, or a list of this rank's pipeline stages."""
+    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard (a collective).
+
+    With the run's metadata as core.ckpt's header has it. `model`: the sharded model, or a list of this rank's
+    pipeline stages."""
     metadata = {
         "recipe": run.recipe,
         "config": json.dumps(run.config),
@@ -394,8 +388,9 @@ def save_checkpoint(
 
 
 def load_checkpoint(run: RunFolder, *, model, optimizer, scheduler=None, scaler=None) -> dict:
-    """The train state of the checkpoint the run continues from, every rank its own part (resharded to this job's
-    mesh), its generators too; returns the progress (START for a new run). A collective."""
+    """The train state of the checkpoint the run continues from, every rank its own part; returns the progress.
+
+    Resharded to this job's mesh, its generators too; START for a new run. A collective."""
     if run.resume_from is None:
         return dict(START)
     found = load_sharded(run.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)

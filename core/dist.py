@@ -128,12 +128,11 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def broadcast_object(obj, *, src: int = 0):
-    """Rank `src`'s Python object on every rank (for decisions only rank 0 can make)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
+def broadcast_object(obj):
+    """Rank 0's Python object on every rank (for decisions only rank 0 can make)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 

@@ -68,8 +68,9 @@ def _model_loss_traits(model: nn.Module) -> tuple[bool, bool]:
 
 
 def _own_loss_used(loss_fn: ExactLoss, batch) -> bool:
-    """Whether this batch's loss is the model's own (it is then called with the targets): a dict with labels, or
-    a model whose forward takes the targets."""
+    """Whether this batch's loss is the model's own (it is then called with the targets).
+
+    That is: a dict with labels, or a model whose forward takes the targets."""
     if loss_fn.loss.spec == "model":
         return True
     labeled = batch.get("labels") is not None if isinstance(batch, Mapping) else loss_fn.loss.targets_as is not None
@@ -77,8 +78,9 @@ def _own_loss_used(loss_fn: ExactLoss, batch) -> bool:
 
 
 def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
-    """Counted targets of a batch as its loss counts them (!= -100, after a causal LM's shift), or its samples where
-    it has no integer targets (float64, on the batch's device)."""
+    """Counted targets of a batch as its loss counts them, or its samples where it has no integer targets.
+
+    Counted: != -100, after a causal LM's shift. A float64 tensor on the batch's device."""
     targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
     tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
     if targets is None or targets.is_floating_point():
@@ -87,16 +89,12 @@ def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
     return (targets[..., 1:] if shift else targets).ne(IGNORE).sum().double()
 
 
-def local_count(micro_batches: list, loss_fn: ExactLoss) -> torch.Tensor:
-    """Counted targets of this rank's micro-batches."""
-    return torch.stack([count_targets(b, loss_fn) for b in micro_batches]).sum()
-
-
 def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:
-    """Counted targets of the global batch: this rank's micro-batches, summed over `group` (None: every rank,
-    when there is a process group): one all-reduce."""
-    total = local_count(micro_batches, loss_fn)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+    """Counted targets of the global batch: this rank's micro-batches, summed over `group` (one all-reduce).
+
+    `group` None: this rank's alone (its gradients are averaged with no other's)."""
+    total = torch.stack([count_targets(b, loss_fn) for b in micro_batches]).sum()
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total
 
@@ -104,12 +102,11 @@ def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torc
 def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) -> tuple[torch.Tensor, dict]:
     """One micro-batch: (its summed loss / normalizer, to backward; its metric sums, counted as the loss counts).
     normalizer = global_count(...) / W, W the data-parallel ranks whose gradients are averaged (1 alone)."""
-    own = _own_loss_used(loss_fn, batch)
-    norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count_targets(batch, loss_fn).device)
+    own, count = _own_loss_used(loss_fn, batch), count_targets(batch, loss_fn)
+    norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count.device)
     takes = own and loss_fn.takes_count
     extra = {"num_items_in_batch": norm} if takes else {}
     mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts and own, **extra)
-    count = count_targets(batch, loss_fn)
     if takes:  # the model divided its sum by `norm` itself
         total = mean * norm
     else:  # a mean over the counted targets; 0/0 = nan when none counts

@@ -1,7 +1,7 @@
 """The factory contract: `--model`, `--data` and `--loss` name a built-in or a user's `module:function`.
 
-    call_factory("mlp", MODELS, option="--model")                 # the built-in, called with no arguments
-    call_factory("mypkg.models:build", MODELS, option="--model")  # imported, then called with no arguments
+    resolve_factory("mlp", MODELS, option="--model")()                 # the built-in, called with no arguments
+    resolve_factory("mypkg.models:build", MODELS, option="--model")()  # imported, then called with no arguments
 
 The package's pre-check (tools/precheck.py) calls each factory once before any process starts and says in one
 line what is wrong with it (arguments it needs, what it raised or returned).
@@ -34,8 +34,3 @@ def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: s
     if not callable(getattr(module, name, None)):
         raise RecipeError(f"{option} {spec}: module {module_name!r} has no function {name!r}")
     return getattr(module, name)
-
-
-def call_factory(spec: str, builtins: dict[str, Callable | str], *, option: str):
-    """What the factory `spec` names returns, called with no arguments."""
-    return resolve_factory(spec, builtins, option=option)()

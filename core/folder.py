@@ -47,10 +47,11 @@ class RunFolder:
 def open_run(
     cfg, topo: Topology, *, recipe: str, global_batch: int, newest, header, dp: int | None = None
 ) -> RunFolder:
-    """Rank 0 picks the folder (a new out/NAME-N, or the resumed checkpoint's), checks that the checkpoint can
-    continue in this job, takes the folder's lock and writes config.json; every rank gets the same folder.
-    `newest(run_dir)`: the newest good checkpoint there; `header(path)`: a checkpoint's metadata; `dp`: the
-    data-parallel ranks (default: all)."""
+    """Rank 0 picks the run folder, checks the checkpoint it resumes, locks it; every rank gets the same folder.
+
+    The folder is a new out/NAME-N, or the resumed checkpoint's; rank 0 checks that the checkpoint can continue in
+    this job, takes the folder's lock and writes config.json. `newest(run_dir)`: the newest good checkpoint there;
+    `header(path)`: a checkpoint's metadata; `dp`: the data-parallel ranks (default: all)."""
     config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
     choice, lock = None, None
     if topo.is_rank0:
@@ -92,9 +93,11 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> tuple[dict, o
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
-    """Whether a checkpoint (its header `meta`) continues in this job: a recipe whose state means the same, fp16's
-    loss scaler on both sides or neither, the same global batch (`dp`: this job's data-parallel ranks), and the same
-    options that shape training. One RecipeError line naming both sides and the fix."""
+    """Whether a checkpoint (its header `meta`) continues in this job: one RecipeError line when not.
+
+    It must come from a recipe whose state means the same, have fp16's loss scaler on both sides or neither, the
+    same global batch (`dp`: this job's data-parallel ranks), and the same options that shape training. The line
+    names both sides and the fix."""
     saved, recipe = json.loads(meta.get("config", "{}")), config["recipe"]
     saved_recipe = meta.get("recipe") or saved.get("recipe")
     if saved_recipe and saved_recipe != recipe and {saved_recipe, recipe} & set(SHARDED):
@@ -104,18 +107,17 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
         )
     fp16, precision = json.loads(meta.get("scaler", "null")) is not None, config.get("precision", "fp32")
     if fp16 != (precision == "fp16"):  # the loss scaler's state exists on one side only
+        was = "fp16" if fp16 else saved.get("precision", "fp32")
         raise RecipeError(
-            f"{path}: a checkpoint trained in {'fp16' if fp16 else saved.get('precision', 'fp32')} and this run asks "
-            f"for --precision {precision}: fp16's loss-scaler state does not carry across; resume with --precision "
-            f"{'fp16' if fp16 else saved.get('precision', 'fp32')}, or start a new run"
+            f"{path}: a checkpoint trained in {was} and this run asks for --precision {precision}: fp16's loss-scaler "
+            f"state does not carry across; resume with --precision {was}, or start a new run"
         )
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:
         batch, accum = config["batch_size"], config.get("accum", 1)
         if saved_batch % (dp * accum) == 0:
-            fix = f"use --batch-size {saved_batch // (dp * accum)} at {dp} rank(s)" + f" and --accum {accum}" * (
-                accum > 1
-            )
+            same_accum = f" and --accum {accum}" if accum > 1 else ""
+            fix = f"use --batch-size {saved_batch // (dp * accum)} at {dp} rank(s){same_accum}"
         elif saved_batch % (dp * batch) == 0:
             fix = f"use --accum {saved_batch // (dp * batch)} with --batch-size {batch}"
         else:
@@ -136,9 +138,7 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
 def run_dirs(out: str | os.PathLike, prefix: str) -> list[Path]:
     """The folders `out/prefix-N`, oldest (lowest N) first."""
     named = re.compile(re.escape(prefix) + r"-(\d+)")
-    found = (
-        [(int(m[1]), p) for p in Path(out).iterdir() if (m := named.fullmatch(p.name))] if Path(out).is_dir() else []
-    )
+    found = [(int(m[1]), p) for p in Path(out).glob("*") if (m := named.fullmatch(p.name))]  # none if no folder
     return [p for _, p in sorted(found)]
 
 
@@ -155,8 +155,9 @@ def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
 
 
 def take_lock(run_dir: Path):
-    """Hold `run_dir` for this job: an exclusive flock on run_dir/.lock, which the kernel releases when the
-    process ends (however it ends). A folder another job holds is one RecipeError line."""
+    """Hold `run_dir` for this job: an exclusive flock on run_dir/.lock, released when the process ends.
+
+    The kernel releases it however the process ends. A folder another job holds is one RecipeError line."""
     handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 - held open for the process's life
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -178,8 +179,10 @@ def say(run: RunFolder, message: str) -> None:
 
 
 def write_record(run: RunFolder, record: dict) -> None:
-    """Rank 0 appends one JSON line to metrics.jsonl in one write() (a crash never leaves half a record; a number
-    that is not finite is written as null, as strict JSON readers need), and hands it to the run's sinks."""
+    """Rank 0 appends one JSON line to metrics.jsonl in one write(), and hands it to the run's sinks.
+
+    One write: a crash never leaves half a record. A number that is not finite is written as null, as strict JSON
+    readers need."""
     if not run.writer:
         return
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}

@@ -21,19 +21,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 VOCAB = 128  # 7-bit ASCII: the model's shape never depends on which corpus was read
-CORPUS_FILES = (
-    "textwrap.py",
-    "string.py",
-    "heapq.py",
-    "bisect.py",
-    "fractions.py",
-    "shlex.py",
-    "calendar.py",
-    "difflib.py",
-    "argparse.py",
-    "dataclasses.py",
-    "functools.py",
-)
+CORPUS_MODULES = "textwrap string heapq bisect fractions shlex calendar difflib argparse dataclasses functools".split()
 
 
 def encode(text: str) -> torch.Tensor:
@@ -47,9 +35,9 @@ def decode(tokens: torch.Tensor) -> str:
 
 
 def corpus(*, max_chars: int = 400_000) -> str:
-    """The stdlib files in CORPUS_FILES that this Python has, joined (the same text every call)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    parts = [(stdlib / name).read_text(encoding="utf-8") for name in CORPUS_FILES if (stdlib / name).is_file()]
+    """The source files of the stdlib's CORPUS_MODULES that this Python has, joined (the same text every call)."""
+    files = [Path(sysconfig.get_paths()["stdlib"]) / f"{name}.py" for name in CORPUS_MODULES]
+    parts = [file.read_text(encoding="utf-8") for file in files if file.is_file()]
     if not parts:  # a Python shipped without sources: fall back to torch's own Python files
         parts = [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]
     return "\n".join(parts)[:max_chars]

@@ -10,8 +10,9 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 
 def _dtensor() -> type | tuple:
-    """DTensor's class once torch.distributed.tensor is loaded (whoever made a DTensor loaded it), else no class:
-    a ddp job never imports the DTensor machinery (a second of start-up)."""
+    """DTensor's class once torch.distributed.tensor is loaded, else no class.
+
+    Whoever made a DTensor loaded it: a ddp job never imports the DTensor machinery (a second of start-up)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module.DTensor if module is not None else ()
 
@@ -44,9 +45,11 @@ def total_norm(grads: list[torch.Tensor], *, norm_type: float = 2.0) -> torch.Te
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float, *, norm_type: float = 2.0, group=None) -> torch.Tensor:
-    """Clip the gradients' total norm to max_norm, for any layout: replicated (DDP), DTensor (fully_shard, TP), the
-    two mixed (TP), and disjoint plain tensors split over `group` (pipeline stages). Returns the total norm; scales
-    the gradients by one factor on every rank when max_norm > 0 and the norm exceeds it."""
+    """Clip the gradients' total norm to max_norm, for any layout; returns the total norm.
+
+    Layouts: replicated (DDP), DTensor (fully_shard, TP), the two mixed (TP), and disjoint plain tensors split over
+    `group` (pipeline stages). Scales the gradients by one factor on every rank when max_norm > 0 and the norm
+    exceeds it."""
     parameters = [p for p in parameters if p.grad is not None]
     norm = total_norm([p.grad for p in parameters], norm_type=norm_type)
     if group is not None and torch.distributed.get_world_size(group) > 1:

@@ -52,9 +52,11 @@ def hf_model(model: nn.Module, *, attr: str = "") -> nn.Module | None:
 def write_hf_folder(
     run: RunFolder, model: nn.Module, state: dict[str, torch.Tensor], *, attr: str = "", max_shard_mb: float = 5000.0
 ) -> Path | None:
-    """Rank 0: RUN/hf/ that AutoModel*.from_pretrained loads, from the plain model's full state dict, when the model is
-    (or holds at `attr`) a transformers model; shards of at most max_shard_mb (10**6 bytes) with an index above that.
-    transformers' own save_pretrained writes it: config.json, generation_config.json, safetensors; tied weights once."""
+    """Rank 0: RUN/hf/, which AutoModel*.from_pretrained loads, when the model is a transformers model.
+
+    The model is one, or holds one at `attr`; the folder is written from the plain model's full state dict, in
+    shards of at most max_shard_mb (10**6 bytes) with an index above that. transformers' own save_pretrained
+    writes it: config.json, generation_config.json, safetensors; tied weights once."""
     hf = hf_model(model, attr=attr)
     if hf is None or not run.writer:
         return None

@@ -36,9 +36,11 @@ class Loss:
 
 
 def make_loss(spec: str, *, model: nn.Module) -> Loss:
-    """`--loss` for `model` (the plain one, not its wrapper): auto (the model's own loss when its forward takes the
-    targets, else cross-entropy, or mse for float targets), ce, mse, model, or `module:function(outputs, batch)`
-    returning the batch's mean loss. A choice that cannot work is one RecipeError line."""
+    """`--loss` for `model` (the plain one, not its wrapper).
+
+    auto (the model's own loss when its forward takes the targets, else cross-entropy, or mse for float targets),
+    ce, mse, model, or `module:function(outputs, batch)` returning the batch's mean loss. A choice that cannot work
+    is one RecipeError line."""
     if spec not in LOSSES:
         return Loss(spec, resolve_factory(spec, dict.fromkeys(LOSSES), option="--loss"))
     params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
@@ -70,8 +72,10 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 
 
 def call_model(model: nn.Module, batch, loss: Loss, **extra):
-    """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple, with the targets where the
-    model takes them for its own loss. `extra`: more keyword arguments for the model (num_items_in_batch)."""
+    """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple.
+
+    A tuple's targets are passed where the model takes them for its own loss. `extra`: more keyword arguments for
+    the model (num_items_in_batch)."""
     if isinstance(batch, Mapping):
         return model(**batch, **extra), batch.get("labels")
     *inputs, targets = batch
@@ -107,25 +111,18 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
     else:
         mean = nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
     known = shift is not None or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)
-    samples = len(next(iter(_tensors(batch))))
+    samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))
 
 
-def _tensors(batch):
-    return (t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor))
-
-
 def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool = False) -> dict[str, torch.Tensor]:
-    """Sums (not means) that add up over micro-batches and ranks: loss_sum, count (counted targets, or samples
-    where there are none or they are floats), samples, and correct where the logits are class scores for the targets
-    (after the causal-LM shift when `shift`)."""
-    device = mean.device
-    if targets is None or targets.is_floating_point():
-        count = torch.tensor(float(samples), dtype=torch.float64, device=device)
-    else:
-        count = targets.ne(IGNORE).sum().double()
-    sums = {"loss_sum": mean.detach().double() * count, "count": count}
-    sums["samples"] = torch.tensor(float(samples), dtype=torch.float64, device=device)
+    """Sums (not means) that add up over micro-batches and ranks: loss_sum, count, samples, correct.
+
+    count: counted targets, or samples where there are none or they are floats; correct where the logits are class
+    scores for the targets (after the causal-LM shift when `shift`)."""
+    n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)
+    count = n if targets is None or targets.is_floating_point() else targets.ne(IGNORE).sum().double()
+    sums = {"loss_sum": mean.detach().double() * count, "count": count, "samples": n}
     if logits is not None and targets is not None and not targets.is_floating_point():
         logits, targets = (logits[..., :-1, :], targets[..., 1:]) if shift else (logits, targets)
         if logits.shape[:-1] == targets.shape:

@@ -109,17 +109,17 @@ def log_train(run: RunFolder, meter: Meter, *, step: int, total: int, epoch: int
     say(run, " ".join([f"step {step}/{total} epoch {epoch}", *parts]))
 
 
-def log_eval(run: RunFolder, evaluation: dict, *, step: int, epoch: int) -> dict:
+def log_eval(run: RunFolder, evaluation: dict, *, step: int, epoch: int) -> None:
     """After each epoch's evaluation: an `eval` record and a line."""
     write_record(run, {"kind": "eval", "step": step, "epoch": epoch, **evaluation})
     say(run, f"epoch {epoch} " + " ".join(f"{k} {v:.4f}" for k, v in evaluation.items()))
-    return evaluation
 
 
 def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, skipped: int, weights, **extra) -> dict:
-    """The closing `summary` record and line (every rank returns the same numbers): the last evaluation, the last
-    train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes), where the weights are, and the
-    throughput of the training clock."""
+    """The closing `summary` record and line; every rank returns the same numbers.
+
+    The last evaluation, the last train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes),
+    where the weights are, and the throughput of the training clock."""
     config, elapsed = run.config, time.perf_counter() - meter.started if meter.started else 0.0
     summary = {
         **evaluation,

@@ -49,12 +49,13 @@ def peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
 
 
 def flops_per_sample(build: Callable[[], torch.nn.Module], sample) -> float | None:
-    """Forward + backward FLOPs of one sample, counted by torch on a copy of the model built on the meta device
-    (no memory, no compute, no state touched); None if the model can't run there. `sample`: one data set item
-    without a batch dim: an input tensor, an (input, ..., target) tuple (the model gets all but the target), or a
-    dict of tensors (labels and attention_mask left out: the loss's FLOPs are negligible, a mask changes none).
-    A sequence model's count covers the sample's whole length, so FLOPs per sequence x sequences/s = FLOPs per
-    token x tokens/s."""
+    """Forward + backward FLOPs of one sample; None if the model can't run on the meta device.
+
+    Counted by torch on a copy of the model built on the meta device (no memory, no compute, no state touched).
+    `sample`: one data set item without a batch dim: an input tensor, an (input, ..., target) tuple (the model gets
+    all but the target), or a dict of tensors (labels and attention_mask left out: the loss's FLOPs are
+    negligible, a mask changes none). A sequence model's count covers the sample's whole length, so FLOPs per
+    sequence x sequences/s = FLOPs per token x tokens/s."""
     meta = lambda value: torch.as_tensor(value).to("meta").unsqueeze(0)  # noqa: E731  one sample, a batch of one
     try:
         with torch.device("meta"):

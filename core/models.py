@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from core.config import RecipeError
-from core.factory import call_factory
+from core.factory import resolve_factory
 
 
 class MLP(nn.Module):
@@ -57,7 +57,7 @@ MODELS = {"mlp": "core.models:mlp", "cnn": "core.models:cnn", "gpt": "core.gpt:g
 
 def build_model(spec: str) -> nn.Module:
     """`--model`: a built-in name or a user's `module:function`; either way a factory called with no arguments."""
-    model = call_factory(spec, MODELS, option="--model")
+    model = resolve_factory(spec, MODELS, option="--model")()  # called with no arguments
     if not isinstance(model, nn.Module):
         raise RecipeError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module")
     return model

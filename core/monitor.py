@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -65,8 +66,9 @@ class StepClock:
         self.previous_end, self.current = None, {}
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
-        """Hooks on the module the loop calls and its optimizer: forward start, the last gradient ready, optimizer
-        start and end. Returns their handles."""
+        """Hooks on the module the loop calls and its optimizer; returns their handles.
+
+        They mark forward start, the last gradient ready, optimizer start and end."""
         handles = [
             model.register_forward_pre_hook(lambda *_: self.mark("start")),
             optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer")),
@@ -104,9 +106,10 @@ def breakdown(
     flops_per_sample: float | None = None,
     peak_flops: float | None = None,
 ) -> dict[str, float]:
-    """A train record's timing fields from this rank's `timings` (StepClock.take) and every other rank's: each
-    phase's ms per step averaged over ranks, step_ms_max, peak_mem_mb, and mfu when both FLOP numbers are given.
-    A collective: every rank calls it at the same step."""
+    """A train record's timing fields, from this rank's `timings` (StepClock.take) and every other rank's.
+
+    Each phase's ms per step averaged over ranks, step_ms_max, peak_mem_mb, and mfu when both FLOP numbers are
+    given. A collective: every rank calls it at the same step."""
     mine = {"steps": timings["steps"], "ms": [timings[p] for p in PHASES], "mem": peak_memory_mb(device)}
     ranks = all_gather_object(mine)
     per_step = torch.tensor([r["ms"] for r in ranks], dtype=torch.float64) / torch.tensor(
@@ -123,8 +126,9 @@ def breakdown(
 
 @contextmanager
 def paused(timer: StepClock, watch: Watchdog):
-    """Evaluation or a checkpoint: not a step, for neither the step clock nor the watchdog's median (the watchdog
-    still reports a pause that reaches its cap, near the collective timeout)."""
+    """Evaluation or a checkpoint: not a step, for neither the step clock nor the watchdog's median.
+
+    The watchdog still reports a pause that reaches its cap, near the collective timeout."""
     watch.hold()
     try:
         yield
@@ -133,11 +137,13 @@ def paused(timer: StepClock, watch: Watchdog):
         watch.beat(watch.step, timed=False)
 
 
-def profiler(run_dir: Path, topo: Topology, *, enabled: bool, skip: int = 5, active: int = 3):
-    """torch.profiler over `active` steps after `skip`, a Chrome trace per rank in run_dir/profile/: `start()`,
-    `step()` after every step, `stop()`. Disabled: a stand-in whose start, step and stop do nothing."""
+def profiler(run_dir: Path, topo: Topology, *, enabled: bool):
+    """torch.profiler over 3 steps after the first 5, a Chrome trace per rank in run_dir/profile/.
+
+    Call `start()`, `step()` after every step, `stop()`. Disabled: a stand-in whose start, step and stop do
+    nothing."""
     if not enabled:
-        return _NoProfiler()
+        return SimpleNamespace(start=lambda: None, step=lambda: None, stop=lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if topo.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -146,17 +152,6 @@ def profiler(run_dir: Path, topo: Topology, *, enabled: bool, skip: int = 5, act
     return torch.profiler.profile(
         activities=activities,
         record_shapes=True,
-        schedule=torch.profiler.schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1),
+        schedule=torch.profiler.schedule(skip_first=5, wait=0, warmup=1, active=3, repeat=1),
         on_trace_ready=lambda prof: prof.export_chrome_trace(str(folder / f"rank{topo.rank}.json")),
     )
-
-
-class _NoProfiler:
-    def start(self) -> None:
-        pass
-
-    def step(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass

@@ -11,6 +11,7 @@ every forward is a collective. The recipes call torch's fully_shard and parallel
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -53,9 +54,7 @@ class ShardedPrecision(Options):
 def check_mesh(world_size: int, dims: dict[str, int]) -> None:
     """Refuse, before any process group exists, a mesh whose sizes don't multiply to the world size."""
     shape = " x ".join(f"{name}={size}" for name, size in dims.items())
-    total = 1
-    for size in dims.values():
-        total *= size
+    total = math.prod(dims.values())
     if min(dims.values()) < 1 or total != world_size:
         raise RecipeError(
             f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
@@ -72,10 +71,6 @@ def build_mesh(topo, dims: dict[str, int]):
 # --- fully_shard -------------------------------------------------------------------------------------------------
 
 
-def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
-
-
 def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.Module] | None:
     """The model's repeated blocks: (path, container), or None when it has none.
 
@@ -83,7 +78,7 @@ def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.M
     candidates. Without, the ModuleList / Sequential whose children repeat one class (GPT-2's and
     nanoGPT's `transformer.h`, Llama's `model.layers`, `blocks` here) holding the most parameters,
     the outermost on a tie."""
-    containers = _containers(model)
+    containers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
     if name is not None:
         found = dict(containers).get(name)
         if found is None:
@@ -115,8 +110,10 @@ def shard_units(model: nn.Module, *, blocks: str = "") -> list[nn.Module]:
 
 
 def fsdp_policy(precision: str, *, offload: bool = False) -> dict:
-    """fully_shard's keyword arguments: bf16 computes in bf16 and reduces gradients in fp32; offload keeps the
-    shards and the optimizer step in CPU memory."""
+    """fully_shard's keyword arguments for the precision and the offload.
+
+    bf16 computes in bf16 and reduces gradients in fp32; offload keeps the shards and the optimizer step in CPU
+    memory."""
     dtype = torch.bfloat16 if precision == "bf16" else None
     return {
         "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
@@ -136,8 +133,10 @@ def apply_fsdp(
 
 @contextmanager
 def fsdp_sync(model: nn.Module, *, enabled: bool):
-    """core.amp.grad_sync's shape for fully_shard: with enabled=False the backward inside keeps unsharded
-    gradients and adds to them, the reduce-scatter waits for the micro-batch run with enabled=True.
+    """core.amp.grad_sync's shape for fully_shard.
+
+    With enabled=False the backward inside keeps unsharded gradients and adds to them, the reduce-scatter waits for
+    the micro-batch run with enabled=True.
 
         amp.step_amp(model, micro_batches, ..., sync=parallel.fsdp_sync)"""
     model.set_requires_gradient_sync(enabled)
@@ -189,8 +188,9 @@ def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> N
 
 
 def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
-    """The Megatron plan for the GPT layout: q, k, v and mlp.fc split by output column, attn.proj and mlp.proj by
-    input row, so each block needs one all-reduce forward and one backward per sub-layer.
+    """The Megatron plan for the GPT layout: q, k, v, mlp.fc split by column, attn.proj, mlp.proj by row.
+
+    So each block needs one all-reduce forward and one backward per sub-layer.
 
     sequence_parallel: the residual stream between sub-layers stays split along the sequence
     (LayerNorms run on a shard), the all-reduce becomes a reduce-scatter plus an all-gather."""
@@ -225,8 +225,9 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.M
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's state dict gathered whole from its DTensor shards, on rank 0 in CPU memory ({} on the
-    others). A collective: every rank calls it."""
+    """The plain model's state dict gathered whole from its DTensor shards, on rank 0 in CPU memory.
+
+    {} on the others. A collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -234,9 +235,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device, forward) -> dict[str, float]:
-    """core.steps.evaluate for a model whose every forward is a collective (fully_shard, tensor parallel): every
-    rank runs as many forwards, a rank whose share ran out repeating its last batch uncounted (core.stream.in_step),
-    so unequal shares end without a hang and each sample counts once. `forward`: core.exact_loss.forward_sums."""
+    """core.steps.evaluate for a model whose every forward is a collective (fully_shard, tensor parallel).
+
+    Every rank runs as many forwards, a rank whose share ran out repeating its last batch uncounted
+    (core.stream.in_step), so unequal shares end without a hang and each sample counts once. `forward`:
+    core.exact_loss.forward_sums."""
     if loader is None:
         return {}
     was_training, tally = model.training, Tally(device)

@@ -68,13 +68,13 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def block_times(blocks: Sequence[nn.Module], sample: torch.Tensor, *, repeats: int = 3) -> list[float]:
+def block_times(blocks: Sequence[nn.Module], sample: torch.Tensor) -> list[float]:
     """Seconds for each block's forward + backward on `sample` (fed through the blocks before it)."""
     times, x = [], sample
     for block in blocks:
         x_in = x.detach().requires_grad_(x.is_floating_point())
         fastest = float("inf")
-        for _ in range(repeats):  # the fastest of a few: the least disturbed by other work
+        for _ in range(3):  # the fastest of three: the least disturbed by other work
             started = time.perf_counter()
             out = block(x_in)
             out.float().sum().backward()
@@ -100,8 +100,10 @@ def block_weights(model: nn.Module, *, balance: str | Sequence[int], sample: tor
 
 
 def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
-    """The number of blocks; a RecipeError, naming the structure pipelining needs, when the model can't be
-    cut into `num_stages` stages. Reads only attributes, so it runs on a meta-device model in the pre-check."""
+    """The number of blocks; a RecipeError naming the structure pipelining needs when the model lacks it.
+
+    That is, when the model can't be cut into `num_stages` stages. Reads only attributes, so it runs on a
+    meta-device model in the pre-check."""
     name = type(model).__name__
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
@@ -168,9 +170,10 @@ def check_pipeline(
             f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model"
         )
     if microbatches < 1 or batch_size % microbatches:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        near = min(divisors, key=lambda d: (abs(d - microbatches), d))
         raise RecipeError(
-            f"--microbatches {microbatches}: must divide --batch-size {batch_size} "
-            f"(e.g. --microbatches {_divisor_near(batch_size, microbatches)})"
+            f"--microbatches {microbatches}: must divide --batch-size {batch_size} (e.g. --microbatches {near})"
         )
     if schedule == "1f1b" and microbatches < pp:
         raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
@@ -180,10 +183,6 @@ def check_pipeline(
             f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
             f"(or fewer than {2 * pp}); use {pp * rounds}"
         )
-
-
-def _divisor_near(n: int, want: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -202,16 +201,14 @@ def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Calla
     return kind(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
 
 
-def gather_state_dict(stages: Sequence[nn.Module], *, dst: int = 0) -> dict[str, torch.Tensor]:
-    """Every stage's tensors, merged on rank `dst` into the whole model's state dict ({} elsewhere).
+def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """Every stage's tensors, merged on rank 0 into the whole model's state dict ({} elsewhere): a collective.
 
     Stage keys are the original model's, so the merge is a dict union (data-parallel replicas
     of a stage send equal tensors; the union keeps one)."""
     mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(mine, parts, dst=dst)
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts else {}
 
 
@@ -223,12 +220,6 @@ def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)  # gloo has no AVG: sum, then divide
                 p.grad /= size
-
-
-def _no_metrics(device: torch.device) -> dict[str, torch.Tensor]:
-    """What a stage without the loss adds to the job's sums: nothing, under the keys core.meter reads."""
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    return {"loss_sum": zero, "count": zero, "samples": zero}
 
 
 def step_pipeline(
@@ -259,17 +250,19 @@ def step_pipeline(
     norm = float(clip_grad_norm(params, clip, group=pp_group))  # the step's one host sync
     if finite := math.isfinite(norm):
         optimizer.step()
-    if not holds_last:
-        return _no_metrics(inputs.device), StepStats(norm, not finite)
+    if not holds_last:  # nothing to add to the job's sums, under the keys core.meter reads
+        zero = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        return {"loss_sum": zero, "count": zero, "samples": zero}, StepStats(norm, not finite)
     mean = torch.stack(losses).mean()  # equal micro-batches: the mean of their means
     return metrics(outputs, targets, mean, samples=len(targets)), StepStats(norm, not finite)
 
 
 @torch.no_grad()
 def evaluate_pipeline(schedule, loader, *, accum: int, holds_last: bool, device: torch.device) -> dict:
-    """Validation loss and accuracy, forward only through the schedule, K = accum batches a run (the schedule's
-    micro-batch count), over the loader's full groups: the schedule needs micro-batches of one size, so a smaller
-    last batch is left out. Sums all-reduced once at the end."""
+    """Validation loss and accuracy, forward only through the schedule, K = accum batches a run.
+
+    K is the schedule's micro-batch count, over the loader's full groups: the schedule needs micro-batches of one
+    size, so a smaller last batch is left out. Sums all-reduced once at the end."""
     if loader is None:
         return {}
     tally = Tally(device)

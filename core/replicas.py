@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from core.checksum import checksum
 from core.dist import all_gather_object
 
 
 def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:
-    """{"replicas_identical": bool}, and when they differ "replicas_differ": which tensors (a collective: every rank
-    calls it). Pass model.state_dict() for DDP, the buffers for fully_shard (its parameters are shards)."""
-    mine = {k: _digest(t) for k, t in tensors.items()}
+    """{"replicas_identical": bool}, and when they differ "replicas_differ": which tensors.
+
+    A collective: every rank calls it. Pass model.state_dict() for DDP, the buffers for fully_shard (its
+    parameters are shards)."""
+    mine = {k: checksum(t) for k, t in tensors.items()}
     everyone = all_gather_object(mine)
     differ = [k for k in mine if any(other.get(k) != mine[k] for other in everyone)]
     if not differ:
@@ -20,7 +21,3 @@ def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:
     shown = ", ".join(differ[:3]) + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "")
     why = "BatchNorm statistics are per rank" if any("running_" in k for k in differ) else "set from each rank's data"
     return {"replicas_identical": False, "replicas_differ": f"{shown}: {why}"}
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()

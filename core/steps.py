@@ -28,8 +28,10 @@ def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, los
 
 
 def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
-    """1 when the step was skipped for a non-finite loss or gradient (--on-nonfinite skip), else 0; with
-    --on-nonfinite stop, one RecipeError line. Every rank reads the same all-reduced norm: all stop together."""
+    """1 when the step was skipped for a non-finite gradient norm (--on-nonfinite skip), else 0.
+
+    With --on-nonfinite stop, one RecipeError line. Every rank reads the same all-reduced norm: all stop
+    together."""
     if math.isfinite(grad_norm):
         return 0
     if on_nonfinite == "stop":
@@ -42,9 +44,10 @@ def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device, forward=forward) -> dict[str, float]:
-    """val_loss (summed over every counted target, divided by their count) and val_acc where one exists, over the
-    whole validation set, each rank's share counted once: sums on each rank, one all-reduce at the end.
-    `forward`: how a batch's metric sums are taken (core.exact_loss.forward_sums counts as training does)."""
+    """val_loss and val_acc where one exists, over the whole validation set, each rank's share counted once.
+
+    val_loss: summed over every counted target, divided by their count. Sums on each rank, one all-reduce at the
+    end. `forward`: how a batch's metric sums are taken (core.exact_loss.forward_sums counts as training does)."""
     if loader is None:
         return {}
     was_training, tally = model.training, Tally(device)

@@ -105,8 +105,10 @@ def _split_dim(style: ParallelStyle, module: nn.Module) -> int:
 
 
 def _head_dim(style: ParallelStyle, module: nn.Module, parent: nn.Module) -> int | None:
-    """The attention's head_dim when the split must keep whole heads: a Linear in an attention (a module with an
-    int head_dim) whose sharded side is each rank's local slice (a colwise output, a rowwise input)."""
+    """The attention's head_dim when the split must keep whole heads, else None.
+
+    That is a Linear in an attention (a module with an int head_dim) whose sharded side is each rank's local slice
+    (a colwise output, a rowwise input)."""
     head_dim = getattr(parent, "head_dim", None)
     if not isinstance(style, ColwiseParallel | RowwiseParallel):  # the GPT's sequence-parallel styles split no heads
         return None
@@ -193,31 +195,29 @@ def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -
                 setattr(modules[name], attr, count // tp)
 
 
-def _retie(model: nn.Module, tied: dict[int, list[tuple[nn.Module, str]]]) -> None:
-    """Point every owner of a once-shared weight at one sharded parameter again: parallelize_module distributes
-    each module's weight on its own, which would leave a tied lm_head and embedding two separate parameters."""
-    for owners in tied.values():
-        first, name = owners[0]
-        for module, other in owners[1:]:
-            setattr(module, other, getattr(first, name))
-
-
 @contextmanager
 def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
-    """Around parallelize_module(model, mesh, plan): weights the model shares (a tied lm_head and embedding) stay
-    one parameter, and an attention that stores its head count sees its rank's share of the heads."""
+    """Around parallelize_module(model, mesh, plan): tied weights stay tied, head counts become local.
+
+    Weights the model shares (a tied lm_head and embedding) stay one parameter, and an attention that stores its
+    head count sees its rank's share of the heads."""
     tied: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             tied.setdefault(id(param), []).append((module, name))
     yield
-    _retie(model, {key: owners for key, owners in tied.items() if len(owners) > 1})
+    # parallelize_module distributed each module's weight on its own: point every owner of a once-shared weight
+    # at the first owner's sharded parameter again
+    for (first, name), *others in tied.values():
+        for module, other in others:
+            setattr(module, other, getattr(first, name))
     _localize_heads(model, plan, tp)
 
 
 def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
-    """Split the model over a 1-D `mesh` in place by its own plan (core.parallel's for the built-in GPT): the
-    recipes' lines, for tests."""
+    """Split the model over a 1-D `mesh` in place by its own plan (core.parallel's for the built-in GPT).
+
+    The recipes' lines, for tests."""
     check_tp_plan(model, tp=mesh.size())
     plan = model_tp_plan(model)
     if plan is None:

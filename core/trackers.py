@@ -19,20 +19,16 @@ import importlib.util
 import json
 import os
 import secrets
-import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.ckpt_io import atomic_write
 from core.config import Options, RecipeError, option
 from core.folder import RunFolder
 
 TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name
 WANDB_FILE = "wandb-run.json"
 NOT_SCALARS = ("kind", "step", "elapsed_s")  # step: the x-axis; elapsed_s restarts with each process
-
-
-def _project_name(name: str) -> bool:
-    return len(name) <= 128 and not set(name) & set("/\\#?%:")
 
 
 @dataclass(frozen=True)
@@ -42,7 +38,7 @@ class Tracking(Options):
     wandb_project: str = option(
         "",
         "W&B project (default: $WANDB_PROJECT, else torch-dist-recipes); WANDB_MODE=offline logs without a network",
-        check=_project_name,
+        check=lambda name: len(name) <= 128 and not set(name) & set("/\\#?%:"),
         fix="use a W&B project name of at most 128 characters, without / \\ # ? % :",
     )
 
@@ -121,9 +117,11 @@ class Trackers:
 
 
 def attach(run: RunFolder, cfg: Tracking, *, step: int, header) -> RunFolder:
-    """`run`, whose records (core.folder.write_record) also go to the trackers --log-to names: on rank 0 only, one
-    W&B run for the job. `step`: the optimizer step training continues after; `header(path)`: a checkpoint's
-    metadata, whose "trackers" entry (state()) continues the W&B run the checkpoint was logged to."""
+    """`run`, whose records also go to the trackers --log-to names (rank 0 only).
+
+    core.folder.write_record hands them on; one W&B run for the job. `step`: the optimizer step training continues
+    after; `header(path)`: a checkpoint's metadata, whose "trackers" entry (state()) continues the W&B run the
+    checkpoint was logged to."""
     kinds = check_trackers(cfg.log_to)
     if not kinds or not run.writer:
         return run
@@ -146,12 +144,10 @@ def open_trackers(
     checkpoint resumed (None: a fresh run, or a checkpoint without one), `step`: the optimizer step training
     continues after (0 for a fresh run), `project`: --wandb-project."""
     tensorboard = _open_tensorboard(run_dir, step=step) if "tensorboard" in kinds else None
+    wandb_run = None
     try:
-        wandb_run = (
-            _open_wandb(run_dir, config=config, resume_state=resume_state, project=project)
-            if "wandb" in kinds
-            else None
-        )
+        if "wandb" in kinds:
+            wandb_run = _open_wandb(run_dir, config=config, resume_state=resume_state, project=project)
     except BaseException:
         if tensorboard is not None:
             tensorboard.close()
@@ -178,11 +174,10 @@ def _open_wandb(run_dir: Path, *, config: dict, resume_state: dict | None, proje
     known = resume_state if resume_state and "wandb_run_id" in resume_state else None
     if known is None and saved.is_file():  # a checkpoint written without the trackers' state: the run folder's id
         known = json.loads(saved.read_text())
-    run_id = known["wandb_run_id"] if known else "".join(secrets.choice(_ID) for _ in range(8))
+    run_id = known["wandb_run_id"] if known else secrets.token_hex(4)  # 8 of [0-9a-f], as W&B's own ids are made of
     project = (known or {}).get("wandb_project") or project or os.environ.get("WANDB_PROJECT", "torch-dist-recipes")
-    tmp = saved.with_name(f".{WANDB_FILE}.tmp-{os.getpid()}")  # the name a stale-temporary sweep knows
-    tmp.write_text(json.dumps({"wandb_run_id": run_id, "wandb_project": project}) + "\n")
-    os.replace(tmp, saved)  # before init: a job that dies in it resumes the same id
+    text = json.dumps({"wandb_run_id": run_id, "wandb_project": project}) + "\n"
+    atomic_write(saved, lambda f: f.write(text.encode()))  # before init: a job that dies in it resumes the same id
     return wandb.init(
         project=project,
         id=run_id,
@@ -191,6 +186,3 @@ def _open_wandb(run_dir: Path, *, config: dict, resume_state: dict | None, proje
         config=config,
         resume="allow" if known else None,  # allow: also a run whose offline fragments were never synced
     )
-
-
-_ID = string.ascii_lowercase + string.digits  # W&B's own run ids: 8 of these

@@ -75,14 +75,13 @@ def prepare_env(*, debug: bool = False, out: str = "runs", watchdog: bool = True
     return {k: os.environ[k] for k in wanted}
 
 
-def collectives(group=None) -> dict:
-    """How many collectives this rank has issued on `group`, and the last one the flight recorder saw."""
+def collectives() -> dict:
+    """How many collectives this rank has issued on the default group, and the last one the flight recorder saw."""
     info = {"issued": -1, "last": None}
     if not dist.is_initialized():
         return info
-    group = group or dist.distributed_c10d._get_default_group()
     try:
-        info["issued"] = group._get_sequence_number_for_group()
+        info["issued"] = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
         trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
         if trace.get("entries"):
             last = trace["entries"][-1]
@@ -95,26 +94,15 @@ def collectives(group=None) -> dict:
 class Watchdog:
     """One thread per rank (see the module docstring), from `start` to `stop`; `beat(step)` after every step."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        topo: Topology,
-        *,
-        factor: float,
-        min_s: float,
-        timeout_s: float,
-        poll_s: float | None = None,
-    ):
+    def __init__(self, run_dir: Path, topo: Topology, *, factor: float, min_s: float, timeout_s: float):
         self.run_dir, self.topo = Path(run_dir), topo
         self.factor, self.min_s, self.cap_s = factor, min_s, 0.9 * timeout_s  # report before the collective fails
-        self.poll_s = poll_s or min(1.0, min_s / 4)
+        self.poll_s = min(1.0, min_s / 4)
         self.durations: deque[float] = deque(maxlen=50)
         self.step, self.last_beat, self.fired_at, self.held = 0, time.perf_counter(), -1, False
-        self.reports: list[dict] = []  # rank 0: what it logged, for tests and callers
         self._stop = threading.Event()
-        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         prefix = f"tdr-watchdog/{self.run_dir.name}/"  # this run's keys: a group may train more than one run
-        self.store = dist.PrefixStore(prefix, store) if store is not None else None
+        self.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
         self._thread = threading.Thread(target=self._watch, name="tdr-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -173,8 +161,7 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
-        if self.store is not None:
-            self.store.set(f"rank{self.topo.rank}", json.dumps(info))
+        self.store.set(f"rank{self.topo.rank}", json.dumps(info))
         if self.topo.is_rank0:
             self._report(info)
 
@@ -182,15 +169,14 @@ class Watchdog:
         """Rank 0: gather the other ranks' summaries (a few polls' grace) and name the ranks behind."""
         keys = [f"rank{r}" for r in range(self.topo.world_size)]
         deadline = time.perf_counter() + 4 * self.poll_s + 2
-        while self.store is not None and not self.store.check(keys) and time.perf_counter() < deadline:
+        while not self.store.check(keys) and time.perf_counter() < deadline:
             self._stop.wait(self.poll_s / 2)
         infos = {0: mine}
         for r in range(1, self.topo.world_size):
-            if self.store is not None and self.store.check([f"rank{r}"]):
+            if self.store.check([f"rank{r}"]):
                 infos[r] = json.loads(self.store.get(f"rank{r}"))
                 self.store.delete_key(f"rank{r}")  # read once: a later stall waits for fresh summaries
         report = behind(infos, world_size=self.topo.world_size)
-        self.reports.append(report)
         print(
             f"warning: watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt",
             file=sys.stderr,

@@ -71,8 +71,10 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def check_model_matches(where, saved: dict[str, tuple], expected: dict[str, tuple], *, fix: str, tied=None) -> None:
-    """One RecipeError line naming the first missing, unexpected and misshapen keys of `saved` against `expected`
-    (name -> shape); a tied name the file leaves out (lm_head.weight) is not missing."""
+    """One RecipeError line naming the first missing, unexpected and misshapen keys of `saved`.
+
+    Both `saved` and `expected` map name -> shape; a tied name the file leaves out (lm_head.weight) is not
+    missing."""
     tied = tied or {}
     misshapen = sorted(k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k]))
     problems = {
@@ -86,12 +88,11 @@ def check_model_matches(where, saved: dict[str, tuple], expected: dict[str, tupl
 
 
 def check_weights(path: str, model: nn.Module) -> None:
-    """One line naming the keys when the weights at `path` do not fit the plain model (their headers only, so the
-    pre-check runs it on a meta-device model before launch)."""
-    expected, shapes = (
-        {key: tuple(t.shape) for key, t in model.state_dict().items()},
-        read_weights(path, shapes_only=True),
-    )
+    """One line naming the keys when the weights at `path` do not fit the plain model.
+
+    It reads their headers only, so the pre-check runs it on a meta-device model before launch."""
+    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    shapes = read_weights(path, shapes_only=True)
     fix = "use weights saved from this --model, or load another layout with from_pretrained in your --model factory"
     check_model_matches(f"--init-from {path}", shapes, expected, fix=fix, tied=tied_names(model))
 

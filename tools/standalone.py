@@ -141,7 +141,11 @@ def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
     text = source[lo:hi]
     for begin, end, new in sorted(edits, reverse=True):
         text = text[: begin - lo] + new.encode() + text[end - lo :]
-    return text.decode().strip("\n") + "\n"
+    return _SECTION_RULE.sub("", text.decode()).strip("\n") + "\n"
+
+
+# A module's own section rule (`# --- fully_shard ----`): in a copy, the `# inlined from` marks divide the file.
+_SECTION_RULE = re.compile(r"^# --- .*-\n(?:[ \t]*\n)*", re.M)
 
 
 def _definable_first(node: ast.stmt) -> bool:
