@@ -135,5 +135,6 @@ def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, s
         "elapsed_s": round(elapsed, 3),
     }
     write_record(run, {"kind": "summary", **summary})
-    say(run, "summary " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    shown = {k: (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}") if isinstance(v, float) else v for k, v in summary.items()}
+    say(run, "summary " + " ".join(f"{k}={v}" for k, v in shown.items()))  # 51690 tokens/s, not 5.169e+04
     return summary
