@@ -179,6 +179,24 @@ def test_debug_sets_the_environment_the_process_group_reads(tmp_path, monkeypatc
     assert watchdog.prepare_env(debug=False, out=str(tmp_path), watchdog=False) == {}
 
 
+@pytest.mark.fast
+def test_the_runner_sets_debugs_environment_before_it_joins_the_group(tmp_path, monkeypatch):
+    """Under the single-node launcher tools/join.py makes the group before main: --debug's environment must be
+    set first, or NCCL never reads it."""
+    from click.testing import CliRunner
+
+    import tools.join
+    from tools.cli import cli
+
+    monkeypatch.setattr(os, "environ", {"RANK": "0", "TDR_PRECHECKED": "1"})  # a worker the launcher checked
+    seen = {}
+    monkeypatch.setattr(tools.join, "join", lambda **_: seen.update(os.environ))
+    monkeypatch.setattr(ddp_monitored, "main", lambda cfg: None)
+    result = CliRunner().invoke(cli, ["run", "ddp_monitored", "--debug", "--model", "tiny:mlp", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert seen["TORCH_DISTRIBUTED_DEBUG"] and seen["TORCH_FR_BUFFER_SIZE"] == "2000"
+
+
 def test_the_command_line_runs_main_with_debug_profile_and_async_checkpoints(tmp_path):
     """One process through `python -m recipes run`: the pre-check, main's environment, init_pg and train."""
     args = ["--model", "tiny:mlp", "--max-steps", "12", "--profile", "--debug", "--ckpt-every", "6", "--ckpt-async"]
