@@ -84,7 +84,10 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
     from torch.distributed.pipelining import PipelineStage
 
     stage = BusyTimer(pipeline.split_pipeline(model, num_stages=2, stage_index=topo.rank)).to(topo.device)
-    sched = pipeline.build_schedule(schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m)
+    loss_fn = pipeline.TokenLoss()
+    sched = pipeline.build_schedule(
+        schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m, loss_fn=loss_fn
+    )
     optimizer = torch.optim.SGD(stage.parameters(), lr=1e-3)
     x = torch.randint(128, (m * micro, 64), device=topo.device)
     busy = wall = 0.0
@@ -92,7 +95,9 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
         stage.busy = 0.0
         torch.distributed.barrier()
         started = time.perf_counter()
-        pipeline.step_pipeline(sched, [(x, x)], optimizer=optimizer, holds_last=topo.rank == 1)  # the recipe's step
+        pipeline.step_pipeline(
+            sched, [(x, x)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1
+        )  # the recipe's step
         stage.flush()
         if i:
             busy, wall = busy + stage.busy, wall + time.perf_counter() - started

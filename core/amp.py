@@ -144,4 +144,4 @@ def step_amp(
 
 def check_step(stats: StepStats, *, step: int, on_nonfinite: str) -> int:
     """core.steps.check_finite for a StepStats: fp16's scaler skipping an overflowing step is routine (0)."""
-    return 0 if stats.scaled else check_finite(stats.grad_norm, step=step, on_nonfinite=on_nonfinite)
+    return 0 if stats.scaled else check_finite(stats.grad_norm, step=step, on_nonfinite=on_nonfinite, clips=True)

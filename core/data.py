@@ -55,13 +55,15 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
-def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = True, collate_fn=None, workers=None):
+def make_loader(
+    dataset, topo, *, batch_size: int, seed: int = 0, train: bool = True, collate_fn=None, workers=None, drop_last=False
+):
     """A DataLoader over this rank's share of a map-style data set (None for None); call `set_epoch` every epoch.
 
     train=True: shuffled by a DistributedSampler seeded with `seed`, the same number of samples on every rank
     (the tail that does not divide by the world size is dropped, so no sample is trained twice).
     train=False: each sample on exactly one rank, in order, none repeated: exact evaluation metrics.
-    workers: None is 2 on CUDA, else 0.
+    workers: None is 2 on CUDA, else 0. drop_last: a training epoch's smaller last batch is left out.
     """
     if dataset is None:
         return None
@@ -72,7 +74,7 @@ def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = 
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)
     sampler = ResumableSampler(dataset, num_replicas=topo.world_size, rank=topo.rank, seed=seed, drop_last=True)
     generator = torch.Generator().manual_seed(seed)  # leaves the global RNG alone: resume stays exact
-    return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
+    return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, drop_last=drop_last, **options)
 
 
 def set_epoch(loader: DataLoader, epoch: int, *, consumed: int = 0) -> None:

@@ -14,7 +14,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -185,20 +185,32 @@ def check_pipeline(
         )
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The last stage's loss: the mean cross-entropy over the targets that count (not -100), logits (..., classes)."""
-    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+class TokenLoss:
+    """The last stage's loss, every counted target of the global batch weighing the same (core.exact_loss's rule,
+    for a schedule): a micro-batch's cross-entropy SUMMED over its counted targets (not -100), divided by
+    `normalizer`, the global batch's counted targets over the dp pipelines whose gradients are averaged.
+    step_pipeline sets it every step and the schedule is built with scale_grads=False, so nothing else divides:
+    a mean per micro-batch would weigh a micro-batch with fewer counted targets more, and one with none is 0/0.
+    evaluate_pipeline sets 1: the losses are then plain sums. logits (..., classes)."""
+
+    def __init__(self) -> None:
+        self.normalizer = torch.ones(())
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat, total = logits.flatten(0, -2).float(), targets.flatten()
+        summed = nn.functional.cross_entropy(flat, total, ignore_index=IGNORE, reduction="sum")
+        return summed / self.normalizer.to(summed.device)
 
 
-def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Callable = cross_entropy):
-    """torch's schedule for `name`. Its default scale_grads=True divides the summed micro-batch
-    gradients by `microbatches`: with a mean loss per micro-batch that is the whole batch's mean."""
+def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: TokenLoss):
+    """torch's schedule for `name`, calling `loss_fn` on the last stage. scale_grads=False: the summed
+    micro-batch gradients are the step's as they are, the loss having divided by the global count."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if name == "interleaved1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-    return kind(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return kind(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
@@ -226,6 +238,7 @@ def step_pipeline(
     schedule,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
+    loss_fn: TokenLoss,
     optimizer: torch.optim.Optimizer,
     holds_last: bool,
     precision: str = "fp32",
@@ -235,12 +248,18 @@ def step_pipeline(
 ) -> tuple[dict[str, torch.Tensor], StepStats]:
     """One optimizer step through the pipeline: core.amp.step_amp's shape for a schedule. Every rank passes the
     whole batch (the first stage reads the inputs, the last the targets); the schedule cuts it into micro-batches
-    and divides the summed gradients by their number, so the step is the whole batch's. --accum K: K batches to a
+    and sums their gradients, each micro-batch's loss divided by the global batch's counted targets (`loss_fn`,
+    the schedule's: one all-reduce over dp_group), so the step is the whole global batch's. --accum K: K batches to a
     schedule built for K x --microbatches, run as one. Then the gradients are averaged over the dp pipelines
     (dp_group), their norm taken over all stages (pp_group: the dp replicas hold equal gradients, not counted
     again) and clipped; a step whose gradients are not finite is not taken. precision "bf16": the stages' forwards
     under autocast. Returns the batch's metric sums (zeros but on the last stage) and the StepStats."""
     inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
+    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+    counted = targets.ne(IGNORE).sum().double()  # this pipeline's counted targets; every rank holds the targets
+    if dp > 1:
+        dist.all_reduce(counted, group=dp_group)
+    loss_fn.normalizer = (counted.clamp(min=1) / dp).float()  # DDP's rule: the dp average below divides by dp
     optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
     with autocast(precision, device=inputs.device):
@@ -253,19 +272,23 @@ def step_pipeline(
     if not holds_last:  # nothing to add to the job's sums, under the keys core.meter reads
         zero = torch.zeros((), dtype=torch.float64, device=inputs.device)
         return {"loss_sum": zero, "count": zero, "samples": zero}, StepStats(norm, not finite)
-    mean = torch.stack(losses).mean()  # equal micro-batches: the mean of their means
-    return metrics(outputs, targets, mean, samples=len(targets)), StepStats(norm, not finite)
+    loss_sum = torch.stack(losses).detach().double().sum() * loss_fn.normalizer.double()  # back to a plain sum
+    return metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum}, StepStats(
+        norm, not finite
+    )
 
 
 @torch.no_grad()
-def evaluate_pipeline(schedule, loader, *, accum: int, holds_last: bool, device: torch.device) -> dict:
+def evaluate_pipeline(
+    schedule, loader, *, loss_fn: TokenLoss, accum: int, holds_last: bool, device: torch.device
+) -> dict:
     """Validation loss and accuracy, forward only through the schedule, K = accum batches a run.
 
     K is the schedule's micro-batch count, over the loader's full groups: the schedule needs micro-batches of one
     size, so a smaller last batch is left out. Sums all-reduced once at the end."""
     if loader is None:
         return {}
-    tally = Tally(device)
+    tally, loss_fn.normalizer = Tally(device), torch.ones(())  # the schedule's losses are then sums
     for group in micro_batch_groups(loader, accum, device=device):
         inputs, targets = (torch.cat(parts) for parts in zip(*group))
         if len(inputs) != loader.batch_size * accum:
@@ -273,5 +296,6 @@ def evaluate_pipeline(schedule, loader, *, accum: int, holds_last: bool, device:
         losses: list[torch.Tensor] = []
         outputs = schedule.eval(inputs, target=targets, losses=losses)
         if holds_last:
-            tally.add(metrics(outputs, targets, torch.stack(losses).mean(), samples=len(targets)))
+            loss_sum = torch.stack(losses).double().sum()
+            tally.add(metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum})
     return summarize(tally.reduce(), prefix="val_")

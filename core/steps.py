@@ -27,17 +27,17 @@ def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, los
     return metrics, norm
 
 
-def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
+def check_finite(grad_norm: float, *, step: int, on_nonfinite: str, clips: bool = False) -> int:
     """1 when the step was skipped for a non-finite gradient norm (--on-nonfinite skip), else 0.
 
-    With --on-nonfinite stop, one RecipeError line. Every rank reads the same all-reduced norm: all stop
-    together."""
+    With --on-nonfinite stop, one RecipeError line, naming --clip where the recipe takes it (`clips`). Every rank
+    reads the same all-reduced norm: all stop together."""
     if math.isfinite(grad_norm):
         return 0
     if on_nonfinite == "stop":
         raise RecipeError(
             f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); "
-            f"lower --lr, set --clip, or pass --on-nonfinite skip"
+            f"lower --lr{', set --clip' if clips else ''}, or pass --on-nonfinite skip"
         )
     return 1
 

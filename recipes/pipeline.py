@@ -10,9 +10,10 @@ split_pipeline cuts the model's blocks into --pp contiguous stages of about equa
 rank r holds stages r and r + pp). Each batch is cut into --microbatches equal micro-batches that
 flow through the stages; the schedule decides the order of forwards and backwards (GPipe: all
 forwards then all backwards; 1F1B: one of each in turn, holding fewer activations) and sends
-activations and gradients between neighbouring ranks. The loss is computed on the last stage, one
-mean per micro-batch; the schedule divides the summed gradients by the micro-batch count, so a step
-equals one process's on the whole batch. --accum K runs K batches as one schedule of K x
+activations and gradients between neighbouring ranks. The loss is computed on the last stage: each
+micro-batch's sum over its counted targets (not -100) divided by the global batch's count, so a step
+equals one process's on the whole batch whatever the micro-batches hold. A smaller last batch is
+dropped (the schedule needs equal micro-batches). --accum K runs K batches as one schedule of K x
 --microbatches micro-batches. With W = pp x dp ranks, dp pipelines each train on their own share of
 the data and average their gradients. Global batch: --batch-size x dp x --accum. --clip takes the
 norm over all stages; --precision bf16 runs the stages under autocast. Checkpoints are sharded
@@ -111,11 +112,14 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
     runners = [PipelineStage(m, i, num_stages, topo.device, group=pp_group) for m, i in zip(stages, stage_ids)]
     micro = cfg.microbatches * cfg.accum  # --accum K: K batches as one schedule run
-    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=pipeline.cross_entropy)
+    loss_fn = pipeline.TokenLoss()  # on the last stage: summed cross-entropy over the global batch's counted targets
+    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = stage_ids[-1] == num_stages - 1
     torch.manual_seed(cfg.seed + dp_rank)  # from here each pipeline draws its own dropout, as one process would
     my_row = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # the stages of one pipeline share its batches
-    train_loader = data.make_loader(train_set, my_row, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
+    train_loader = data.make_loader(  # the schedule cuts every batch into equal micro-batches: no smaller last one
+        train_set, my_row, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate, drop_last=True
+    )
     val_loader = data.make_loader(val_set, my_row, batch_size=cfg.batch_size, train=False, collate_fn=collate)
     total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=cfg.lr)
@@ -144,6 +148,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             metrics, stats = pipeline.step_pipeline(  # schedule.step: forwards and backwards, stage to stage
                 schedule,
                 micro_batches,
+                loss_fn=loss_fn,
                 optimizer=optimizer,
                 holds_last=holds_last,
                 precision=cfg.precision,
@@ -165,7 +170,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
         with clock.paused():  # forward only, through the same schedule: K batches a run, as in training
             evaluation = pipeline.evaluate_pipeline(
-                schedule, val_loader, accum=cfg.accum, holds_last=holds_last, device=topo.device
+                schedule, val_loader, loss_fn=loss_fn, accum=cfg.accum, holds_last=holds_last, device=topo.device
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 

@@ -221,3 +221,20 @@ def syncbn():
 def exits():
     """A factory that ends the process (a script's main() called by mistake) instead of returning."""
     raise SystemExit(0)
+
+
+def frozen():
+    """Every parameter frozen: nothing to train."""
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)).requires_grad_(False)
+
+
+def small():
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def nan_weights():
+    """small() with its first layer's weights nan (a factory's broken initialisation)."""
+    model = small()
+    with torch.no_grad():
+        model[0].weight.fill_(float("nan"))
+    return model

@@ -146,3 +146,27 @@ class CountingMLP(nn.Module):
 
 def counting_mlp() -> nn.Module:
     return CountingMLP()
+
+
+class PaddedTargets(torch.utils.data.Dataset):
+    """`base`'s (tokens, targets) samples with the targets -100 on a tail of the sample's own length, and every third
+    sample's wholly: a micro-batch may count no target at all, as with padded sequences."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        tokens, targets = self.base[i]
+        targets = targets.clone()
+        targets[0 if i % 3 == 0 else 2 + (5 * i) % (len(targets) - 2) :] = -100
+        return tokens, targets
+
+
+def padded_text():
+    """43 training windows of `text` (5 batches of 8 and a smaller last one of 3) and 40 validation windows, targets
+    padded with -100 (PaddedTargets)."""
+    train, val = short_text()
+    return PaddedTargets(torch.utils.data.Subset(train, range(43))), PaddedTargets(val)

@@ -24,7 +24,7 @@ from core.data import build_data
 from core.models import build_model
 from helpers import REPO, recipe_params, recipes_cli, user_env
 from tools import probes
-from tools.check import REL_TOL, Crash, Report, _error_line, _verdict, check_recipe, compare_weights
+from tools.check import REL_TOL, Comparison, Crash, Report, _error_line, _verdict, check_recipe, compare_weights, judge
 from tools.probes import RANDOMNESS, Finding, probe
 from tools.registry import RECIPES
 
@@ -138,6 +138,25 @@ def test_weights_are_compared_against_how_far_training_moved_them(tmp_path):
     assert noise.where == "b" and noise.max_diff == pytest.approx(1e-5, rel=1e-2) and noise.relative < REL_TOL
     assert compare_weights(paths["broken"], paths["single"], paths["start"]).relative > 10 * REL_TOL
     assert compare_weights(paths["single"], paths["single"], paths["start"]).relative == 0.0
+
+
+@pytest.mark.fast
+def test_a_model_that_is_not_finite_is_named_so_not_non_deterministic(digits_batch):
+    """Review find: nan != nan made two equal probe steps look non-deterministic."""
+    (found,) = probe(check_user.nan_weights(), digits_batch)
+    assert found.cause == "not finite" and found.crashes
+    assert "the weights 0.weight hold nan or inf" in found.detail
+
+
+@pytest.mark.fast
+def test_a_training_loss_that_is_not_finite_is_a_verdict_not_a_type_error():
+    """Review find: a summary's train_loss null (nan) made `check` die on None - None."""
+    run = {"train_loss": 2.0, "global_batch": 8}
+    report = judge(
+        Report(["check"]), run | {"train_loss": None}, run, Comparison(0.0, "", 0.0), half=False, distribution=False
+    )
+    assert not report.equivalent and "the distributed run's training loss is not finite" in report.reason
+    assert judge(Report(["check"]), run, run, Comparison(0.0, "", 0.0), half=False, distribution=False).equivalent
 
 
 @pytest.mark.fast

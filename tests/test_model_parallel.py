@@ -10,8 +10,10 @@ softmax ignores: 2.5e-5 after 3 steps on torch 2.13); a real mistake (a missing 
 micro-batch) is off by 1e-3 or more.
 """
 
+import dataclasses
 import importlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -55,6 +57,18 @@ def test_pipeline_equals_single_process(world2, one_share, tmp_path, schedule, m
     summaries = world2.run(run_recipe, "pipeline", cfg)
     assert summaries[0]["pp"] == 2 and summaries[0]["steps"] == 3
     assert_same_weights(summaries[0], one_share, **TOL)
+
+
+@pytest.mark.world
+def test_pipeline_weighs_padded_targets_exactly_and_drops_a_smaller_last_batch(world2, tmp_path):
+    """Targets -100 on padded tails (a micro-batch may count none): the step is one process's on the whole batch and
+    the losses are finite; a training set of 5 batches and 3 samples (the README's 1f1b example ends so on `text`)
+    trains its 5 whole batches, the schedule needing equal micro-batches."""
+    cfg = config("pipeline", out=str(tmp_path), data="mp_reference:padded_text", max_steps=0, microbatches=4, pp=2)
+    summaries = world2.run(run_recipe, "pipeline", cfg)
+    assert summaries[0]["steps"] == 5 and summaries[0]["train_loss"] == summaries[1]["train_loss"]
+    assert math.isfinite(summaries[0]["train_loss"]) and math.isfinite(summaries[0]["val_loss"])
+    assert_same_weights(summaries[0], reference(dataclasses.replace(cfg, max_steps=5), replicas=1), **TOL)
 
 
 @pytest.mark.world
@@ -307,22 +321,32 @@ def _tiny_gpt():
     return GPT(vocab=40, context=16, dim=32, heads=2, layers=2)
 
 
-def _token_batches(steps: int = 2, size: int = 8):
+def _token_batches(steps: int = 2, size: int = 8, *, padded: bool = False):
+    """padded: targets -100 on a tail of each row's own length, the rows 2..3 of every 4 wholly (a micro-batch of
+    2 rows with no counted target), as padded sequences give: a mean per micro-batch would weigh them wrongly."""
     g = torch.Generator().manual_seed(3)
-    return [(x, torch.roll(x, -1, 1)) for x in (torch.randint(0, 40, (size, 16), generator=g) for _ in range(steps))]
+    batches = [(x, torch.roll(x, -1, 1)) for x in (torch.randint(0, 40, (size, 16), generator=g) for _ in range(steps))]
+    if padded:
+        for _, y in batches:
+            for row in range(size):
+                y[row, 2 + (3 * row) % 13 :] = -100  # a tail of the row's own length
+                if row % 4 > 1:
+                    y[row] = -100
+    return batches
 
 
-def _one_process(batches, *, k: int, precision: str = "fp32"):
-    """step_amp on the whole global batch, cut into k micro-batches."""
+def _one_process(batches, *, k: int, precision: str = "fp32", losses: bool = False):
+    """step_amp on the whole global batch, cut into k micro-batches: (weights, norms[, each step's mean loss])."""
     model = _tiny_gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = make_exact_loss("ce", model=model)
-    norms = []
+    norms, means = [], []
     for x, y in batches:
         micro = list(zip(x.chunk(k), y.chunk(k)))
-        _, stats = amp.step_amp(model, micro, optimizer=optimizer, loss_fn=loss_fn, clip=CLIP, precision=precision)
+        sums, stats = amp.step_amp(model, micro, optimizer=optimizer, loss_fn=loss_fn, clip=CLIP, precision=precision)
         norms.append(stats.grad_norm)
-    return model.state_dict(), norms
+        means.append(float(sums["loss_sum"] / sums["count"]))
+    return (model.state_dict(), norms, means) if losses else (model.state_dict(), norms)
 
 
 def fsdp_accum_clip(topo):
@@ -354,28 +378,36 @@ def fsdp_accum_clip(topo):
 
 
 def pipeline_accum_clip(topo, precision):
-    """2 stages, K=2 accumulated batches of 2 micro-batches each, clipped over both stages."""
+    """2 stages, K=2 accumulated batches of 2 micro-batches each, clipped over both stages; padded targets (-100),
+    one micro-batch with none counted: token-exact, and the loss reported finite and equal to one process's."""
     from torch.distributed.pipelining import PipelineStage
 
     from core import pipeline
 
-    batches = _token_batches()
-    expected, _ = _one_process(batches, k=4, precision=precision)
+    batches = _token_batches(padded=True)
+    expected, _, expected_losses = _one_process(batches, k=4, precision=precision, losses=True)
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
-    sched = pipeline.build_schedule("1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=4)
+    loss_fn = pipeline.TokenLoss()
+    stages = [PipelineStage(stage, topo.rank, 2, topo.device)]
+    sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    losses = []
     for x, y in batches:
         accumulated = [(x[:4], y[:4]), (x[4:], y[4:])]  # K=2 batches through a schedule of 2 x 2 micro-batches
-        pipeline.step_pipeline(
+        sums, _ = pipeline.step_pipeline(
             sched,
             accumulated,
+            loss_fn=loss_fn,
             optimizer=optimizer,
             holds_last=topo.rank == 1,
             precision=precision,
             clip=CLIP,
             pp_group=torch.distributed.group.WORLD,
         )
+        losses.append(float(sums["loss_sum"] / sums["count"]) if topo.rank == 1 else None)
     full = pipeline.gather_state_dict([stage])
+    if topo.rank == 1:  # the last stage's metrics: finite, and the one process's loss
+        assert losses == pytest.approx(expected_losses, rel=1e-2 if precision == "bf16" else 1e-5)
     return {k: (full[k], v) for k, v in expected.items()} if full else None
 
 

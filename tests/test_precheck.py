@@ -106,6 +106,35 @@ def test_a_factory_that_exits_is_refused():
     )
 
 
+@pytest.mark.fast
+def test_a_model_with_nothing_to_train_or_nan_weights_is_refused_with_the_real_cause(tmp_path):
+    """Review finds: a frozen model was sent between --loss auto and --loss ce; nan weights (from the factory or
+    --init-from) passed, and the run failed at step 1 advising --lr and --clip."""
+    assert "no parameter that requires grad, so there is nothing to train" in _refused(model="check_user:frozen")
+    line = _refused(model="check_user:nan_weights")
+    assert line.startswith("--model check_user:nan_weights: the weights 0.weight hold nan or inf before training")
+    from safetensors.torch import save_file
+
+    import check_user
+
+    save_file(check_user.nan_weights().state_dict(), tmp_path / "nan.safetensors")
+    line = _refused(model="check_user:small", init_from=str(tmp_path / "nan.safetensors"))
+    assert line.startswith(f"--init-from {tmp_path / 'nan.safetensors'}: the weights 0.weight hold nan or inf")
+
+
+@pytest.mark.fast
+def test_a_step_that_is_not_finite_names_only_options_the_recipe_takes():
+    """ddp takes no --clip (review find: its line advised it); the amp recipes do."""
+    from core import amp, steps
+
+    with pytest.raises(RecipeError) as plain:
+        steps.check_finite(float("nan"), step=1, on_nonfinite="stop")
+    assert "--clip" not in str(plain.value) and "lower --lr, or pass --on-nonfinite skip" in str(plain.value)
+    with pytest.raises(RecipeError) as clipping:
+        amp.check_step(amp.StepStats(float("inf"), True), step=3, on_nonfinite="stop")
+    assert "lower --lr, set --clip, or pass --on-nonfinite skip" in str(clipping.value)
+
+
 # --- before launch, for real: the launcher stops at its pre-check ----------------------------------------------
 
 LAUNCH = [  # (options, words of the one line): each was refused only in the ranks, or not at all

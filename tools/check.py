@@ -193,6 +193,16 @@ def _check(
         found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
     distributed, single, _ = runs
     half = "--precision" in own and own[own.index("--precision") + 1] in ("bf16", "fp16")
+    return judge(report, distributed, single, found, half=half, distribution=dropout is not None)
+
+
+def judge(report: Report, distributed: dict, single: dict, found: Comparison, *, half: bool, distribution: bool):
+    """The verdict on two runs' summaries and weights: equal within the tolerance of their precision, or not."""
+    if None in (distributed["train_loss"], single["train_loss"]):  # a summary writes nan or inf as null
+        which = " and ".join(
+            n for n, r in (("distributed", distributed), ("one-process", single)) if r["train_loss"] is None
+        )
+        return _verdict(report, mismatch=f"the {which} run's training loss is not finite (nan or inf)")
     rel_tol, loss_rtol = (HALF_REL_TOL, HALF_LOSS_RTOL) if half else (REL_TOL, LOSS_RTOL)
     loss_diff = abs(distributed["train_loss"] - single["train_loss"])
     loss_tol = loss_rtol * max(abs(single["train_loss"]), 1.0)
@@ -213,7 +223,7 @@ def _check(
     return _verdict(
         report,
         mismatch=None if report.equivalent else "the weights or the loss differ beyond the tolerance",
-        distribution=dropout is not None,
+        distribution=distribution,
     )
 
 

@@ -55,6 +55,7 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
         from core.weights import load_weights
 
         load_weights(model, cfg.init_from)
+    check_trainable(model, spec=cfg.model, init_from=cfg.init_from)
     samples = first_samples(found["train"], min(2, cfg.batch_size), spec=cfg.data)
     batch = collated(samples, found["collate"], spec=cfg.data)
     grads = check_step(model, batch, model_spec=cfg.model, data_spec=cfg.data, loss=cfg.loss)
@@ -152,6 +153,23 @@ def check_model(spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise RecipeError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def check_trainable(model: nn.Module, *, spec: str, init_from: str = "") -> None:
+    """Something to train, and weights that are numbers: a model with no parameter that requires grad, or one
+    starting from nan or inf, is one line (its run would fail at the first step, blaming --lr)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise RecipeError(
+            f"--model {spec}: the model has no parameter that requires grad, so there is nothing to train; return a "
+            f"model with trainable parameters (unfreeze some with requires_grad_(True))"
+        )
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(p.isfinite().all())]
+    if bad:
+        origin = f"--init-from {init_from}" if init_from else f"--model {spec}"
+        raise RecipeError(
+            f"{origin}: the weights {few(bad)} hold nan or inf before training; start from finite weights"
+            + (" (another file, or none)" if init_from else " (check the factory's initialisation)")
+        )
 
 
 def _gpu() -> bool:

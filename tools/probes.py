@@ -167,7 +167,18 @@ def _forward_backward(model: nn.Module, batch, *, seed: int, loss: str) -> tuple
 
 
 def _same(a, b) -> bool:
-    return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+    """Two probe steps bit for bit, nan equal to nan (a step that is not finite is not thereby non-deterministic)."""
+    return _equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(_equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.shape == y.shape and bool(((x == y) | (x.isnan() & y.isnan())).all())
+
+
+def _not_finite(step) -> list[str]:
+    """'the loss' and the parameters whose gradient holds nan or inf, in one probe step."""
+    loss, grads = step
+    return ["the loss"] * (not bool(loss.isfinite().all())) + [n for n, g in grads.items() if not g.isfinite().all()]
 
 
 def _unused(model: nn.Module, steps: list) -> tuple[list[str], bool]:
@@ -234,6 +245,17 @@ def probe(
     findings = []
     first, again, reseeded = (_forward_backward(model, batch, seed=s, loss=loss) for s in (seed, seed, seed + 1))
     varied = [again, reseeded] + ([_forward_backward(model, other, seed=seed, loss=loss)] if other else [])
+    if bad := _not_finite(first):
+        weights = [n for n, p in model.named_parameters() if not p.isfinite().all()]
+        cause = f"the weights {few(weights)} hold nan or inf" if weights else "the data or the loss makes them"
+        findings.append(
+            Finding(
+                "not finite",
+                f"one step on the first samples gives nan or inf in {few(bad)} before any training: {cause}; "
+                f"fix the model factory or the data (lowering --lr does not help a first step)",
+                crashes=True,
+            )
+        )
     unused, every = _unused(model, [first, *varied])
     if unused:
         ddp = "find_unused_parameters" in takes  # the recipes that wrap in DDP; the others tolerate a missing grad
