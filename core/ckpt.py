@@ -27,7 +27,7 @@ from torch import nn
 from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, verify, write_safetensors
 from core.config import RecipeError
 from core.dist import all_gather_object, broadcast_object
-from core.folder import RunFolder, say, write_record
+from core.folder import RunFolder, release_new, say, write_record
 from core.weights import check_model_matches, savable
 
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0}  # the progress of a run that starts afresh
@@ -152,6 +152,7 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=No
             payload = str(err)  # every rank raises it
     payload = broadcast_object(payload)  # our own tensors between our own processes, not the file
     if isinstance(payload, str):
+        release_new(run)  # a new folder made for this resume: nothing of it is left
         raise RecipeError(payload)
     tensors, meta = payload
     model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})

@@ -42,7 +42,7 @@ from core.ckpt import START
 from core.ckpt_io import atomic_write
 from core.config import RecipeError
 from core.dist import all_gather_object
-from core.folder import RunFolder, say, write_record
+from core.folder import RunFolder, release_new, say, write_record
 from core.weights import check_model_matches
 
 FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
@@ -61,6 +61,8 @@ def read_info(path: Path) -> dict:
     """checkpoint.json, checked whole (its own checksum); a RecipeError line when it isn't a good one."""
     if (path / "ckpt").is_dir() or path.name == "ckpt":  # a run folder, or its ckpt folder: which step?
         raise RecipeError(f"--resume {path}: a folder of checkpoints, not one; pass one of them, or --resume auto")
+    if path.is_file() and (path.parent / DONE).is_file():  # a file of a step folder: the folder is the checkpoint
+        raise RecipeError(f"--resume {path}: one shard file of a sharded checkpoint; pass its folder: {path.parent}")
     fix = f"resume from another step-N folder in {path.parent}"
     try:
         info = json.loads((path / DONE).read_text())
@@ -393,7 +395,11 @@ def load_checkpoint(run: RunFolder, *, model, optimizer, scheduler=None, scaler=
     Resharded to this job's mesh, its generators too; START for a new run. A collective."""
     if run.resume_from is None:
         return dict(START)
-    found = load_sharded(run.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    try:
+        found = load_sharded(run.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    except RecipeError:
+        release_new(run)  # a new folder made for this resume: nothing of it is left
+        raise
     progress = {**START, **{k: v for k, v in found.items() if k in START}}
     shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})

@@ -172,6 +172,16 @@ def take_lock(run_dir: Path):
     return handle
 
 
+def release_new(run: RunFolder) -> None:
+    """Rank 0 removes the folder this run made when it holds nothing but config.json and the lock: a checkpoint
+    refused at load (a damaged file) leaves no empty run behind for `--resume auto` to take as the newest."""
+    if not run.writer or not run.path.is_dir() or {p.name for p in run.path.iterdir()} - {"config.json", ".lock"}:
+        return
+    for name in ("config.json", ".lock"):
+        (run.path / name).unlink(missing_ok=True)
+    run.path.rmdir()
+
+
 def say(run: RunFolder, message: str) -> None:
     """Print a line on rank 0 only."""
     if run.writer:

@@ -1,4 +1,5 @@
-"""Weights in and out: `--init-from` (a run's model.safetensors or a Hugging Face folder) and the final weights.
+"""Weights in and out: `--init-from` (a run's model.safetensors or checkpoint, or a Hugging Face folder) and the
+final weights.
 
     weights.load_weights(model, cfg.init_from)     # the plain model, before DDP, fully_shard or parallelize_module
     weights.write_weights(run, model.state_dict())  # rank 0: RUN/model.safetensors
@@ -26,8 +27,14 @@ PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 def weight_files(path: str) -> list[Path]:
     """The safetensors files `path` names: itself, or a folder's model.safetensors, or the shards its index lists."""
     where = Path(path)
+    step = where if where.is_dir() else where.parent
+    if (step / "checkpoint.json").is_file():  # a sharded checkpoint's ckpt/step-N/ (core.dcp), or a file of it
+        raise RecipeError(
+            f"--init-from {path}: a sharded training checkpoint (each file holds some ranks' shards), not weights; "
+            f"start from the run's model.safetensors or hf/, or continue it with --resume {step}"
+        )
     if where.is_dir() and (where / INDEX).is_file():
-        files = [where / name for name in dict.fromkeys(json.loads((where / INDEX).read_text())["weight_map"].values())]
+        files = [where / name for name in _index_files(where / INDEX, path=path)]
     elif where.is_dir() and not (where / "model.safetensors").is_file():
         files = [p for p in sorted(where.iterdir()) if p.suffix in PICKLES] or [where / "model.safetensors"]
     else:
@@ -44,20 +51,37 @@ def weight_files(path: str) -> list[Path]:
     return files
 
 
+def _index_files(index: Path, *, path: str) -> list[str]:
+    """The files a Hugging Face index's weight_map names, each once; one line when the index is not one."""
+    try:
+        names = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
+        if not names or not all(isinstance(n, str) for n in names):
+            raise TypeError("its weight_map names no files")
+        return names
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise RecipeError(
+            f"--init-from {path}: {INDEX} is not a readable index ({type(err).__name__}: {err}); it must be JSON "
+            f'with "weight_map": {{tensor name: file}}: write the folder again with save_pretrained'
+        ) from None
+
+
 def read_weights(path: str, *, shapes_only: bool = False) -> dict:
     """Every tensor at `path` by name (or only its shape), checked against the checksums a run's files carry."""
     found = {}
     for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
+                meta = f.metadata() or {}
                 if shapes_only:
-                    found |= {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
-                    continue
-                part, meta = {key: f.get_tensor(key) for key in f.keys()}, f.metadata() or {}  # noqa: SIM118
+                    part = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+                else:
+                    part = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
         except (SafetensorError, OSError) as err:
             raise RecipeError(f"--init-from {file}: not a readable safetensors file ({err})") from None
-        if "checksums" in meta:  # written by this project; Hugging Face files carry none
+        if "checksums" in meta and not shapes_only:  # written by this project; Hugging Face files carry none
             verify(file, read_header(file), part, fix="use an undamaged copy of it")
+        if "progress" in meta:  # a training checkpoint of this project's (core.ckpt): its model/ part is the weights
+            part = {k.removeprefix("model/"): v for k, v in part.items() if k.startswith("model/")}
         found |= part
     return found
 

@@ -123,6 +123,14 @@ def test_a_model_with_nothing_to_train_or_nan_weights_is_refused_with_the_real_c
 
 
 @pytest.mark.fast
+def test_an_hf_attr_that_names_no_transformers_model_is_refused_before_launch():
+    """A review find: a wrong --hf-attr was refused only when hf/ was written, after the whole run."""
+    line = _refused(model="check_user:gpt2", data="check_user:lm", hf_attr="backbone")
+    assert line == "--hf-attr backbone: GPT2LMHeadModel has no attribute backbone; name the path to it"
+    assert "--hf-attr blocks: MLP holds a Sequential there, not a transformers model" in _refused(hf_attr="blocks")
+
+
+@pytest.mark.fast
 def test_a_step_that_is_not_finite_names_only_options_the_recipe_takes():
     """ddp takes no --clip (review find: its line advised it); the amp recipes do."""
     from core import amp, steps

@@ -112,11 +112,17 @@ def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(
 
 def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_leaves_no_folder(finished):
     """`python recipes/ddp.py` (or a copy) has no CLI pre-check: the run checks the checkpoint's header before it
-    touches anything, and a new run refused for bad input never made a folder (it builds before it opens one)."""
+    touches anything, a damaged checkpoint refused at load takes back the folder made for it, and a new run refused
+    for bad input never made a folder (it builds before it opens one)."""
     runs = finished / "runs"
     before = _snapshot(runs)
+    damaged = finished / "damaged.safetensors"  # outside the runs: its resume would make a new folder
+    body = bytearray(next((runs / "ddp-1" / "ckpt").glob("*.safetensors")).read_bytes())
+    body[-9] ^= 0x10  # one bit of tensor data: its header passes, its checksum does not
+    damaged.write_bytes(bytes(body))
     recipe = [sys.executable, str(REPO / "recipes" / "ddp.py"), *TINY, "--out", str(runs), "--max-steps", "6"]
     for args, words in [
+        (["--resume", str(damaged)], "does not match its checksum"),  # a review find: it left an empty runs/ddp-2
         (["--resume", "auto", "--lr", "0.01"], "--lr 0.001 -> 0.01"),
         (["--resume", "auto", "--batch-size", "8"], "saved with global batch 16"),
         (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),

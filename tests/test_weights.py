@@ -93,6 +93,59 @@ def test_a_runs_model_safetensors_starts_a_run(tmp_path):
         assert fresh.lm_head.weight is fresh.transformer.wte.weight
 
 
+def test_a_training_checkpoint_starts_a_run_from_its_model_part(tmp_path):
+    """A review find: --init-from RUN/ckpt/step-N.safetensors was called "another model" (its keys are model/...,
+    beside the optimizer's); its model part is the weights at step N, a fine start for a new run."""
+    from core import ckpt
+
+    model, state = trained(gpt2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    progress = {"step": 4, "epoch": 0, "samples": 64, "skipped": 0}
+    run = RunFolder(tmp_path, None, "ddp", {"model": "x", "global_batch": 16}, True)
+    path = ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=progress, keep=2)
+    fresh, _ = trained(gpt2, seed=2)
+    load_weights(fresh, path)
+    assert_same(state, fresh)
+
+
+def test_a_sharded_checkpoint_or_a_file_of_it_names_what_to_pass_instead(tmp_path):
+    """A review find: a file of ckpt/step-N/ was "another model", the folder "no such file", and --resume of the file
+    advised a folder that does not exist."""
+    from core import dcp
+
+    step = tmp_path / "ckpt" / "step-000010"
+    step.mkdir(parents=True)
+    (step / "checkpoint.json").write_text("{}")
+    shard = step / "shard-00001-model-00001-of-00001.safetensors"
+    save_weights(trained(gpt2)[1], shard)
+    for path in (step, shard):
+        with pytest.raises(RecipeError) as err:
+            read_weights(path)
+        assert one_line(err).startswith(f"--init-from {path}: a sharded training checkpoint")
+        assert f"continue it with --resume {step}" in one_line(err)
+    with pytest.raises(RecipeError) as err:
+        dcp.read_info(shard)
+    assert one_line(err) == f"--resume {shard}: one shard file of a sharded checkpoint; pass its folder: {step}"
+
+
+@pytest.mark.parametrize(
+    "index,says",
+    [
+        ("not json", "JSONDecodeError"),
+        ('{"metadata": {}}', "KeyError"),
+        ('{"weight_map": {"wte.weight": null}}', "its weight_map names no files"),
+        ('{"weight_map": []}', "AttributeError"),
+    ],
+)
+def test_a_damaged_index_is_one_line(index, says, tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    for read in (read_weights, lambda path: check_weights(path, gpt2())):
+        with pytest.raises(RecipeError) as err:
+            read(tmp_path)
+        assert one_line(err).startswith(f"--init-from {tmp_path}: model.safetensors.index.json is not a readable")
+        assert says in one_line(err)
+
+
 def test_a_damaged_run_file_is_refused(tmp_path):
     _, state = trained(gpt2)
     path = save_weights(state, tmp_path / "model.safetensors")

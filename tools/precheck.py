@@ -56,6 +56,10 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
 
         load_weights(model, cfg.init_from)
     check_trainable(model, spec=cfg.model, init_from=cfg.init_from)
+    if getattr(cfg, "hf_attr", ""):  # refused here, not after the whole run when hf/ is written
+        from core.hf import hf_model
+
+        hf_model(model, attr=cfg.hf_attr)
     samples = first_samples(found["train"], min(2, cfg.batch_size), spec=cfg.data)
     batch = collated(samples, found["collate"], spec=cfg.data)
     grads = check_step(model, batch, model_spec=cfg.model, data_spec=cfg.data, loss=cfg.loss)
