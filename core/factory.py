@@ -27,6 +27,8 @@ def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: s
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # an ImportError, or any error raised while the module runs
+        if _interrupted(err):  # Ctrl-C during the import, which transformers' lazy import re-raises as another error
+            raise KeyboardInterrupt from None
         raise RecipeError(
             f"{option} {spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); is it installed or on "
             f"PYTHONPATH?"
@@ -34,3 +36,10 @@ def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: s
     if not callable(getattr(module, name, None)):
         raise RecipeError(f"{option} {spec}: module {module_name!r} has no function {name!r}")
     return getattr(module, name)
+
+
+def _interrupted(err: BaseException | None) -> bool:
+    """Whether a KeyboardInterrupt is among the causes of `err`."""
+    while err is not None and not isinstance(err, KeyboardInterrupt):
+        err = err.__cause__ or err.__context__
+    return err is not None

@@ -149,6 +149,18 @@ def test_factories_resolve_builtins_and_module_functions():
             resolve_factory(spec, MODELS, option="--model")
 
 
+def test_ctrl_c_during_a_factorys_import_is_an_interrupt_not_a_missing_module(tmp_path, monkeypatch):
+    """A review find: transformers' lazy import re-raises Ctrl-C as ModuleNotFoundError, which was reported as
+    "cannot import ... is it installed or on PYTHONPATH?" with status 1."""
+    (tmp_path / "lazy_user.py").write_text(
+        "try:\n    raise KeyboardInterrupt\nexcept KeyboardInterrupt as err:\n"
+        "    raise ModuleNotFoundError(\"Could not import module 'LlamaForCausalLM'\") from err\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        resolve_factory("lazy_user:build", MODELS, option="--model")
+
+
 def test_data_factory_must_return_a_pair(tmp_path, monkeypatch):
     (tmp_path / "bad_data.py").write_text("def build():\n    return [1, 2, 3]\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -285,7 +285,16 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path):
         subprocess.run(["umount", str(disk)])
 
 
-def test_ctrl_c_exits_130_in_one_line_and_keeps_the_run_and_its_checkpoints(tmp_path):
+@pytest.mark.parametrize(
+    "stop,code,says",
+    [
+        (signal.SIGINT, 130, INTERRUPTED),
+        (signal.SIGTERM, 143, "stopped by SIGTERM; checkpoints already written are kept: --resume auto continues"),
+    ],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_or_sigterm_exits_in_one_line_and_keeps_the_run_and_its_checkpoints(tmp_path, stop, code, says):
+    """A review find: SIGTERM (a scheduler's preemption) to `python -m recipes run` ended it with no line at all."""
     args = [*TINY, "--out", str(tmp_path / "runs"), "--epochs", "50", "--ckpt-every", "2", "--log-every", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "recipes", "run", "ddp", *args],
@@ -298,9 +307,9 @@ def test_ctrl_c_exits_130_in_one_line_and_keeps_the_run_and_its_checkpoints(tmp_
     for line in proc.stdout:  # a checkpoint is written at step 4: interrupt after it
         if line.startswith("step 5/"):
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == f"error: {INTERRUPTED}", err
+    assert proc.returncode == code and err.strip().splitlines()[-1].startswith(f"error: {says}"), err
     assert list((tmp_path / "runs" / "ddp-1" / "ckpt").glob("step-*.safetensors"))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import signal
 from pathlib import Path
 
 import click
@@ -223,8 +224,26 @@ def plot_command(run_dirs: tuple[str, ...], out: str):
     click.echo(f"wrote {plot_runs(list(run_dirs), out)}")
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to a command run without a launcher (a scheduler's preemption, a closed terminal)."""
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGHUP end this process as Ctrl-C does, in one line naming the signal. Not in a torchrun
+    worker: torchrun and the launcher's supervisor report the signals of a launched job."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    for closing in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(closing, stop)
+
+
 def run_cli(args: list[str] | None = None) -> int:
     """Run the command line; user errors become one stderr line and an exit code."""
+    _stop_on_signals()
     try:
         cli.main(args=args, prog_name="python -m recipes", standalone_mode=False)
         return 0
@@ -240,8 +259,12 @@ def run_cli(args: list[str] | None = None) -> int:
         from tools.precheck import disk_error
 
         return fail(disk_error(err), 1)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        return fail(INTERRUPTED, 130)
+    except (click.exceptions.Abort, KeyboardInterrupt) as err:
+        stop = err if isinstance(err, Stopped) else err.__cause__  # click turns the interrupt into Abort
+        if not isinstance(stop, Stopped):
+            return fail(INTERRUPTED, 130)
+        signum = stop.args[0]  # the status a scheduler expects of a process its signal ended: 128 + the signal
+        return fail(f"stopped by {signal.Signals(signum).name}; {INTERRUPTED.split('; ', 1)[1]}", 128 + signum)
 
 
 def main() -> None:
