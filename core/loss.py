@@ -103,9 +103,10 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
         )
     elif loss.spec == "mse" or (loss.spec == "auto" and targets.is_floating_point()):
         if logits.shape != targets.shape:
+            kind = "float" if targets.is_floating_point() else str(targets.dtype).removeprefix("torch.")
             raise RecipeError(
-                f"--loss {loss.spec}: float targets {tuple(targets.shape)} and outputs {tuple(logits.shape)} differ in "
-                f"shape: mse needs them equal; for class indices use int64 targets (--loss ce)"
+                f"--loss {loss.spec}: {kind} targets {tuple(targets.shape)} and outputs {tuple(logits.shape)} differ "
+                f"in shape: mse needs them equal; for class indices use int64 targets (--loss ce)"
             )
         mean = nn.functional.mse_loss(logits.float(), targets.float())
     else:

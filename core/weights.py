@@ -128,7 +128,10 @@ def load_weights(model: nn.Module, path: str) -> None:
     for name, names in tied_names(model).items():  # one tensor under several names: each from the one the file has
         first = next(n for n in names if n in state)
         if not torch.equal(state.setdefault(name, state[first]), state[first]):
-            raise RecipeError(f"--init-from {path}: {first} and {name} differ, but the model ties them (one tensor)")
+            raise RecipeError(
+                f"--init-from {path}: {first} and {name} differ, but the model ties them (one tensor); start from "
+                f"weights trained with them tied, or untie them in the model factory"
+            )
     model.load_state_dict(state)
 
 

@@ -61,6 +61,10 @@ def data_ragged():
     return [(torch.zeros(i + 1), torch.tensor(0)) for i in range(4)], None
 def data_bad_collate():
     return [(torch.zeros(2), torch.tensor(0))], None, "pad"
+def _broken_collate(samples):
+    raise RuntimeError("collate broke")
+def data_collate_raises():
+    return [(torch.zeros(2), torch.tensor(0))] * 2, None, _broken_collate
 def data_stream():
     return Stream(10), Stream(3)
 def data_with_collate():
@@ -113,6 +117,10 @@ def test_a_bad_model_factory_is_one_line(factories, name, words):
         ("data_bad_sample", "a training sample is of type str"),
         ("data_ragged", "collating 2 training samples raised RuntimeError"),
         ("data_bad_collate", "its collate_fn is of type str, not a function"),
+        (
+            "data_collate_raises",
+            "the factory's collate_fn raised RuntimeError: collate broke on 2 training samples; fix",
+        ),
     ],
 )
 def test_a_bad_data_factory_is_one_line(factories, name, words):

@@ -238,6 +238,8 @@ def test_float_targets_of_the_outputs_shape_get_mse_and_others_one_line():
         assert metrics["count"].item() == 6 and "correct" not in metrics
     with pytest.raises(RecipeError, match=r"float targets \(6,\) and outputs \(6, 2\) differ in shape"):
         forward(model, (x, y[:, 0]), make_loss("auto", model=model))
+    with pytest.raises(RecipeError, match=r"--loss mse: int64 targets \(6,\) and outputs \(6, 2\) differ in shape"):
+        forward(model, (x, torch.zeros(6, dtype=torch.int64)), make_loss("mse", model=model))  # a review find: "float"
 
 
 @pytest.mark.fast

@@ -234,3 +234,10 @@ def test_plot_writes_a_png_of_several_runs(tmp_path):
     assert width > height > 100
     missing = run([sys.executable, "-m", "recipes", "plot", str(tmp_path / "nope")], check=False)
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "metrics.jsonl" in missing.stderr
+    text = run(
+        [sys.executable, "-m", "recipes", "plot", str(tmp_path / "a"), "-o", str(tmp_path / "x.txt")], check=False
+    )
+    assert (
+        text.returncode == 1
+        and text.stderr == f"error: -o {tmp_path / 'x.txt'}: matplotlib cannot write .txt; use .png, .svg or .pdf\n"
+    )

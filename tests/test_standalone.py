@@ -300,6 +300,16 @@ def test_diff_says_when_b_does_not_build_on_a():
         f"{RECIPES['fsdp_tp'].builds_on}; try: python -m recipes diff "
         f"{RECIPES['fsdp_tp'].builds_on} fsdp_tp)"
     )
+    backwards = (
+        CliRunner().invoke(cli, ["diff", "fsdp", "ddp"]).output.splitlines()[0]
+    )  # a review find: it advised itself
+    assert backwards == "# ddp does not build on fsdp (it builds on no other recipe)"
+    assert (
+        CliRunner()
+        .invoke(cli, ["diff", "ddp_amp", "ddp"])
+        .output.splitlines()[0]
+        .endswith("; try: python -m recipes diff ddp ddp_amp)")
+    )
     assert CliRunner().invoke(cli, ["diff", "ddp", "nope"]).exit_code != 0
 
 

@@ -195,8 +195,9 @@ def diff_recipes(base: str, name: str):
         click.echo(f"# {name} builds on {base}: the lines below are what it adds")
     else:
         parent = f"it builds on {new.builds_on}" if new.builds_on else "it builds on no other recipe"
+        other = f"{new.builds_on} {name}" if new.builds_on else f"{name} {base}" if old.builds_on == name else ""
         click.echo(
-            f"# {name} does not build on {base} ({parent}; try: python -m recipes diff {new.builds_on or base} {name})"
+            f"# {name} does not build on {base} ({parent}{f'; try: python -m recipes diff {other}' * bool(other)})"
         )
     lines = difflib.unified_diff(
         Path(old.source_file).read_text().splitlines(),

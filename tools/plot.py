@@ -46,6 +46,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     matplotlib.use("Agg")  # no display needed
     from matplotlib import pyplot as plt
 
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if Path(out).suffix.lstrip(".").lower() not in formats:  # before any folder is made or record read
+        raise RecipeError(
+            f"-o {out}: matplotlib cannot write {Path(out).suffix or 'a file without a suffix'}; use .png, .svg or .pdf"
+        )
     names = [Path(d).name for d in run_dirs]
     names = names if len(set(names)) == len(names) else [str(d) for d in run_dirs]  # runs/ddp-1 vs old/ddp-1
     runs = {name: read_records(d) for name, d in zip(names, run_dirs)}

@@ -61,6 +61,11 @@ def collated(samples: list, collate, *, spec: str):
     try:
         return (collate or default_collate)(samples)
     except Exception as err:  # e.g. sequences of different lengths and no collate_fn to pad them
+        if collate is not None:  # the user's own collate_fn
+            raise RecipeError(
+                f"--data {spec}: the factory's collate_fn raised {one_line(err).rstrip('.')} on {len(samples)} "
+                f"training samples; fix the collate_fn"
+            ) from None
         raise RecipeError(
             f"--data {spec}: collating {len(samples)} training samples raised {one_line(err)}; "
             f"return a collate_fn as the third item of the factory's result"
