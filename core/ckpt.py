@@ -30,7 +30,7 @@ from core.dist import all_gather_object, broadcast_object
 from core.folder import RunFolder, release_new, say, write_record
 from core.weights import check_model_matches, savable
 
-# The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.Meter.open_window).
+# The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}
 
 

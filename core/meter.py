@@ -63,17 +63,6 @@ class Meter:
             metrics = {**metrics, "timed_samples": metrics["samples"], "timed_count": metrics["count"]}
         self.window.add(metrics)
 
-    def open_window(self) -> dict[str, float]:
-        """The open log window's loss and accuracy sums over the job (a collective): a checkpoint keeps them, so
-        that the first record after a resume averages the same steps as the uninterrupted run's."""
-        return {k: v for k, v in self.window.reduce().items() if k in ("loss_sum", "count", "correct", "scored")}
-
-    def carry(self, window: dict[str, float], *, writer: bool) -> None:
-        """A checkpoint's open_window() back into this window: on the writer only, the sums being the job's."""
-        if writer:
-            for key, value in window.items():
-                self.window.sums[key] = self.window.sums[key] + value
-
     @contextmanager
     def paused(self):
         """Evaluation and checkpoints: not training time."""
@@ -99,6 +88,19 @@ class Meter:
     def throughput(self) -> dict[str, float]:
         """Over every window read so far: the job's training throughput, and the start-up."""
         return _rates(**self.trained) | {"startup_s": round(self.startup_s or 0.0, 3)}
+
+
+def open_window(meter: Meter) -> dict[str, float]:
+    """The open log window's loss and accuracy sums over the job (a collective): a checkpoint keeps them, so that
+    the first record after a resume averages the same steps as the uninterrupted run's."""
+    return {k: v for k, v in meter.window.reduce().items() if k in ("loss_sum", "count", "correct", "scored")}
+
+
+def carry_window(meter: Meter, window: dict[str, float], *, writer: bool) -> None:
+    """A checkpoint's open_window() back into the meter's window: on the writer only, the sums being the job's."""
+    if writer:
+        for key, value in window.items():
+            meter.window.sums[key] = meter.window.sums[key] + value
 
 
 def _rates(samples: float, tokens: float, seconds: float) -> dict[str, float]:

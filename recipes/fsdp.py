@@ -101,7 +101,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         cfg, topo, recipe="fsdp", global_batch=global_batch, newest=dcp.newest_good, header=dcp.read_metadata
     )
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
-    clock.carry(start["window"], writer=run.writer)  # the checkpoint's open log window: records go on unshifted
+    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
         folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
@@ -133,7 +133,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
                 meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=clock.open_window())
+                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with clock.paused():  # every rank writes its own shard
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)

@@ -110,7 +110,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         header=ckpt.read_metadata,
     )
     start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
-    clock.carry(start["window"], writer=run.writer)  # the checkpoint's open log window: records go on unshifted
+    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
         folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
@@ -137,7 +137,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     run, clock, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped
                 )
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=clock.open_window())
+                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with clock.paused():
                     ckpt.save_checkpoint(
                         run, model=plain, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep

@@ -95,7 +95,7 @@ def _train_state(seed=0):
 
 def test_train_state_round_trips_in_a_world_of_one(tmp_path):
     model, optimizer, scheduler = _train_state()
-    progress = {"epoch": 1, "samples": 4, "step": 3, "skipped": 0}
+    progress = {"epoch": 1, "samples": 4, "step": 3, "skipped": 0, "window": {"loss_sum": 2.5, "count": 3.0}}
     path = ckpt.save_checkpoint(
         _run(tmp_path), model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=2
     )
