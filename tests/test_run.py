@@ -182,6 +182,21 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
 
 
+def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_own_options(tmp_path):
+    """A review find: a first step that is not finite printed torch's lr_scheduler warning before the error, and
+    the error advised --clip, which ddp does not take (the CLI's pre-check refuses nan weights before this)."""
+    recipe = [sys.executable, str(REPO / "recipes" / "ddp.py"), "--model", "check_user:nan_weights"]
+    proc = subprocess.run(
+        [*recipe, "--max-steps", "2", "--out", str(tmp_path / "runs")],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Warning" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: step 1: the loss or the gradients are not finite (gradient norm nan); lower --lr, or pass "
+        "--on-nonfinite skip"
+    )
+
+
 def test_skip_on_non_finite_skips_and_counts(tmp_path):
     proc = recipes_cli(
         "run",
