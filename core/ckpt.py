@@ -168,7 +168,8 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=No
         torch.cuda.set_rng_state(tensors[f"rng/{rank}/cuda"])
     progress = {**START, **json.loads(meta["progress"])}
     shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
+    where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     return progress
 

@@ -62,7 +62,7 @@ def read_info(path: Path) -> dict:
     if (path / "ckpt").is_dir() or path.name == "ckpt":  # a run folder, or its ckpt folder: which step?
         raise RecipeError(f"--resume {path}: a folder of checkpoints, not one; pass one of them, or --resume auto")
     if path.is_file() and (path.parent / DONE).is_file():  # a file of a step folder: the folder is the checkpoint
-        raise RecipeError(f"--resume {path}: one shard file of a sharded checkpoint; pass its folder: {path.parent}")
+        raise RecipeError(f"--resume {path}: a file inside a sharded checkpoint; pass its folder: {path.parent}")
     fix = f"resume from another step-N folder in {path.parent}"
     try:
         info = json.loads((path / DONE).read_text())
@@ -402,6 +402,7 @@ def load_checkpoint(run: RunFolder, *, model, optimizer, scheduler=None, scaler=
         raise
     progress = {**START, **{k: v for k, v in found.items() if k in START}}
     shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
+    where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     return progress

@@ -27,8 +27,8 @@ def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: s
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # an ImportError, or any error raised while the module runs
-        if _interrupted(err):  # Ctrl-C during the import, which transformers' lazy import re-raises as another error
-            raise KeyboardInterrupt from None
+        if interrupt := _interrupt(err):  # Ctrl-C (or SIGTERM) in the import, re-raised by a lazy import as another
+            raise interrupt from None
         raise RecipeError(
             f"{option} {spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); is it installed or on "
             f"PYTHONPATH?"
@@ -38,8 +38,8 @@ def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: s
     return getattr(module, name)
 
 
-def _interrupted(err: BaseException | None) -> bool:
-    """Whether a KeyboardInterrupt is among the causes of `err`."""
+def _interrupt(err: BaseException | None) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt among the causes of `err`, if one is."""
     while err is not None and not isinstance(err, KeyboardInterrupt):
         err = err.__cause__ or err.__context__
-    return err is not None
+    return err

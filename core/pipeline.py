@@ -255,6 +255,11 @@ def step_pipeline(
     again) and clipped; a step whose gradients are not finite is not taken. precision "bf16": the stages' forwards
     under autocast. Returns the batch's metric sums (zeros but on the last stage) and the StepStats."""
     inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
+    if targets.is_floating_point():  # every rank holds the targets: all refuse at once, none waits for another
+        raise RecipeError(
+            f"pipeline's loss is cross-entropy over class indices; these targets are {targets.dtype} (soft labels or "
+            f"regression): give int64 class indices (-100 ignored), or train with ddp_amp or fsdp (--loss mse)"
+        )
     dp = dist.get_world_size(dp_group) if dp_group is not None else 1
     counted = targets.ne(IGNORE).sum().double()  # this pipeline's counted targets; every rank holds the targets
     if dp > 1:

@@ -136,7 +136,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             metrics, grad_norm = steps.step_plain(train_model, batch, optimizer=optimizer, loss_fn=loss_fn)
             step, consumed = step + 1, consumed + global_batch
             skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
-            scheduler.step()  # after the check: a stop at step 1 is one line, not torch's warning of a step not taken
+            scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             clock.add(metrics)
             watch.beat(step)
             profiler.step()

@@ -129,7 +129,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             metrics, grad_norm = steps.step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
             step, consumed = step + 1, consumed + global_batch
             skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
-            scheduler.step()  # after the check: a stop at step 1 is one line, not torch's warning of a step not taken
+            scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             clock.add(metrics)
             if step % cfg.log_every == 0 or step == total:
                 lr = scheduler.get_last_lr()[0]

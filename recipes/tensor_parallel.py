@@ -140,7 +140,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             )
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
-            scheduler.step()  # after the check: a stop at step 1 is one line, not torch's warning of a step not taken
+            scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             clock.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}

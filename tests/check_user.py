@@ -238,3 +238,19 @@ def nan_weights():
     with torch.no_grad():
         model[0].weight.fill_(float("nan"))
     return model
+
+
+class MaskedClasses(nn.Module):
+    """small() with two more classes that a frozen -inf mask rules out: a fixed additive mask, not a fault."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 12))
+        self.mask = nn.Parameter(torch.tensor([0.0] * 10 + [float("-inf")] * 2), requires_grad=False)
+
+    def forward(self, x):
+        return self.net(x) + self.mask
+
+
+def masked_classes():
+    return MaskedClasses()

@@ -155,7 +155,9 @@ def test_a_training_loss_that_is_not_finite_is_a_verdict_not_a_type_error():
     report = judge(
         Report(["check"]), run | {"train_loss": None}, run, Comparison(0.0, "", 0.0), half=False, distribution=False
     )
-    assert not report.equivalent and "the distributed run's training loss is not finite" in report.reason
+    assert not report.equivalent and "the distributed run's training loss is not a number (nan or inf, or no " in (
+        report.reason
+    )
     assert judge(Report(["check"]), run, run, Comparison(0.0, "", 0.0), half=False, distribution=False).equivalent
 
 
@@ -227,6 +229,36 @@ def _agrees(proc):
 @pytest.mark.parametrize("name", recipe_params(["fsdp"]))
 def test_check_passes_on_a_built_in_model(tmp_path, name):
     _agrees(_check(name, tmp_path=tmp_path))
+
+
+@pytest.mark.e2e
+def test_a_sigterm_to_check_ends_its_runs_and_is_one_line(tmp_path):
+    """A review find: SIGTERM to `check` left its torchrun running alone, and spoke of checkpoints to resume."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_launchers import alive, children, cmdline
+
+    env = user_env(PYTHONPATH=str(REPO))
+    args = [sys.executable, "-m", "recipes", "check", "ddp", "--steps", "400"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (runs := [p for p in children(proc.pid) if b"torch.distributed.run" in cmdline(p)]) or not children(
+        runs[0]
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    family = [runs[0], *children(runs[0])]  # torchrun and its ranks
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "error: stopped by SIGTERM"
+    for _ in range(120):
+        if not any(alive(p) for p in family):
+            break
+        time.sleep(0.25)
+    assert not [p for p in family if alive(p)], "check's run outlived it"
 
 
 @pytest.mark.e2e

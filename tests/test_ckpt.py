@@ -204,6 +204,8 @@ def test_resume_from_any_step_is_bitwise_exact(finished_run, tmp_path, stop):
     assert _same(_weights(tmp_path / "ddp-1" / "model.safetensors"), _weights(finished_run / "model.safetensors"))
     # A review find: the log window open at the checkpoint was lost, so the first record after a resume (and the
     # summary's train_loss, when the last window was the split one) averaged fewer steps. The checkpoint keeps it.
+    resume = [r for r in map(json.loads, (tmp_path / "ddp-1" / "metrics.jsonl").read_text().splitlines())]
+    assert [r for r in resume if r["kind"] == "resume" and "window" not in r]  # the meter's sums, not a record's
     resumed, whole = _train_records(tmp_path / "ddp-1"), _train_records(finished_run)
     assert resumed and all(numbers == pytest.approx(whole[step], rel=1e-9) for step, numbers in resumed.items())
 

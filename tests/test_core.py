@@ -153,12 +153,33 @@ def test_ctrl_c_during_a_factorys_import_is_an_interrupt_not_a_missing_module(tm
     """A review find: transformers' lazy import re-raises Ctrl-C as ModuleNotFoundError, which was reported as
     "cannot import ... is it installed or on PYTHONPATH?" with status 1."""
     (tmp_path / "lazy_user.py").write_text(
-        "try:\n    raise KeyboardInterrupt\nexcept KeyboardInterrupt as err:\n"
+        "class Stopped(KeyboardInterrupt):\n    pass\n"  # as tools.cli's SIGTERM: the same interrupt comes out
+        "try:\n    raise Stopped(15)\nexcept KeyboardInterrupt as err:\n"
         "    raise ModuleNotFoundError(\"Could not import module 'LlamaForCausalLM'\") from err\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stopped:
         resolve_factory("lazy_user:build", MODELS, option="--model")
+    assert type(stopped.value).__name__ == "Stopped" and stopped.value.args == (15,)
+
+
+def test_sigterm_and_sighup_stop_the_runner_in_one_line_but_an_ignored_one_stays_ignored(monkeypatch):
+    """A review find: `nohup python -m recipes run` (SIGHUP ignored) was stopped by SIGHUP."""
+    import signal
+
+    from tools.cli import Stopped, _stop_on_signals
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        _stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        with pytest.raises(Stopped):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def test_data_factory_must_return_a_pair(tmp_path, monkeypatch):

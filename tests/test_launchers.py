@@ -62,6 +62,12 @@ def hangs() -> nn.Module:
     return FailsOnRank1("hang")
 
 
+def slow() -> nn.Module:
+    """A factory that takes its time: the pre-check is still building the model when it is stopped."""
+    time.sleep(120)
+    return FailsOnRank1("raise")
+
+
 def env(**extra: str) -> dict[str, str]:
     tests = str(Path(__file__).parent)
     return user_env(PYTHONPATH=os.pathsep.join([str(REPO), tests]), **extra)
@@ -191,6 +197,27 @@ def test_a_rank_hangs_one_line_says_a_collective_timed_out(tmp_path):
     assert "rank 1 had not failed" in last and error_lines(proc.stderr) == [last]
     assert "Traceback" not in proc.stderr
     assert_no_torchrun_report(proc.stderr)
+
+
+@pytest.mark.e2e
+def test_a_sigterm_during_the_pre_check_ends_it_with_the_launcher_in_one_line(tmp_path):
+    """A review find: the launcher died of a SIGTERM sent while its pre-check ran, and left the pre-check running."""
+    args = [SINGLE, "ddp", *TINY, "--model", "test_launchers:slow", "--out", str(tmp_path)]
+    proc = subprocess.Popen(args, env=env(NPROC_PER_NODE="2"), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (checks := [pid for pid in children(proc.pid) if b"--dry-run" in cmdline(pid)]):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)  # the pre-check is in the factory's sleep now
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=BOUND_S)
+    for _ in range(BOUND_S * 4):  # the pre-check follows its launcher
+        if not alive(checks[0]):
+            break
+        time.sleep(0.25)
+    assert not alive(checks[0]), "the pre-check outlived its launcher"
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM)  # the shell itself dies of it
+    assert error_lines(err) == ["error: stopped by SIGTERM"], err  # the pre-check's line: no run, no checkpoint
 
 
 # --- the processes of a long run -----------------------------------------------------------------------

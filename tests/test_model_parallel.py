@@ -411,6 +411,32 @@ def pipeline_accum_clip(topo, precision):
     return {k: (full[k], v) for k, v in expected.items()} if full else None
 
 
+def pipeline_float_targets(topo):
+    """Soft labels (float targets) through the pipeline's step: every rank's error, none left waiting."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from core import pipeline
+
+    stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
+    loss_fn = pipeline.TokenLoss()
+    sched = pipeline.build_schedule(
+        "1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=2, loss_fn=loss_fn
+    )
+    tokens, soft = torch.randint(0, 40, (4, 16)), torch.rand(4, 16, 40).softmax(-1)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    try:
+        pipeline.step_pipeline(sched, [(tokens, soft)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1)
+    except RecipeError as err:
+        return str(err)
+
+
+@pytest.mark.world
+def test_pipeline_refuses_float_targets_on_every_rank_at_once(world2):
+    """A review find: soft labels passed the pre-check and crashed the last stage with torch's ValueError."""
+    first, second = world2.run(pipeline_float_targets)
+    assert first == second and first.startswith("pipeline's loss is cross-entropy over class indices; these targets")
+
+
 def _assert_pairs(pairs, **tol):
     for key, (got, want) in pairs.items():
         torch.testing.assert_close(got, want, **tol, msg=lambda m, k=key: f"{k}: {m}")

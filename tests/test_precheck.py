@@ -111,6 +111,7 @@ def test_a_model_with_nothing_to_train_or_nan_weights_is_refused_with_the_real_c
     """Review finds: a frozen model was sent between --loss auto and --loss ce; nan weights (from the factory or
     --init-from) passed, and the run failed at step 1 advising --lr and --clip."""
     assert "no parameter that requires grad, so there is nothing to train" in _refused(model="check_user:frozen")
+    assert _precheck(model="check_user:masked_classes") == []  # a frozen -inf mask trains: no refusal
     line = _refused(model="check_user:nan_weights")
     assert line.startswith("--model check_user:nan_weights: the weights 0.weight hold nan or inf before training")
     from safetensors.torch import save_file

@@ -125,7 +125,7 @@ def test_a_sharded_checkpoint_or_a_file_of_it_names_what_to_pass_instead(tmp_pat
         assert f"continue it with --resume {step}" in one_line(err)
     with pytest.raises(RecipeError) as err:
         dcp.read_info(shard)
-    assert one_line(err) == f"--resume {shard}: one shard file of a sharded checkpoint; pass its folder: {step}"
+    assert one_line(err) == f"--resume {shard}: a file inside a sharded checkpoint; pass its folder: {step}"
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,10 @@ def _finish(proc: subprocess.Popen, *, out: str, timeout_s: float) -> tuple[dict
         proc.kill()
         proc.communicate()
         return None, ("hung", f"it did not finish within {timeout_s:g}s (a rank waiting for another?)")
+    except BaseException:  # Ctrl-C or SIGTERM to check: the run ends with it (torchrun passes SIGTERM to its ranks)
+        proc.terminate()
+        proc.communicate()
+        raise
     runs = sorted(Path(out).glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in runs[-1].read_text().splitlines() if line.strip()] if runs else []
     summary = next((r for r in records if r.get("kind") == "summary"), None)
@@ -202,7 +206,8 @@ def judge(report: Report, distributed: dict, single: dict, found: Comparison, *,
         which = " and ".join(
             n for n, r in (("distributed", distributed), ("one-process", single)) if r["train_loss"] is None
         )
-        return _verdict(report, mismatch=f"the {which} run's training loss is not finite (nan or inf)")
+        why = "nan or inf, or no target counted: every one -100"
+        return _verdict(report, mismatch=f"the {which} run's training loss is not a number ({why})")
     rel_tol, loss_rtol = (HALF_REL_TOL, HALF_LOSS_RTOL) if half else (REL_TOL, LOSS_RTOL)
     loss_diff = abs(distributed["train_loss"] - single["train_loss"])
     loss_tol = loss_rtol * max(abs(single["train_loss"]), 1.0)
@@ -280,7 +285,12 @@ def _three_runs(
         "initial": ["-m", *args, "--epochs", "0", "--max-steps", "1", "--batch-size", batch],
     }
     started = {k: _start([*c, *quiet, "--out", f"{tmp}/{k}"], env=env) for k, c in commands.items()}
-    done = {k: _finish(proc, out=f"{tmp}/{k}", timeout_s=timeout_s) for k, proc in started.items()}
+    try:
+        done = {k: _finish(proc, out=f"{tmp}/{k}", timeout_s=timeout_s) for k, proc in started.items()}
+    except BaseException:  # interrupted while waiting for the first: the second ends too
+        for proc in started.values():
+            proc.kill()
+        raise
     for key, (summary, (how, why)) in done.items():
         if summary is None:
             rerun = "".join(f"{k}={v} " for k, v in env.items()) + "python " + " ".join(commands[key])

@@ -11,6 +11,7 @@ import difflib
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import click
@@ -230,8 +231,10 @@ class Stopped(KeyboardInterrupt):
 
 
 def _stop_on_signals() -> None:
-    """SIGTERM and SIGHUP end this process as Ctrl-C does, in one line naming the signal. Not in a torchrun
-    worker: torchrun and the launcher's supervisor report the signals of a launched job."""
+    """SIGTERM and SIGHUP end this process as Ctrl-C does, in one line naming the signal; one that is ignored
+    (`nohup`) stays ignored. Not in a torchrun worker: torchrun and the launcher's supervisor report the signals
+    of a launched job. The launcher's pre-check dies with the launcher (TDR_DIE_WITH_PARENT): a SIGTERM to it
+    would otherwise leave the pre-check running, alone."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return
 
@@ -239,12 +242,20 @@ def _stop_on_signals() -> None:
         raise Stopped(signum)
 
     for closing in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(closing, stop)
+        if signal.getsignal(closing) is not signal.SIG_IGN:
+            signal.signal(closing, stop)
+    if os.environ.pop("TDR_DIE_WITH_PARENT", ""):
+        from tools.worker import die_with_parent
+
+        die_with_parent(signal.SIGTERM, parent=os.getppid())
 
 
 def run_cli(args: list[str] | None = None) -> int:
     """Run the command line; user errors become one stderr line and an exit code."""
     _stop_on_signals()
+    argv = sys.argv[1:] if args is None else args
+    trains = argv[:1] == ["run"] and "--dry-run" not in argv  # only a run that trains has checkpoints to keep
+    kept = "; " + INTERRUPTED.split("; ", 1)[1] if trains else ""
     try:
         cli.main(args=args, prog_name="python -m recipes", standalone_mode=False)
         return 0
@@ -263,9 +274,9 @@ def run_cli(args: list[str] | None = None) -> int:
     except (click.exceptions.Abort, KeyboardInterrupt) as err:
         stop = err if isinstance(err, Stopped) else err.__cause__  # click turns the interrupt into Abort
         if not isinstance(stop, Stopped):
-            return fail(INTERRUPTED, 130)
+            return fail("interrupted" + kept, 130)
         signum = stop.args[0]  # the status a scheduler expects of a process its signal ended: 128 + the signal
-        return fail(f"stopped by {signal.Signals(signum).name}; {INTERRUPTED.split('; ', 1)[1]}", 128 + signum)
+        return fail(f"stopped by {signal.Signals(signum).name}{kept}", 128 + signum)
 
 
 def main() -> None:

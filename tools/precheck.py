@@ -167,7 +167,8 @@ def check_trainable(model: nn.Module, *, spec: str, init_from: str = "") -> None
             f"--model {spec}: the model has no parameter that requires grad, so there is nothing to train; return a "
             f"model with trainable parameters (unfreeze some with requires_grad_(True))"
         )
-    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(p.isfinite().all())]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a frozen -inf mask is no fault
+    bad = [n for n, p in trained if p.is_floating_point() and not bool(p.isfinite().all())]
     if bad:
         origin = f"--init-from {init_from}" if init_from else f"--model {spec}"
         raise RecipeError(
