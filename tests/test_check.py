@@ -162,6 +162,51 @@ def test_a_training_loss_that_is_not_finite_is_a_verdict_not_a_type_error():
 
 
 @pytest.mark.fast
+def test_an_interrupted_check_ends_the_run_it_waits_for(tmp_path):
+    """A review find: Ctrl-C or SIGTERM to `check` left its torchrun running alone."""
+    import signal
+    import subprocess
+
+    from tools.check import _finish
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    run = subprocess.Popen(["sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)  # the interrupt comes while check waits for its run
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _finish(run, out=str(tmp_path), timeout_s=30)
+    finally:
+        signal.signal(signal.SIGALRM, before)
+    assert run.poll() == -signal.SIGTERM  # ended, not left behind
+
+
+@pytest.mark.fast
+def test_a_sigterm_is_one_line_and_only_a_training_run_speaks_of_checkpoints(monkeypatch, capsys):
+    """A review find: SIGTERM to `check` said "checkpoints already written are kept: --resume auto ..."."""
+    import signal
+
+    from tools import cli
+
+    def stopped(**_):
+        raise cli.Stopped(15)
+
+    monkeypatch.setattr(cli.cli, "main", stopped)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}  # run_cli sets its own
+    try:
+        assert cli.run_cli(["check", "ddp"]) == 143 and capsys.readouterr().err == "error: stopped by SIGTERM\n"
+        assert cli.run_cli(["run", "ddp", "--dry-run"]) == 143
+        assert capsys.readouterr().err == "error: stopped by SIGTERM\n"  # the launcher's pre-check: no run yet
+        assert cli.run_cli(["run", "ddp"]) == 143
+        assert capsys.readouterr().err.startswith("error: stopped by SIGTERM; checkpoints already written are kept")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.fast
 def test_a_crashed_run_is_reported_as_a_crash_with_its_error_line():
     crash = Crash("the run on 2 processes", "crashed", "error: --data x: boom", "torchrun ... -m recipes run ddp")
     alone = _verdict(Report(["check"]), crash=crash).text
@@ -229,36 +274,6 @@ def _agrees(proc):
 @pytest.mark.parametrize("name", recipe_params(["fsdp"]))
 def test_check_passes_on_a_built_in_model(tmp_path, name):
     _agrees(_check(name, tmp_path=tmp_path))
-
-
-@pytest.mark.e2e
-def test_a_sigterm_to_check_ends_its_runs_and_is_one_line(tmp_path):
-    """A review find: SIGTERM to `check` left its torchrun running alone, and spoke of checkpoints to resume."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from test_launchers import alive, children, cmdline
-
-    env = user_env(PYTHONPATH=str(REPO))
-    args = [sys.executable, "-m", "recipes", "check", "ddp", "--steps", "400"]
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (runs := [p for p in children(proc.pid) if b"torch.distributed.run" in cmdline(p)]) or not children(
-        runs[0]
-    ):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    family = [runs[0], *children(runs[0])]  # torchrun and its ranks
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "error: stopped by SIGTERM"
-    for _ in range(120):
-        if not any(alive(p) for p in family):
-            break
-        time.sleep(0.25)
-    assert not [p for p in family if alive(p)], "check's run outlived it"
 
 
 @pytest.mark.e2e

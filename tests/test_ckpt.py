@@ -194,7 +194,7 @@ def finished_run(tmp_path_factory):
     return out / "ddp-1"
 
 
-@pytest.mark.parametrize("stop", [1, 13, 22, 29])
+@pytest.mark.parametrize("stop", [1, 22, 29])  # the first step, an epoch's last, and inside the last log window
 def test_resume_from_any_step_is_bitwise_exact(finished_run, tmp_path, stop):
     moved = tmp_path / f"step-{stop:06d}.safetensors"  # outside the run: the resumed run gets its own folder
     moved.write_bytes((finished_run / "ckpt" / moved.name).read_bytes())
