@@ -50,6 +50,11 @@ def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], ta
                 results.put((rank, False, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+    # Every result has been read (close() asks to stop only then): end here, past the interpreter's teardown,
+    # which with gloo's threads still alive can take seconds (or abort; see core.config.leave).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class GlooWorld:
