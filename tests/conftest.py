@@ -9,17 +9,9 @@ start more processes than this 2-core machine has cores.
     pytest                  # everything (CI)
 """
 
-import os
-import sys
-
 import pytest
 
 from world import GlooWorld
-
-# Hundreds of processes import core/, tools/ and recipes/ here: let them keep their bytecode (some machines set
-# PYTHONDONTWRITEBYTECODE, and every process would compile the project again). __pycache__ is git-ignored.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 
 LAYERS = ("fast", "world", "e2e")
 
