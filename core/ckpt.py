@@ -28,7 +28,7 @@ from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, ve
 from core.config import RecipeError
 from core.dist import all_gather_object, broadcast_object
 from core.folder import RunFolder, release_new, say, write_record
-from core.weights import check_model_matches, savable
+from core.weights import check_model_matches, model_part, savable
 
 # The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}
@@ -156,7 +156,7 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=No
         release_new(run)  # a new folder made for this resume: nothing of it is left
         raise RecipeError(payload)
     tensors, meta = payload
-    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    model.load_state_dict(model_part(tensors))
     optimizer.load_state_dict(_optimizer_state(tensors, json.loads(meta["optimizer"])))
     for holder, key in ((scheduler, "scheduler"), (scaler, "scaler")):
         if holder is not None and json.loads(meta.get(key, "null")) is not None:
@@ -191,7 +191,7 @@ def check_shapes(path: Path, tensors: dict, model: nn.Module) -> None:
     """One RecipeError line naming the keys that differ when the checkpoint holds another model than `model`.
 
     It names the missing, the unexpected and the misshapen keys."""
-    saved = {k.removeprefix("model/"): tuple(v.shape) for k, v in tensors.items() if k.startswith("model/")}
+    saved = {k: tuple(v.shape) for k, v in model_part(tensors).items()}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     fix = "resume with the --model it was trained with, or start a new run"
     check_model_matches(path, saved, expected, fix=fix)

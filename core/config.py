@@ -166,7 +166,8 @@ def cli_main(main: Callable, config: type) -> None:
     leave(parse_and_run)
 
 
-INTERRUPTED = "interrupted; checkpoints already written are kept: --resume auto continues from the newest"
+KEPT = "checkpoints already written are kept: --resume auto continues from the newest"  # after a stopped run
+INTERRUPTED = f"interrupted; {KEPT}"
 
 
 def leave(run: Callable[[], int]) -> None:

@@ -43,7 +43,7 @@ from core.ckpt_io import atomic_write
 from core.config import RecipeError
 from core.dist import all_gather_object
 from core.folder import RunFolder, release_new, say, write_record
-from core.weights import check_model_matches
+from core.weights import check_model_matches, model_part
 
 FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
 DONE = "checkpoint.json"
@@ -179,7 +179,7 @@ def _root(model: nn.Module | list[nn.Module]) -> nn.Module:
 
 def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     """The model's whole shapes (DTensor.shape is the whole tensor's), merged over ranks: a collective."""
-    mine = {k.removeprefix("model/"): list(v.shape) for k, v in tensors.items() if k.startswith("model/")}
+    mine = {k: list(v.shape) for k, v in model_part(tensors).items()}
     return {k: v for shapes in all_gather_object(mine) for k, v in shapes.items()}
 
 
@@ -358,7 +358,7 @@ def load_sharded(
     rng = {k: v for k, v in _rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
     optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
     dcp.load(_untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    model_sd = model_part(tensors)
     set_state_dict(_root(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if scheduler is not None and info["scheduler"] is not None:
         scheduler.load_state_dict(info["scheduler"])

@@ -51,6 +51,11 @@ def weight_files(path: str) -> list[Path]:
     return files
 
 
+def model_part(tensors: dict) -> dict:
+    """A training checkpoint's model entries (keys `model/NAME`) under the model's own names."""
+    return {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+
+
 def _index_files(index: Path, *, path: str) -> list[str]:
     """The files a Hugging Face index's weight_map names, each once; one line when the index is not one."""
     try:
@@ -81,7 +86,7 @@ def read_weights(path: str, *, shapes_only: bool = False) -> dict:
         if "checksums" in meta and not shapes_only:  # written by this project; Hugging Face files carry none
             verify(file, read_header(file), part, fix="use an undamaged copy of it")
         if "progress" in meta:  # a training checkpoint of this project's (core.ckpt): its model/ part is the weights
-            part = {k.removeprefix("model/"): v for k, v in part.items() if k.startswith("model/")}
+            part = model_part(part)
         found |= part
     return found
 

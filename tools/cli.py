@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from core.config import INTERRUPTED, RecipeError, UsageError, fail, leave, parse_args
+from core.config import KEPT, RecipeError, UsageError, fail, leave, parse_args
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -255,7 +255,7 @@ def run_cli(args: list[str] | None = None) -> int:
     _stop_on_signals()
     argv = sys.argv[1:] if args is None else args
     trains = argv[:1] == ["run"] and "--dry-run" not in argv  # only a run that trains has checkpoints to keep
-    kept = "; " + INTERRUPTED.split("; ", 1)[1] if trains else ""
+    kept = f"; {KEPT}" if trains else ""
     try:
         cli.main(args=args, prog_name="python -m recipes", standalone_mode=False)
         return 0

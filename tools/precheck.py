@@ -162,12 +162,12 @@ def check_model(spec: str) -> nn.Module:
 def check_trainable(model: nn.Module, *, spec: str, init_from: str = "") -> None:
     """Something to train, and weights that are numbers: a model with no parameter that requires grad, or one
     starting from nan or inf, is one line (its run would fail at the first step, blaming --lr)."""
-    if not any(p.requires_grad for p in model.parameters()):
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a frozen -inf mask is no fault
+    if not trained:
         raise RecipeError(
             f"--model {spec}: the model has no parameter that requires grad, so there is nothing to train; return a "
             f"model with trainable parameters (unfreeze some with requires_grad_(True))"
         )
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a frozen -inf mask is no fault
     bad = [n for n, p in trained if p.is_floating_point() and not bool(p.isfinite().all())]
     if bad:
         origin = f"--init-from {init_from}" if init_from else f"--model {spec}"
