@@ -42,7 +42,7 @@ from core.ckpt import START
 from core.ckpt_io import atomic_write
 from core.config import RecipeError
 from core.dist import all_gather_object
-from core.folder import RunFolder, release_new, say, write_record
+from core.records import RunFolder, release_new, say, write_record
 from core.weights import check_model_matches, model_part
 
 FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from core.config import Options, RecipeError, option
-from core.folder import RunFolder, say
+from core.records import RunFolder, say
 from core.weights import tied_names
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from core.ckpt_io import atomic_write
 from core.config import Options, RecipeError, option
-from core.folder import RunFolder
+from core.records import RunFolder
 
 TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name
 WANDB_FILE = "wandb-run.json"
@@ -119,7 +119,7 @@ class Trackers:
 def attach(run: RunFolder, cfg: Tracking, *, step: int, header) -> RunFolder:
     """`run`, whose records also go to the trackers --log-to names (rank 0 only).
 
-    core.folder.write_record hands them on; one W&B run for the job. `step`: the optimizer step training continues
+    core.records.write_record hands them on; one W&B run for the job. `step`: the optimizer step training continues
     after; `header(path)`: a checkpoint's metadata, whose "trackers" entry (state()) continues the W&B run the
     checkpoint was logged to."""
     kinds = check_trackers(cfg.log_to)

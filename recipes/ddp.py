@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, data, dist, folder, hf, meter, models, replicas, steps, weights
+from core import ckpt, data, dist, folder, hf, meter, models, records, replicas, steps, weights
 from core.config import Checkpointing, DDPOptions, Training, cli_main
 from core.loss import make_loss
 
@@ -70,7 +70,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
 
     # Train. DDP averages the gradients inside backward(): every replica takes the same step.

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import amp, ckpt, data, dist, folder, hf, meter, models, replicas, steps, stream, trackers, weights
+from core import amp, ckpt, data, dist, folder, hf, meter, models, records, replicas, steps, stream, trackers, weights
 from core.config import Checkpointing, DDPOptions, RecipeError, Training, cli_main, with_default
 from core.exact_loss import forward_sums, make_exact_loss
 
@@ -90,7 +90,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, comm, data, dist, folder, hf, meter, models, monitor, replicas, steps, trackers, weights
+from core import ckpt, comm, data, dist, folder, hf, meter, models, monitor, records, replicas, steps, trackers, weights
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.config import Checkpointing, DDPOptions, Training, cli_main
 from core.loss import make_loss
@@ -115,7 +115,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
     saver = CheckpointSaver(background=cfg.ckpt_async)  # --ckpt-async: a thread writes the file

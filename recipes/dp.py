@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import ckpt, data, dist, folder, hf, meter, models, steps, weights
+from core import ckpt, data, dist, folder, hf, meter, models, records, steps, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main
 from core.loss import make_loss
 
@@ -65,14 +65,14 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    folder.say(
+    records.say(
         run,
         f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"
         if gpus >= 2
         else f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training",
     )
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
 
     # Train. DataParallel scatters each batch from the first GPU and gathers the outputs back on it.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, trackers, weights
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, records, replicas, stream, trackers, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 from core.exact_loss import forward_sums, make_exact_loss
 
@@ -103,7 +103,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, pipeline, trackers, weights
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, pipeline, records, trackers, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 
 
@@ -132,10 +132,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = dcp.load_checkpoint(run, model=stages, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
-    folder.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
+    records.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
     # Train. Every rank calls the schedule with the whole batch; the first stage reads the inputs, the last the targets.
     step, skipped, evaluation = start["step"], start["skipped"], {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import ckpt, data, dist, folder, hf, meter, models, pipeline, steps, weights
+from core import ckpt, data, dist, folder, hf, meter, models, pipeline, records, steps, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, with_default
 from core.loss import make_loss
 
@@ -112,10 +112,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
+        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
         return {"steps": start["step"], "already_finished": True}
     placed = [(str(d), len(ix)) for d, ix in model.placement]
-    folder.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
+    records.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
 
     # Train. One batch at a time through every device in turn.
     step, skipped, evaluation = start["step"], start["skipped"], {}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.config import INTERRUPTED
-from core.folder import RunFolder, repair_records, write_record
+from core.records import RunFolder, repair_records, write_record
 from helpers import REPO, recipes_cli, user_env
 
 pytestmark = pytest.mark.e2e
