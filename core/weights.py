@@ -18,7 +18,7 @@ from torch import nn
 
 from core.ckpt_io import atomic_write, read_header, verify, write_safetensors
 from core.config import RecipeError
-from core.folder import RunFolder
+from core.records import RunFolder
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from core import ckpt, ckpt_async
 from core.ckpt_io import list_checkpoints
 from core.config import RecipeError, UsageError, parse_args
-from core.folder import RunFolder
+from core.records import RunFolder
 from recipes import ddp_monitored
 from tiny import TiedMLP
 from tools.cli import _explained

@@ -13,7 +13,8 @@ from core import ckpt
 from core.checksum import checksum
 from core.ckpt_io import read_header, remove_stale_temporaries
 from core.config import RecipeError
-from core.folder import RunFolder, check_continues
+from core.folder import check_continues
+from core.records import RunFolder
 from tiny import TiedMLP
 from world import GlooWorld
 

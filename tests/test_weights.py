@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 from transformers.utils import logging as hf_logging
 
 from core.config import RecipeError
-from core.folder import RunFolder
 from core.hf import hf_model, write_hf_folder
+from core.records import RunFolder
 from core.weights import check_weights, load_weights, read_weights, write_weights
 
 
