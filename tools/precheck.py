@@ -25,6 +25,7 @@ from core.data import to_device
 from core.dist import Topology
 from core.factory import resolve_factory
 from core.loss import make_loss
+from core.loss_options import choose_loss
 from tools.probes import (
     batchnorm_layers,
     check_call,
@@ -208,7 +209,7 @@ def check_step(model: nn.Module, batch, *, model_spec: str, data_spec: str, loss
     batch = to_device(batch, device)
     synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
     try:
-        loss_fn = make_loss(loss, model=model)
+        loss_fn = choose_loss(loss, make_loss(model=model), model=model)  # as the recipes take it
         check_call(model, batch, loss_fn, where=where)
         for layer in synced:  # SyncBatchNorm trains on GPUs only; here its running statistics stand in
             layer.eval()
