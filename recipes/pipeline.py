@@ -169,9 +169,15 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 with clock.paused():  # every rank writes its own stages
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # forward only, through the same schedule: K batches a run, as in training
+        with clock.paused():  # forward only, through the same schedule: K batches a run, the smaller last one too
             evaluation = pipeline.evaluate_pipeline(
-                schedule, val_loader, loss_fn=loss_fn, accum=cfg.accum, holds_last=holds_last, device=topo.device
+                schedule,
+                val_loader,
+                stages=stages,
+                loss_fn=loss_fn,
+                accum=cfg.accum,
+                holds_last=holds_last,
+                device=topo.device,
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
