@@ -27,6 +27,7 @@ class Recipe:
     builds_on: str | None = None
     multi_node: bool = True  # False: one process drives every local device (the launcher starts one)
     opt_ins: tuple[str, ...] = ()  # the core modules it takes beyond ddp's (the base): `ls` shows them
+    mean_per_replica: bool = False  # each replica's loss is its own batch's mean, and the replicas are averaged
 
     @property
     def streams(self) -> bool:
@@ -42,7 +43,9 @@ class Recipe:
 
 
 _BUILT_IN = [
-    Recipe("ddp", "recipes.ddp", "DistributedDataParallel: the base every other recipe builds on"),
+    Recipe(
+        "ddp", "recipes.ddp", "DistributedDataParallel: the base every other recipe builds on", mean_per_replica=True
+    ),
     Recipe(
         "ddp_amp",
         "recipes.ddp_amp",
@@ -56,6 +59,7 @@ _BUILT_IN = [
         "ddp + step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile",
         builds_on="ddp",
         opt_ins=("monitor", "metrics", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
+        mean_per_replica=True,
     ),
     Recipe(
         "dp",
@@ -63,6 +67,7 @@ _BUILT_IN = [
         "nn.DataParallel in one process (plain training with <2 GPUs)",
         builds_on="ddp",
         multi_node=False,
+        mean_per_replica=True,  # where the model computes its loss: each GPU's replica returns its mean
     ),
     Recipe(
         "fsdp",
