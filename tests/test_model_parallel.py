@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from core import amp, data, grads, models, steps
 from core.config import RecipeError
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
+from helpers import unfinished
 from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng
 from world import GlooWorld
 
@@ -185,12 +186,18 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _resumed(world, name: str, cfg, finished: dict, tmp_path, *, stop: int, **changes) -> dict:
-    """Copy the finished run's step-`stop` checkpoint into a fresh --out and continue it with --resume auto."""
+def _resumed(world, name: str, cfg, finished: dict, tmp_path, *, stop: int, monkeypatch=None, **changes) -> dict:
+    """Copy the finished run's step-`stop` checkpoint into a fresh --out and continue it with --resume auto (after
+    the launchers' pre-check, with `monkeypatch`)."""
     out = tmp_path / "resumed"
     source = finished["weights"].replace("model.safetensors", f"ckpt/step-{stop:06d}")
     shutil.copytree(source, out / f"{name}-1" / "ckpt" / f"step-{stop:06d}")
-    return world.run(run_recipe, name, cfg.replace(out=str(out), resume="auto", **changes))[0]
+    resumed = cfg.replace(out=str(out), resume="auto", **changes)
+    if monkeypatch is not None:
+        with monkeypatch.context() as env:
+            env.setenv("WORLD_SIZE", str(world.world_size))
+            _check_resume(name, resumed)
+    return world.run(run_recipe, name, resumed)[0]
 
 
 RESUMABLE = {  # name: (options, changes that keep the global batch on one rank; None: not tried there)
@@ -220,10 +227,7 @@ def test_resume_at_the_same_world_size_is_bitwise(world2, world1, tmp_path, monk
     cfg = config(name, out=str(tmp_path / "whole"), max_steps=4, ckpt_every=2, keep=5, **options)
     finished = world2.run(run_recipe, name, cfg)[0]
     weights = load_file(finished["weights"])
-    with monkeypatch.context() as env:
-        env.setenv("WORLD_SIZE", "2")
-        _check_resume(name, cfg.replace(resume="auto"))
-    resumed = _resumed(world2, name, cfg, finished, tmp_path / "two", stop=2)
+    resumed = _resumed(world2, name, cfg, finished, tmp_path / "two", stop=2, monkeypatch=monkeypatch)
     assert resumed["steps"] == 4 and _same(load_file(resumed["weights"]), weights)
     if on_one is not None:
         alone = _resumed(world1, name, cfg, finished, tmp_path / "one", stop=2, **on_one)
@@ -255,7 +259,7 @@ def test_fsdp_checkpoints_tied_weights_and_resumes_bitwise(world2, tmp_path):
 def test_a_checkpoint_under_another_recipe_or_precision_is_refused_in_one_line(world2, tmp_path, monkeypatch):
     """14.7: the pre-check names both sides: an fsdp checkpoint under tensor_parallel, a bf16 one resumed in fp32."""
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=2, precision="bf16")
-    path = Path(world2.run(run_recipe, "fsdp", cfg)[0]["weights"]).parent / "ckpt" / "step-000002"
+    path = unfinished(Path(world2.run(run_recipe, "fsdp", cfg)[0]["weights"]).parent) / "ckpt" / "step-000002"
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="a checkpoint of recipe fsdp, and this run is tensor_parallel.*with fsdp"):
         _check_resume("tensor_parallel", config("tensor_parallel", out=str(tmp_path), resume=str(path)))
@@ -279,7 +283,7 @@ def test_a_missing_shard_is_skipped_by_auto_and_named_for_a_path(world2, tmp_pat
 
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=1, keep=5)
     finished = world2.run(run_recipe, "fsdp", cfg)[0]
-    run_dir = Path(finished["weights"]).parent
+    run_dir = unfinished(Path(finished["weights"]).parent)  # as if the job had died: it resumes
     lost = sorted((run_dir / "ckpt" / "step-000002").glob("shard-*.safetensors"))[1]
     lost.unlink()
     explicit = cfg.replace(resume=str(run_dir / "ckpt" / "step-000002"))
