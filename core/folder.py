@@ -22,7 +22,7 @@ from pathlib import Path
 from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object
-from core.records import RunFolder, repair_records
+from core.records import RunFolder, open_log, repair_records
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
@@ -49,6 +49,7 @@ def open_run(
     if isinstance(choice, str):
         raise RecipeError(choice)
     run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.is_rank0, lock)
+    open_log(run)  # rank 0: from here every line it prints also goes to RUN/train.log
     if run.writer:  # on stderr: the launcher's supervisor reads it to say which checkpoint a stopped job kept
         print(f"run folder {run.path}", file=sys.stderr, flush=True)
     return run

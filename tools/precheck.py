@@ -10,7 +10,6 @@ recipe does not carry it: `python -m recipes run` does.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import inspect
 import os
 import tempfile
@@ -286,16 +285,6 @@ def check_writable(out: str) -> None:
             pass
     except OSError as err:
         raise RecipeError(f"--out {out}: cannot write there ({err.strerror or err}); pick a writable one") from None
-
-
-def disk_error(err: OSError) -> str:
-    """A failed write as one line: for a full disk with the folder and the bytes free, else with the OS's reason."""
-    path = Path(err.filename or ".")
-    folder_ = next((p for p in [path, *path.parents] if p.exists()), Path("."))
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = os.statvfs(folder_).f_bavail * os.statvfs(folder_).f_frsize
-        return f"{folder_}: the disk is full ({free:,} bytes free); free some space or point --out at another disk"
-    return f"{err.filename or folder_}: {err.strerror or err}; check the folder"
 
 
 def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -> None:
