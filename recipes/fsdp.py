@@ -70,7 +70,7 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
     if done := folder.finished(cfg, topo, recipe="fsdp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum

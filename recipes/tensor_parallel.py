@@ -91,7 +91,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
     if done := folder.finished(cfg, topo, recipe="tensor_parallel"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch

@@ -92,6 +92,12 @@ def short_text():
     return train, torch.utils.data.Subset(val, range(40))
 
 
+def odd_text():
+    """The `text` data with 37 validation windows: no group of a schedule divides them (16 + 16 + 5 at 2 x 8)."""
+    train, val = short_text()
+    return train, torch.utils.data.Subset(val, range(37))
+
+
 def tiny_llama() -> nn.Module:
     """A transformers Llama from a tiny config (no download) over the text data's 128 characters: it declares its
     own tensor-parallel plan (config.base_model_tp_plan)."""

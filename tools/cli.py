@@ -36,15 +36,13 @@ def cli():
 
 @cli.command("ls")
 def list_recipes():
-    """A table of the recipes: name, what it builds on, multi-node, the opt-in modules it takes, what it shows."""
-    rows = [("name", "builds on", "multi-node", "opt-ins (core/)", "what it shows")]
-    rows += [
-        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", ", ".join(r.opt_ins) or "-", r.summary)
-        for _, r in sorted(RECIPES.items())
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    """The recipes as a markdown table (the README shows it as printed): name, what it builds on, multi-node, what
+    it shows, the opt-in core modules it takes."""
+    click.echo("| recipe | builds on | multi-node | what it shows | opt-ins it takes (`core/`) |")
+    click.echo("|---|---|---|---|---|")
+    for r in RECIPES.values():  # the registry's order: the base first, each recipe after what it builds on
+        cells = [f"`{r.name}`", f"`{r.builds_on}`" if r.builds_on else "-", "yes" if r.multi_node else "no"]
+        click.echo("| " + " | ".join([*cells, r.summary, ", ".join(r.opt_ins) or "-"]) + " |")
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "help_option_names": []})
