@@ -106,9 +106,21 @@ def _explained(err: UsageError, name: str, config: type) -> UsageError:
 @click.option(
     "--standalone", is_flag=True, help="one file with the core code it uses inlined: needs only torch and safetensors"
 )
-def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
-    """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone)."""
+@click.option(
+    "--with",
+    "features",
+    default="",
+    metavar="FEATURE,...",
+    help="with --standalone: the features to keep (init_from, hf, trackers, factories; all: every one the recipe has)",
+)
+def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, features: str = ""):
+    """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone).
+
+    A standalone copy is lean: the features it leaves out are listed in its header, each with the --with that
+    brings it back."""
     recipe = _recipe(name)
+    if features and not standalone:
+        raise click.UsageError("--with: only a --standalone copy leaves features out; add --standalone")
     target = Path(dest)
     if target.exists() and not force:
         raise click.UsageError(f"{dest} exists; pass --force to overwrite it or pick another name")
@@ -116,9 +128,15 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
         raise click.UsageError(f"{dest}: the folder {target.parent} does not exist; create it or pick another place")
     text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     if standalone:  # the launcher's lines become torchrun ones; a one-process recipe gets one process
-        from tools.standalone import standalone_source
+        from tools.features import builtin_defaults, features_of, parse_with
+        from tools.standalone import StandaloneError, standalone_source
 
-        defaults = recipe.load().Config()  # the copy carries the recipe's default model and data, no other built-in
+        config = recipe.load().Config
+        try:
+            kept = parse_with(features, config=config)
+        except StandaloneError as err:
+            raise click.UsageError(str(err)) from None
+        defaults = config()  # the copy carries the recipe's default model and data, no other built-in
         text = standalone_source(
             text,
             name=name,
@@ -126,6 +144,8 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
             nproc=2 if recipe.multi_node else 1,
             keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
             left_out=LEFT_OUT,
+            without=tuple(f for f in features_of(config) if f not in kept),
+            defaults=builtin_defaults(defaults),
         )
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"

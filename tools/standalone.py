@@ -23,6 +23,7 @@ import textwrap
 from bisect import bisect_right
 from collections.abc import Iterable
 
+from tools.features import FEATURES, drop_features
 from tools.inline_deps import _Inliner, _key
 from tools.inline_refs import RECIPE, Chunk, Module, StandaloneError, _inlined  # noqa: F401 (StandaloneError: API)
 
@@ -275,19 +276,27 @@ def standalone_source(
     keep_builtins: dict[str, str] | None = None,
     first: tuple[str, ...] = STEP_MODULES,
     left_out: str = "",
+    without: tuple[str, ...] = (),
+    defaults: dict[str, tuple[str, str]] | None = None,
 ) -> str:
     """The text of one Python file that runs recipe `name` (its `source`) with nothing from `packages`.
 
     `dest` is the file's name as the user runs it (the docstring's launch lines use it); `nproc`
     the process count a `./launch_single_node.sh` line started, now written out for torchrun; `first`: the
     modules placed right after the recipe's functions; `left_out`: what the package's runner has that the copy
-    does not, for the header. The text is `ruff format`ted where ruff is installed.
+    does not, for the header; `without`: the features (tools.features) the copy leaves out, `defaults` the
+    built-ins (option -> (module, function)) that replace the factories. The text is `ruff format`ted where ruff
+    is installed.
     """
-    inliner = _Inliner(packages, keep_builtins=keep_builtins)
-    recipe = inliner.load(RECIPE, source.encode())
+
+    def drop(module: str, text: bytes) -> bytes:
+        return drop_features(text, module=module, off=set(without), defaults=defaults or {})
+
+    inliner = _Inliner(packages, keep_builtins=keep_builtins, drop=drop)
+    recipe = inliner.load(RECIPE, drop(RECIPE, source.encode()))
     inliner.include_recipe(recipe)
     names = inliner.names(recipe)
-    own_imports = {_key(t): n for n, t in recipe.globals.items() if t[0] == "ext"}
+    own_imports = {_key(t): n for n, t in recipe.globals.items() if t[0] == "ext" and _key(t) in inliner.discovered}
     used = {k: names[k] for k in inliner.discovered if k[0] == "ext"} | own_imports
     chunks = inliner.ordered_chunks(first=first)
     needs, lazy = _requirements(inliner, used)
@@ -301,6 +310,8 @@ def standalone_source(
     ]
     if left_out:
         header.append(f"# Left out: {left_out} (`python -m recipes run {name}` has them).")
+    for feature in without:  # one line each, with the option that brings it back
+        header.append(f"# Left out: {FEATURES[feature].says}; `--with {feature}` adds it.")
     header = "\n".join(textwrap.fill(line, width=118, subsequent_indent="# ") for line in header)
     top = [_launch_lines(docstring, dest, nproc).rstrip("\n"), header] if docstring else [header]
     # the recipe's functions come before the helpers their annotations name: annotations must not be evaluated
