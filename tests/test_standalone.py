@@ -12,6 +12,7 @@ import ast
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,8 @@ from safetensors.torch import load_file
 
 from helpers import REPO, recipe_params, run, torchrun, user_env, waiting
 from tools.cli import cli
-from tools.registry import RECIPES
 from tools.features import FEATURES, features_of
+from tools.registry import RECIPES
 from tools.standalone import StandaloneError, copy_size, standalone_source
 
 NAMES = sorted(RECIPES)
@@ -252,6 +253,26 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
             assert torch.equal(mine[key], theirs[key]), f"{name} ({copied}) on {nproc} processes: {key} differs"
 
 
+@pytest.mark.world
+@pytest.mark.parametrize("name,variant", VARIANTS)
+def test_every_option_of_every_copy_is_read(project, name, variant, tmp_path, monkeypatch):
+    """The options walk of tests/test_options.py on each copy variant, in this process (a world of one): a copy
+    that declares an option its run never reads would ignore it silently."""
+    from test_options import NEVER_READ_IN_ONE_PROCESS, recording, walk_values
+
+    monkeypatch.setenv("TDR_DEVICE", "cpu")
+    copy = runpy.run_path(str(project / "project" / f"{_stem(name, variant)}.py"), run_name="standalone_copy")
+    fields = set(copy["Config"].__dataclass_fields__)
+    cfg = recording(copy["Config"])(**walk_values(name, fields, tmp_path))
+    try:
+        copy["main"](cfg)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    unread = fields - cfg._read - NEVER_READ_IN_ONE_PROCESS
+    assert not unread, f"{name}'s copy ({variant or 'lean'}) takes options its run never reads: {sorted(unread)}"
+
+
 def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path):
     dest = tmp_path / "train.py"
     assert CliRunner().invoke(cli, ["cp", "dp", str(dest), "--standalone"]).exit_code == 0
@@ -384,3 +405,54 @@ def test_a_helpers_docstring_is_cut_to_its_first_sentence_not_its_first_line():
     )
     doc = ast.get_docstring(next(n for n in ast.parse(text).body if getattr(n, "name", "") == "in_step"))
     assert doc.endswith("until every rank's share is done.") and "\n" in doc  # two lines: one sentence
+
+
+# --- features: what a lean copy leaves out, and what the generator refuses to guess ------------------------------
+
+
+def _lean(source: str) -> str:
+    return standalone_source(source, name="demo", dest="demo.py", without=tuple(FEATURES), defaults={})
+
+
+@pytest.mark.fast
+def test_a_statement_mixing_two_features_is_refused_naming_its_line():
+    source = (
+        '"""demo."""\nfrom core import hf, weights\n\n\n'
+        "def train(cfg, run, model):\n"
+        "    weights.load_weights(model, cfg.init_from)\n"
+        "    hf.write_hf_folder(run, model, {}, attr=cfg.hf_attr, max_shard_mb=1.0 if cfg.init_from else 2.0)\n"
+        "    return model\n"
+    )
+    with pytest.raises(StandaloneError, match="the recipe line 7: one statement mixes the features hf, init_from"):
+        _lean(source)
+
+
+@pytest.mark.fast
+def test_a_features_statements_go_with_its_if_and_its_with_keeps_its_body():
+    text = _lean(
+        '"""demo."""\nfrom core import hf, weights\n\n\n'
+        "def train(cfg, run, model):\n"
+        "    if cfg.init_from:\n"
+        "        weights.load_weights(model, cfg.init_from)\n"
+        "    with hf.hf_model(model) as lender:\n"
+        "        model = model.double()\n"
+        "    return model\n"
+    )
+    body = text[text.index("\ndef train(") :]
+    assert "init_from" not in body and "load_weights" not in text and "hf_model" not in text
+    assert "\n    model = model.double()\n    return model\n" in text
+
+
+@pytest.mark.fast
+def test_a_feature_in_what_a_function_returns_is_refused():
+    with pytest.raises(StandaloneError, match="line 6: the feature init_from is part of what the function returns"):
+        _lean('"""demo."""\n\n\ndef train(cfg):\n    x = 1\n    return x, cfg.init_from\n')
+
+
+@pytest.mark.fast
+def test_with_names_the_valid_features_in_one_line(tmp_path):
+    bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,lock,meter"])
+    assert bad.exit_code == 2 and not (tmp_path / "a.py").exists()
+    assert "--with lock,meter: choose from all, init_from, hf, factories" in bad.output
+    alone = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "b.py"), "--with", "hf"])
+    assert alone.exit_code == 2 and "--with: only a --standalone copy leaves features out" in alone.output
