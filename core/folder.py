@@ -22,7 +22,7 @@ from pathlib import Path
 from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object
-from core.records import RunFolder, repair_records
+from core.records import RunFolder, open_log, repair_records
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
@@ -48,14 +48,55 @@ def open_run(
     if isinstance(choice, str):
         raise RecipeError(choice)
     run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.is_rank0, lock)
+    open_log(run)  # rank 0: from here every line it prints also goes to RUN/train.log
     if run.writer:  # on stderr: the launcher's supervisor reads it to say which checkpoint a stopped job kept
         print(f"run folder {run.path}", file=sys.stderr, flush=True)
     return run
 
 
+def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
+    """A run that --resume (or torchrun's restart) continues and that is finished: its summary record, said in one
+    line; None when there is something to train. Decided from the folder alone, before anything is built, checked,
+    locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
+    found = finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.is_rank0 else None
+    found = broadcast_object(found)  # rank 0 reads the folder: other nodes need not see it
+    if found is None:
+        return None
+    if topo.is_rank0:
+        print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
+    return {**found[1], "already_finished": True}
+
+
+def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str, dict] | None:
+    """(the folder, its summary record) when `resume` ('auto', or a checkpoint RUN/ckpt/step-N) continues a run that
+    is finished: one whose metrics.jsonl holds its summary record. The summary is written last, after
+    model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
+    checkpoint, resumed, writes what is missing."""
+    if resume == "auto":
+        runs = run_dirs(out, prefix)
+        run_dir = runs[-1] if runs else None
+    else:
+        run_dir = Path(resume).parent.parent if resume and Path(resume).parent.name == "ckpt" else None
+    if run_dir is None or not (run_dir / "metrics.jsonl").is_file():
+        return None
+    for line in reversed((run_dir / "metrics.jsonl").read_bytes().splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line
+            continue
+        if isinstance(record, dict) and record.get("kind") == "summary":
+            return str(run_dir), {k: v for k, v in record.items() if k != "kind"}
+    return None
+
+
+def resume_of(cfg) -> str:
+    """'auto', a checkpoint path, or '' (a new run): torchrun's restart of a job resumes it as 'auto' does."""
+    return cfg.resume or ("auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else "")
+
+
 def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> tuple[dict, object]:
     prefix = cfg.name or config["recipe"]  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start anew
-    resume = cfg.resume or ("auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else "")
+    resume = resume_of(cfg)
     runs = run_dirs(cfg.out, prefix)
     if resume == "auto":
         resume_from = newest(runs[-1]) if runs else None

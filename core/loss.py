@@ -1,8 +1,10 @@
 """The loss contract: how a batch is passed to the model, what the model may return, which loss is taken.
 
-Batches: `(input, target)` pairs and `(input, ..., target)` tuples, called as `model(input, ...)`; dicts of
-tensors, called as `model(**batch)`, whose targets are `labels`. A model whose forward takes the targets
-(`targets` as nanoGPT's, `labels` as transformers') is given them, and its own loss is used.
+What a sample means (the README's table): an `(input, target)` pair, or `(input, ..., target)`, carries a target
+aligned with the model's output: the loss compares output[..., t] with target[..., t], called as `model(input, ...)`.
+So a pair's target is never passed as `labels` (transformers would shift it once more): cross-entropy on the logits,
+or the model's own loss when its forward takes `targets` and compares them unshifted (nanoGPT). A dict of tensors
+follows transformers' convention: `model(**batch)`, the model shifts its `labels`, and its own loss is used.
 Outputs: a tensor (logits); a tuple or list (logits first; `(logits, loss)`; `(loss, logits, ...)` as
 transformers returns with return_dict=False); a dict or `ModelOutput` with `loss` and/or `logits`.
 Targets equal to -100 count nowhere, as in cross_entropy and transformers. Each micro-batch's loss is its
@@ -23,7 +25,7 @@ from core.factory import resolve_factory
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
 LOSSES = ("auto", "ce", "mse", "model")
-TARGET_PARAMETERS = ("targets", "labels")  # nanoGPT's forward(idx, targets=None), transformers' forward(..., labels)
+TARGETS = "targets"  # nanoGPT's forward(idx, targets=None): given a pair's target, unshifted; never `labels`
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class Loss:
 
     spec: str = "auto"
     fn: Callable | None = None  # a module:function loss, called as fn(outputs, batch)
-    targets_as: str | None = None  # the forward's parameter that takes the targets, when the model computes a loss
+    targets_as: str | None = None  # the forward's parameter that takes a pair's target, when the model computes a loss
+    labels_only: bool = False  # --loss model on a forward that takes `labels` alone: refused for pairs (call_model)
 
 
 def make_loss(spec: str, *, model: nn.Module) -> Loss:
@@ -44,7 +47,9 @@ def make_loss(spec: str, *, model: nn.Module) -> Loss:
     if spec not in LOSSES:
         return Loss(spec, resolve_factory(spec, dict.fromkeys(LOSSES), option="--loss"))
     params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
-    named = next((p.name for p in params if p.name in TARGET_PARAMETERS), None)
+    named = TARGETS if any(p.name == TARGETS for p in params) else None
+    if spec == "model" and not named and any(p.name == "labels" for p in params):  # transformers': it shifts
+        return Loss(spec, labels_only=True)
     second = params[1].name if len(params) > 1 and params[1].kind != inspect.Parameter.VAR_POSITIONAL else None
     if spec == "model" and not (named or second):
         raise RecipeError(
@@ -74,11 +79,17 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 def call_model(model: nn.Module, batch, loss: Loss, **extra):
     """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple.
 
-    A tuple's targets are passed where the model takes them for its own loss. `extra`: more keyword arguments for
-    the model (num_items_in_batch)."""
+    A tuple's targets are passed where the model takes them for its own loss (`targets`, never `labels`). `extra`:
+    more keyword arguments for the model (num_items_in_batch)."""
     if isinstance(batch, Mapping):
         return model(**batch, **extra), batch.get("labels")
     *inputs, targets = batch
+    if loss.labels_only:
+        raise RecipeError(
+            f"--loss model: {type(model).__name__} takes its targets as `labels` and shifts them (transformers' "
+            f"convention), while an (input, target) sample's target is aligned with the output; give dict samples "
+            f"with `labels` (the model shifts them), or use --loss ce"
+        )
     if loss.targets_as and loss.spec in ("auto", "model"):
         return model(*inputs, **{loss.targets_as: targets}, **extra), targets
     return model(*inputs), targets
@@ -110,10 +121,30 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
             )
         mean = nn.functional.mse_loss(logits.float(), targets.float())
     else:
+        check_aligned(logits, targets)
         mean = nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
     known = shift is not None or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)
     samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))
+
+
+def check_aligned(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """One RecipeError line when the logits (..., classes) do not give one prediction per target, as cross-entropy
+    compares logits[..., t, :] with targets[..., t]: nanoGPT's inference path (logits[:, [-1], :] when it is given
+    no targets) is named with its fix. The cause and the fix are one clause, as the pre-check quotes it."""
+    if logits.shape[:-1].numel() == targets.numel():
+        return
+    if logits.dim() >= 3 and logits.shape[-2] == 1 and targets.dim() >= 2 and targets.shape[-1] > 1:
+        raise RecipeError(
+            f"the model returns logits for one position {tuple(logits.shape)} against targets of "
+            f"{targets.shape[-1]} positions {tuple(targets.shape)} (nanoGPT's inference path, logits[:, [-1], :], "
+            f"when it is given no targets): give the forward the targets (a `targets` parameter, as --loss auto "
+            f"passes them) or return every position's logits"
+        )
+    raise RecipeError(
+        f"the logits {tuple(logits.shape)} and the targets {tuple(targets.shape)} do not line up: cross-entropy "
+        f"compares logits[..., t, :] with targets[..., t], so return logits of the targets' shape plus classes"
+    )
 
 
 def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool = False) -> dict[str, torch.Tensor]:

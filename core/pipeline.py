@@ -24,7 +24,7 @@ from core.amp import StepStats, autocast, micro_batch_groups
 from core.config import RecipeError
 from core.dist import broadcast_object
 from core.grads import clip_grad_norm
-from core.loss import IGNORE, metrics
+from core.loss import IGNORE, check_aligned, metrics
 from core.meter import Tally, summarize
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -197,6 +197,7 @@ class TokenLoss:
         self.normalizer = torch.ones(())
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        check_aligned(logits, targets)  # output[..., t] against target[..., t], as core.loss compares them
         flat, total = logits.flatten(0, -2).float(), targets.flatten()
         summed = nn.functional.cross_entropy(flat, total, ignore_index=IGNORE, reduction="sum")
         return summed / self.normalizer.to(summed.device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, comm, data, dist, folder, hf, meter, models, monitor, records, replicas, steps, trackers, weights
+from core import ckpt, comm, data, dist, folder, hf, meter, models, monitor, replicas, steps, trackers, weights
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.config import Checkpointing, DDPOptions, Training, cli_main
 from core.loss import make_loss
@@ -69,6 +69,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="ddp_monitored"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size * topo.world_size
 
     # Build. The same seed on every rank gives every replica the same initial weights. The order is torch's:
@@ -114,9 +116,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
     saver = CheckpointSaver(background=cfg.ckpt_async)  # --ckpt-async: a thread writes the file
     watch = Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
@@ -127,7 +126,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # Train. DDP averages the gradients inside backward(): every replica takes the same step.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

@@ -38,6 +38,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="dp"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size  # one process: DataParallel splits each batch over the GPUs
 
     # Build.
@@ -71,14 +73,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         if gpus >= 2
         else f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training",
     )
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
 
     # Train. DataParallel scatters each batch from the first GPU and gathers the outputs back on it.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, records, replicas, stream, trackers, weights
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, trackers, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 from core.exact_loss import forward_sums, make_exact_loss
 
@@ -69,6 +69,8 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
     clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="fsdp"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
 
     # Build. The same seed on every rank gives the same weights; fully_shard keeps each rank's slice of them.
@@ -102,15 +104,12 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered in the last one's backward only.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

@@ -33,7 +33,6 @@ from core import (
     meter,
     models,
     parallel,
-    records,
     replicas,
     stream,
     tp_plan,
@@ -94,6 +93,8 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
     clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="fsdp_tp"):  # resumed, finished: nothing is touched
+        return done
     plan_dims = mesh(cfg, topo.world_size)
     global_batch = cfg.batch_size * plan_dims["dp"] * cfg.accum  # a tp group shares one batch
 
@@ -135,15 +136,12 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

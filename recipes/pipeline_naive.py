@@ -82,6 +82,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="pipeline_naive"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size  # one process
 
     # Build: the plain model's blocks spread over the GPUs (the CPU alone without them).
@@ -111,16 +113,13 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     placed = [(str(d), len(ix)) for d, ix in model.placement]
     records.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
 
     # Train. One batch at a time through every device in turn.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

@@ -36,7 +36,6 @@ from core import (
     meter,
     models,
     parallel,
-    records,
     replicas,
     stream,
     tp_plan,
@@ -91,6 +90,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="tensor_parallel"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
@@ -131,15 +132,12 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        records.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. Each Linear's forward and backward all-reduce inside the tp group; AdamW steps each rank's slices.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

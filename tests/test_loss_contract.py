@@ -447,3 +447,66 @@ def test_step_amp_under_ddp_matches_one_process(world2):
         for got, want in zip(rank_params, model.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
     assert results[0][1]["count"] == 7 + 0 + 2 + 0 + 5 and results[1][1]["count"] == 1 + 7 + 7 + 6
+
+
+# --- what a sample means (issue 27.1): a pair's target is aligned with the output, whatever the model shifts -----
+
+
+class NanoGPTInference(NanoGPT):
+    """nanoGPT exactly: without targets it returns the last position's logits only (its generation path)."""
+
+    def forward(self, idx, targets=None):
+        logits, loss = super().forward(idx, targets)
+        return (logits, loss) if targets is not None else (logits[:, [-1], :], None)
+
+
+@pytest.mark.fast
+def test_a_pair_target_is_compared_position_by_position_with_a_transformers_lm():
+    """Issue 27.1: `--loss auto` on (input, target) pairs gave the target to GPT-2 as `labels`, which transformers
+    shifts once more (the token two ahead). Now: cross-entropy of logits[:, t] against target[:, t], written here
+    by hand, in the plain forward and the exact one; the accuracy compares the same positions."""
+    model = gpt2()
+    x, y = lm_batch([8, 5, 3], seed=6, pairs=True)
+    logits = model(x).logits
+    by_hand = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert make_loss("auto", model=model).targets_as is None  # never `labels`
+    mean, plain = forward(model, (x, y), make_loss("auto", model=model))
+    torch.testing.assert_close(mean, by_hand)
+    total, sums = exact(model, (x, y), normalizer=2.0)
+    torch.testing.assert_close(total.double(), by_hand.double() * (7 + 4 + 2) / 2)
+    correct = ((logits.argmax(-1) == y) & (y != -100)).sum().item()
+    assert plain["correct"].item() == sums["correct"].item() == correct and sums["count"].item() == 7 + 4 + 2
+
+
+@pytest.mark.fast
+def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_naming_the_fix():
+    model = gpt2()
+    loss = make_loss("model", model=model)
+    with pytest.raises(RecipeError, match=r"--loss model: GPT2LMHeadModel takes its targets as `labels`") as err:
+        forward(model, lm_batch([4, 4], seed=1, pairs=True), loss)
+    assert "dict samples with `labels`" in str(err.value) and "--loss ce" in str(err.value)
+    assert "\n" not in str(err.value)
+    mean, _ = forward(model, lm_batch([4, 4], seed=1), loss)  # a dict with labels: the model's own, shifted
+    batch = lm_batch([4, 4], seed=1)
+    torch.testing.assert_close(mean, model(**batch).loss)
+
+
+@pytest.mark.fast
+def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
+    """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in core.loss and in
+    the pipeline's TokenLoss, where the shapes are compared; the pre-check quotes the same line."""
+    from core.pipeline import TokenLoss
+    from tools.precheck import check_step
+
+    model, batch = NanoGPTInference(), lm_batch([8, 8], seed=2, pairs=True)
+    for call in (
+        lambda: forward(model, batch, make_loss("ce", model=model)),
+        lambda: TokenLoss()(model(batch[0])[0], batch[1]),
+    ):
+        with pytest.raises(RecipeError, match=r"the model returns logits for one position \(2, 1, 50\)") as err:
+            call()
+        assert f"targets of {T} positions" in str(err.value) and "return every position's logits" in str(err.value)
+    with pytest.raises(RecipeError, match="logits for one position .*give the forward the targets") as err:
+        check_step(model, batch, model_spec="m:nano", data_spec="m:pairs", loss="ce")
+    assert "\n" not in str(err.value)
+    forward(model, batch, make_loss("auto", model=model))  # auto passes the targets: every position's logits

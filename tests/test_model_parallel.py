@@ -210,8 +210,16 @@ def test_resume_at_the_same_world_size_is_bitwise(world2, world1, tmp_path, monk
         alone = _resumed(world1, name, cfg, finished, tmp_path / "one", stop=2, **on_one)
         assert alone["world_size"] == 1 and alone["global_batch"] == finished["global_batch"]
         assert_same_weights(alone, weights, **TOL)
+    run_dir = Path(finished["weights"]).parent
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     again = world2.run(run_recipe, name, cfg.replace(resume="auto"))[0]  # 11.1: nothing past --max-steps
-    assert again["already_finished"] and _same(load_file(finished["weights"]), weights)
+    assert again["already_finished"] and again["steps"] == 4
+    # 27.2: any checkpoint of the finished run, at another world size (another global batch for fsdp): no check,
+    # nothing trained, no byte changed; the launchers' pre-check lets it through too
+    step2 = cfg.replace(resume=str(run_dir / "ckpt" / "step-000002"), batch_size=cfg.batch_size * 3)
+    _check_resume(name, step2)
+    assert world1.run(run_recipe, name, step2)[0]["already_finished"]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.world

@@ -57,8 +57,8 @@ def test_a_nanogpt_model_trains_on_its_own_loss_and_another_choice_names_the_one
     takes its inference output (the last position only), which cannot work: one line naming --loss auto."""
     assert _precheck("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2) == []
     line = _refused("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2, loss="ce")
-    assert line.startswith("--model check_user:nano --data check_user:pair_stream --loss ce: one training step")
-    assert "Expected input batch_size" in line
+    assert line.startswith("--model check_user:nano --data check_user:pair_stream --loss ce: the model returns logits")
+    assert "for one position" in line and "return every position's logits" in line  # issue 27.4: cause and fix
     assert line.endswith("use --loss auto or model, with which this model and data give a loss")
 
 

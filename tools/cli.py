@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from core.config import KEPT, RecipeError, UsageError, fail, leave, parse_args
+from core.records import os_error_line
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -29,7 +30,7 @@ def _recipe(name: str) -> Recipe:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     """Small, correct, copy-pasteable PyTorch distributed-training recipes."""
-    for problem in PLUGIN_PROBLEMS:
+    for problem in PLUGIN_PROBLEMS if os.environ.get("RANK", "0") == "0" else []:  # once, not once per rank
         click.echo(f"warning: {problem}", err=True)
 
 
@@ -288,9 +289,7 @@ def run_cli(args: list[str] | None = None) -> int:
     except RecipeError as err:
         return fail(str(err), 1)
     except OSError as err:  # a full disk, a folder that can't be written: with the bytes free
-        from tools.precheck import disk_error
-
-        return fail(disk_error(err), 1)
+        return fail(os_error_line(err), 1, everyone=False)
     except (click.exceptions.Abort, KeyboardInterrupt) as err:
         stop = err if isinstance(err, Stopped) else err.__cause__  # click turns the interrupt into Abort
         if not isinstance(stop, Stopped):

@@ -10,7 +10,6 @@ recipe does not carry it: `python -m recipes run` does.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import inspect
 import os
 import tempfile
@@ -268,22 +267,14 @@ def check_writable(out: str) -> None:
         raise RecipeError(f"--out {out}: cannot write there ({err.strerror or err}); pick a writable one") from None
 
 
-def disk_error(err: OSError) -> str:
-    """A failed write as one line: for a full disk with the folder and the bytes free, else with the OS's reason."""
-    path = Path(err.filename or ".")
-    folder_ = next((p for p in [path, *path.parents] if p.exists()), Path("."))
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = os.statvfs(folder_).f_bavail * os.statvfs(folder_).f_frsize
-        return f"{folder_}: the disk is full ({free:,} bytes free); free some space or point --out at another disk"
-    return f"{err.filename or folder_}: {err.strerror or err}; check the folder"
-
-
 def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -> None:
     """The checkpoint --resume names (or auto finds) is whole, holds this model and continues in this job."""
     dcp = getattr(module, "dcp", None)  # a recipe with sharded checkpoints imports core.dcp
     newest, header = (dcp.newest_good, dcp.read_metadata) if dcp else (ckpt.newest_good, ckpt.read_metadata)
     runs = folder.run_dirs(cfg.out, cfg.name or recipe)
     resume = cfg.resume or "auto"
+    if folder.finished_run(cfg.out, cfg.name or recipe, resume):
+        return  # at any world size and with any options: the run says it is finished and trains nothing
     path = (newest(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run
