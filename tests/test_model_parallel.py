@@ -25,11 +25,8 @@ from safetensors.torch import load_file
 from core import amp, data, grads, models, steps
 from core.config import RecipeError
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
-<<<<<<< HEAD
 from core.loss import make_loss
-=======
 from helpers import unfinished
->>>>>>> finish
 from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng
 from world import GlooWorld
 
