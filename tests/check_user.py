@@ -26,6 +26,13 @@ def unused():
     return Unused()
 
 
+def unused_dropout():
+    """Unused's spare layer and a dropout: check compares the runs with dropout off, through its own factory."""
+    model = Unused()
+    model.net.insert(2, nn.Dropout(0.1))
+    return model
+
+
 def batchnorm():
     return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
 
