@@ -3,6 +3,7 @@ a refused resume touches nothing, records stay whole and strict JSON, one job ho
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,12 +48,21 @@ def _snapshot(folder):
 def finished(tmp_path_factory):
     """The quick start's shape (115 steps, checkpoints at 50 and 100): the last step is not checkpointed."""
     tmp_path = tmp_path_factory.mktemp("finished")
-    _run(tmp_path, "--max-steps", "7", "--ckpt-every", "3")
+    proc = _run(tmp_path, "--max-steps", "7", "--ckpt-every", "3")
+    (tmp_path / "stdout.txt").write_text(proc.stdout)
     names = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*") if p.is_file())
-    assert names == [
-        f"runs/ddp-1/{n}" for n in (".lock", *CKPTS, "config.json", "metrics.jsonl", "model.safetensors", "train.log")
-    ]
+    files = (".lock", *CKPTS, "config.json", "metrics.jsonl", "model.safetensors", "train.log")
+    assert names == [f"runs/ddp-1/{n}" for n in files]
     return tmp_path
+
+
+def test_train_log_holds_every_line_the_run_printed_with_time_level_and_rank(finished):
+    """Issue 28 item 5: the terminal keeps its lines as they were; train.log has each of them, in order."""
+    printed = (finished / "stdout.txt").read_text().splitlines()
+    assert printed[0].startswith("step 7/7 epoch 0 loss ") and printed[-1].startswith("summary val_loss=")
+    log = (finished / "runs" / "ddp-1" / "train.log").read_text().splitlines()
+    line = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| INFO    \| rank 0 \| (.*)")
+    assert [line.fullmatch(entry)[1] for entry in log] == printed
 
 
 CKPTS = ("ckpt/step-000003.safetensors", "ckpt/step-000006.safetensors")
@@ -209,6 +219,8 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     assert proc.returncode == 1 and "error: step 3: the loss or the gradients are not finite" in proc.stderr
     assert "Traceback" not in proc.stderr
     _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
+    last = (tmp_path / "runs" / "ddp-1" / "train.log").read_text().splitlines()[-1]  # the error ends the log too
+    assert re.fullmatch(r"\S+ \S+ \| ERROR   \| rank 0 \| error: step 3: the loss or the gradients are not .*", last)
 
 
 def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_own_options(tmp_path):
@@ -224,6 +236,7 @@ def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_ow
         "error: step 1: the loss or the gradients are not finite (gradient norm nan); lower --lr, or pass "
         "--on-nonfinite skip"
     )
+    assert not list((tmp_path / "runs").iterdir())  # issue 27 item 7: it left config.json and .lock in a folder
 
 
 def test_skip_on_non_finite_skips_and_counts(tmp_path):
@@ -324,7 +337,8 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path):
         )
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         line = proc.stderr.strip().splitlines()[-1]
-        assert line.startswith("error: ") and "the disk is full" in line and "bytes free" in line
+        assert line.startswith(f"error: {disk}/runs/ddp-1") and "the disk is full" in line, line  # not the cwd's
+        assert int(re.search(r"\(([\d,]+) bytes free\)", line)[1].replace(",", "")) < 600_000, line  # that disk's
         _strict(next(disk.glob("runs/ddp-*/metrics.jsonl")))
     finally:
         subprocess.run(["umount", str(disk)])

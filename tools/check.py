@@ -34,6 +34,7 @@ from torch import nn
 from core.config import RecipeError
 from core.data import to_device
 from core.loss import make_loss
+from core.loss_options import choose_loss
 from core.models import build_model
 from tools.precheck import check_data, check_model
 from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
@@ -258,7 +259,7 @@ def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, see
     failure is one RecipeError line."""
     torch.manual_seed(seed)
     built = check_model(model)
-    loss_fn = make_loss(loss, model=built)  # a bad --loss: one RecipeError line, as a bad --model or --data below
+    loss_fn = choose_loss(loss, make_loss(model=built), model=built)  # a bad --loss: one RecipeError line, as below
     found = check_data(data, streams=recipe.streams, recipe=recipe.name)
     batches = sample_batches(found["train"], found["collate"], spec=data, size=batch_size, count=2)
     device = next(built.parameters(), torch.empty(0)).device

@@ -1,4 +1,4 @@
-"""python -m recipes: list, run, copy, diff, check and plot the recipes; derived from the registry.
+"""python -m recipes: list, run, copy, diff, check, plan and plot the recipes; derived from the registry.
 
 `run NAME [OPTIONS]` hands OPTIONS to the recipe's own parser (its Config), so `--help` lists
 exactly what that recipe takes, and an option it does not take is a usage error that names the
@@ -231,6 +231,29 @@ def diff_recipes(base: str, name: str):
         header = line.startswith(("+++", "---"))
         fg = None if header else colours.get(line[:1])
         click.echo(click.style(line, fg=fg, bold=True) if header else click.style(line, fg=fg) if fg else line)
+
+
+@cli.command("plan", context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("name", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def plan_command(name: str | None, args: tuple[str, ...]):
+    """Memory per rank before launch, for NAME with its options: `plan NAME --help` lists them."""
+    usage = "usage: python -m recipes plan NAME [ITS OPTIONS] [--nproc N] [--device-memory GIB] [--json]"
+    if name in (None, "-h", "--help"):
+        click.echo(f"{usage}\n\nrecipes: " + ", ".join(sorted(RECIPES)))
+        return
+    recipe = _recipe(name)
+    module = recipe.load()
+    from tools.plan_report import plan_options, show_plan  # torch's fake tensors load only for this command
+
+    own, rest = plan_options(list(args))
+    if "-h" in rest or "--help" in rest:
+        click.echo(f"{usage}\n  --nproc N: the job's processes; --device-memory GIB: plan for that device\n")
+    try:
+        cfg, _ = parse_args(module.Config, rest, prog=f"python -m recipes plan {name}", description=recipe.summary)
+    except UsageError as err:
+        raise _explained(err, name, module.Config) from None
+    show_plan(name, module, cfg, **own, echo=click.echo)
 
 
 @cli.command("plot")

@@ -53,6 +53,12 @@ FEATURES = {
         ),
         Feature("trackers", "--log-to tensorboard or wandb", ("core.trackers.Tracking",), (), ("core.trackers.",)),
         Feature(
+            "loss",
+            "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy)",
+            fields=("loss",),
+            calls=("core.loss_options.",),
+        ),
+        Feature(
             "factories",
             "--model and --data (built-in names or module:function factories; the copy builds its default model and "
             "data in two lines of train(): edit those for your own)",

@@ -25,6 +25,7 @@ from core.data import to_device
 from core.dist import Topology
 from core.factory import resolve_factory
 from core.loss import IGNORE, make_loss
+from core.loss_options import choose_loss
 from tools.probes import (
     batchnorm_layers,
     check_call,
@@ -64,7 +65,7 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
     grads = check_step(model, batch, model_spec=cfg.model, data_spec=cfg.data, loss=cfg.loss)
     if "find_unused_parameters" in takes and not (cfg.find_unused_parameters or cfg.static_graph):
         check_unused(model, grads, spec=cfg.model)
-    warnings = unequal_counts(recipe, batch, make_loss(cfg.loss, model=model), dp=dp) if recipe.mean_per_replica else []
+    warnings = unequal_counts(recipe, batch, make_loss(model=model), dp=dp) if recipe.mean_per_replica else []
     if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         check_resume(recipe.name, module, cfg, model, world_size=world_size, dp=dp)
     return warnings + (batchnorm_warnings(model) if "sync_batchnorm" in takes and not cfg.sync_batchnorm else [])
@@ -209,7 +210,7 @@ def check_step(model: nn.Module, batch, *, model_spec: str, data_spec: str, loss
     batch = to_device(batch, device)
     synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
     try:
-        loss_fn = make_loss(loss, model=model)
+        loss_fn = choose_loss(loss, make_loss(model=model), model=model)  # as the recipes take it
         check_call(model, batch, loss_fn, where=where)
         for layer in synced:  # SyncBatchNorm trains on GPUs only; here its running statistics stand in
             layer.eval()

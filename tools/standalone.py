@@ -15,11 +15,13 @@ never given where a local variable of that name would hide it.
 """
 
 import ast
+import io
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import tokenize
 from bisect import bisect_right
 from collections.abc import Iterable
 
@@ -368,17 +370,17 @@ def ruff_format(text: str) -> str:
 
 
 def copy_size(text: str) -> tuple[int, int]:
-    """(lines, code lines): code lines are those left without docstrings, comments and blank lines."""
-    tree = ast.parse(text)
+    """(lines, code lines): a code line holds a token other than a comment or a docstring (the budgets' count)."""
     docstrings = set()
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
-            value = body[0].value
-            if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                docstrings |= set(range(body[0].lineno, body[0].end_lineno + 1))
-    code = 0
-    for number, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        code += bool(stripped) and not stripped.startswith("#") and number not in docstrings
-    return len(text.splitlines()), code
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstrings |= set(range(node.lineno, node.end_lineno + 1))
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    code = {
+        line
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type not in layout
+        for line in range(token.start[0], token.end[0] + 1)
+        if line not in docstrings
+    }
+    return len(text.splitlines()), len(code)

@@ -1,0 +1,190 @@
+"""The memory plan: what each rank of a recipe will hold, before anything is launched, in seconds on a CPU.
+
+    python -m recipes plan fsdp --model mypkg:llama --batch-size 8 --nproc 8 --device-memory 80
+
+For every rank: parameters, gradients, optimizer state (exact: bytes from the shapes and dtypes that rank holds),
+the activations at the step's peak, and the step's peak, for the layout the recipe builds (tools.plan_layout)
+and two training steps of its own step (tools.plan_step), on fake tensors with a fake process group under torch's
+MemTracker: no memory is allocated, whatever the model's size. Not seen by any tracker, so not in the plan: the
+CUDA context, NCCL's buffers and the allocator's slack (docs/memory-plan.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from core.config import RecipeError
+from tools.plan_layout import EXACT_LOSS, build_layout, mesh_dims, pipeline_buffers, schedule_order, unplannable
+from tools.plan_step import planned_steps, quiet
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    peak_bytes: int
+    buffers_bytes: int = 0  # DDP's gradient buckets (in the peak; not in the JSON's fixed keys)
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    world_size: int
+    ranks: list[RankPlan]
+
+    @property
+    def largest(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: (r.peak_bytes, -r.rank))
+
+    def to_json(self) -> dict:
+        keys = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+        ranks = [{k: getattr(r, k) for k in keys} for r in self.ranks]
+        return {"recipe": self.recipe, "world_size": self.world_size, "ranks": ranks}
+
+
+def plan_recipe(name: str, cfg, *, world_size: int, foreach: bool | None = None) -> Plan:
+    """The plan of recipe `name` with options `cfg` on `world_size` ranks. `foreach`: AdamW's multi-tensor step
+    (torch's choice on GPUs; default: whether this machine has one)."""
+    reason = unplannable(name, cfg)
+    if reason:
+        raise RecipeError(f"plan: cannot plan {reason}")
+    if name in ("dp", "pipeline_naive") and world_size != 1:
+        raise RecipeError(f"--nproc {world_size}: {name} runs one process; plan it with --nproc 1")
+    if torch.distributed.is_initialized():
+        raise RecipeError("plan: a process group already exists in this process; plan before any is made")
+    foreach = torch.cuda.is_available() if foreach is None else foreach
+    dims = mesh_dims(name, cfg, world_size)
+    batch = first_batch(cfg)
+    pp = dims.get("pp", 1)
+    planned = {
+        r: _plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, foreach=foreach) for r in range(pp)
+    }  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
+    ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
+    return Plan(name, world_size, ranks)
+
+
+def first_batch(cfg):
+    """One rank's first batch, as the recipe's loader collates it: the shapes the plan runs on."""
+    from tools.precheck import check_data
+    from tools.probes import collated, first_samples
+
+    found = check_data(cfg.data, streams=True, recipe="plan")  # the pre-check's one-line refusals of a factory
+    train, collate = found["train"], found["collate"]
+    samples = first_samples(train, cfg.batch_size, spec=cfg.data)
+    if len(samples) < cfg.batch_size:
+        raise RecipeError(f"--batch-size {cfg.batch_size}: the training set holds {len(samples)} samples; use fewer")
+    return collated(samples, collate, spec=cfg.data)
+
+
+def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict, foreach: bool) -> RankPlan:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from core import parallel
+    from core.dist import Topology
+    from tools.precheck import check_model
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        topo = Topology(rank, rank, world_size, world_size, 0, torch.device("cpu"), "fake")
+        mesh = parallel.build_mesh(topo, dims) if dims else None  # before fake mode: it reads the ranks' values
+        with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            with _mesh_math_on_real_tensors():
+                layout = build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=check_model)
+            fake = _fake(batch, mode)
+            micro_batches = [fake] * getattr(cfg, "accum", 1)
+            order = None
+            if name == "pipeline":
+                count = cfg.microbatches * cfg.accum
+                first = fake[0] if not isinstance(fake, dict) else None
+                pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)
+                group = mesh["pp"].get_group()
+                order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)
+            loss_fn = _loss(name, cfg, layout.model)
+            peak, parts = _traced(
+                lambda: planned_steps(
+                    name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, foreach=foreach, order=order
+                )
+            )
+            return _rank_plan(layout, rank=rank, peak=peak, parts=parts)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _mesh_math_on_real_tensors():
+    """fully_shard over a tensor-parallel model joins the dp and tp meshes, and a DeviceMesh finds its rank's
+    coordinates with nonzero(), which fake tensors cannot answer: that arithmetic on the (real, small) mesh runs
+    outside fake mode, as it does before fake mode for the meshes build_mesh makes."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._compute_coordinate_on_dim
+
+    def on_real_tensors(self):
+        with unset_fake_temporarily():
+            return original(self)
+
+    DeviceMesh._compute_coordinate_on_dim = on_real_tensors
+    try:
+        yield
+    finally:
+        DeviceMesh._compute_coordinate_on_dim = original
+
+
+def _loss(name: str, cfg, model):
+    if name == "pipeline":
+        return None
+    if name in EXACT_LOSS:
+        from core.exact_loss import make_exact_loss
+
+        return make_exact_loss(cfg.loss, model=model)
+    from core.loss import make_loss
+
+    return make_loss(cfg.loss, model=model)
+
+
+def _traced(run):
+    """The plan's step, or one line naming what fake tensors cannot follow (a value read, a data-dependent shape)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+
+    try:
+        return run()
+    except (DataDependentOutputException, UnsupportedOperatorException, NotImplementedError) as err:
+        raise RecipeError(
+            f"plan: the model's step reads tensor values or runs an operator fake tensors cannot follow "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:120]}); data-dependent shapes and custom "
+            f"kernels cannot be planned without running them: measure one step instead"
+        ) from None
+
+
+def _fake(batch, mode):
+    if torch.is_tensor(batch):
+        return mode.from_tensor(batch)
+    if isinstance(batch, dict):
+        return {k: _fake(v, mode) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(_fake(v, mode) for v in batch) if not hasattr(batch, "_fields") else batch
+    return batch
+
+
+def _rank_plan(layout, *, rank: int, peak: int, parts: dict) -> RankPlan:
+    from tools.plan_layout import _param_bytes
+
+    held = [p for m in layout.modules for p in m.parameters()]
+    trained = [p for p in layout.params if p.requires_grad]
+    params, grads = _param_bytes(held), _param_bytes(trained)
+    optimizer = 2 * grads + 4 * len(trained)  # AdamW: exp_avg, exp_avg_sq like each parameter; a float32 step
+    buffers = layout.bucket_bytes
+    held_at_peak = parts.get("Parameter", 0) + parts.get("Buffer", 0) + parts.get("Gradient", 0)
+    activations = peak - held_at_peak - parts.get("Optstate", 0) - buffers  # the rest at the peak
+    return RankPlan(rank, params, grads, optimizer, activations, peak, buffers)
