@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import REPO, recipe_params, run, torchrun, user_env, waiting
@@ -245,6 +246,12 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
     for job in jobs:
         assert f"job {job['label']} exit 0 rank 0" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stdout.count("summary ") == len(jobs)
+    # a copy records what it built: one without --model names no model (not the default the owner may have
+    # replaced in its build lines), in config.json and in the weights' header
+    lean = tmp_path / "lean" / f"{name}-1"
+    with safe_open(lean / "model.safetensors", "pt") as weights:
+        assert "model" not in weights.metadata()
+    assert not {"model", "data"} & set(json.loads((lean / "config.json").read_text()))
     for copied, packaged in pairs:
         mine = load_file(tmp_path / copied / f"{name}-1" / "model.safetensors")
         theirs = load_file(tmp_path / packaged / f"{name}-1" / "model.safetensors")
