@@ -103,3 +103,46 @@ def numpy_function() -> nn.Module:
 
 def broken() -> nn.Module:
     raise ValueError("no weights at /nowhere")
+
+
+# The plan's checks: each recipe with the models it takes, on one rank and on two (tests/test_plan.py and
+# bench/bench_plan.py measure each against torch's MemTracker on real steps).
+GPT = ["--model", "gpt", "--data", "text", "--batch-size", "2"]
+GPT2 = ["--model", "plan_models:gpt2", "--data", "text", "--batch-size", "2"]
+LLAMA = ["--model", "plan_models:llama", "--data", "text", "--batch-size", "2"]
+ANY_WORLD = [
+    ("ddp", GPT),
+    ("ddp", GPT2),
+    ("ddp", LLAMA),
+    ("ddp_amp", [*GPT, "--precision", "bf16", "--accum", "2"]),
+    ("ddp_amp", GPT2),
+    ("ddp_amp", [*LLAMA, "--precision", "bf16"]),
+    ("ddp_monitored", [*GPT, "--activation-checkpointing"]),
+    ("ddp_monitored", GPT2),
+    ("ddp_monitored", [*LLAMA, "--activation-checkpointing"]),
+    ("fsdp", [*GPT, "--precision", "bf16"]),
+    ("fsdp", [*GPT2, "--accum", "2"]),
+    ("fsdp", LLAMA),
+    ("tensor_parallel", GPT),
+    ("tensor_parallel", [*LLAMA, "--precision", "bf16"]),
+]
+MATRIX = {
+    1: [
+        *ANY_WORLD,
+        ("dp", GPT),
+        ("dp", GPT2),
+        ("dp", LLAMA),
+        ("pipeline_naive", GPT),
+        ("fsdp_tp", [*GPT, "--tp", "1"]),
+        ("fsdp_tp", [*LLAMA, "--tp", "1"]),
+        ("pipeline", [*GPT, "--microbatches", "2"]),
+    ],
+    2: [
+        *ANY_WORLD,
+        ("fsdp_tp", GPT),
+        ("fsdp_tp", [*LLAMA, "--accum", "2"]),
+        ("pipeline", [*GPT, "--microbatches", "2"]),
+        ("pipeline", [*GPT, "--microbatches", "2", "--schedule", "gpipe"]),
+        ("pipeline", [*GPT, "--batch-size", "4", "--schedule", "interleaved1f1b", "--precision", "bf16"]),
+    ],
+}

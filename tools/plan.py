@@ -116,7 +116,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             step = lambda: planned_steps(  # noqa: E731
                 name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
-            return _rank_plan(layout, rank=rank, peak=_traced(step, layout.modules))
+            return _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -197,15 +197,12 @@ def _fake(batch, mode):
     return batch
 
 
-def _rank_plan(layout, *, rank: int, peak: int) -> RankPlan:
+def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int) -> RankPlan:
     """The exact terms from the shapes and dtypes this rank holds; activations: the rest of the peak (what the
     forward keeps for backward, gathered shards, receive buffers, the step's temporaries, the batch)."""
     from tools.plan_layout import held_bytes
 
-    held = [p for m in layout.modules for p in m.parameters()]
-    trained = [p for p in layout.params if p.requires_grad]
-    params, grads = held_bytes(held), held_bytes(trained)
-    optimizer = 2 * grads + 4 * len(trained)  # AdamW: exp_avg, exp_avg_sq like each parameter; a float32 step
+    params = held_bytes([p for m in layout.modules for p in m.parameters()])
     buckets = layout.bucket_bytes
     module_buffers = held_bytes([b for m in layout.modules for b in m.buffers()])
     activations = max(peak - params - module_buffers - grads - optimizer - buckets, 0)

@@ -21,7 +21,7 @@ from core import amp
 from core.exact_loss import forward_exact
 from core.loss import forward, metrics
 from core.pipeline import TokenLoss
-from tools.plan_layout import EXACT_LOSS, Layout
+from tools.plan_layout import EXACT_LOSS, Layout, held_bytes
 
 
 class PlanAdamW(torch.optim.AdamW):
@@ -130,8 +130,9 @@ def _storages(t) -> list:
     return [t.untyped_storage()]
 
 
-def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_fn, gpu: bool, order=None) -> int:
-    """The recipe's step on fake tensors, tracked: its peak bytes. It runs as the second
+def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_fn, gpu: bool, order=None) -> dict:
+    """The recipe's step on fake tensors, tracked: its peak bytes, and the bytes of the gradients and of AdamW's
+    state it leaves (from their shapes and dtypes). It runs as the second
     step of training runs, AdamW's state made first: the first step's forward and backward hold less, its
     optimizer step as much, so this one step's peak is the run's."""
     optimizer = PlanAdamW(layout.params, foreach=gpu)  # torch's AdamW takes foreach on GPUs
@@ -148,7 +149,9 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
         else:
             micro_steps(name, layout, micro_batches, loss_fn=loss_fn)
         optimizer.step()
-    return tracker.peak
+    grads = [p.grad for p in layout.params if p.grad is not None]  # as the step left them: shards, or whole
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    return {"peak": tracker.peak, "grads": held_bytes(grads), "optimizer": held_bytes(state)}
 
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn) -> None:
