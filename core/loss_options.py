@@ -101,7 +101,7 @@ def _own(outputs, targets, batch, *, name: str = "", labels_only: bool = False) 
     if labels_only and not isinstance(batch, Mapping):
         raise RecipeError(
             f"--loss model: {name} takes its targets as `labels` and shifts them (transformers' convention), while "
-            f"an (input, target) sample's target is aligned with the output; give dict samples with `labels` (the "
+            f"an (input, target) sample's target is aligned with the output: give dict samples with `labels` (the "
             f"model shifts them), or use --loss ce"
         )
     _, own = split_any(outputs)

@@ -3,7 +3,7 @@
 A change of numbers, from a code change or a torch upgrade, shows as a failing test and then as a diff of the
 files, as torchtitan's loss comparison and Megatron's golden values do. Each recipe runs its own train() with its
 defaults (the built-in model and data: mlp on digits for the ddp family and dp, the GPT on text for the others)
-for STEPS steps of 8 samples a rank on 2 gloo ranks (dp and pipeline_naive: their one process), and its training
+for STEPS steps of its default batch on 2 gloo ranks (dp and pipeline_naive: their one process), and its training
 records (loss, accuracy, gradient norm: already reduced over the ranks) are compared with the file's.
 
 Exact (bit for bit) with the torch version the file records, on CPU; within TOLERANCE (relative) with another.
@@ -25,7 +25,7 @@ from world import GlooWorld
 
 GOLDEN = Path(__file__).parent / "golden"
 REWRITE = os.environ.get("TDR_GOLDEN") == "rewrite"
-STEPS, BATCH = 4, 8
+STEPS = 4
 ONE_PROCESS = ("dp", "pipeline_naive")
 KEYS = ("loss", "acc", "grad_norm")  # per training record
 TOLERANCE = 1e-4  # relative, with another torch than the file's: kernels may add in another order
@@ -39,7 +39,7 @@ def worlds():
 
 def first_steps(topo, recipe: str, out: str) -> dict:
     module = importlib.import_module(f"recipes.{recipe}")
-    cfg = module.Config(out=out, epochs=1, max_steps=STEPS, batch_size=BATCH, log_every=1)
+    cfg = module.Config(out=out, epochs=1, max_steps=STEPS, log_every=1)  # the recipe's defaults otherwise
     summary = module.train(cfg, topo)
     lines = (Path(summary["weights"]).parent / "metrics.jsonl").read_text().splitlines()
     records = [r for r in map(json.loads, lines) if r["kind"] == "train"]
@@ -48,7 +48,7 @@ def first_steps(topo, recipe: str, out: str) -> dict:
         "model": cfg.model,
         "data": cfg.data,
         "world_size": topo.world_size,
-        "batch_size": BATCH,
+        "batch_size": cfg.batch_size,
         "steps": [{"step": r["step"], **{k: r[k] for k in KEYS if k in r}} for r in records],
     }
 

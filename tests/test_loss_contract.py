@@ -497,6 +497,11 @@ def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_na
         forward(model, lm_batch([4, 4], seed=1, pairs=True), loss)
     assert "dict samples with `labels`" in str(err.value) and "--loss ce" in str(err.value)
     assert "\n" not in str(err.value)
+    from tools.precheck import check_step  # before launch: the same line, the fix kept
+
+    with pytest.raises(RecipeError, match=r"--loss model: GPT2LMHeadModel takes .*dict samples with `labels`") as err:
+        check_step(model, lm_batch([4, 4], seed=1, pairs=True), model_spec="m:gpt2", data_spec="m:pairs", loss="model")
+    assert "\n" not in str(err.value)
     mean, _ = forward(model, lm_batch([4, 4], seed=1), loss)  # a dict with labels: the model's own, shifted
     batch = lm_batch([4, 4], seed=1)
     torch.testing.assert_close(mean, model(**batch).loss)
