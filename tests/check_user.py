@@ -186,6 +186,12 @@ def lm():
     return list(lm_stream()[0].samples), None
 
 
+def lm_val():
+    """lm's samples, 16 of them held out for validation."""
+    samples = lm()[0]
+    return samples[16:], samples[:16]
+
+
 class Masked(nn.Module):
     """forward(x, mask): (input, mask, target) samples are passed as model(input, mask)."""
 

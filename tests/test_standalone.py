@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import REPO, recipe_params, run, torchrun, user_env, waiting
@@ -135,15 +136,15 @@ def test_copy_is_one_whole_file(project, name, variant):
 # (DESIGN.md) are 450 code lines and 650 in all for ddp, 750 code lines for every other: what the copies still
 # carry over them is listed in docs/copying-and-checking.md.
 SIZES = {
-    "ddp": (1377, 1001),
-    "ddp_amp": (1749, 1266),
-    "ddp_monitored": (1954, 1458),
-    "dp": (1349, 981),
-    "fsdp": (2054, 1477),
-    "fsdp_tp": (2318, 1696),
-    "pipeline": (1873, 1357),
-    "pipeline_naive": (1531, 1105),
-    "tensor_parallel": (2282, 1663),
+    "ddp": (1521, 1110),
+    "ddp_amp": (1893, 1375),
+    "ddp_monitored": (2098, 1567),
+    "dp": (1493, 1090),
+    "fsdp": (2210, 1594),
+    "fsdp_tp": (2474, 1813),
+    "pipeline": (2020, 1465),
+    "pipeline_naive": (1675, 1214),
+    "tensor_parallel": (2438, 1780),
 }
 BUDGET = {"ddp": (650, 450)}  # every other recipe: 750 code lines
 
@@ -245,6 +246,12 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
     for job in jobs:
         assert f"job {job['label']} exit 0 rank 0" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stdout.count("summary ") == len(jobs)
+    # a copy records what it built: one without --model names no model (not the default the owner may have
+    # replaced in its build lines), in config.json and in the weights' header
+    lean = tmp_path / "lean" / f"{name}-1"
+    with safe_open(lean / "model.safetensors", "pt") as weights:
+        assert "model" not in weights.metadata()
+    assert not {"model", "data"} & set(json.loads((lean / "config.json").read_text()))
     for copied, packaged in pairs:
         mine = load_file(tmp_path / copied / f"{name}-1" / "model.safetensors")
         theirs = load_file(tmp_path / packaged / f"{name}-1" / "model.safetensors")

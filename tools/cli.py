@@ -70,7 +70,10 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         warnings = precheck(recipe, module, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         for line in warnings if os.environ.get("RANK", "0") == "0" else []:
             click.echo(f"warning: {line}", err=True)
-    if dry_run:
+    if dry_run:  # the launchers' pre-check: also the memory plan's largest peak against the free memory
+        from tools.plan_report import precheck_memory
+
+        precheck_memory(name, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         click.echo(f"ok: {name} {cfg.to_dict()}")
         return
     from tools.join import join

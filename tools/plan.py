@@ -51,9 +51,9 @@ class Plan:
         return {"recipe": self.recipe, "world_size": self.world_size, "ranks": ranks}
 
 
-def plan_recipe(name: str, cfg, *, world_size: int, foreach: bool | None = None) -> Plan:
-    """The plan of recipe `name` with options `cfg` on `world_size` ranks. `foreach`: AdamW's multi-tensor step
-    (torch's choice on GPUs; default: whether this machine has one)."""
+def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> Plan:
+    """The plan of recipe `name` with options `cfg` on `world_size` ranks. `gpu`: plan for GPUs (AdamW's
+    multi-tensor step, the caching allocator's 512-byte unit); default: whether this machine has one."""
     reason = unplannable(name, cfg)
     if reason:
         raise RecipeError(f"plan: cannot plan {reason}")
@@ -61,12 +61,12 @@ def plan_recipe(name: str, cfg, *, world_size: int, foreach: bool | None = None)
         raise RecipeError(f"--nproc {world_size}: {name} runs one process; plan it with --nproc 1")
     if torch.distributed.is_initialized():
         raise RecipeError("plan: a process group already exists in this process; plan before any is made")
-    foreach = torch.cuda.is_available() if foreach is None else foreach
+    gpu = torch.cuda.is_available() if gpu is None else gpu
     dims = mesh_dims(name, cfg, world_size)
     batch = first_batch(cfg)
     pp = dims.get("pp", 1)
     planned = {
-        r: _plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, foreach=foreach) for r in range(pp)
+        r: _plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, gpu=gpu) for r in range(pp)
     }  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
     ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
     return Plan(name, world_size, ranks)
@@ -85,18 +85,21 @@ def first_batch(cfg):
     return collated(samples, collate, spec=cfg.data)
 
 
-def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict, foreach: bool) -> RankPlan:
+def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict, gpu: bool) -> RankPlan:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from core import parallel
     from core.dist import Topology
     from tools.precheck import check_model
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         topo = Topology(rank, rank, world_size, world_size, 0, torch.device("cpu"), "fake")
-        mesh = parallel.build_mesh(topo, dims) if dims else None  # before fake mode: it reads the ranks' values
+        mesh = None
+        if dims:  # before fake mode: init_device_mesh reads the ranks' values
+            from core import parallel
+
+            mesh = parallel.build_mesh(topo, dims)
         with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             with _mesh_math_on_real_tensors():
                 layout = build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=check_model)
@@ -110,12 +113,10 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
                 group = mesh["pp"].get_group()
                 order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)
             loss_fn = _loss(name, cfg, layout.model)
-            peak, parts = _traced(
-                lambda: planned_steps(
-                    name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, foreach=foreach, order=order
-                )
+            step = lambda: planned_steps(  # noqa: E731
+                name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
-            return _rank_plan(layout, rank=rank, peak=peak, parts=parts)
+            return _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -142,29 +143,50 @@ def _mesh_math_on_real_tensors():
 
 
 def _loss(name: str, cfg, model):
+    """The recipe's loss, taken as its recipe takes it (core.loss, then --loss's other choices, then exact weights)."""
     if name == "pipeline":
         return None
+    from core.loss import make_loss
+    from core.loss_options import choose_loss
+
+    loss = choose_loss(cfg.loss, make_loss(model=model), model=model)
     if name in EXACT_LOSS:
         from core.exact_loss import make_exact_loss
 
-        return make_exact_loss(cfg.loss, model=model)
-    from core.loss import make_loss
-
-    return make_loss(cfg.loss, model=model)
+        return make_exact_loss(loss, model=model)
+    return loss
 
 
-def _traced(run):
-    """The plan's step, or one line naming what fake tensors cannot follow (a value read, a data-dependent shape)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+def _traced(run, modules: list):
+    """The plan's step, or one line naming the part fake tensors could not follow: the innermost module whose
+    forward was running (or the backward), and what it did (read a value, a data-dependent shape, an operator
+    with no fake kernel). Never a number from a step that did not run whole."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+    names = {m: f"{n or 'the model'} ({type(m).__name__})" for root in modules for n, m in root.named_modules()}
+    running: list[str] = []
+
+    def enter(module, args) -> None:
+        running.append(names.get(module, type(module).__name__))
+
+    def leave(module, args, out) -> None:  # returns None: a forward hook's value would replace the output
+        del running[-1:]
+
+    pre, post = register_module_forward_pre_hook(enter), register_module_forward_hook(leave)
     try:
         return run()
-    except (DataDependentOutputException, UnsupportedOperatorException, NotImplementedError) as err:
+    except RecipeError:
+        raise
+    except Exception as err:  # the user's model on fake tensors
+        part = f"the forward of {running[-1]}" if running else "the loss or the backward"
+        what = f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
         raise RecipeError(
-            f"plan: the model's step reads tensor values or runs an operator fake tensors cannot follow "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:120]}); data-dependent shapes and custom "
-            f"kernels cannot be planned without running them: measure one step instead"
+            f"plan: cannot plan {part}: on fake tensors it failed ({what}); data-dependent shapes, values read "
+            f"in Python and custom kernels cannot be planned without running them: measure a real step instead"
         ) from None
+    finally:
+        pre.remove()
+        post.remove()
 
 
 def _fake(batch, mode):
@@ -173,18 +195,18 @@ def _fake(batch, mode):
     if isinstance(batch, dict):
         return {k: _fake(v, mode) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
-        return type(batch)(_fake(v, mode) for v in batch) if not hasattr(batch, "_fields") else batch
+        parts = [_fake(v, mode) for v in batch]
+        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
     return batch
 
 
-def _rank_plan(layout, *, rank: int, peak: int, parts: dict) -> RankPlan:
-    from tools.plan_layout import _param_bytes
+def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int) -> RankPlan:
+    """The exact terms from the shapes and dtypes this rank holds; activations: the rest of the peak (what the
+    forward keeps for backward, gathered shards, receive buffers, the step's temporaries, the batch)."""
+    from tools.plan_layout import held_bytes
 
-    held = [p for m in layout.modules for p in m.parameters()]
-    trained = [p for p in layout.params if p.requires_grad]
-    params, grads = _param_bytes(held), _param_bytes(trained)
-    optimizer = 2 * grads + 4 * len(trained)  # AdamW: exp_avg, exp_avg_sq like each parameter; a float32 step
-    buffers = layout.bucket_bytes
-    held_at_peak = parts.get("Parameter", 0) + parts.get("Buffer", 0) + parts.get("Gradient", 0)
-    activations = peak - held_at_peak - parts.get("Optstate", 0) - buffers  # the rest at the peak
-    return RankPlan(rank, params, grads, optimizer, activations, peak, buffers)
+    params = held_bytes([p for m in layout.modules for p in m.parameters()])
+    buckets = layout.bucket_bytes
+    module_buffers = held_bytes([b for m in layout.modules for b in m.buffers()])
+    activations = max(peak - params - module_buffers - grads - optimizer - buckets, 0)
+    return RankPlan(rank, params, grads, optimizer, activations, peak, buckets)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from core import amp, models, parallel, pipeline, tp_plan
+from core import amp, models, pipeline
 from core.config import RecipeError
 
 # The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
@@ -66,7 +66,7 @@ def unplannable(name: str, cfg) -> str | None:
     return None
 
 
-def _param_bytes(params) -> int:
+def held_bytes(params) -> int:
     """Bytes of the distinct storages these parameters' local tensors hold (a DTensor's shard, FSDP2's padding)."""
     seen, total = set(), 0
     for p in params:
@@ -94,8 +94,10 @@ def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, bui
             checkpoint_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
         as_view = getattr(cfg, "grad_as_bucket_view", False)  # .grad points into the bucket: no second copy
-        buckets = _param_bytes(params) if name in REPLICAS and not as_view else 0  # at any world size, one too
+        buckets = held_bytes(params) if name in REPLICAS and not as_view else 0  # at any world size, one too
         return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
+    from core import parallel, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
+
     if name == "fsdp":
         policy = parallel.fsdp_policy(cfg.precision)
         _fully_shard(model, device_mesh["dp"], policy, cfg.blocks)
@@ -121,6 +123,8 @@ def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, bui
 
 def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
     from torch.distributed.fsdp import fully_shard
+
+    from core import parallel
 
     for block in parallel.shard_units(model, blocks=blocks):
         fully_shard(block, mesh=mesh, **policy)

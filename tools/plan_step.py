@@ -1,4 +1,4 @@
-"""The memory plan's step: the recipe's training step on one rank's layout, under torch's MemTracker.
+"""The memory plan's step: the recipe's training step on one rank's layout, its live tensor bytes tracked.
 
 Two steps run, as training runs them: the first creates AdamW's state, the second carries it through the forward
 and backward. Under fake tensors AdamW's own step cannot run (it reads its step count as a number), so PlanAdamW
@@ -9,17 +9,19 @@ of its implementation: per parameter on CPU (two of the largest), for all parame
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 
 import torch
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from core import amp
 from core.exact_loss import forward_exact
 from core.loss import forward, metrics
 from core.pipeline import TokenLoss
-from tools.plan_layout import EXACT_LOSS, Layout
+from tools.plan_layout import EXACT_LOSS, Layout, held_bytes
 
 
 class PlanAdamW(torch.optim.AdamW):
@@ -31,14 +33,15 @@ class PlanAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in params:
+        trained = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p in trained:  # every trained parameter, as torch's first step leaves them (each gets a gradient)
             if not self.state[p]:  # torch's _init_group: a float32 scalar step, two moments like the parameter
                 self.state[p] = {
                     "step": torch.tensor(0.0),
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
+        params = [p for p in trained if p.grad is not None]
         if not params:
             return None
         if self.plan_foreach:  # _multi_tensor_adamw: sqrt(exp_avg_sq) for every parameter at once
@@ -50,70 +53,105 @@ class PlanAdamW(torch.optim.AdamW):
         return None
 
 
-class StepTracker(MemTracker):
-    """torch's MemTracker without its per-module hooks: the same tensors, categories and peak, but no module
-    statistics, so a module may run many times in one step (accumulation, a pipeline's micro-batches) and
-    pipelining's backward (autograd.grad on its stages' inputs) meets no hook of the tracker's."""
+class LiveBytes(TorchDispatchMode):
+    """The bytes of live tensor storages and their peak, as torch's MemTracker counts them (every storage an op
+    makes under it, and those it is given; FSDP2's storage resizes; a DTensor as its local shard; CUDA's
+    512-byte allocation unit with `unit=512`), without MemTracker's per-module statistics, whose import alone
+    takes a second of CPU: the launchers' pre-check plans before every job. tools/plan_measure.py measures
+    real runs with MemTracker itself, and the tests hold the two together."""
 
-    def __init__(self, modules) -> None:
+    def __init__(self, *, unit: int = 1) -> None:
         super().__init__()
-        self._modules = list(modules)
+        self.unit, self.now, self.peak = unit, 0, 0
+        self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self.refs: dict[int, weakref.ref] = {}
 
-    def __enter__(self) -> StepTracker:
-        self._fake_mode_on_entry = active_fake_mode()
-        self._register_global_optimizer_hook()
-        for module in self._modules:  # gradients counted as gradients, as the module hooks would install
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
-        self._track_resize()
-        self._peak_mem_snap = self.get_tracker_snapshot()
-        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
-        TorchDispatchMode.__enter__(self)
-        return self
+    def _bytes(self, storage) -> int:
+        return -(-storage.nbytes() // self.unit) * self.unit
 
-    def __exit__(self, *args) -> None:
-        self._deregister_param_and_optimizer_hooks()
-        self._restore_resize()
-        TorchDispatchMode.__exit__(self, *args)
+    def add(self, *tensors) -> None:
+        """Count these tensors' storages (once each), made before the tracker started."""
+        for t in tensors:
+            for storage in _storages(t):
+                key = id(storage)
+                if key in self.sizes:
+                    self._resized(storage)
+                    continue
+                self.sizes[key] = self._bytes(storage)
+                self.refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
+                self.now += self.sizes[key]
+        self.peak = max(self.peak, self.now)
+
+    def _freed(self, key: int, _ref) -> None:
+        self.now -= self.sizes.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def _resized(self, storage) -> None:
+        key, size = id(storage), self._bytes(storage)
+        if key in self.sizes and self.sizes[key] != size:
+            self.now += size - self.sizes[key]
+            self.sizes[key] = size
+            self.peak = max(self.peak, self.now)
+
+    def __enter__(self):
+        self._entry_fake = active_fake_mode()
+        self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):  # FSDP2 frees and refills its gathered parameters by resizing storages
+            self._resize(storage, size)
+            self._resized(storage)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # DTensor turns into local ops first: those are counted
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
+            out = args[0]  # fake wait_tensor makes a new tensor where eager returns its input
+        else:
+            out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._entry_fake:  # not DTensor's own shape propagation
+            self.add(*pytree.tree_leaves(out))
+        return out
 
 
-def track(tensors) -> StepTracker:
-    """A StepTracker that counts these tensors (modules, optimizers, the batch) made before it starts."""
-    tracker = StepTracker(t for t in tensors if isinstance(t, torch.nn.Module))
-    tracker.track_external(*tensors)
-    return tracker
+def _storages(t) -> list:
+    """A tensor's storages: its own, or, for a wrapper subclass (DTensor), its inner tensors'."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for name in names for s in _storages(getattr(t, name))]
+    return [t.untyped_storage()]
 
 
-def peak_of(tracker: MemTracker) -> tuple[int, dict[str, int]]:
-    """The tracker's peak over every device, and its categories at the peak (Parameter, Gradient, ...)."""
-    total, parts = 0, {}
-    for snapshot in tracker.get_tracker_snapshot("peak").values():
-        for key, value in snapshot.items():
-            name = key if isinstance(key, str) else key.value
-            if name == "Total":
-                total += value
-            else:
-                parts[name] = parts.get(name, 0) + value
-    return total, parts
-
-
-def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_fn, foreach: bool, order=None):
-    """The recipe's step, twice, on fake tensors, tracked; (peak bytes, categories at the peak)."""
-    optimizer = PlanAdamW(layout.params, foreach=foreach)
-    tensors = [t for b in micro_batches for t in _tensors(b)]
-    buffers = [t for bufs in (*layout.recv.values(), *layout.grad_recv.values()) for t in bufs]
-    tracker = track([*layout.modules, optimizer, *tensors, *buffers])
+def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_fn, gpu: bool, order=None) -> dict:
+    """The recipe's step on fake tensors, tracked: its peak bytes, and the bytes of the gradients and of AdamW's
+    state it leaves (from their shapes and dtypes). It runs as the second
+    step of training runs, AdamW's state made first: the first step's forward and backward hold less, its
+    optimizer step as much, so this one step's peak is the run's."""
+    optimizer = PlanAdamW(layout.params, foreach=gpu)  # torch's AdamW takes foreach on GPUs
+    tracker = LiveBytes(unit=512 if gpu else 1)  # CUDA's caching allocator hands out multiples of 512 bytes
+    held = [t for m in layout.modules for t in (*m.parameters(), *m.buffers())]
+    tracker.add(*held, *(t for b in micro_batches for t in _tensors(b)))
+    tracker.add(*(t for bufs in (*layout.recv.values(), *layout.grad_recv.values()) for t in bufs))
     buckets = torch.empty(layout.bucket_bytes, dtype=torch.uint8) if layout.bucket_bytes else None
-    if buckets is not None:  # the reducer's buckets: made when DDP wraps the model, kept for the run
-        tracker.track_external(buckets)
+    tracker.add(*([buckets] if buckets is not None else []))  # the reducer's: made when DDP wraps the model
     with tracker:
-        for _ in range(2):
-            optimizer.zero_grad(set_to_none=True)
-            if name == "pipeline":
-                pipeline_step(layout, micro_batches, cfg=cfg, order=order)
-            else:
-                micro_steps(name, layout, micro_batches, loss_fn=loss_fn)
-            optimizer.step()
-    return peak_of(tracker)
+        optimizer.step()  # no gradients yet: the state alone, as the first step leaves it
+        if name == "pipeline":
+            pipeline_step(layout, micro_batches, cfg=cfg, order=order)
+        else:
+            micro_steps(name, layout, micro_batches, loss_fn=loss_fn)
+        optimizer.step()
+    grads = [p.grad for p in layout.params if p.grad is not None]  # as the step left them: shards, or whole
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    return {"peak": tracker.peak, "grads": held_bytes(grads), "optimizer": held_bytes(state)}
 
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn) -> None:
