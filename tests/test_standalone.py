@@ -12,7 +12,6 @@ import ast
 import json
 import os
 import re
-import runpy
 import shutil
 import subprocess
 import sys
@@ -204,25 +203,41 @@ def _options(help_text: str) -> list[str]:
     return [m[1] for m in re.finditer(r"^  (?:-\w, )?(--[\w-]+)", help_text, re.M) if m[1] != "--help"]
 
 
+def _options_of(name: str, variant: str) -> set[str]:
+    """The options of recipe `name`'s copy `variant` ("" lean, "all", or one feature)."""
+    fields = set(RECIPES[name].load().Config.__dataclass_fields__)
+    left_out = [f for f in features_of(RECIPES[name].load().Config) if variant not in ("all", f)]
+    return fields - {o for f in left_out for o in FEATURES[f].options()}
+
+
+def _args(name: str, variant: str, *extra: str) -> list[str]:
+    """TRAIN_ARGS and the options walk's (tests/test_options.py: every code path an option steers) that this
+    variant takes: a checkpoint and a record at every step, trackers, the recipe's own. Not --tp or --pp 1: the
+    copies run on the recipe's layout."""
+    from test_options import WALK
+
+    options = _options_of(name, variant)
+    walk = {"ckpt_every": 1, "log_every": 1, "log_to": "tensorboard", **WALK.get(name, {})}
+    walk = {k: v for k, v in walk.items() if k in options and k not in ("tp", "pp")}
+    return [*TRAIN_ARGS, *[a for k, v in walk.items() for a in ("--" + k.replace("_", "-"), str(v))], *extra]
+
+
 def _jobs(name: str, out: Path, copies: Path) -> tuple[list[dict], list[tuple[str, str]]]:
-    """The runs of one launch (the copies, then the packaged recipe) and the pairs whose weights must be equal."""
+    """The runs of one launch (the copies, then the packaged recipe) and the pairs whose weights must be equal:
+    each copy against the package run with the same options (the package takes them all)."""
     user = USER_ARGS.get(name, [])
-    jobs = [
-        {"label": "lean", "copy": str(copies / f"{name}.py"), "args": TRAIN_ARGS},  # its own model and data
-        {"label": "all", "copy": str(copies / f"{name}_all.py"), "args": [*TRAIN_ARGS, *user]},
-    ]
-    pairs = [("lean", "package"), ("all", "package_user" if user else "package")]
+    init = ["--init-from", str(out / "lean" / f"{name}-1" / "model.safetensors")]  # the lean run's weights
+    variants = {"lean": ("", []), "all": ("all", user)}
     if name == "ddp":  # each feature alone: factories on the user's model, init_from from the lean run's weights
-        init = ["--init-from", str(out / "lean" / "ddp-1" / "model.safetensors")]
         extra = {"factories": user, "init_from": init}
-        for feature in features_of(RECIPES[name].load().Config):
-            args = [*TRAIN_ARGS, *extra.get(feature, [])]
-            jobs.append({"label": feature, "copy": str(copies / f"{_stem(name, feature)}.py"), "args": args})
-            pairs.append((feature, {"factories": "package_user", "init_from": "package_init"}.get(feature, "package")))
-        jobs.append({"label": "package_init", "recipe": name, "args": [*TRAIN_ARGS, *init]})
-    jobs.append({"label": "package", "recipe": name, "args": TRAIN_ARGS})
-    if user:
-        jobs.append({"label": "package_user", "recipe": name, "args": [*TRAIN_ARGS, *user]})
+        variants |= {f: (f, extra.get(f, [])) for f in features_of(RECIPES[name].load().Config)}
+    jobs, pairs, packaged = [], [], {}
+    for label, (variant, extra) in variants.items():
+        args = _args(name, variant, *extra)
+        jobs.append({"label": label, "copy": str(copies / f"{_stem(name, variant)}.py"), "args": args})
+        package_args = _args(name, "all", *extra)
+        pairs.append((label, packaged.setdefault(tuple(package_args), f"package_{len(packaged)}")))
+    jobs += [{"label": label, "recipe": name, "args": list(args)} for args, label in packaged.items()]
     for job in jobs:
         job["args"] = [*job["args"], "--out", str(out / job["label"])]
     return jobs, pairs
@@ -231,7 +246,8 @@ def _jobs(name: str, out: Path, copies: Path) -> tuple[list[dict], list[tuple[st
 @pytest.mark.parametrize("name", recipe_params(NAMES))
 def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
     """One launch per recipe: its lean copy, its --with all copy (and ddp's single-feature copies), then the
-    packaged recipe, each pair ending with the same weights bit for bit."""
+    packaged recipe, each pair ending with the same weights bit for bit; every copy's run reads every option it
+    takes (the walk rides on the run: tests/copy_jobs.py)."""
     copies = project / "project"
     nproc = min(_world_size((copies / f"{name}.py").read_text()), MAX_PROCS)
     jobs, pairs = _jobs(name, tmp_path, copies)
@@ -245,6 +261,8 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
     )
     for job in jobs:
         assert f"job {job['label']} exit 0 rank 0" in proc.stdout, proc.stdout + proc.stderr
+        if "copy" in job:  # the options walk on every copy variant: an option its run never reads is ignored
+            assert f"unread {job['label']} []" in proc.stdout, f"{name} {job['label']}: " + proc.stdout
     assert proc.stdout.count("summary ") == len(jobs)
     # a copy records what it built: one without --model names no model (not the default the owner may have
     # replaced in its build lines), in config.json and in the weights' header
@@ -258,26 +276,6 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
         assert mine.keys() == theirs.keys()
         for key in theirs:
             assert torch.equal(mine[key], theirs[key]), f"{name} ({copied}) on {nproc} processes: {key} differs"
-
-
-@pytest.mark.world
-@pytest.mark.parametrize("name,variant", VARIANTS)
-def test_every_option_of_every_copy_is_read(project, name, variant, tmp_path, monkeypatch):
-    """The options walk of tests/test_options.py on each copy variant, in this process (a world of one): a copy
-    that declares an option its run never reads would ignore it silently."""
-    from test_options import NEVER_READ_IN_ONE_PROCESS, recording, walk_values
-
-    monkeypatch.setenv("TDR_DEVICE", "cpu")
-    copy = runpy.run_path(str(project / "project" / f"{_stem(name, variant)}.py"), run_name="standalone_copy")
-    fields = set(copy["Config"].__dataclass_fields__)
-    cfg = recording(copy["Config"])(**walk_values(name, fields, tmp_path))
-    try:
-        copy["main"](cfg)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    unread = fields - cfg._read - NEVER_READ_IN_ONE_PROCESS
-    assert not unread, f"{name}'s copy ({variant or 'lean'}) takes options its run never reads: {sorted(unread)}"
 
 
 def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path):
