@@ -135,15 +135,15 @@ def test_copy_is_one_whole_file(project, name, variant):
 # (DESIGN.md) are 450 code lines and 650 in all for ddp, 750 code lines for every other: what the copies still
 # carry over them is listed in docs/copying-and-checking.md.
 SIZES = {
-    "ddp": (1521, 1110),
-    "ddp_amp": (1893, 1375),
-    "ddp_monitored": (2098, 1567),
-    "dp": (1493, 1090),
-    "fsdp": (2210, 1594),
-    "fsdp_tp": (2474, 1813),
-    "pipeline": (2020, 1465),
-    "pipeline_naive": (1675, 1214),
-    "tensor_parallel": (2438, 1780),
+    "ddp": (1488, 1080),
+    "ddp_amp": (1860, 1345),
+    "ddp_monitored": (2065, 1537),
+    "dp": (1460, 1060),
+    "fsdp": (2177, 1564),
+    "fsdp_tp": (2441, 1783),
+    "pipeline": (1987, 1435),
+    "pipeline_naive": (1642, 1184),
+    "tensor_parallel": (2405, 1750),
 }
 BUDGET = {"ddp": (650, 450)}  # every other recipe: 750 code lines
 
@@ -458,6 +458,34 @@ def test_a_feature_in_what_a_function_returns_is_refused():
 def test_with_names_the_valid_features_in_one_line(tmp_path):
     bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,lock,meter"])
     assert bad.exit_code == 2 and not (tmp_path / "a.py").exists()
-    assert "--with lock,meter: choose from all, init_from, hf, factories" in bad.output
+    assert "--with lock,meter: choose from all, init_from, hf, fast_writer, old_checksums, factories" in bad.output
     alone = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "b.py"), "--with", "hf"])
     assert alone.exit_code == 2 and "--with: only a --standalone copy leaves features out" in alone.output
+
+
+@pytest.mark.fast
+def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bit(tmp_path):
+    """A lean copy writes with safetensors' own writer (core.ckpt_io.write_plain), the package with its own: the same
+    checksums, verified by the same reader; one flipped bit is refused naming the tensor."""
+    from core.ckpt_io import read_header, verify, write_plain, write_safetensors
+    from core.config import RecipeError
+
+    tensors = {
+        "model/w": torch.randn(3, 5),
+        "optim/0/exp_avg_sq": torch.rand(4, dtype=torch.float64),
+        "rng": torch.arange(7, dtype=torch.uint8),
+        "empty": torch.zeros(0),
+    }
+    for write in (write_safetensors, write_plain):
+        path = tmp_path / f"{write.__name__}.safetensors"
+        with open(path, "wb", buffering=0) as f:
+            write(f, tensors, {"step": "3"})
+        header, loaded = read_header(path), load_file(path)
+        verify(path, header, loaded)
+        assert header["__metadata__"]["step"] == "3" and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little") + header["model/w"]["data_offsets"][0]
+    data[start + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(RecipeError, match="tensor model/w does not match its checksum"):
+        verify(path, read_header(path), load_file(path))
