@@ -192,7 +192,7 @@ def leave(run: Callable[[], int]) -> None:
 
 def fail(message: str, code: int, *, everyone: bool = True) -> int:
     """Print `error: message` as one line on stderr (and in train.log); returns `code`. `everyone`: an error every
-    rank meets, printed by rank 0 alone under torchrun (core.records.error_line); its run takes back an empty folder."""
+    rank meets, printed by rank 0 alone under torchrun (core.records.error_line); a refused run leaves no empty run."""
     records.error_line(message, everyone=everyone)
-    records.close_log(refused=everyone)
+    records.close_log(refused=everyone and code == 1)  # a RecipeError, not an interrupt: it would meet it again
     return code

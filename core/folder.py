@@ -27,6 +27,7 @@ from core.records import RunFolder, open_log, repair_records
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
+IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that does not take the option trains (ddp)
 
 
 def open_run(
@@ -152,12 +153,17 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
             f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
             f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
         )
-    differ = [k for k in TRAJECTORY if k in saved and k in config and saved[k] != config[k]]  # a group both take
-    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {config[k]}" for k in differ]
-    if changed:
+    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
+    was, now = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
+    differ = [k for k in both if was[k] != now[k]]
+    if differ:
+        changed = ", ".join(f"--{k.replace('_', '-')} {was[k]} -> {now[k]}" for k in differ)
+        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
+        fix = ", ".join(f"--{k.replace('_', '-')} {was[k]}" for k in differ)
+        fix = f"resume with {saved_recipe} {fix}" if any(k not in config for k in differ) else f"resume with {fix}"
         raise RecipeError(
-            f"{path}: resuming with other options ({', '.join(changed)}) would train another run; resume with the "
-            f"options it was started with, or start a new run without --resume"
+            f"{path}: {across}resuming with other options ({changed}) would train another run; {fix} (the options "
+            f"it was started with), or start a new run without --resume"
         )
 
 

@@ -12,6 +12,7 @@ that sink, the one piece of state here, so that the error a run ends with (error
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -68,13 +69,10 @@ def open_log(run: RunFolder) -> None:
     if not run.writer:
         return
     close_log()
-    try:
+    with contextlib.suppress(ValueError):  # gone already
         logger.remove(0)
-    except ValueError:  # gone already
-        pass
     ours = lambda record: "rank" in record["extra"]  # noqa: E731 - the lines said here, not a user's own loguru lines
-    sink = logger.add(run.path / "train.log", format=LOG_FORMAT, level="INFO", filter=ours, catch=False)
-    _RUN_LOG.update(id=sink, path=run.path)
+    _RUN_LOG.update(path=run.path, id=logger.add(run.path / "train.log", format=LOG_FORMAT, filter=ours, catch=False))
 
 
 def close_log(*, refused: bool = False) -> None:
@@ -93,10 +91,8 @@ def show(message: str, *, level: str = "INFO", rank: int = 0) -> None:
     """Print one line as it is (INFO on stdout, WARNING and ERROR on stderr); rank 0's also goes to its train.log."""
     print(message, file=sys.stdout if level == "INFO" else sys.stderr, flush=True)
     if _RUN_LOG:
-        try:
+        with contextlib.suppress(OSError):  # train.log on a full disk: the terminal has the line; the run's writes fail
             logger.bind(rank=rank).log(level, message)
-        except OSError:  # train.log on a full disk: the line is on the terminal; the run's own writes say the rest
-            pass
 
 
 def say(run: RunFolder, message: str, *, level: str = "INFO") -> None:

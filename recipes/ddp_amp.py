@@ -25,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from core import amp, ckpt, data, dist, folder, hf, meter, models, replicas, steps, stream, trackers, weights
 from core.config import Checkpointing, DDPOptions, RecipeError, Training, cli_main, with_default
 from core.exact_loss import forward_sums, make_exact_loss
+from core.loss import make_loss
+from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
     if done := folder.finished(cfg, topo, recipe="ddp_amp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
@@ -82,7 +84,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     scaler = amp.make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
-    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
+    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
     # checkpoint's state, and the trackers --log-to names, which continue from the checkpoint's step.

@@ -91,7 +91,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
     if done := folder.finished(cfg, topo, recipe="pipeline"):  # resumed, finished: nothing is touched
         return done
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
@@ -169,9 +169,15 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 with clock.paused():  # every rank writes its own stages
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # forward only, through the same schedule: K batches a run, as in training
+        with clock.paused():  # forward only, through the same schedule: K batches a run, the smaller last one too
             evaluation = pipeline.evaluate_pipeline(
-                schedule, val_loader, loss_fn=loss_fn, accum=cfg.accum, holds_last=holds_last, device=topo.device
+                schedule,
+                val_loader,
+                stages=stages,
+                loss_fn=loss_fn,
+                accum=cfg.accum,
+                holds_last=holds_last,
+                device=topo.device,
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 

@@ -24,6 +24,7 @@ from torch import nn
 from core import ckpt, data, dist, folder, hf, meter, models, pipeline, records, steps, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, with_default
 from core.loss import make_loss
+from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
     if done := folder.finished(cfg, topo, recipe="pipeline_naive"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size  # one process
@@ -100,7 +101,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr)
     total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_loss(cfg.loss, model=plain)
+    loss_fn = make_loss(model=plain)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=plain)  # --loss ce, mse, model or module:function
 
     # The run folder, new or resumed, and the checkpoint's state (of the plain model: its own names).
     run = folder.open_run(

@@ -73,7 +73,8 @@ def _micro_batches(x, y, *, rank: int, world: int, sizes: list[int]):
 
 def _ce(model: nn.Module):
     """--loss ce for step_amp (every counted target of the global batch weighs the same)."""
-    return make_exact_loss("ce", model=getattr(model, "module", model))
+    plain = getattr(model, "module", model)
+    return make_exact_loss(make_loss("ce", model=plain), model=plain)
 
 
 def cross_entropy(logits, targets):

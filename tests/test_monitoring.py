@@ -153,6 +153,8 @@ def test_watchdog_fires_on_a_stalled_rank_and_names_it(stalled):
     assert "in forward" in stacks[1] and "test_monitoring.py" in stacks[1]  # where rank 1 stopped
     assert "gloo:all_reduce" in stacks[0].splitlines()[0]  # rank 0's last collective, waiting for rank 1
     assert '"kind": "summary"' in (stalled / "metrics.jsonl").read_text()  # the stall passed; the run finished
+    warned = [line for line in (stalled / "train.log").read_text().splitlines() if "| WARNING | rank 0 |" in line]
+    assert any("warning: watchdog: rank(s) 1 behind" in line for line in warned), warned  # train.log has it too
 
 
 @pytest.mark.world

@@ -3,6 +3,7 @@ a refused resume touches nothing, records stay whole and strict JSON, one job ho
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,10 +48,21 @@ def _snapshot(folder):
 def finished(tmp_path_factory):
     """The quick start's shape (115 steps, checkpoints at 50 and 100): the last step is not checkpointed."""
     tmp_path = tmp_path_factory.mktemp("finished")
-    _run(tmp_path, "--max-steps", "7", "--ckpt-every", "3")
+    proc = _run(tmp_path, "--max-steps", "7", "--ckpt-every", "3")
+    (tmp_path / "stdout.txt").write_text(proc.stdout)
     names = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*") if p.is_file())
-    assert names == [f"runs/ddp-1/{n}" for n in (".lock", *CKPTS, "config.json", "metrics.jsonl", "model.safetensors")]
+    files = (".lock", *CKPTS, "config.json", "metrics.jsonl", "model.safetensors", "train.log")
+    assert names == [f"runs/ddp-1/{n}" for n in files]
     return tmp_path
+
+
+def test_train_log_holds_every_line_the_run_printed_with_time_level_and_rank(finished):
+    """Issue 28 item 5: the terminal keeps its lines as they were; train.log has each of them, in order."""
+    printed = (finished / "stdout.txt").read_text().splitlines()
+    assert printed[0].startswith("step 7/7 epoch 0 loss ") and printed[-1].startswith("summary val_loss=")
+    log = (finished / "runs" / "ddp-1" / "train.log").read_text().splitlines()
+    line = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| INFO    \| rank 0 \| (.*)")
+    assert [line.fullmatch(entry)[1] for entry in log] == printed
 
 
 CKPTS = ("ckpt/step-000003.safetensors", "ckpt/step-000006.safetensors")
@@ -79,7 +91,8 @@ def test_resuming_a_finished_run_trains_nothing_and_changes_no_byte(finished, ho
     elif how == "a copy":
         copy = tmp_path / "ddp_copy.py"
         recipes_cli("cp", "ddp", str(copy), "--standalone", cwd=tmp_path, env=_env())
-        proc = run([sys.executable, str(copy), *TINY, *out, "--resume", "auto"], cwd=tmp_path, env=_env())
+        lean = [a for a in TINY if a not in ("--model", "tiny:mlp")]  # a lean copy names its model in its code
+        proc = run([sys.executable, str(copy), *lean, *out, "--resume", "auto"], cwd=tmp_path, env=_env())
     else:  # 2 ranks, global batch 32 (the run's was 16), under bare torchrun
         step3 = str(run_dir / CKPTS[0])
         proc = run([*torchrun("-m", "recipes", "run", "ddp"), *TINY, *out, "--resume", step3], cwd=finished, env=_env())
@@ -88,26 +101,27 @@ def test_resuming_a_finished_run_trains_nothing_and_changes_no_byte(finished, ho
     assert sorted(p.name for p in (finished / "runs").iterdir()) == ["ddp-1"]
 
 
-def test_a_run_stopped_after_its_last_checkpoint_writes_what_is_missing_and_trains_nothing(tmp_path):
-    """27.7: a run killed after its checkpoint at the last step (during the hf/ write, say) is not finished until its
-    summary is written: resumed, it trains nothing, evaluates the final weights again, writes them and the summary.
-    A torn last record (a crash mid-write) is dropped first."""
-    _run(tmp_path, "--max-steps", "4", "--ckpt-every", "2", "--epochs", "2")
+def test_a_run_stopped_during_its_hf_write_writes_what_is_missing_and_trains_nothing(tmp_path):
+    """27.7: SIGTERM during the hf/ write, after the checkpoint at the last step: the weights are on disk, hf/ is
+    half written, no summary. The run is not finished: resumed, it trains nothing, evaluates the final weights again
+    and writes the weights, hf/ and the summary, the same bytes and numbers as the run that was not stopped. A torn
+    last record (the kill came mid-write) is dropped first."""
+    gpt2 = ["--model", "check_user:gpt2", "--data", "check_user:lm_val", "--batch-size", "8", "--max-steps", "4"]
+    _run(tmp_path, *gpt2, "--ckpt-every", "2")
     run_dir = tmp_path / "runs" / "ddp-1"
-    weights, records = (run_dir / "model.safetensors").read_bytes(), _strict(run_dir / "metrics.jsonl")
+    promised = {p: p.read_bytes() for p in [run_dir / "model.safetensors", *(run_dir / "hf").iterdir()]}
+    records = _strict(run_dir / "metrics.jsonl")
     kept = "".join(json.dumps(r) + "\n" for r in records[:-1])  # all but the summary
     (run_dir / "metrics.jsonl").write_text(kept + '{"kind": "train", "step": 5, "lo')
-    (run_dir / "model.safetensors").unlink()
-    proc = _run(tmp_path, "--max-steps", "4", "--ckpt-every", "2", "--epochs", "2", "--resume", "auto")
+    (run_dir / "hf" / "model.safetensors").unlink()
+    proc = _run(tmp_path, *gpt2, "--ckpt-every", "2", "--resume", "auto")
     after = _strict(run_dir / "metrics.jsonl")
     assert after[: len(records) - 1] == records[:-1] and "already finished" not in proc.stdout
     assert [r["kind"] for r in after[len(records) - 1 :]] == ["resume", "eval", "summary"]
-    assert (run_dir / "model.safetensors").read_bytes() == weights
+    assert {p: p.read_bytes() for p in promised} == promised
     same = ("val_loss", "val_acc", "steps", "weights")
-    assert {k: after[-1][k] for k in same} == {k: records[-1][k] for k in same}
+    assert {k: after[-1].get(k) for k in same} == {k: records[-1].get(k) for k in same} and "val_loss" in after[-1]
     assert after[-2] | {"epoch": None} == [r for r in records if r["kind"] == "eval"][-1] | {"epoch": None}
-    again = _run(tmp_path, "--max-steps", "4", "--ckpt-every", "2", "--epochs", "2", "--resume", "auto")
-    assert "already finished at step 4" in again.stdout and _strict(run_dir / "metrics.jsonl") == after
 
 
 @pytest.mark.parametrize(
@@ -203,6 +217,8 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     assert proc.returncode == 1 and "error: step 3: the loss or the gradients are not finite" in proc.stderr
     assert "Traceback" not in proc.stderr
     _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
+    last = (tmp_path / "runs" / "ddp-1" / "train.log").read_text().splitlines()[-1]  # the error ends the log too
+    assert re.fullmatch(r"\S+ \S+ \| ERROR   \| rank 0 \| error: step 3: the loss or the gradients are not .*", last)
 
 
 def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_own_options(tmp_path):
@@ -218,6 +234,7 @@ def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_ow
         "error: step 1: the loss or the gradients are not finite (gradient norm nan); lower --lr, or pass "
         "--on-nonfinite skip"
     )
+    assert not list((tmp_path / "runs").iterdir())  # issue 27 item 7: it left config.json and .lock in a folder
 
 
 def test_skip_on_non_finite_skips_and_counts(tmp_path):
@@ -318,7 +335,8 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path):
         )
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         line = proc.stderr.strip().splitlines()[-1]
-        assert line.startswith("error: ") and "the disk is full" in line and "bytes free" in line
+        assert line.startswith(f"error: {disk}/runs/ddp-1") and "the disk is full" in line, line  # not the cwd's
+        assert int(re.search(r"\(([\d,]+) bytes free\)", line)[1].replace(",", "")) < 600_000, line  # that disk's
         _strict(next(disk.glob("runs/ddp-*/metrics.jsonl")))
     finally:
         subprocess.run(["umount", str(disk)])

@@ -1,4 +1,4 @@
-"""python -m recipes: list, run, copy, diff, check and plot the recipes; derived from the registry.
+"""python -m recipes: list, run, copy, diff, check, plan and plot the recipes; derived from the registry.
 
 `run NAME [OPTIONS]` hands OPTIONS to the recipe's own parser (its Config), so `--help` lists
 exactly what that recipe takes, and an option it does not take is a usage error that names the
@@ -36,15 +36,13 @@ def cli():
 
 @cli.command("ls")
 def list_recipes():
-    """A table of the recipes: name, what it builds on, multi-node, the opt-in modules it takes, what it shows."""
-    rows = [("name", "builds on", "multi-node", "opt-ins (core/)", "what it shows")]
-    rows += [
-        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", ", ".join(r.opt_ins) or "-", r.summary)
-        for _, r in sorted(RECIPES.items())
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    """The recipes as a markdown table (the README shows it as printed): name, what it builds on, multi-node, what
+    it shows, the opt-in core modules it takes."""
+    click.echo("| recipe | builds on | multi-node | what it shows | opt-ins it takes (`core/`) |")
+    click.echo("|---|---|---|---|---|")
+    for r in RECIPES.values():  # the registry's order: the base first, each recipe after what it builds on
+        cells = [f"`{r.name}`", f"`{r.builds_on}`" if r.builds_on else "-", "yes" if r.multi_node else "no"]
+        click.echo("| " + " | ".join([*cells, r.summary, ", ".join(r.opt_ins) or "-"]) + " |")
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "help_option_names": []})
@@ -72,7 +70,10 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         warnings = precheck(recipe, module, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         for line in warnings if os.environ.get("RANK", "0") == "0" else []:
             click.echo(f"warning: {line}", err=True)
-    if dry_run:
+    if dry_run:  # the launchers' pre-check: also the memory plan's largest peak against the free memory
+        from tools.plan_report import precheck_memory
+
+        precheck_memory(name, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         click.echo(f"ok: {name} {cfg.to_dict()}")
         return
     from tools.join import join
@@ -233,6 +234,29 @@ def diff_recipes(base: str, name: str):
         header = line.startswith(("+++", "---"))
         fg = None if header else colours.get(line[:1])
         click.echo(click.style(line, fg=fg, bold=True) if header else click.style(line, fg=fg) if fg else line)
+
+
+@cli.command("plan", context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("name", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def plan_command(name: str | None, args: tuple[str, ...]):
+    """Memory per rank before launch, for NAME with its options: `plan NAME --help` lists them."""
+    usage = "usage: python -m recipes plan NAME [ITS OPTIONS] [--nproc N] [--device-memory GIB] [--json]"
+    if name in (None, "-h", "--help"):
+        click.echo(f"{usage}\n\nrecipes: " + ", ".join(sorted(RECIPES)))
+        return
+    recipe = _recipe(name)
+    module = recipe.load()
+    from tools.plan_report import plan_options, show_plan  # torch's fake tensors load only for this command
+
+    own, rest = plan_options(list(args))
+    if "-h" in rest or "--help" in rest:
+        click.echo(f"{usage}\n  --nproc N: the job's processes; --device-memory GIB: plan for that device\n")
+    try:
+        cfg, _ = parse_args(module.Config, rest, prog=f"python -m recipes plan {name}", description=recipe.summary)
+    except UsageError as err:
+        raise _explained(err, name, module.Config) from None
+    show_plan(name, module, cfg, **own, echo=click.echo)
 
 
 @cli.command("plot")

@@ -54,6 +54,12 @@ FEATURES = {
         ),
         Feature("trackers", "--log-to tensorboard or wandb", ("core.trackers.Tracking",), (), ("core.trackers.",)),
         Feature(
+            "loss",
+            "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy)",
+            fields=("loss",),
+            calls=("core.loss_options.",),
+        ),
+        Feature(
             "fast_writer",
             "the hand-written safetensors writer (checkpoints go through safetensors' own, one more copy of the "
             "tensors in memory)",

@@ -1,0 +1,132 @@
+"""The memory plan (`python -m recipes plan`, tools/plan*.py): right against torch's tracker on real steps, for
+every recipe on the built-in GPT, a transformers GPT-2 and Llama at 1 and 2 ranks; its table, JSON and fit; and
+one line, nothing created, for what it cannot plan and for bad input."""
+
+import json
+import os
+
+import pytest
+from plan_models import MATRIX
+
+from core.config import RecipeError, parse_args
+from tools.cli import run_cli
+from tools.plan import plan_recipe
+from tools.plan_measure import measure
+from tools.registry import RECIPES
+
+EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes")
+
+
+def _cfg(name: str, args: list[str]):
+    return parse_args(RECIPES[name].load().Config, list(args), prog=name)[0]
+
+
+def _against_measurement(world, size: int) -> list[str]:
+    wrong = []
+    for name, args in MATRIX[size]:
+        plan = plan_recipe(name, _cfg(name, args), world_size=size, gpu=False)
+        for rank, measured in enumerate(world.run(measure, name, args)):
+            planned = plan.ranks[rank]
+            off = planned.peak_bytes / measured["peak_bytes"] - 1
+            inexact = {k: (getattr(planned, k), measured[k]) for k in EXACT if getattr(planned, k) != measured[k]}
+            if inexact or abs(off) > 0.10:
+                wrong.append(f"{name} {' '.join(args)} rank {rank}: peak {off:+.1%}, {inexact}")
+    return wrong
+
+
+@pytest.mark.world
+def test_plan_matches_real_steps_on_one_rank(world1):
+    """Parameters, gradients and optimizer state to the byte; the peak within 10% of MemTracker's on real steps."""
+    assert _against_measurement(world1, 1) == []
+
+
+@pytest.mark.world
+def test_plan_matches_real_steps_on_two_ranks(world2):
+    assert _against_measurement(world2, 2) == []
+
+
+@pytest.mark.fast
+def test_json_is_exactly_the_documented_shape(capsys):
+    assert (
+        run_cli(["plan", "ddp", "--model", "gpt", "--data", "text", "--batch-size", "2", "--nproc", "2", "--json"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"recipe", "world_size", "ranks"} and (out["recipe"], out["world_size"]) == ("ddp", 2)
+    keys = {"rank", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes"}
+    assert [set(r) for r in out["ranks"]] == [keys, keys] and [r["rank"] for r in out["ranks"]] == [0, 1]
+    from core.gpt import gpt
+
+    params = sum(p.numel() * 4 for p in gpt().parameters())  # fp32, a whole replica on each rank
+    assert out["ranks"][0]["params_bytes"] == params and out["ranks"][0]["optimizer_bytes"] > 2 * params
+
+
+@pytest.mark.fast
+def test_table_puts_the_largest_rank_first_and_names_what_dominates(capsys):
+    assert run_cli(["plan", "pipeline", "--batch-size", "4", "--microbatches", "2", "--nproc", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "pipeline on 2 ranks, GiB per rank" and lines[1].split()[0] == "ranks"
+    plan = plan_recipe("pipeline", _cfg("pipeline", ["--batch-size", "4", "--microbatches", "2"]), world_size=2)
+    assert lines[2].split()[0] == str(plan.largest.rank) and "activations (" in lines[2]
+
+
+@pytest.mark.fast
+def test_a_plan_that_does_not_fit_says_what_would_each_from_a_plan(capsys):
+    args = ["--model", "gpt", "--data", "text", "--batch-size", "8", "--accum", "1"]
+    cfg = _cfg("ddp_amp", args)
+    peak = plan_recipe("ddp_amp", cfg, world_size=1).largest.peak_bytes
+    device = peak * 0.8 / 2**30
+    assert run_cli(["plan", "ddp_amp", *args, "--device-memory", f"{device:.6f}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: plan: rank 0's peak") and "would fit:" in err
+    from tools.plan_report import gib
+
+    smaller = plan_recipe("ddp_amp", _cfg("ddp_amp", [*args[:-3], "4", "--accum", "2"]), world_size=1)
+    assert f"--batch-size 4 --accum 2 ({gib(smaller.largest.peak_bytes)} GiB)" in err  # a figure from a plan
+    assert "fsdp (" in err
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["nope"], "unknown recipe 'nope'"),
+        (["ddp", "--accum", "2"], "--accum: ddp does not take it"),
+        (["ddp", "--model", "plan_models:broken"], "the factory raised ValueError"),
+        (["ddp", "--device-memory", "-8"], "--device-memory -8"),
+        (["ddp", "--nproc", "0"], "--nproc 0"),
+        (["dp", "--nproc", "2"], "dp runs one process"),
+        (["ddp_monitored", "--compile"], "cannot plan --compile"),
+        (["ddp", "--model", "plan_models:reads_value", "--data", "text"], "forward of gate (Gate)"),
+        (["ddp", "--model", "plan_models:data_shape", "--data", "text"], "nonzero"),
+        (["ddp", "--model", "plan_models:numpy_function", "--data", "text"], "numpy"),
+    ],
+)
+def test_bad_input_and_what_cannot_be_planned_are_one_line_and_create_nothing(args, says, tmp_path, capsys):
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert run_cli(["plan", *args]) != 0
+    finally:
+        os.chdir(here)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and says in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.fast
+def test_the_pre_check_prints_the_peak_and_refuses_a_job_over_free_memory(monkeypatch, capsys):
+    from tools import plan_report
+
+    cfg = _cfg("ddp", ["--model", "gpt", "--data", "text", "--batch-size", "2"])
+    plan_report.precheck_memory("ddp", cfg, world_size=2)
+    assert capsys.readouterr().err.startswith("plan: largest peak ")
+    monkeypatch.setattr(plan_report, "_mem_available", lambda: 2**20)  # 1 MiB available: two ranks cannot fit
+    with pytest.raises(RecipeError, match=r"rank 0's peak .* does not fit this machine's available memory"):
+        plan_report.precheck_memory("ddp", cfg, world_size=2)
+
+
+@pytest.mark.fast
+def test_the_launchers_pre_check_runs_the_plan(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_cli(["run", "fsdp", "--batch-size", "2", "--dry-run"]) == 0
+    assert "plan: largest peak" in capsys.readouterr().err

@@ -1,0 +1,212 @@
+"""The memory plan: what each rank of a recipe will hold, before anything is launched, in seconds on a CPU.
+
+    python -m recipes plan fsdp --model mypkg:llama --batch-size 8 --nproc 8 --device-memory 80
+
+For every rank: parameters, gradients, optimizer state (exact: bytes from the shapes and dtypes that rank holds),
+the activations at the step's peak, and the step's peak, for the layout the recipe builds (tools.plan_layout)
+and two training steps of its own step (tools.plan_step), on fake tensors with a fake process group under torch's
+MemTracker: no memory is allocated, whatever the model's size. Not seen by any tracker, so not in the plan: the
+CUDA context, NCCL's buffers and the allocator's slack (docs/memory-plan.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from core.config import RecipeError
+from tools.plan_layout import EXACT_LOSS, build_layout, mesh_dims, pipeline_buffers, schedule_order, unplannable
+from tools.plan_step import planned_steps, quiet
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    peak_bytes: int
+    buffers_bytes: int = 0  # DDP's gradient buckets (in the peak; not in the JSON's fixed keys)
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    world_size: int
+    ranks: list[RankPlan]
+
+    @property
+    def largest(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: (r.peak_bytes, -r.rank))
+
+    def to_json(self) -> dict:
+        keys = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+        ranks = [{k: getattr(r, k) for k in keys} for r in self.ranks]
+        return {"recipe": self.recipe, "world_size": self.world_size, "ranks": ranks}
+
+
+def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> Plan:
+    """The plan of recipe `name` with options `cfg` on `world_size` ranks. `gpu`: plan for GPUs (AdamW's
+    multi-tensor step, the caching allocator's 512-byte unit); default: whether this machine has one."""
+    reason = unplannable(name, cfg)
+    if reason:
+        raise RecipeError(f"plan: cannot plan {reason}")
+    if name in ("dp", "pipeline_naive") and world_size != 1:
+        raise RecipeError(f"--nproc {world_size}: {name} runs one process; plan it with --nproc 1")
+    if torch.distributed.is_initialized():
+        raise RecipeError("plan: a process group already exists in this process; plan before any is made")
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    dims = mesh_dims(name, cfg, world_size)
+    batch = first_batch(cfg)
+    pp = dims.get("pp", 1)
+    planned = {
+        r: _plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, gpu=gpu) for r in range(pp)
+    }  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
+    ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
+    return Plan(name, world_size, ranks)
+
+
+def first_batch(cfg):
+    """One rank's first batch, as the recipe's loader collates it: the shapes the plan runs on."""
+    from tools.precheck import check_data
+    from tools.probes import collated, first_samples
+
+    found = check_data(cfg.data, streams=True, recipe="plan")  # the pre-check's one-line refusals of a factory
+    train, collate = found["train"], found["collate"]
+    samples = first_samples(train, cfg.batch_size, spec=cfg.data)
+    if len(samples) < cfg.batch_size:
+        raise RecipeError(f"--batch-size {cfg.batch_size}: the training set holds {len(samples)} samples; use fewer")
+    return collated(samples, collate, spec=cfg.data)
+
+
+def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict, gpu: bool) -> RankPlan:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from core.dist import Topology
+    from tools.precheck import check_model
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        topo = Topology(rank, rank, world_size, world_size, 0, torch.device("cpu"), "fake")
+        mesh = None
+        if dims:  # before fake mode: init_device_mesh reads the ranks' values
+            from core import parallel
+
+            mesh = parallel.build_mesh(topo, dims)
+        with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            with _mesh_math_on_real_tensors():
+                layout = build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=check_model)
+            fake = _fake(batch, mode)
+            micro_batches = [fake] * getattr(cfg, "accum", 1)
+            order = None
+            if name == "pipeline":
+                count = cfg.microbatches * cfg.accum
+                first = fake[0] if not isinstance(fake, dict) else None
+                pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)
+                group = mesh["pp"].get_group()
+                order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)
+            loss_fn = _loss(name, cfg, layout.model)
+            step = lambda: planned_steps(  # noqa: E731
+                name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
+            )
+            return _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _mesh_math_on_real_tensors():
+    """fully_shard over a tensor-parallel model joins the dp and tp meshes, and a DeviceMesh finds its rank's
+    coordinates with nonzero(), which fake tensors cannot answer: that arithmetic on the (real, small) mesh runs
+    outside fake mode, as it does before fake mode for the meshes build_mesh makes."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._compute_coordinate_on_dim
+
+    def on_real_tensors(self):
+        with unset_fake_temporarily():
+            return original(self)
+
+    DeviceMesh._compute_coordinate_on_dim = on_real_tensors
+    try:
+        yield
+    finally:
+        DeviceMesh._compute_coordinate_on_dim = original
+
+
+def _loss(name: str, cfg, model):
+    """The recipe's loss, taken as its recipe takes it (core.loss, then --loss's other choices, then exact weights)."""
+    if name == "pipeline":
+        return None
+    from core.loss import make_loss
+    from core.loss_options import choose_loss
+
+    loss = choose_loss(cfg.loss, make_loss(model=model), model=model)
+    if name in EXACT_LOSS:
+        from core.exact_loss import make_exact_loss
+
+        return make_exact_loss(loss, model=model)
+    return loss
+
+
+def _traced(run, modules: list):
+    """The plan's step, or one line naming the part fake tensors could not follow: the innermost module whose
+    forward was running (or the backward), and what it did (read a value, a data-dependent shape, an operator
+    with no fake kernel). Never a number from a step that did not run whole."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    names = {m: f"{n or 'the model'} ({type(m).__name__})" for root in modules for n, m in root.named_modules()}
+    running: list[str] = []
+
+    def enter(module, args) -> None:
+        running.append(names.get(module, type(module).__name__))
+
+    def leave(module, args, out) -> None:  # returns None: a forward hook's value would replace the output
+        del running[-1:]
+
+    pre, post = register_module_forward_pre_hook(enter), register_module_forward_hook(leave)
+    try:
+        return run()
+    except RecipeError:
+        raise
+    except Exception as err:  # the user's model on fake tensors
+        part = f"the forward of {running[-1]}" if running else "the loss or the backward"
+        what = f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
+        raise RecipeError(
+            f"plan: cannot plan {part}: on fake tensors it failed ({what}); data-dependent shapes, values read "
+            f"in Python and custom kernels cannot be planned without running them: measure a real step instead"
+        ) from None
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def _fake(batch, mode):
+    if torch.is_tensor(batch):
+        return mode.from_tensor(batch)
+    if isinstance(batch, dict):
+        return {k: _fake(v, mode) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        parts = [_fake(v, mode) for v in batch]
+        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+    return batch
+
+
+def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int) -> RankPlan:
+    """The exact terms from the shapes and dtypes this rank holds; activations: the rest of the peak (what the
+    forward keeps for backward, gathered shards, receive buffers, the step's temporaries, the batch)."""
+    from tools.plan_layout import held_bytes
+
+    params = held_bytes([p for m in layout.modules for p in m.parameters()])
+    buckets = layout.bucket_bytes
+    module_buffers = held_bytes([b for m in layout.modules for b in m.buffers()])
+    activations = max(peak - params - module_buffers - grads - optimizer - buckets, 0)
+    return RankPlan(rank, params, grads, optimizer, activations, peak, buckets)

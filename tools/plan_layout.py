@@ -1,0 +1,185 @@
+"""The memory plan's layouts: what one rank of a recipe holds, built with the recipe's own core functions.
+
+Each recipe's build lines (models.build_model, DistributedDataParallel's buckets, parallel.shard_units and
+fully_shard, the TP plan and parallelize_module, pipeline.split_pipeline and the schedule) are mirrored here
+call for call, on whatever tensors are current: fake ones for a plan (FakeTensorMode, a fake process group),
+real ones when tests and bench/ measure a run. The recipes' `train()` builds and trains in one function, so it
+cannot be called for its build alone; the lines below are the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from core import amp, models, pipeline
+from core.config import RecipeError
+
+# The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
+REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")
+ONE_PROCESS = ("dp", "pipeline_naive")
+EXACT_LOSS = ("ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp")  # core.exact_loss's step (amp.step_amp)
+
+
+@dataclass
+class Layout:
+    """One rank's part of a recipe: the module its step calls, the parameters its optimizer holds."""
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    sync: object = amp.grad_sync  # how the first K-1 micro-batches hold the gradient reduction back
+    autocast: str = "fp32"  # the step's autocast precision (fully_shard's policy casts instead)
+    bucket_bytes: int = 0  # DDP's gradient buckets: allocated by the reducer, one copy of the gradients
+    stages: list = field(default_factory=list)  # pipeline: this rank's stages, with their stage indices
+    num_stages: int = 0
+    recv: dict = field(default_factory=dict)  # pipeline: stage -> a receive buffer per micro-batch (inputs)
+    grad_recv: dict = field(default_factory=dict)  # pipeline: stage -> a receive buffer per micro-batch (gradients)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """What this rank holds: its stages, or the model."""
+        return [m for _, m in self.stages] or [self.model]
+
+
+def mesh_dims(name: str, cfg, world_size: int) -> dict[str, int]:
+    """The device mesh the recipe builds (its own `mesh` where it has one); {} for DDP and one process."""
+    if name in ("fsdp", "tensor_parallel", "fsdp_tp", "pipeline"):
+        from tools.registry import RECIPES
+
+        return RECIPES[name].load().mesh(cfg, world_size)
+    return {}
+
+
+def unplannable(name: str, cfg) -> str | None:
+    """An option whose memory a plan cannot follow, named in one line (never a low number instead)."""
+    if getattr(cfg, "compile", False):
+        return (
+            "--compile: torch.compile fuses kernels and chooses what to keep for backward only when it runs, so "
+            "the plan cannot follow it; plan without --compile (compile usually keeps less, not always)"
+        )
+    if getattr(cfg, "balance", "params") == "time":
+        return "--balance time: the stages' cut depends on measured times; plan with --balance params"
+    if getattr(cfg, "offload", False):
+        return "--offload: the shards live in CPU memory; the plan counts device memory without offload"
+    return None
+
+
+def held_bytes(params) -> int:
+    """Bytes of the distinct storages these parameters' local tensors hold (a DTensor's shard, FSDP2's padding)."""
+    seen, total = set(), 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        storage = local.untyped_storage()
+        key = id(storage) if isinstance(local, torch._subclasses.FakeTensor) else storage.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, build=models.build_model) -> Layout:
+    """Rank `rank`'s layout of recipe `name`, built on the current tensors (call under FakeTensorMode to plan).
+    `build`: the model factory's caller (the plan passes the pre-check's, whose refusals are one line)."""
+    model = build(cfg.model)
+    if name in REPLICAS or name == "dp":
+        if getattr(cfg, "channels_last", False):
+            from core.tuning import to_channels_last
+
+            model = to_channels_last(model)
+        if getattr(cfg, "activation_checkpointing", False):
+            from core.tuning import checkpoint_blocks
+
+            checkpoint_blocks(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        as_view = getattr(cfg, "grad_as_bucket_view", False)  # .grad points into the bucket: no second copy
+        buckets = held_bytes(params) if name in REPLICAS and not as_view else 0  # at any world size, one too
+        return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
+    from core import parallel, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
+
+    if name == "fsdp":
+        policy = parallel.fsdp_policy(cfg.precision)
+        _fully_shard(model, device_mesh["dp"], policy, cfg.blocks)
+        return Layout(model, list(model.parameters()), sync=parallel.fsdp_sync)
+    if name in ("tensor_parallel", "fsdp_tp"):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp_mesh = device_mesh["tp"]
+        sp = getattr(cfg, "sequence_parallel", False)
+        plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=sp)
+        with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
+            parallelize_module(model, tp_mesh, plan)
+        if name == "tensor_parallel":
+            return Layout(model, list(model.parameters()), autocast=cfg.precision)
+        _fully_shard(model, device_mesh["dp"], parallel.fsdp_policy(cfg.precision), cfg.blocks)
+        return Layout(model, list(model.parameters()), sync=parallel.fsdp_sync)
+    if name == "pipeline":
+        return _pipeline_layout(model, cfg, pp=device_mesh["pp"].size(), pp_rank=device_mesh["pp"].get_local_rank())
+    if name == "pipeline_naive":  # one process; on CPU (or one GPU) every block on the one device
+        return Layout(model, list(model.parameters()))
+    raise RecipeError(f"plan: no memory plan for the recipe {name!r} (a plugin); plan one of the built-in recipes")
+
+
+def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from core import parallel
+
+    for block in parallel.shard_units(model, blocks=blocks):
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+
+
+def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int) -> Layout:
+    """The recipe's stages for this pipeline rank (two, looped, for interleaved1f1b), and the whole model kept
+    for the shapes that flow between stages."""
+    per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
+    num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
+    stages = [pipeline.split_pipeline(model, stage_index=i, num_stages=num_stages) for i in stage_ids]
+    params = [p for m in stages for p in m.parameters()]
+    return Layout(model, params, autocast=cfg.precision, stages=list(zip(stage_ids, stages)), num_stages=num_stages)
+
+
+def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, group) -> list[tuple]:
+    """This rank's forwards and backwards in the order torch's schedule runs them: [("F"|"B", stage, mb), ...].
+    GPipe and 1F1B as their _step_microbatches loops run them; interleaved as its runtime reads pipeline_order."""
+    m = microbatches
+    if cfg.schedule != "interleaved1f1b":
+        stage = layout.stages[0][0]
+        if cfg.schedule == "gpipe":  # every forward, then every backward
+            return [("F", stage, i) for i in range(m)] + [("B", stage, i) for i in range(m)]
+        warmup = min(m, layout.num_stages - stage)  # 1F1B: the first stage keeps num_stages forwards in flight
+        order = [("F", stage, i) for i in range(warmup)]
+        for i in range(m):
+            order += [("B", stage, i)] + ([("F", stage, warmup + i)] if warmup + i < m else [])
+        return order
+    from torch.distributed.pipelining import PipelineStage
+
+    runners = [
+        PipelineStage(module, i, layout.num_stages, torch.device("cpu"), group=group) for i, module in layout.stages
+    ]
+    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
+    kinds = {"F": "F", "B": "B"}  # torch's _ComputationType values: forward, full backward
+    return [
+        (kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
+        for a in schedule.pipeline_order[pp_rank]
+        if a is not None and a.computation_type.value in kinds
+    ]
+
+
+@torch.no_grad()
+def pipeline_buffers(layout: Layout, micro_input: torch.Tensor, *, microbatches: int) -> None:
+    """torch's PipelineStage receive buffers, one per micro-batch: the inputs of every stage but the first, the
+    output gradients of every stage but the last, in the shapes that flow between the stages."""
+    starts = {stage.indices[0]: index for index, stage in layout.stages}
+    x, entering = micro_input, {}
+    for i, block in enumerate(layout.model.blocks):  # fake tensors: shapes only
+        entering.update({starts[i]: x} if i in starts else {})
+        x = block(x)
+    for index, stage in layout.stages:
+        if index > 0:  # torch's buffer takes the received activations and, in backward, their gradient
+            layout.recv[index] = [torch.empty_like(entering[index]).requires_grad_() for _ in range(microbatches)]
+        if index < layout.num_stages - 1:
+            out = stage(entering[index])
+            layout.grad_recv[index] = [torch.empty_like(out) for _ in range(microbatches)]

@@ -1,0 +1,172 @@
+"""The plan's check: a recipe's real training steps on this rank, measured by torch's MemTracker.
+
+Called on every rank of a real process group (tests' gloo worlds, bench/bench_plan.py, bench/gpu_check.sh): the
+layout is built with real tensors by the plan's own builder, wrapped as the recipe wraps it (DDP, DataParallel,
+the pipeline's PipelineStage and schedule), and two steps run through the recipe's own step function
+(core.steps.step_plain, core.amp.step_amp, core.pipeline.step_pipeline). The tracker sees every tensor made in
+its context, the reducer's buckets included; it returns the peak of live tensor bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._guards import active_fake_mode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from core import amp, parallel, pipeline, steps
+from core.config import parse_args
+from core.dist import Topology
+from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
+from tools.plan_step import quiet
+
+
+def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
+    """Two real training steps of recipe `name` with `args` on this rank: the peak of live tensor bytes, and the
+    bytes this rank's parameters, gradients and optimizer state hold after them (from the real tensors)."""
+    from tools.plan import first_batch
+    from tools.registry import RECIPES
+
+    cfg, _ = parse_args(RECIPES[name].load().Config, list(args), prog=name, description="")
+    torch.manual_seed(cfg.seed)
+    dims = mesh_dims(name, cfg, topo.world_size)
+    mesh = parallel.build_mesh(topo, dims) if dims else None
+    batch = first_batch(cfg)
+    micro_batches = [batch] * getattr(cfg, "accum", 1)
+    with quiet():
+        layout = build_layout(name, cfg, device_mesh=mesh, rank=topo.rank, world_size=topo.world_size)
+        optimizer_params = layout.params
+        if name == "pipeline":
+            optimizer, peak = _measure_pipeline(cfg, layout, micro_batches, mesh=mesh)
+            return _held(layout, optimizer, peak)
+        tracker = track([*layout.modules, *(t for b in micro_batches for t in _tensors(b))])
+        with tracker:
+            model = _wrapped(name, layout.model)  # inside: the tracker sees DDP's buckets made
+            optimizer = torch.optim.AdamW(optimizer_params, lr=cfg.lr)
+            loss_fn = _loss(name, cfg, layout.model)
+            for _ in range(2):
+                if name in EXACT_LOSS:
+                    group = mesh["dp"].get_group() if mesh is not None else None
+                    amp.step_amp(
+                        model,
+                        micro_batches,
+                        optimizer=optimizer,
+                        loss_fn=loss_fn,
+                        precision=layout.autocast,
+                        sync=layout.sync,
+                        dp_group=group,
+                    )
+                else:
+                    steps.step_plain(model, micro_batches[0], optimizer=optimizer, loss_fn=loss_fn)
+        return _held(layout, optimizer, peak_of(tracker)[0])
+
+
+def _held(layout, optimizer, peak: int) -> dict[str, int]:
+    params = [p for m in layout.modules for p in m.parameters()]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {
+        "peak_bytes": peak,
+        "params_bytes": held_bytes(params),
+        "grads_bytes": held_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer_bytes": held_bytes(state),
+    }
+
+
+def _wrapped(name: str, model):
+    if name in REPLICAS:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if name == "dp":
+        return torch.nn.DataParallel(model)
+    return model
+
+
+def _loss(name: str, cfg, model):
+    if name in EXACT_LOSS:
+        from core.exact_loss import make_exact_loss
+
+        return make_exact_loss(cfg.loss, model=model)
+    from core.loss import make_loss
+
+    return make_loss(cfg.loss, model=model)
+
+
+def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh) -> int:
+    from torch.distributed.pipelining import PipelineStage
+
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    runners = [PipelineStage(m, i, layout.num_stages, torch.device("cpu"), group=pp_group) for i, m in layout.stages]
+    loss_fn = pipeline.TokenLoss()
+    micro = cfg.microbatches * cfg.accum
+    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
+    holds_last = layout.stages[-1][0] == layout.num_stages - 1
+    tracker = track([*layout.modules, *(t for b in micro_batches for t in _tensors(b))])
+    with tracker:
+        optimizer = torch.optim.AdamW(layout.params, lr=cfg.lr)
+        for _ in range(2):
+            pipeline.step_pipeline(
+                schedule,
+                micro_batches,
+                loss_fn=loss_fn,
+                optimizer=optimizer,
+                holds_last=holds_last,
+                precision=cfg.precision,
+                clip=cfg.clip,
+                dp_group=dp_group,
+                pp_group=pp_group,
+            )
+    return optimizer, peak_of(tracker)[0]
+
+
+def _tensors(batch) -> list[torch.Tensor]:
+    if torch.is_tensor(batch):
+        return [batch]
+    values = batch.values() if isinstance(batch, dict) else batch
+    return [t for t in values if torch.is_tensor(t)]
+
+
+class StepTracker(MemTracker):
+    """torch's MemTracker without its per-module hooks: the same tensors, categories and peak, but no module
+    statistics, so a module may run many times in one step (accumulation, a pipeline's micro-batches) and
+    pipelining's backward (autograd.grad on its stages' inputs) meets no hook of the tracker's."""
+
+    def __init__(self, modules) -> None:
+        super().__init__()
+        self._modules = list(modules)
+
+    def __enter__(self) -> StepTracker:
+        self._fake_mode_on_entry = active_fake_mode()
+        self._register_global_optimizer_hook()
+        for module in self._modules:  # gradients counted as gradients, as the module hooks would install
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        self._track_resize()
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args) -> None:
+        self._deregister_param_and_optimizer_hooks()
+        self._restore_resize()
+        TorchDispatchMode.__exit__(self, *args)
+
+
+def track(tensors) -> StepTracker:
+    """A StepTracker that counts these tensors (modules, optimizers, the batch) made before it starts."""
+    tracker = StepTracker(t for t in tensors if isinstance(t, torch.nn.Module))
+    tracker.track_external(*tensors)
+    return tracker
+
+
+def peak_of(tracker: MemTracker) -> tuple[int, dict[str, int]]:
+    """The tracker's peak over every device, and its categories at the peak (Parameter, Gradient, ...)."""
+    total, parts = 0, {}
+    for snapshot in tracker.get_tracker_snapshot("peak").values():
+        for key, value in snapshot.items():
+            name = key if isinstance(key, str) else key.value
+            if name == "Total":
+                total += value
+            else:
+                parts[name] = parts.get(name, 0) + value
+    return total, parts

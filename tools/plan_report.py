@@ -1,0 +1,213 @@
+"""The memory plan for people and for the launchers: the table, whether it fits, and what would fit instead.
+
+What would fit is re-planned, never guessed: a smaller --batch-size with more --accum (the same global batch),
+fsdp instead of a replicated recipe, more ranks for a sharded one, activation checkpointing (ddp_monitored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from core.config import RecipeError, parse_args
+from tools.plan import GIB, Plan, plan_recipe
+from tools.plan_layout import REPLICAS
+
+SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline")
+PARTS = (("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"))
+
+
+def gib(n: int) -> str:
+    """GiB with two decimals, or three significant digits below 0.1 GiB (a small model's plan is not all zeros)."""
+    value = n / GIB
+    return f"{value:.2f}" if value >= 0.1 or value == 0 else f"{value:.3g}"
+
+
+def table(plan: Plan) -> str:
+    """GiB per rank, the largest first; ranks that hold alike share a row; what dominates each peak."""
+    groups: dict[tuple, list[int]] = {}
+    for r in plan.ranks:
+        groups.setdefault(dataclasses.astuple(dataclasses.replace(r, rank=0)), []).append(r.rank)
+    rows = [("ranks", "params", "grads", "optimizer", "activations", "buffers", "peak", "dominated by")]
+    for _, ranks in sorted(groups.items(), key=lambda item: (-item[0][5], item[1][0])):
+        r = dataclasses.replace(plan.ranks[ranks[0]])
+        terms = {name: getattr(r, k) for k, name in PARTS} | {"activations": r.activations_bytes}
+        terms["DDP buckets"] = r.buffers_bytes
+        top = max(terms, key=terms.get)
+        cells = [gib(r.params_bytes), gib(r.grads_bytes), gib(r.optimizer_bytes), gib(r.activations_bytes)]
+        share = f"{top} ({100 * terms[top] / max(r.peak_bytes, 1):.0f}%)"
+        rows.append((_span(ranks), *cells, gib(r.buffers_bytes), gib(r.peak_bytes), share))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.rjust(w) if i and i < 7 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    head = f"{plan.recipe} on {plan.world_size} rank{'s' * (plan.world_size > 1)}, GiB per rank"
+    return "\n".join([head, *lines])
+
+
+def _span(ranks: list[int]) -> str:
+    return (
+        str(ranks[0])
+        if len(ranks) == 1
+        else f"{ranks[0]}-{ranks[-1]}"
+        if ranks == list(range(ranks[0], ranks[-1] + 1))
+        else ",".join(map(str, ranks))
+    )
+
+
+def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, object, int]]:
+    """(label, recipe, cfg, world size) for each change that could lower the largest rank's peak."""
+    found = []
+    if hasattr(cfg, "accum") and cfg.batch_size > 1:
+        b, k = cfg.batch_size, cfg.accum
+        while b % 2 == 0 and b > 1:  # the same global batch: half the samples per micro-batch, twice the steps
+            b, k = b // 2, k * 2
+            changes = {"batch_size": b, "accum": k}
+            if name == "pipeline":
+                changes["microbatches"] = min(cfg.microbatches, b)
+            found.append((f"--batch-size {b} --accum {k}", name, dataclasses.replace(cfg, **changes), world_size))
+    if name in REPLICAS or name == "dp":
+        from tools.registry import RECIPES
+
+        fsdp = RECIPES["fsdp"].load()
+        args = ["--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--loss", cfg.loss]
+        args += ["--precision", "bf16"] if getattr(cfg, "precision", "fp32") != "fp32" else []
+        args += ["--accum", str(cfg.accum)] if hasattr(cfg, "accum") else []
+        found.append(("fsdp", "fsdp", parse_args(fsdp.Config, args, prog="fsdp")[0], world_size))
+        if name != "dp":
+            monitored = RECIPES["ddp_monitored"].load()
+            args = ["--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--loss", cfg.loss]
+            checkpointed = parse_args(monitored.Config, [*args, "--activation-checkpointing"], prog="ddp_monitored")[0]
+            found.append(("ddp_monitored --activation-checkpointing", "ddp_monitored", checkpointed, world_size))
+    if name in SHARDED and name != "tensor_parallel":
+        found += [(f"--nproc {world_size * f}", name, cfg, world_size * f) for f in (2, 4)]
+    return found
+
+
+def what_fits(name: str, cfg, *, world_size: int, device_bytes: int) -> list[str]:
+    """Each alternative re-planned: 'LABEL (PEAK GiB)', those that fit first; the first fit of each kind."""
+    fits, misses, done = [], [], set()
+    for label, recipe, other, world in alternatives(name, cfg, world_size=world_size):
+        kind = label.split()[0]
+        if kind in done:
+            continue
+        try:
+            peak = plan_recipe(recipe, other, world_size=world).largest.peak_bytes
+        except RecipeError:
+            continue  # not a layout this model or shape allows
+        if peak <= device_bytes:
+            fits.append(f"{label} ({gib(peak)} GiB)")
+            done.add(kind)
+        else:
+            misses.append((kind, f"{label} ({gib(peak)} GiB)"))
+    best = {}
+    for kind, text in misses:  # the last (smallest) of each kind that does not fit, to show how far it is
+        if kind not in done:
+            best[kind] = text
+    return fits + [f"not {text}" for text in best.values()]
+
+
+def refuse_if_over(name: str, cfg, plan: Plan, *, device_bytes: int, where: str) -> None:
+    """One line naming the largest rank's peak, the device's memory and what would fit, when it does not fit."""
+    top = plan.largest
+    if top.peak_bytes <= device_bytes:
+        return
+    options = what_fits(name, cfg, world_size=plan.world_size, device_bytes=device_bytes)
+    would = "; would fit: " + ", ".join(options) if options else "; no smaller batch, layout or more ranks found"
+    raise RecipeError(
+        f"plan: rank {top.rank}'s peak {gib(top.peak_bytes)} GiB does not fit {where} ({gib(device_bytes)} GiB){would}"
+    )
+
+
+def free_bytes(*, world_size: int) -> tuple[int, str, int]:
+    """(bytes free for one rank, what that is, how many ranks share it): GPU memory per device, or the CPU's
+    available memory, shared by this node's ranks."""
+    if torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu":
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        return free, "the free memory of the GPUs", 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = _mem_available() or pages
+    return available, f"this machine's available memory for {local} rank{'s' * (local > 1)}", local
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def precheck_memory(name: str, cfg, *, world_size: int) -> None:
+    """The launchers' memory check: print the plan's largest peak, refuse a job whose plan exceeds free memory.
+    A job the plan cannot follow (torch.compile, a plugin recipe) is not refused for that: one line says so."""
+    talk = os.environ.get("RANK", "0") == "0"
+    try:
+        plan = plan_recipe(name, cfg, world_size=world_size)
+    except RecipeError as err:
+        if talk:
+            print(f"warning: {str(err).removeprefix('plan: ')}; memory not checked", file=sys.stderr, flush=True)
+        return
+    free, where, sharing = free_bytes(world_size=world_size)
+    top = plan.largest
+    if talk:
+        print(
+            f"plan: largest peak {gib(top.peak_bytes)} GiB per rank (rank {top.rank}); {where}: {gib(free)} GiB",
+            file=sys.stderr,
+            flush=True,
+        )
+    refuse_if_over(name, cfg, plan, device_bytes=free // sharing, where=where)
+
+
+def plan_options(args: list[str]) -> tuple[dict, list[str]]:
+    """The plan's own options out of a recipe's command line: ({nproc, device_memory, as_json}, the rest)."""
+    import argparse
+    import math
+
+    from core.config import UsageError
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--nproc", default=None)
+    parser.add_argument("--device-memory", default=None)
+    parser.add_argument("--json", action="store_true")
+    own, rest = parser.parse_known_args(args)
+    try:
+        nproc = int(own.nproc if own.nproc is not None else os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise UsageError(f"--nproc {own.nproc}: not a whole number; give the job's processes, e.g. --nproc 8") from None
+    if not 1 <= nproc <= 2**16:
+        raise UsageError(f"--nproc {nproc}: a job has 1 or more processes; give the job's processes, e.g. --nproc 8")
+    memory = None
+    if own.device_memory is not None:
+        try:
+            memory = float(own.device_memory)
+        except ValueError:
+            memory = float("nan")
+        if not (math.isfinite(memory) and memory > 0):
+            raise UsageError(
+                f"--device-memory {own.device_memory}: give the device's memory in GiB, a positive number (e.g. 80)"
+            )
+    return {"nproc": nproc, "device_memory": memory, "as_json": own.json}, rest
+
+
+def show_plan(name: str, module, cfg, *, nproc: int, device_memory: float | None, as_json: bool, echo) -> None:
+    """`python -m recipes plan`: the recipe's own checks at this world size, the plan as a table or JSON, then
+    one error line when it does not fit --device-memory."""
+    import json
+
+    if hasattr(module, "check"):  # the recipe's structural checks read the job's world size from WORLD_SIZE
+        saved = os.environ.get("WORLD_SIZE")
+        os.environ["WORLD_SIZE"] = str(nproc)
+        try:
+            module.check(cfg)
+        finally:
+            os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
+    plan = plan_recipe(name, cfg, world_size=nproc)
+    echo(json.dumps(plan.to_json()) if as_json else table(plan))
+    if device_memory is not None:
+        refuse_if_over(name, cfg, plan, device_bytes=int(device_memory * GIB), where="the device's memory")

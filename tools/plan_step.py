@@ -1,0 +1,216 @@
+"""The memory plan's step: the recipe's training step on one rank's layout, its live tensor bytes tracked.
+
+Two steps run, as training runs them: the first creates AdamW's state, the second carries it through the forward
+and backward. Under fake tensors AdamW's own step cannot run (it reads its step count as a number), so PlanAdamW
+creates what torch's step creates (exp_avg and exp_avg_sq like each parameter, a scalar step) and the temporaries
+of its implementation: per parameter on CPU (two of the largest), for all parameters at once with foreach (GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import torch
+from torch._guards import active_fake_mode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from core import amp
+from core.exact_loss import forward_exact
+from core.loss import forward, metrics
+from core.pipeline import TokenLoss
+from tools.plan_layout import EXACT_LOSS, Layout, held_bytes
+
+
+class PlanAdamW(torch.optim.AdamW):
+    """AdamW whose step makes the state and temporaries torch's step makes, reading no value (fake tensors)."""
+
+    def __init__(self, params, *, foreach: bool):
+        super().__init__(params, lr=1e-3)
+        self.plan_foreach = foreach
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        trained = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p in trained:  # every trained parameter, as torch's first step leaves them (each gets a gradient)
+            if not self.state[p]:  # torch's _init_group: a float32 scalar step, two moments like the parameter
+                self.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+        params = [p for p in trained if p.grad is not None]
+        if not params:
+            return None
+        if self.plan_foreach:  # _multi_tensor_adamw: sqrt(exp_avg_sq) for every parameter at once
+            temporaries = [torch.empty_like(p) for p in params]
+        else:  # _single_tensor_adamw: sqrt(exp_avg_sq) / bias_correction, one parameter at a time
+            largest = max(params, key=lambda p: p.numel())
+            temporaries = [torch.empty_like(largest), torch.empty_like(largest)]
+        del temporaries
+        return None
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of live tensor storages and their peak, as torch's MemTracker counts them (every storage an op
+    makes under it, and those it is given; FSDP2's storage resizes; a DTensor as its local shard; CUDA's
+    512-byte allocation unit with `unit=512`), without MemTracker's per-module statistics, whose import alone
+    takes a second of CPU: the launchers' pre-check plans before every job. tools/plan_measure.py measures
+    real runs with MemTracker itself, and the tests hold the two together."""
+
+    def __init__(self, *, unit: int = 1) -> None:
+        super().__init__()
+        self.unit, self.now, self.peak = unit, 0, 0
+        self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self.refs: dict[int, weakref.ref] = {}
+
+    def _bytes(self, storage) -> int:
+        return -(-storage.nbytes() // self.unit) * self.unit
+
+    def add(self, *tensors) -> None:
+        """Count these tensors' storages (once each), made before the tracker started."""
+        for t in tensors:
+            for storage in _storages(t):
+                key = id(storage)
+                if key in self.sizes:
+                    self._resized(storage)
+                    continue
+                self.sizes[key] = self._bytes(storage)
+                self.refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
+                self.now += self.sizes[key]
+        self.peak = max(self.peak, self.now)
+
+    def _freed(self, key: int, _ref) -> None:
+        self.now -= self.sizes.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def _resized(self, storage) -> None:
+        key, size = id(storage), self._bytes(storage)
+        if key in self.sizes and self.sizes[key] != size:
+            self.now += size - self.sizes[key]
+            self.sizes[key] = size
+            self.peak = max(self.peak, self.now)
+
+    def __enter__(self):
+        self._entry_fake = active_fake_mode()
+        self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):  # FSDP2 frees and refills its gathered parameters by resizing storages
+            self._resize(storage, size)
+            self._resized(storage)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # DTensor turns into local ops first: those are counted
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
+            out = args[0]  # fake wait_tensor makes a new tensor where eager returns its input
+        else:
+            out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._entry_fake:  # not DTensor's own shape propagation
+            self.add(*pytree.tree_leaves(out))
+        return out
+
+
+def _storages(t) -> list:
+    """A tensor's storages: its own, or, for a wrapper subclass (DTensor), its inner tensors'."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for name in names for s in _storages(getattr(t, name))]
+    return [t.untyped_storage()]
+
+
+def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_fn, gpu: bool, order=None) -> dict:
+    """The recipe's step on fake tensors, tracked: its peak bytes, and the bytes of the gradients and of AdamW's
+    state it leaves (from their shapes and dtypes). It runs as the second
+    step of training runs, AdamW's state made first: the first step's forward and backward hold less, its
+    optimizer step as much, so this one step's peak is the run's."""
+    optimizer = PlanAdamW(layout.params, foreach=gpu)  # torch's AdamW takes foreach on GPUs
+    tracker = LiveBytes(unit=512 if gpu else 1)  # CUDA's caching allocator hands out multiples of 512 bytes
+    held = [t for m in layout.modules for t in (*m.parameters(), *m.buffers())]
+    tracker.add(*held, *(t for b in micro_batches for t in _tensors(b)))
+    tracker.add(*(t for bufs in (*layout.recv.values(), *layout.grad_recv.values()) for t in bufs))
+    buckets = torch.empty(layout.bucket_bytes, dtype=torch.uint8) if layout.bucket_bytes else None
+    tracker.add(*([buckets] if buckets is not None else []))  # the reducer's: made when DDP wraps the model
+    with tracker:
+        optimizer.step()  # no gradients yet: the state alone, as the first step leaves it
+        if name == "pipeline":
+            pipeline_step(layout, micro_batches, cfg=cfg, order=order)
+        else:
+            micro_steps(name, layout, micro_batches, loss_fn=loss_fn)
+        optimizer.step()
+    grads = [p.grad for p in layout.params if p.grad is not None]  # as the step left them: shards, or whole
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    return {"peak": tracker.peak, "grads": held_bytes(grads), "optimizer": held_bytes(state)}
+
+
+def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn) -> None:
+    """amp.step_amp's forwards and backwards (or core.steps.step_plain's one), without reading any value."""
+    exact, normalizer = name in EXACT_LOSS, torch.ones(())
+    for i, batch in enumerate(micro_batches):
+        with layout.sync(layout.model, enabled=i == len(micro_batches) - 1):
+            with amp.autocast(layout.autocast, device=torch.device("cpu")):
+                if exact:
+                    loss, _ = forward_exact(layout.model, batch, loss_fn, normalizer=normalizer)
+                else:
+                    loss, _ = forward(layout.model, batch, loss_fn)
+            loss.backward()
+
+
+def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple]) -> None:
+    """One schedule step on this rank's stages, in the schedule's order: what torch's PipelineStage keeps (a
+    receive buffer per micro-batch for the inputs and for the gradients, every forward's graph until its
+    backward, the last stage's outputs until the step returns) is kept here as long."""
+    inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
+    count = max(b for _, _, b in order) + 1
+    xs, ys = inputs.chunk(count), targets.chunk(count)
+    last = layout.num_stages - 1
+    loss_fn, cache, outputs = TokenLoss(), {}, []
+    for buffer in (b for bufs in layout.recv.values() for b in bufs):
+        buffer.grad = None  # PipelineStage.clear_runtime_states at the step's start
+    for kind, stage, mb in order:
+        module = dict(layout.stages)[stage]
+        if kind == "F":
+            x = xs[mb] if stage == 0 else layout.recv[stage][mb]
+            with amp.autocast(layout.autocast, device=torch.device("cpu")):  # step_pipeline's, around the schedule
+                out = module(x)
+                loss = loss_fn(out, ys[mb]) if stage == last else None
+            if stage == last:
+                outputs.append(out)
+            cache[(stage, mb)] = (out, loss)
+        else:
+            out, loss = cache.pop((stage, mb))
+            if loss is not None:
+                loss.backward()
+            else:
+                out.backward(layout.grad_recv[stage][mb])
+    if outputs:  # the schedule merges the last stage's outputs; step_pipeline's metrics read them
+        merged = torch.cat(outputs)
+        metrics(merged, targets, torch.zeros(()), samples=len(targets))
+
+
+def _tensors(batch) -> list[torch.Tensor]:
+    if torch.is_tensor(batch):
+        return [batch]
+    values = batch.values() if isinstance(batch, dict) else batch
+    return [t for t in values if torch.is_tensor(t)]
+
+
+@contextlib.contextmanager
+def quiet():
+    """fully_shard's warnings about views: the plan builds, it does not edit outputs in place."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
