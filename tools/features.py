@@ -335,10 +335,14 @@ class _Drop:
         for stmt in node.body:
             target = getattr(stmt, "target", None)
             name = target.id if isinstance(target, ast.Name) else None
-            if isinstance(stmt, ast.AnnAssign) and any(name in self.options[f] for f in self.off):
+            declared = isinstance(getattr(stmt, "value", None), ast.Call) and self.qualname(stmt.value.func) in _DECLARE
+            if isinstance(stmt, ast.AnnAssign) and declared and any(name in self.options[f] for f in self.off):
                 self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))
             elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.function(stmt)
+
+
+_DECLARE = ("core.config.option", "core.config.with_default")  # how an option is declared: only those fields go
 
 
 def _matches(name: str, calls: tuple[str, ...]) -> bool:
