@@ -79,10 +79,15 @@ def held_bytes(params) -> int:
     return total
 
 
-def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, build=models.build_model) -> Layout:
+def build_layout(
+    name: str, cfg, *, device_mesh, rank: int, world_size: int, build=models.build_model, device=None
+) -> Layout:
     """Rank `rank`'s layout of recipe `name`, built on the current tensors (call under FakeTensorMode to plan).
-    `build`: the model factory's caller (the plan passes the pre-check's, whose refusals are one line)."""
+    `build`: the model factory's caller (the plan passes the pre-check's, whose refusals are one line); `device`:
+    where a measured run puts it (the plan's fake tensors stay on the CPU: their bytes are the same)."""
     model = build(cfg.model)
+    if device is not None and name != "pipeline":  # the pipeline moves its stages after the split, as below
+        model = model.to(device)
     if name in REPLICAS or name == "dp":
         if getattr(cfg, "channels_last", False):
             from core.tuning import to_channels_last
@@ -115,7 +120,8 @@ def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, bui
         _fully_shard(model, device_mesh["dp"], parallel.fsdp_policy(cfg.precision), cfg.blocks)
         return Layout(model, list(model.parameters()), sync=parallel.fsdp_sync)
     if name == "pipeline":
-        return _pipeline_layout(model, cfg, pp=device_mesh["pp"].size(), pp_rank=device_mesh["pp"].get_local_rank())
+        pp, pp_rank = device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
+        return _pipeline_layout(model, cfg, pp=pp, pp_rank=pp_rank, device=device)
     if name == "pipeline_naive":  # one process; on CPU (or one GPU) every block on the one device
         return Layout(model, list(model.parameters()))
     raise RecipeError(f"plan: no memory plan for the recipe {name!r} (a plugin); plan one of the built-in recipes")
@@ -131,12 +137,13 @@ def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
     fully_shard(model, mesh=mesh, **policy)
 
 
-def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int) -> Layout:
+def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int, device=None) -> Layout:
     """The recipe's stages for this pipeline rank (two, looped, for interleaved1f1b), and the whole model kept
     for the shapes that flow between stages."""
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
     stages = [pipeline.split_pipeline(model, stage_index=i, num_stages=num_stages) for i in stage_ids]
+    stages = [stage.to(device) for stage in stages] if device is not None else stages
     params = [p for m in stages for p in m.parameters()]
     return Layout(model, params, autocast=cfg.precision, stages=list(zip(stage_ids, stages)), num_stages=num_stages)
 
