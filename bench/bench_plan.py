@@ -85,11 +85,10 @@ def gpu() -> None:
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
     plans = planned(size, gpu=True) if int(os.environ.get("RANK", "0")) == 0 else []
-    free0, total = torch.cuda.mem_get_info()  # before this process touches the device: other processes' use
     topo = dist.init_pg(timeout_s=600)
     torch.empty(1, device=topo.device)  # the CUDA context exists from here
-    free1, _ = torch.cuda.mem_get_info(topo.device)
-    context = free0 - free1 - torch.cuda.memory_reserved(topo.device)
+    free1, total = torch.cuda.mem_get_info(topo.device)
+    context = total - free1 - torch.cuda.memory_reserved(topo.device)  # on an otherwise idle GPU: the context
     dist.reduce_sum(torch.ones(1, device=topo.device))  # NCCL makes its buffers at the first collective
     torch.cuda.synchronize(topo.device)
     nccl = free1 - torch.cuda.mem_get_info(topo.device)[0] - torch.cuda.memory_reserved(topo.device)
