@@ -80,9 +80,10 @@ def test_a_plan_that_does_not_fit_says_what_would_each_from_a_plan(capsys):
     assert "\n" not in err and err.startswith("error: plan: rank 0's peak") and "would fit:" in err
     from tools.plan_report import gib
 
-    smaller = plan_recipe("ddp_amp", _cfg("ddp_amp", [*args[:-3], "4", "--accum", "2"]), world_size=1)
-    assert f"--batch-size 4 --accum 2 ({gib(smaller.largest.peak_bytes)} GiB)" in err  # a figure from a plan
-    assert "fsdp (" in err
+    smaller = _cfg("ddp_amp", [*args[:-3], "4", "--accum", "2"])  # --device-memory plans for a GPU
+    figure = gib(plan_recipe("ddp_amp", smaller, world_size=1, gpu=True).largest.peak_bytes)
+    assert f"--batch-size 4 --accum 2 ({figure} GiB)" in err  # a figure from a plan
+    assert "fsdp (" in err and "ddp_monitored --activation-checkpointing (" in err
 
 
 @pytest.mark.fast

@@ -197,13 +197,10 @@ def _fake(batch, mode):
     return batch
 
 
-def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int) -> RankPlan:
-    """The exact terms from the shapes and dtypes this rank holds; activations: the rest of the peak (what the
-    forward keeps for backward, gathered shards, receive buffers, the step's temporaries, the batch)."""
+def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int, activations: int) -> RankPlan:
+    """The exact terms from the shapes and dtypes this rank holds; activations: the most the forwards keep for
+    their backwards at once (the micro-batches a pipeline schedule keeps in flight, FSDP's gathered blocks)."""
     from tools.plan_layout import held_bytes
 
     params = held_bytes([p for m in layout.modules for p in m.parameters()])
-    buckets = layout.bucket_bytes
-    module_buffers = held_bytes([b for m in layout.modules for b in m.buffers()])
-    activations = max(peak - params - module_buffers - grads - optimizer - buckets, 0)
-    return RankPlan(rank, params, grads, optimizer, activations, peak, buckets)
+    return RankPlan(rank, params, grads, optimizer, activations, peak, layout.bucket_bytes)

@@ -31,7 +31,7 @@ def table(plan: Plan) -> str:
     groups: dict[tuple, list[int]] = {}
     for r in plan.ranks:
         groups.setdefault(dataclasses.astuple(dataclasses.replace(r, rank=0)), []).append(r.rank)
-    rows = [("ranks", "params", "grads", "optimizer", "activations", "buffers", "peak", "dominated by")]
+    rows = [("ranks", "params", "grads", "optimizer", "activations", "buckets", "peak", "dominated by")]
     for _, ranks in sorted(groups.items(), key=lambda item: (-item[0][5], item[1][0])):
         r = dataclasses.replace(plan.ranks[ranks[0]])
         terms = {name: getattr(r, k) for k, name in PARTS} | {"activations": r.activations_bytes}
@@ -88,15 +88,18 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
     return found
 
 
-def what_fits(name: str, cfg, *, world_size: int, device_bytes: int) -> list[str]:
-    """Each alternative re-planned: 'LABEL (PEAK GiB)', those that fit first; the first fit of each kind."""
+def what_fits(
+    name: str, cfg, *, world_size: int, device_bytes: int, gpu: bool | None = None
+) -> tuple[list[str], list[str]]:
+    """Each alternative re-planned, as 'LABEL (PEAK GiB)': the first that fits of each kind, and of each kind
+    with none that fits the one that comes closest."""
     fits, misses, done = [], [], set()
     for label, recipe, other, world in alternatives(name, cfg, world_size=world_size):
         kind = label.split()[0]
         if kind in done:
             continue
         try:
-            peak = plan_recipe(recipe, other, world_size=world).largest.peak_bytes
+            peak = plan_recipe(recipe, other, world_size=world, gpu=gpu).largest.peak_bytes
         except RecipeError:
             continue  # not a layout this model or shape allows
         if peak <= device_bytes:
@@ -108,16 +111,17 @@ def what_fits(name: str, cfg, *, world_size: int, device_bytes: int) -> list[str
     for kind, text in misses:  # the last (smallest) of each kind that does not fit, to show how far it is
         if kind not in done:
             best[kind] = text
-    return fits + [f"not {text}" for text in best.values()]
+    return fits, list(best.values())
 
 
-def refuse_if_over(name: str, cfg, plan: Plan, *, device_bytes: int, where: str) -> None:
+def refuse_if_over(name: str, cfg, plan: Plan, *, device_bytes: int, where: str, gpu: bool | None = None) -> None:
     """One line naming the largest rank's peak, the device's memory and what would fit, when it does not fit."""
     top = plan.largest
     if top.peak_bytes <= device_bytes:
         return
-    options = what_fits(name, cfg, world_size=plan.world_size, device_bytes=device_bytes)
-    would = "; would fit: " + ", ".join(options) if options else "; no smaller batch, layout or more ranks found"
+    fits, misses = what_fits(name, cfg, world_size=plan.world_size, device_bytes=device_bytes, gpu=gpu)
+    would = f"; would fit: {', '.join(fits)}" if fits else "; no smaller batch, layout or more ranks found that fits"
+    would += f"; would not: {', '.join(misses)}" if misses else ""
     raise RecipeError(
         f"plan: rank {top.rank}'s peak {gib(top.peak_bytes)} GiB does not fit {where} ({gib(device_bytes)} GiB){would}"
     )
@@ -207,7 +211,9 @@ def show_plan(name: str, module, cfg, *, nproc: int, device_memory: float | None
             module.check(cfg)
         finally:
             os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
-    plan = plan_recipe(name, cfg, world_size=nproc)
+    gpu = True if device_memory is not None else None  # --device-memory plans for a GPU: foreach, 512-byte blocks
+    plan = plan_recipe(name, cfg, world_size=nproc, gpu=gpu)
     echo(json.dumps(plan.to_json()) if as_json else table(plan))
     if device_memory is not None:
-        refuse_if_over(name, cfg, plan, device_bytes=int(device_memory * GIB), where="the device's memory")
+        device = int(device_memory * GIB)
+        refuse_if_over(name, cfg, plan, device_bytes=device, where="the device's memory", gpu=gpu)
