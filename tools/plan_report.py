@@ -46,7 +46,7 @@ def table(plan: Plan) -> str:
         for row in rows
     ]
     head = f"{plan.recipe} on {plan.world_size} rank{'s' * (plan.world_size > 1)}, GiB per rank"
-    return "\n".join([head, *lines])
+    return "\n".join([head, *(line.rstrip() for line in lines)])
 
 
 def _span(ranks: list[int]) -> str:
