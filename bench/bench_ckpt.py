@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from core.checksum import blocksum64_crc32, checksum
 from core.ckpt_async import CheckpointSaver, stage
 from core.ckpt_io import atomic_write, write_safetensors
-from core.folder import RunFolder
+from core.records import RunFolder
 from core.weights import savable, write_weights
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, verify, write_safetensors
 from core.config import RecipeError
 from core.dist import all_gather_object, broadcast_object
-from core.folder import RunFolder, release_new, say, write_record
+from core.records import RunFolder, release_new, say, write_record
 from core.weights import check_model_matches, model_part, savable
 
 # The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).

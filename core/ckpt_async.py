@@ -23,7 +23,7 @@ import torch
 from core import ckpt
 from core.config import Options, RecipeError, option
 from core.dist import broadcast_object
-from core.folder import RunFolder
+from core.records import RunFolder
 
 
 @dataclass(frozen=True)

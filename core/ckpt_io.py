@@ -44,6 +44,8 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
             write(f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # a write to an open file names none: the disk-full line names this one's folder
+        raise err if err.filename else OSError(err.errno, err.strerror, str(tmp)) from None
     finally:
         tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -21,6 +21,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from core import records
+
 
 class RecipeError(Exception):
     """A problem the user can fix; printed as one `error:` line with a non-zero exit."""
@@ -158,8 +160,10 @@ def cli_main(main: Callable, config: type) -> None:
             return 0
         except UsageError as err:
             return fail(str(err), 2)
-        except (RecipeError, OSError) as err:  # OSError: a full disk, a folder that can't be written
+        except RecipeError as err:
             return fail(str(err), 1)
+        except OSError as err:  # a full disk, a folder that can't be written: this rank's own
+            return fail(records.os_error_line(err), 1, everyone=False)
         except KeyboardInterrupt:
             return fail(INTERRUPTED, 130)
 
@@ -179,13 +183,16 @@ def leave(run: Callable[[], int]) -> None:
         code = run()
     except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
         traceback.print_exc()
-        code = fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1)
+        code = fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
+    records.close_log()  # the run's train.log ends with the process
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def fail(message: str, code: int) -> int:
-    """Print `error: message` as one line on stderr; returns `code`."""
-    print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+def fail(message: str, code: int, *, everyone: bool = True) -> int:
+    """Print `error: message` as one line on stderr (and in train.log); returns `code`. `everyone`: an error every
+    rank meets, printed by rank 0 alone under torchrun (core.records.error_line); a refused run leaves no empty run."""
+    records.error_line(message, everyone=everyone)
+    records.close_log(refused=everyone and code == 1)  # a RecipeError, not an interrupt: it would meet it again
     return code

@@ -42,7 +42,7 @@ from core.ckpt import START
 from core.ckpt_io import atomic_write
 from core.config import RecipeError
 from core.dist import all_gather_object
-from core.folder import RunFolder, release_new, say, write_record
+from core.records import RunFolder, release_new, say, write_record
 from core.weights import check_model_matches, model_part
 
 FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
@@ -237,6 +237,15 @@ def _write_json(path: Path, info: dict) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def _first_os_error(err: BaseException, where: Path) -> BaseException:
+    """The first OSError among a CheckpointException's ranks (with `where` as its file when it names none), else a
+    RuntimeError with its text: an exception the error line reports, not a traceback past it."""
+    for cause, _ in err.failures.values():
+        if isinstance(cause, OSError):
+            return cause if cause.filename else OSError(cause.errno, cause.strerror, str(where))
+    return RuntimeError(str(err))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -270,7 +279,10 @@ def save_sharded(
     dist.barrier()
     tensors, groups, scalars = _train_tensors(model, optimizer)
     tensors |= _rng_tensors()  # each rank its own generator: bitwise resume
-    dcp.save(_untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    try:
+        dcp.save(_untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    except dcp.api.CheckpointException as err:  # a BaseException holding every rank's: a full disk, as its OSError
+        raise _first_os_error(err, tmp) from None
     everyone, shapes = all_gather_object((_file_checksums(tmp), scalars)), _shapes(tensors)  # every file is closed
     if dist.get_rank() == 0:
         info = {

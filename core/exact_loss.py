@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.loss import IGNORE, Loss, forward, make_loss
+from core.loss import IGNORE, Loss, forward
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,10 @@ class ExactLoss:
     shifts: bool = False  # the model's loss predicts label t+1 from position t (a causal LM): count labels[..., 1:]
 
 
-def make_exact_loss(spec: str, *, model: nn.Module) -> ExactLoss:
-    """`--loss` for `model` (the plain one), with how its own loss treats the targets when that loss is used."""
-    loss = make_loss(spec, model=model)
-    if spec not in ("auto", "model"):
+def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
+    """`loss` (core.loss.make_loss's, or core.loss_options') for `model` (the plain one), with how the model's own
+    loss treats the targets when that loss is used."""
+    if loss.spec not in ("auto", "model"):
         return ExactLoss(loss)
     return ExactLoss(loss, *_model_loss_traits(model))
 

@@ -11,37 +11,23 @@ Only rank 0 writes or prints; every number it writes has been reduced over the r
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
-import math
 import os
 import re
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object
+from core.records import RunFolder, open_log, repair_records
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
-
-
-@dataclass(frozen=True)
-class RunFolder:
-    """Where this run writes (rank 0 only) and the checkpoint it continues from (None: a new run)."""
-
-    path: Path
-    resume_from: Path | None
-    recipe: str
-    config: dict  # the options and the job's shape: config.json, and every checkpoint's header
-    writer: bool  # rank 0: the one process that writes and prints
-    lock: object = None  # rank 0's open .lock file: the kernel lets go of it when the process ends
-    sinks: tuple = ()  # more places every record goes (core.trackers): write(record), state() for checkpoints
+IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that does not take the option trains (ddp)
 
 
 def open_run(
@@ -63,14 +49,55 @@ def open_run(
     if isinstance(choice, str):
         raise RecipeError(choice)
     run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.is_rank0, lock)
+    open_log(run)  # rank 0: from here every line it prints also goes to RUN/train.log
     if run.writer:  # on stderr: the launcher's supervisor reads it to say which checkpoint a stopped job kept
         print(f"run folder {run.path}", file=sys.stderr, flush=True)
     return run
 
 
+def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
+    """A run that --resume (or torchrun's restart) continues and that is finished: its summary record, said in one
+    line; None when there is something to train. Decided from the folder alone, before anything is built, checked,
+    locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
+    found = finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.is_rank0 else None
+    found = broadcast_object(found)  # rank 0 reads the folder: other nodes need not see it
+    if found is None:
+        return None
+    if topo.is_rank0:
+        print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
+    return {**found[1], "already_finished": True}
+
+
+def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str, dict] | None:
+    """(the folder, its summary record) when `resume` ('auto', or a checkpoint RUN/ckpt/step-N) continues a run that
+    is finished: one whose metrics.jsonl holds its summary record. The summary is written last, after
+    model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
+    checkpoint, resumed, writes what is missing."""
+    if resume == "auto":
+        runs = run_dirs(out, prefix)
+        run_dir = runs[-1] if runs else None
+    else:
+        run_dir = Path(resume).parent.parent if resume and Path(resume).parent.name == "ckpt" else None
+    if run_dir is None or not (run_dir / "metrics.jsonl").is_file():
+        return None
+    for line in reversed((run_dir / "metrics.jsonl").read_bytes().splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line
+            continue
+        if isinstance(record, dict) and record.get("kind") == "summary":
+            return str(run_dir), {k: v for k, v in record.items() if k != "kind"}
+    return None
+
+
+def resume_of(cfg) -> str:
+    """'auto', a checkpoint path, or '' (a new run): torchrun's restart of a job resumes it as 'auto' does."""
+    return cfg.resume or ("auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else "")
+
+
 def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> tuple[dict, object]:
     prefix = cfg.name or config["recipe"]  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start anew
-    resume = cfg.resume or ("auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else "")
+    resume = resume_of(cfg)
     runs = run_dirs(cfg.out, prefix)
     if resume == "auto":
         resume_from = newest(runs[-1]) if runs else None
@@ -126,12 +153,17 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
             f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
             f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
         )
-    differ = [k for k in TRAJECTORY if k in saved and k in config and saved[k] != config[k]]  # a group both take
-    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {config[k]}" for k in differ]
-    if changed:
+    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
+    was, now = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
+    differ = [k for k in both if was[k] != now[k]]
+    if differ:
+        changed = ", ".join(f"--{k.replace('_', '-')} {was[k]} -> {now[k]}" for k in differ)
+        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
+        fix = ", ".join(f"--{k.replace('_', '-')} {was[k]}" for k in differ)
+        fix = f"resume with {saved_recipe} {fix}" if any(k not in config for k in differ) else f"resume with {fix}"
         raise RecipeError(
-            f"{path}: resuming with other options ({', '.join(changed)}) would train another run; resume with the "
-            f"options it was started with, or start a new run without --resume"
+            f"{path}: {across}resuming with other options ({changed}) would train another run; {fix} (the options "
+            f"it was started with), or start a new run without --resume"
         )
 
 
@@ -170,45 +202,3 @@ def take_lock(run_dir: Path):
     handle.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
     handle.flush()
     return handle
-
-
-def release_new(run: RunFolder) -> None:
-    """Rank 0 removes the folder this run made when it holds nothing but config.json and the lock: a checkpoint
-    refused at load (a damaged file) leaves no empty run behind for `--resume auto` to take as the newest."""
-    if not run.writer or not run.path.is_dir() or {p.name for p in run.path.iterdir()} - {"config.json", ".lock"}:
-        return
-    for name in ("config.json", ".lock"):
-        (run.path / name).unlink(missing_ok=True)
-    run.path.rmdir()
-
-
-def say(run: RunFolder, message: str) -> None:
-    """Print a line on rank 0 only."""
-    if run.writer:
-        print(message, flush=True)
-
-
-def write_record(run: RunFolder, record: dict) -> None:
-    """Rank 0 appends one JSON line to metrics.jsonl in one write(), and hands it to the run's sinks.
-
-    One write: a crash never leaves half a record. A number that is not finite is written as null, as strict JSON
-    readers need."""
-    if not run.writer:
-        return
-    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    data = (json.dumps(clean) + "\n").encode()
-    fd = os.open(run.path / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.write(fd, data) != len(data):  # a full disk: the next record must not start mid-line
-            raise OSError(errno.ENOSPC, f"{run.path / 'metrics.jsonl'}: the disk is full")
-    finally:
-        os.close(fd)
-    for sink in run.sinks:
-        sink.write(record)
-
-
-def repair_records(path: Path) -> None:
-    """Drop a torn last line (a crash mid-write), so the next record starts on a line of its own."""
-    if path.is_file() and (data := path.read_bytes()) and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)

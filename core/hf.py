@@ -9,17 +9,20 @@ so a meta-device copy of it serves as well (pipeline stages).
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from core.config import Options, RecipeError, option
-from core.folder import RunFolder, say
+from core.records import RunFolder, say
 from core.weights import tied_names
 
 
@@ -72,7 +75,13 @@ def write_hf_folder(
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no progress bar in a run's log
     try:
-        hf.save_pretrained(tmp, state_dict=state, max_shard_size=max(1, int(max_shard_mb * 10**6)))
+        try:
+            hf.save_pretrained(tmp, state_dict=state, max_shard_size=max(1, int(max_shard_mb * 10**6)))
+        except (OSError, SafetensorError) as err:  # a full disk: the line names the folder, not a traceback
+            raise _os_error(err, tmp) from None
+        mode = (tmp / "config.json").stat().st_mode & 0o777  # as open() made it; safetensors writes its files 0600
+        for path in tmp.iterdir():
+            path.chmod(mode)
         shutil.rmtree(out, ignore_errors=True)  # an earlier folder goes only once the new one is whole
         os.replace(tmp, out)
     finally:
@@ -81,3 +90,14 @@ def write_hf_folder(
             hf_logging.enable_progress_bar()
     say(run, f"hf folder {out} (AutoModel*.from_pretrained loads it)")
     return out
+
+
+def _os_error(err: Exception, where: Path) -> OSError:
+    """safetensors' writer reports an OS error as a SafetensorError naming neither the file nor the errno: as an
+    OSError that does; one with no file name names `where`."""
+    if isinstance(err, OSError):
+        return err if err.filename else OSError(err.errno, err.strerror, str(where))
+    code = re.search(r"os error (\d+)", str(err))
+    if code is None:
+        return OSError(errno.EIO, str(err), str(where))
+    return OSError(int(code[1]), os.strerror(int(code[1])), str(where))

@@ -1,12 +1,14 @@
 """The loss contract: how a batch is passed to the model, what the model may return, which loss is taken.
 
-Batches: `(input, target)` pairs and `(input, ..., target)` tuples, called as `model(input, ...)`; dicts of
-tensors, called as `model(**batch)`, whose targets are `labels`. A model whose forward takes the targets
-(`targets` as nanoGPT's, `labels` as transformers') is given them, and its own loss is used.
-Outputs: a tensor (logits); a tuple or list (logits first; `(logits, loss)`; `(loss, logits, ...)` as
-transformers returns with return_dict=False); a dict or `ModelOutput` with `loss` and/or `logits`.
-Targets equal to -100 count nowhere, as in cross_entropy and transformers. Each micro-batch's loss is its
-mean; DDP averages the ranks' gradients (core.exact_loss weighs every target of the global batch alike).
+What a sample means (the README's table): an `(input, target)` pair, or `(input, ..., target)`, carries a target
+aligned with the model's output: the loss compares output[..., t] with target[..., t], called as `model(input, ...)`.
+So a pair's target is never passed as `labels` (transformers would shift it once more): cross-entropy on the logits,
+or the model's own loss when its forward takes `targets` and compares them unshifted (nanoGPT). A dict of tensors
+follows transformers' convention: `model(**batch)`, the model shifts its `labels`, and its own loss is used.
+Outputs: a tensor (logits); a tuple or list (logits first, or `(logits, loss)`); a dict or `ModelOutput` with
+`loss` and/or `logits`. Targets equal to -100 count nowhere, as in cross_entropy and transformers. Each
+micro-batch's loss is its mean; DDP averages the ranks' gradients (core.exact_loss weighs every target of the
+global batch alike). `--loss` beyond auto and ce, the rarer forwards and outputs: core.loss_options (opt-in).
 """
 
 from __future__ import annotations
@@ -19,39 +21,9 @@ import torch
 from torch import nn
 
 from core.config import RecipeError
-from core.factory import resolve_factory
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
-LOSSES = ("auto", "ce", "mse", "model")
-TARGET_PARAMETERS = ("targets", "labels")  # nanoGPT's forward(idx, targets=None), transformers' forward(..., labels)
-
-
-@dataclass(frozen=True)
-class Loss:
-    """`--loss`, resolved for one model: see make_loss."""
-
-    spec: str = "auto"
-    fn: Callable | None = None  # a module:function loss, called as fn(outputs, batch)
-    targets_as: str | None = None  # the forward's parameter that takes the targets, when the model computes a loss
-
-
-def make_loss(spec: str, *, model: nn.Module) -> Loss:
-    """`--loss` for `model` (the plain one, not its wrapper).
-
-    auto (the model's own loss when its forward takes the targets, else cross-entropy, or mse for float targets),
-    ce, mse, model, or `module:function(outputs, batch)` returning the batch's mean loss. A choice that cannot work
-    is one RecipeError line."""
-    if spec not in LOSSES:
-        return Loss(spec, resolve_factory(spec, dict.fromkeys(LOSSES), option="--loss"))
-    params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
-    named = next((p.name for p in params if p.name in TARGET_PARAMETERS), None)
-    second = params[1].name if len(params) > 1 and params[1].kind != inspect.Parameter.VAR_POSITIONAL else None
-    if spec == "model" and not (named or second):
-        raise RecipeError(
-            f"--loss model: {type(model).__name__}.forward{inspect.signature(model.forward)} takes no targets; "
-            f"give it a `targets` parameter that makes it return a loss (as nanoGPT), or use --loss ce or mse"
-        )
-    return Loss(spec, targets_as=named or (second if spec == "model" else None))
+TARGETS = "targets"  # nanoGPT's forward(idx, targets=None): given a pair's target, unshifted; never `labels`
 
 
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -61,25 +33,44 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if isinstance(outputs, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
         return outputs.get("logits"), outputs.get("loss")
     if isinstance(outputs, tuple | list) and outputs:
-        first, second = outputs[0], outputs[1] if len(outputs) > 1 else None
-        if second is not None and isinstance(first, torch.Tensor) and first.dim() == 0:
-            return second, first  # (loss, logits, ...): transformers with return_dict=False
-        return first, second if isinstance(second, torch.Tensor) and second.dim() == 0 else None
+        second = outputs[1] if len(outputs) > 1 else None
+        return outputs[0], second if isinstance(second, torch.Tensor) and second.dim() == 0 else None
     raise RecipeError(
         f"the model returned {type(outputs).__name__}; return logits, (logits, loss), "
         f"or a dict/ModelOutput with loss and/or logits"
     )
 
 
-def call_model(model: nn.Module, batch, loss: Loss, **extra):
-    """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple.
+@dataclass(frozen=True)
+class Loss:
+    """`--loss`, resolved for one model: make_loss's auto or ce, or core.loss_options' other choices."""
 
-    A tuple's targets are passed where the model takes them for its own loss. `extra`: more keyword arguments for
-    the model (num_items_in_batch)."""
+    spec: str = "auto"
+    targets_as: str | None = None  # the forward's parameter that takes a pair's target, when the model computes a loss
+    fn: Callable | None = None  # core.loss_options': fn(outputs, targets, batch) -> the micro-batch's mean loss
+    split: Callable = split_outputs  # outputs -> (logits, loss)
+
+
+def make_loss(spec: str = "auto", *, model: nn.Module) -> Loss:
+    """auto: the model's own loss where it computes one (a dict with labels; a forward that takes `targets`, given a
+    pair's target), else cross-entropy on the logits; ce: cross-entropy on the logits of model(input, ...).
+    `model`: the plain one, not its wrapper. The other --loss choices are core.loss_options'."""
+    if spec not in ("auto", "ce"):
+        raise RecipeError(
+            f"--loss {spec}: this recipe takes --loss auto or ce; mse, model and module:function come with "
+            f"core.loss_options (`python -m recipes cp NAME FILE --standalone --with loss`)"
+        )
+    takes = spec == "auto" and TARGETS in inspect.signature(model.forward).parameters
+    return Loss(spec, targets_as=TARGETS if takes else None)
+
+
+def call_model(model: nn.Module, batch, loss: Loss, **extra):
+    """(outputs, targets): model(**batch) for a dict; model(input, ...) for a tuple, with its target where the forward
+    takes it for its own loss (`targets`, never `labels`). `extra`: more keyword arguments (num_items_in_batch)."""
     if isinstance(batch, Mapping):
         return model(**batch, **extra), batch.get("labels")
     *inputs, targets = batch
-    if loss.targets_as and loss.spec in ("auto", "model"):
+    if loss.targets_as:
         return model(*inputs, **{loss.targets_as: targets}, **extra), targets
     return model(*inputs), targets
 
@@ -89,31 +80,47 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
     shift: the model's loss predicts target t+1 at position t (None: not known, so a dict batch's sequence
     logits get no accuracy); `extra` goes to the model."""
     outputs, targets = call_model(model, batch, loss, **extra)
-    logits, own = split_outputs(outputs)
-    if loss.fn is not None:
-        mean = loss.fn(outputs, batch)
-    elif own is not None and loss.spec in ("auto", "model"):
+    logits, own = loss.split(outputs)
+    if loss.fn is not None:  # core.loss_options: mse, model, module:function, auto's float targets
+        mean = loss.fn(outputs, targets, batch)
+    elif own is not None and loss.spec == "auto":  # the model's own: a dict with labels, a `targets` forward
         mean = own
-    elif loss.spec == "model":
-        raise RecipeError(f"--loss model: the model returned {type(outputs).__name__} with no loss; use --loss ce")
-    elif logits is None or targets is None:
-        raise RecipeError(
-            f"--loss {loss.spec}: the model returned {type(outputs).__name__} (no logits) or the batch has no "
-            f"targets; return logits, or use --loss model or a module:function loss"
-        )
-    elif loss.spec == "mse" or (loss.spec == "auto" and targets.is_floating_point()):
-        if logits.shape != targets.shape:
-            kind = "float" if targets.is_floating_point() else str(targets.dtype).removeprefix("torch.")
-            raise RecipeError(
-                f"--loss {loss.spec}: {kind} targets {tuple(targets.shape)} and outputs {tuple(logits.shape)} differ "
-                f"in shape: mse needs them equal; for class indices use int64 targets (--loss ce)"
-            )
-        mean = nn.functional.mse_loss(logits.float(), targets.float())
     else:
-        mean = nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+        mean = cross_entropy(logits, targets, spec=loss.spec)
     known = shift is not None or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)
     samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))
+
+
+def cross_entropy(logits: torch.Tensor | None, targets: torch.Tensor | None, *, spec: str) -> torch.Tensor:
+    """Mean cross-entropy of logits[..., t, :] against targets[..., t] over the counted targets (not -100)."""
+    if logits is None or targets is None or targets.is_floating_point():
+        got = "no logits" if logits is None else "no targets" if targets is None else f"{targets.dtype} targets"
+        raise RecipeError(
+            f"--loss {spec}: cross-entropy needs logits and int64 class targets, and here are {got}; return logits, "
+            f"or use --loss model, mse or a module:function loss"
+        )
+    check_aligned(logits, targets)
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+
+
+def check_aligned(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """One RecipeError line when the logits (..., classes) do not give one prediction per target, as cross-entropy
+    compares logits[..., t, :] with targets[..., t]: nanoGPT's inference path (logits[:, [-1], :] when it is given
+    no targets) is named with its fix. The cause and the fix are one clause, as the pre-check quotes it."""
+    if logits.shape[:-1].numel() == targets.numel():
+        return
+    if logits.dim() >= 3 and logits.shape[-2] == 1 and targets.dim() >= 2 and targets.shape[-1] > 1:
+        raise RecipeError(
+            f"the model returns logits for one position {tuple(logits.shape)} against targets of "
+            f"{targets.shape[-1]} positions {tuple(targets.shape)} (nanoGPT's inference path, logits[:, [-1], :], "
+            f"when it is given no targets): give the forward the targets (a `targets` parameter, as --loss auto "
+            f"passes them) or return every position's logits"
+        )
+    raise RecipeError(
+        f"the logits {tuple(logits.shape)} and the targets {tuple(targets.shape)} do not line up: cross-entropy "
+        f"compares logits[..., t, :] with targets[..., t], so return logits of the targets' shape plus classes"
+    )
 
 
 def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool = False) -> dict[str, torch.Tensor]:

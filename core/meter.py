@@ -2,19 +2,21 @@
 training clock, and the records and lines rank 0 writes from them (so what it prints speaks for the job).
 
 The clock starts when the first optimizer step ends: samples_per_s, tokens_per_s and elapsed_s count training
-from there (evaluation and checkpoints excluded from the rates); imports, building and the first step are
-`startup_s`.
+from there (evaluation and checkpoints excluded from the rates). `startup_s` is the time from the process's start
+to the end of the first optimizer step, in every recipe alike: imports, building and the first step.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from core.dist import reduce_sum
-from core.folder import RunFolder, say, write_record
+from core.records import RunFolder, say, write_record
 
 # Fixed keys, so that every rank (one that saw no batch too) joins one all-reduce of the same shape. `scored`:
 # the targets of the batches that had an accuracy; `timed_*`: what the steps after the first one trained.
@@ -50,7 +52,7 @@ class Meter:
 
     def __init__(self, device: torch.device):
         self.device, self.window = device, Tally(device)
-        self.born, self.started, self.window_start, self.paused_s = time.perf_counter(), None, None, 0.0
+        self.born, self.started, self.window_start, self.paused_s = process_start(), None, None, 0.0
         self.startup_s, self.trained = None, {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
         self.last: dict[str, float] = {}
 
@@ -88,6 +90,20 @@ class Meter:
     def throughput(self) -> dict[str, float]:
         """Over every window read so far: the job's training throughput, and the start-up."""
         return _rates(**self.trained) | {"startup_s": round(self.startup_s or 0.0, 3)}
+
+
+def process_start() -> float:
+    """When this process started, on time.perf_counter's clock: wherever a recipe makes its Meter, start-up counts
+    from the same point. Linux: /proc's start time; elsewhere, when core.meter was imported."""
+    try:  # field 22 of /proc/self/stat, after the command's name in parentheses: clock ticks after boot
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc, no CLOCK_BOOTTIME
+        return _IMPORTED
+    return time.perf_counter() - age
+
+
+_IMPORTED = time.perf_counter()
 
 
 def open_window(meter: Meter) -> dict[str, float]:

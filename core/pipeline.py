@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.amp import StepStats, autocast, micro_batch_groups
+from core.amp import StepStats, autocast
 from core.config import RecipeError
+from core.data import to_device
 from core.dist import broadcast_object
 from core.grads import clip_grad_norm
-from core.loss import IGNORE, metrics
+from core.loss import IGNORE, check_aligned, metrics
 from core.meter import Tally, summarize
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -197,6 +198,7 @@ class TokenLoss:
         self.normalizer = torch.ones(())
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        check_aligned(logits, targets)  # output[..., t] against target[..., t], as core.loss compares them
         flat, total = logits.flatten(0, -2).float(), targets.flatten()
         summed = nn.functional.cross_entropy(flat, total, ignore_index=IGNORE, reduction="sum")
         return summed / self.normalizer.to(summed.device)
@@ -285,22 +287,28 @@ def step_pipeline(
 
 @torch.no_grad()
 def evaluate_pipeline(
-    schedule, loader, *, loss_fn: TokenLoss, accum: int, holds_last: bool, device: torch.device
+    schedule, loader, *, stages: Sequence[nn.Module], loss_fn: TokenLoss, accum: int, holds_last: bool, device
 ) -> dict:
-    """Validation loss and accuracy, forward only through the schedule, K = accum batches a run.
-
-    K is the schedule's micro-batch count, over the loader's full groups: the schedule needs micro-batches of one
-    size, so a smaller last batch is left out. Sums all-reduced once at the end."""
+    """Validation loss and accuracy over every sample, forward only through the schedule, this rank's `stages` in
+    eval mode. The schedule runs groups of one size (accum batches): the smaller last group is filled up with copies
+    of its first sample whose targets are -100, counted by no sum. Sums all-reduced once at the end."""
     if loader is None:
         return {}
-    tally, loss_fn.normalizer = Tally(device), torch.ones(())  # the schedule's losses are then sums
-    for group in micro_batch_groups(loader, accum, device=device):
+    tally, loss_fn.normalizer, size = Tally(device), torch.ones(()), loader.batch_size * accum
+    for stage in stages:
+        stage.eval()
+    batches = iter(loader)
+    while group := [to_device(batch, device) for batch in itertools.islice(batches, accum)]:
         inputs, targets = (torch.cat(parts) for parts in zip(*group))
-        if len(inputs) != loader.batch_size * accum:
-            continue
+        real = len(inputs)
+        if real < size:  # the schedule needs its micro-batches whole: pad, uncounted
+            inputs = torch.cat([inputs, inputs[:1].expand(size - real, *inputs.shape[1:])])
+            targets = torch.cat([targets, torch.full_like(targets[:1], IGNORE).expand(size - real, *targets.shape[1:])])
         losses: list[torch.Tensor] = []
         outputs = schedule.eval(inputs, target=targets, losses=losses)
         if holds_last:
             loss_sum = torch.stack(losses).double().sum()
-            tally.add(metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum})
+            tally.add(metrics(outputs[:real], targets[:real], loss_sum, samples=real) | {"loss_sum": loss_sum})
+    for stage in stages:
+        stage.train()  # the stages train between evaluations
     return summarize(tally.reduce(), prefix="val_")

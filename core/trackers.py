@@ -24,7 +24,7 @@ from pathlib import Path
 
 from core.ckpt_io import atomic_write
 from core.config import Options, RecipeError, option
-from core.folder import RunFolder
+from core.records import RunFolder, take_back_resume
 
 TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name
 WANDB_FILE = "wandb-run.json"
@@ -114,20 +114,37 @@ class Trackers:
             # it, and the recipes end with os._exit, which skips the atexit hook that would call it
             wandb.teardown()
             self.wandb_run = None
+            _remove_wandb_temporaries()
+
+
+def _remove_wandb_temporaries() -> None:
+    """wandb makes two folders in TMPDIR when imported (media, artifacts: tempfile.TemporaryDirectory), removed by
+    finalizers at the interpreter's exit, which the recipes' os._exit skips. Scalars use neither."""
+    from wandb.sdk.artifacts.artifact import Artifact
+    from wandb.sdk.data_types import _private
+
+    for folder in (getattr(_private, "MEDIA_TMP", None), getattr(Artifact, "_TMP_DIR", None)):
+        if folder is not None:
+            folder.cleanup()
 
 
 def attach(run: RunFolder, cfg: Tracking, *, step: int, header) -> RunFolder:
     """`run`, whose records also go to the trackers --log-to names (rank 0 only).
 
-    core.folder.write_record hands them on; one W&B run for the job. `step`: the optimizer step training continues
+    core.records.write_record hands them on; one W&B run for the job. `step`: the optimizer step training continues
     after; `header(path)`: a checkpoint's metadata, whose "trackers" entry (state()) continues the W&B run the
     checkpoint was logged to."""
     kinds = check_trackers(cfg.log_to)
     if not kinds or not run.writer:
         return run
     saved = json.loads(header(run.resume_from).get("trackers", "{}")) if run.resume_from else None
-    project = cfg.wandb_project
-    opened = open_trackers(kinds, run_dir=run.path, config=run.config, resume_state=saved, step=step, project=project)
+    try:
+        opened = open_trackers(
+            kinds, run_dir=run.path, config=run.config, resume_state=saved, step=step, project=cfg.wandb_project
+        )
+    except Exception:  # an unwritable RUN/tensorboard, W&B that cannot start: the run is refused, its record too
+        take_back_resume(run)
+        raise
     return dataclasses.replace(run, sinks=(*run.sinks, opened))
 
 

@@ -21,7 +21,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from collections import deque
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from core.config import Options, option
 from core.dist import Topology
+from core.records import show
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,11 @@ class Watchdog:
             f.write(json.dumps(info) + "\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)  # C-level: works while the main thread is stuck
-        print(
+        show(  # rank 0's also in train.log
             f"warning: watchdog: rank {self.topo.rank}: step {self.step + 1} has run {stalled:.0f}s (threshold "
             f"{info['threshold_s']}s); stack in {path}",
-            file=sys.stderr,
-            flush=True,
+            level="WARNING",
+            rank=self.topo.rank,
         )
         self.store.set(f"rank{self.topo.rank}", json.dumps(info))
         if self.topo.is_rank0:
@@ -177,11 +177,7 @@ class Watchdog:
                 infos[r] = json.loads(self.store.get(f"rank{r}"))
                 self.store.delete_key(f"rank{r}")  # read once: a later stall waits for fresh summaries
         report = behind(infos, world_size=self.topo.world_size)
-        print(
-            f"warning: watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt",
-            file=sys.stderr,
-            flush=True,
-        )
+        show(f"warning: watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt", level="WARNING")
         with open(self.run_dir / "hang-report.json", "w") as f:
             json.dump({**report, "ranks": infos}, f, indent=2)
 

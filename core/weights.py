@@ -18,7 +18,7 @@ from torch import nn
 
 from core.ckpt_io import atomic_write, read_header, verify, write_safetensors
 from core.config import RecipeError
-from core.folder import RunFolder
+from core.records import RunFolder
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -155,6 +155,7 @@ def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:
     """Rank 0 writes the final weights as RUN/model.safetensors, loadable with safetensors.torch.load_file."""
     path = run.path / "model.safetensors"
     if run.writer:
-        tensors, metadata = savable(state), {"recipe": run.recipe, "model": run.config["model"]}
+        model = {"model": run.config["model"]} if "model" in run.config else {}  # a copy without --model: none
+        tensors, metadata = savable(state), {"recipe": run.recipe, **model}
         atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
     return path

@@ -25,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from core import amp, ckpt, data, dist, folder, hf, meter, models, replicas, steps, stream, trackers, weights
 from core.config import Checkpointing, DDPOptions, RecipeError, Training, cli_main, with_default
 from core.exact_loss import forward_sums, make_exact_loss
+from core.loss import make_loss
+from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,9 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="ddp_amp"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
 
     # Build. The same seed on every rank gives every replica the same initial weights.
@@ -80,7 +84,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     scaler = amp.make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
-    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
+    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
     # checkpoint's state, and the trackers --log-to names, which continue from the checkpoint's step.
@@ -89,15 +95,12 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
 
     # Train. K micro-batches a step; DDP all-reduces in the last one's backward only (no_sync before).
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

@@ -24,6 +24,7 @@ from core import ckpt, comm, data, dist, folder, hf, meter, models, monitor, rep
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.config import Checkpointing, DDPOptions, Training, cli_main
 from core.loss import make_loss
+from core.loss_options import choose_loss
 from core.metrics import flops_per_sample, peak_flops
 from core.tuning import TuningOptions, checkpoint_blocks, to_channels_last
 from core.watchdog import DebugOptions, Watchdog, prepare_env
@@ -68,7 +69,9 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="ddp_monitored"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size * topo.world_size
 
     # Build. The same seed on every rank gives every replica the same initial weights. The order is torch's:
@@ -100,7 +103,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_loss(cfg.loss, model=model)
+    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
     timer = monitor.StepClock(topo.device)  # where each step's time goes, from hooks: no code in the step
     timer.attach(train_model, optimizer)
     peak = peak_flops(topo.device)  # MFU on a known GPU only: its peak FLOP/s, and one sample's FLOPs on meta
@@ -114,9 +118,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
     saver = CheckpointSaver(background=cfg.ckpt_async)  # --ckpt-async: a thread writes the file
     watch = Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
@@ -127,7 +128,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # Train. DDP averages the gradients inside backward(): every replica takes the same step.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

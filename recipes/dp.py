@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import ckpt, data, dist, folder, hf, meter, models, steps, weights
+from core import ckpt, data, dist, folder, hf, meter, models, records, steps, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main
 from core.loss import make_loss
+from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="dp"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size  # one process: DataParallel splits each batch over the GPUs
 
     # Build.
@@ -56,7 +59,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr)
     total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_loss(cfg.loss, model=model)
+    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
 
     # The run folder: a new one, or the one of the checkpoint --resume names, refused before it is touched when
     # the checkpoint cannot continue in this job. Then that checkpoint's state.
@@ -65,20 +69,17 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    folder.say(
+    records.say(
         run,
         f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"
         if gpus >= 2
         else f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training",
     )
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
 
     # Train. DataParallel scatters each batch from the first GPU and gathers the outputs back on it.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

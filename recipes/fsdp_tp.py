@@ -23,9 +23,26 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, tp_plan, trackers, weights
+from core import (
+    amp,
+    data,
+    dcp,
+    dist,
+    folder,
+    hf,
+    meter,
+    models,
+    parallel,
+    replicas,
+    stream,
+    tp_plan,
+    trackers,
+    weights,
+)
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 from core.exact_loss import forward_sums, make_exact_loss
+from core.loss import make_loss
+from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
@@ -77,7 +94,9 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="fsdp_tp"):  # resumed, finished: nothing is touched
+        return done
     plan_dims = mesh(cfg, topo.world_size)
     global_batch = cfg.batch_size * plan_dims["dp"] * cfg.accum  # a tp group shares one batch
 
@@ -110,7 +129,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
+    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
     counts = tp_mesh.get_local_rank() == 0  # one rank per tp group counts the group's batch
 
     # The run folder, new or resumed, the checkpoint's state (every rank reads its shards), and the trackers.
@@ -119,15 +140,12 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, pipeline, trackers, weights
+from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, pipeline, records, trackers, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 
 
@@ -91,7 +91,9 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="pipeline"):  # resumed, finished: nothing is touched
+        return done
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     dp, pp, pp_rank = device_mesh["dp"].size(), device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
     dp_rank, global_batch = device_mesh["dp"].get_local_rank(), cfg.batch_size * dp * cfg.accum
@@ -131,16 +133,13 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = dcp.load_checkpoint(run, model=stages, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
-    folder.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
+    records.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
     # Train. Every rank calls the schedule with the whole batch; the first stage reads the inputs, the last the targets.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)
@@ -170,9 +169,15 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 with clock.paused():  # every rank writes its own stages
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # forward only, through the same schedule: K batches a run, as in training
+        with clock.paused():  # forward only, through the same schedule: K batches a run, the smaller last one too
             evaluation = pipeline.evaluate_pipeline(
-                schedule, val_loader, loss_fn=loss_fn, accum=cfg.accum, holds_last=holds_last, device=topo.device
+                schedule,
+                val_loader,
+                stages=stages,
+                loss_fn=loss_fn,
+                accum=cfg.accum,
+                holds_last=holds_last,
+                device=topo.device,
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 

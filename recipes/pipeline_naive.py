@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import ckpt, data, dist, folder, hf, meter, models, pipeline, steps, weights
+from core import ckpt, data, dist, folder, hf, meter, models, pipeline, records, steps, weights
 from core.config import Checkpointing, RecipeError, Training, cli_main, with_default
 from core.loss import make_loss
+from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="pipeline_naive"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size  # one process
 
     # Build: the plain model's blocks spread over the GPUs (the CPU alone without them).
@@ -98,7 +101,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr)
     total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_loss(cfg.loss, model=plain)
+    loss_fn = make_loss(model=plain)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=plain)  # --loss ce, mse, model or module:function
 
     # The run folder, new or resumed, and the checkpoint's state (of the plain model: its own names).
     run = folder.open_run(
@@ -111,16 +115,13 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     placed = [(str(d), len(ix)) for d, ix in model.placement]
-    folder.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
+    records.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
 
     # Train. One batch at a time through every device in turn.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

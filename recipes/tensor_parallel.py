@@ -26,9 +26,26 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor.parallel import parallelize_module
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, tp_plan, trackers, weights
+from core import (
+    amp,
+    data,
+    dcp,
+    dist,
+    folder,
+    hf,
+    meter,
+    models,
+    parallel,
+    replicas,
+    stream,
+    tp_plan,
+    trackers,
+    weights,
+)
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 from core.exact_loss import forward_sums, make_exact_loss
+from core.loss import make_loss
+from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,9 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up is timed from here to the end of the first step
+    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    if done := folder.finished(cfg, topo, recipe="tensor_parallel"):  # resumed, finished: nothing is touched
+        return done
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
@@ -100,7 +119,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each slice on its own rank
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_exact_loss(cfg.loss, model=model)  # every counted target of the global batch weighs the same
+    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
+    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
+    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
     counts = device_mesh["tp"].get_local_rank() == 0  # the ranks hold one batch: one of them counts it
 
     # The run folder, new or resumed, the checkpoint's state (every rank reads its slices), and the trackers.
@@ -115,15 +136,12 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if run.resume_from and start["step"] >= total:  # a finished run, resumed: nothing to train, weights untouched
-        folder.say(run, f"{run.path} already finished at step {start['step']}; nothing to train")
-        return {"steps": start["step"], "already_finished": True}
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. Each Linear's forward and backward all-reduce inside the tp group; AdamW steps each rank's slices.
     step, skipped, evaluation = start["step"], start["skipped"], {}
     for epoch in range(start["epoch"], cfg.epochs):
-        if step >= total:  # --max-steps reached
+        if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         data.set_epoch(train_loader, epoch, consumed=consumed)

@@ -26,6 +26,13 @@ def unused():
     return Unused()
 
 
+def unused_dropout():
+    """Unused's spare layer and a dropout: check compares the runs with dropout off, through its own factory."""
+    model = Unused()
+    model.net.insert(2, nn.Dropout(0.1))
+    return model
+
+
 def batchnorm():
     return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
 
@@ -177,6 +184,12 @@ def crashing():
 def lm():
     """lm_stream's samples as a map-style data set (a list): what ddp, which reads no streams, trains on."""
     return list(lm_stream()[0].samples), None
+
+
+def lm_val():
+    """lm's samples, 16 of them held out for validation."""
+    samples = lm()[0]
+    return samples[16:], samples[:16]
 
 
 class Masked(nn.Module):

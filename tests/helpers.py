@@ -69,3 +69,12 @@ def recipe_params(names) -> list:
         else n
         for n in names
     ]
+
+
+def unfinished(run_dir: Path) -> Path:
+    """The run folder as if its job had died before its end: without the summary record, which says a run is
+    finished (a finished run, resumed, trains nothing). Its weights file stays: the resumed run rewrites it."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(line for line in lines if '"kind": "summary"' not in line))
+    return Path(run_dir)

@@ -13,6 +13,8 @@ from torch import nn
 from core import amp, data, models, weights
 from core.dist import Topology
 from core.exact_loss import make_exact_loss
+from core.loss import make_loss
+from core.loss_options import choose_loss
 
 BASE = dict(model="gpt", data="mp_reference:short_text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
 
@@ -42,7 +44,7 @@ def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
     model = models.build_model(cfg.model)
     if cfg.init_from:
         weights.load_weights(model, cfg.init_from)
-    loss_fn = make_exact_loss(cfg.loss, model=model)
+    loss_fn = make_exact_loss(choose_loss(cfg.loss, make_loss(model=model), model=model), model=model)
     loaders = [
         data.make_loader(
             train_set,
@@ -88,6 +90,12 @@ def short_text():
 
     train, val = text()
     return train, torch.utils.data.Subset(val, range(40))
+
+
+def odd_text():
+    """The `text` data with 37 validation windows: no group of a schedule divides them (16 + 16 + 5 at 2 x 8)."""
+    train, val = short_text()
+    return train, torch.utils.data.Subset(val, range(37))
 
 
 def tiny_llama() -> nn.Module:

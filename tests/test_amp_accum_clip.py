@@ -26,9 +26,9 @@ from core.amp import grad_sync, make_scaler, micro_batch_groups, step_amp
 from core.data import too_few_batches
 from core.datasets import digits
 from core.exact_loss import make_exact_loss
-from core.folder import RunFolder
 from core.grads import clip_grad_norm
 from core.loss import make_loss
+from core.records import RunFolder
 from core.steps import step_plain
 from helpers import REPO, recipes_cli, run, user_env
 from world import GlooWorld
@@ -73,7 +73,8 @@ def _micro_batches(x, y, *, rank: int, world: int, sizes: list[int]):
 
 def _ce(model: nn.Module):
     """--loss ce for step_amp (every counted target of the global batch weighs the same)."""
-    return make_exact_loss("ce", model=getattr(model, "module", model))
+    plain = getattr(model, "module", model)
+    return make_exact_loss(make_loss("ce", model=plain), model=plain)
 
 
 def cross_entropy(logits, targets):

@@ -293,11 +293,13 @@ def test_check_reports_dropout_as_equal_in_distribution_not_bitwise(tmp_path):
 
 @pytest.mark.e2e
 def test_check_fails_on_an_unused_parameter_and_names_the_option(tmp_path):
-    """The runs' own pre-check refuses the model before DDP's first step; the probe names the likely cause."""
-    proc = _check("ddp", "--model", "usermodels:unused", tmp_path=tmp_path)
-    assert proc.returncode == 1
+    """The runs' own pre-check refuses the model before DDP's first step; the probe names the likely cause. The
+    model has dropout too, so the runs take it through check's own factory with dropout off: what check prints
+    names the model as the user did (27.6), never that factory."""
+    proc = _check("ddp", "--model", "usermodels:unused_dropout", tmp_path=tmp_path)
+    assert proc.returncode == 1 and "tools.check" not in proc.stdout + proc.stderr
     assert "equivalent: NO: the run on 2 processes crashed" in proc.stdout
-    crash = "the run crashed: error: --model usermodels:unused: parameters spare.weight, spare.bias get no gradient"
+    crash = "the run crashed: error: --model usermodels:unused_dropout: parameters spare.weight, spare.bias get no "
     assert crash in proc.stdout
     assert "likely cause: unused parameters: spare.weight, spare.bias" in proc.stdout
     assert "pass --static-graph" in proc.stdout and "find_unused_parameters=True" not in proc.stdout

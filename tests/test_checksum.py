@@ -17,7 +17,7 @@ from core import ckpt
 from core.checksum import _bytes, blocksum64_crc32, checksum, checksum_matches
 from core.ckpt_io import atomic_write, read_header, write_safetensors
 from core.config import RecipeError
-from core.folder import RunFolder
+from core.records import RunFolder
 from tiny import TiedMLP
 
 DTYPES = [

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from core import ckpt, weights
 from core.ckpt_io import list_checkpoints
-from core.folder import RunFolder
+from core.records import RunFolder
 from helpers import REPO, run, torchrun, user_env
 from tiny import TiedMLP
 
@@ -134,7 +134,7 @@ import os, signal, sys, torch
 sys.path[:0] = [{tests!r}]
 from pathlib import Path
 from core import ckpt
-from core.folder import RunFolder
+from core.records import RunFolder
 from tiny import TiedMLP
 model = TiedMLP(); optimizer = torch.optim.AdamW(model.parameters())
 run = RunFolder(Path({folder!r}), None, "ddp", {{"global_batch": 8}}, True)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from core import ckpt, ckpt_async
 from core.ckpt_io import list_checkpoints
 from core.config import RecipeError, UsageError, parse_args
-from core.folder import RunFolder
+from core.records import RunFolder
+from helpers import unfinished
 from recipes import ddp_monitored
 from tiny import TiedMLP
 from tools.cli import _explained
@@ -193,6 +194,7 @@ def test_the_recipe_with_ckpt_async_resumes_bitwise_and_ends_after_its_last_writ
     _, meta = ckpt.read_checkpoint(saved[-1])  # the run's last write had landed, whole, when train returned
     assert json.loads(meta["progress"])["step"] == 8
     uninterrupted = load_file(run_dir / "model.safetensors")
+    unfinished(run_dir)  # as if the job had died after step 4: a finished run, resumed, trains nothing
     (summary, _), _ = world2.run(_train_monitored, cfg.replace(resume=str(saved[0])))  # steps 5 to 8, from step 4
     assert summary["steps"] == 8
     for key, value in load_file(run_dir / "model.safetensors").items():

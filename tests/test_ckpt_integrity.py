@@ -13,7 +13,8 @@ from core import ckpt
 from core.checksum import checksum
 from core.ckpt_io import read_header, remove_stale_temporaries
 from core.config import RecipeError
-from core.folder import RunFolder, check_continues
+from core.folder import check_continues
+from core.records import RunFolder
 from tiny import TiedMLP
 from world import GlooWorld
 
@@ -215,9 +216,7 @@ def _compatible(path, saved, *, recipe, precision):
 @pytest.mark.parametrize(
     "saved,recipe,precision",
     [
-        (_meta("ddp"), "ddp_amp", "fp32"),
-        (_meta("ddp"), "ddp_amp", "bf16"),
-        (_meta("ddp_amp", "bf16"), "ddp", "fp32"),
+        (_meta("ddp"), "ddp_amp", "fp32"),  # ddp trains in fp32, --accum 1, no --clip: ddp_amp's defaults
         (_meta("ddp_amp", "fp16", {"scale": 1024.0}), "ddp_amp", "fp16"),
         (_meta("fsdp"), "fsdp", "fp32"),
     ],
@@ -239,6 +238,19 @@ def test_compatible_resumes_are_allowed(tmp_path, saved, recipe, precision):
         (_meta("ddp_amp", "fp16", {"scale": 1024.0}), "ddp", "fp32", "resume with --precision fp16"),
         (_meta("ddp_amp", "bf16"), "ddp_amp", "fp16", "trained in bf16 and this run asks for --precision fp16"),
         (_meta("fsdp"), "ddp", "fp32", "a checkpoint of recipe fsdp, and this run is ddp"),
+        (  # 27.7: ddp takes no --precision; its checkpoints are fp32 ones
+            _meta("ddp"),
+            "ddp_amp",
+            "bf16",
+            "a checkpoint of ddp resumed by ddp_amp: resuming with other options (--precision fp32 -> bf16) would "
+            "train another run; resume with --precision fp32",
+        ),
+        (
+            _meta("ddp_amp", "bf16"),
+            "ddp",
+            "fp32",
+            "(--precision bf16 -> fp32) would train another run; resume with ddp_amp --precision bf16",
+        ),
         (_meta("ddp"), "tensor_parallel", "fp32", "resume it with ddp"),
     ],
 )

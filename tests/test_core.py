@@ -2,6 +2,8 @@
 
 import dataclasses
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from core.dist import Topology
 from core.factory import resolve_factory
 from core.folder import new_run_dir, run_dirs
 from core.models import MODELS, build_model
+from helpers import REPO, user_env
 
 pytestmark = pytest.mark.fast
 
@@ -213,3 +216,26 @@ def test_the_sharded_recipes_offer_no_fp16_they_would_refuse(name):
     assert config.__dataclass_fields__["precision"].metadata["choices"] == ("fp32", "bf16")
     with pytest.raises(UsageError, match="invalid choice: 'fp16'"):
         parse_args(config, ["--precision", "fp16"])
+
+
+STARTUP = """
+import time
+time.sleep(0.5)  # before anything of the project: start-up counts from the process's start, not from the Meter
+import torch
+from core.meter import Meter
+meter = Meter(torch.device("cpu"))
+one = torch.ones((), dtype=torch.float64)
+meter.add({"loss_sum": one, "count": one, "samples": one})  # the first optimizer step ends
+print(meter.throughput()["startup_s"])
+"""
+
+
+def test_startup_counts_from_the_process_start_to_the_end_of_the_first_step():
+    """27.6: every recipe makes its Meter somewhere in train(); startup_s is the same measure in all of them: from
+    the process's start (imports included) to the end of the first optimizer step. A Meter made after half a second
+    of the process counts that half second."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STARTUP], capture_output=True, text=True, env=user_env(PYTHONPATH=str(REPO)), timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout) >= 0.5

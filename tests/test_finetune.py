@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, recipes_cli, user_env
+from helpers import REPO, recipes_cli, unfinished, user_env
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = ["--model", "tiny_gpt2:model", "--data", "tiny_gpt2:data", "--batch-size", "8", "--log-every", "2"]
@@ -77,6 +77,7 @@ def test_tensorboard_and_wandb_continue_across_a_resume(pretrained, tmp_path):
     _run(tmp_path, *args)
     run_dir = tmp_path / "runs" / "ddp_amp-1"
     first_id = json.loads((run_dir / "wandb-run.json").read_text())["wandb_run_id"]
+    unfinished(run_dir)  # as if the job had died after step 4: a finished run, resumed, trains nothing
     _run(tmp_path, *args, "--resume", str(run_dir / "ckpt" / "step-000004.safetensors"))
     assert json.loads((run_dir / "wandb-run.json").read_text())["wandb_run_id"] == first_id
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))

@@ -534,3 +534,58 @@ def test_a_traceback_a_rank_prints_and_survives_is_shown_after_a_pause(capsys, m
     assert (
         capsys.readouterr().err == "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nKeyError: 'k'\n"
     )
+
+
+# --- issue 28 item 5, issue 27 item 7: what the launcher adds to the run's log, and leaves on its disk ----------
+
+
+@pytest.mark.fast
+def test_a_ranks_own_line_is_named_as_it_said_it_and_the_closing_line_ends_train_log(tmp_path, capsys):
+    """A full disk on rank 1 (`error: rank 1: RUN: the disk is full ...`) closes the job as that line, not as an
+    exception the rank 'raised'; the launcher's own lines go to the end of the run's train.log, which it never
+    creates."""
+    full = "runs/fsdp-1/ckpt/.step-000002.tmp: the disk is full (0 bytes free); free some space"
+    ranks = {"0": ended(signal=int(signal.SIGTERM), closed_by=int(signal.SIGTERM), t=2.0)}
+    ranks["1"] = ended(error=f"rank 1: {full}", code=1, t=1.0)
+    assert explain(ranks) == (f"rank 1: {full}", [])
+    run_dir = tmp_path / "fsdp-1"
+    run_dir.mkdir()
+    watch = Supervisor(what="fsdp", note="launch_single_node", max_restarts=0, this_node=None, master=None)
+    watch.feed(f"\x1e0\x1frun folder {run_dir}")
+    watch.own("error: fsdp failed: x")  # no train.log: the run took its folder back, or never opened it
+    assert not (run_dir / "train.log").exists()
+    (run_dir / "train.log").write_text("2026-01-01 00:00:00.000 | INFO    | rank 0 | step 1/4\n")
+    watch.own("error: fsdp failed: y")
+    last = (run_dir / "train.log").read_text().splitlines()[-1]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| ERROR   \| launcher \| error: fsdp failed: y", last)
+    assert capsys.readouterr().err.splitlines()[-1] == "error: fsdp failed: y"
+
+
+@pytest.mark.fast
+def test_what_a_killed_write_left_is_removed_once_its_process_is_gone(tmp_path):
+    """Issue 27 item 7: a rank killed during the first checkpoint's write left its partial file in the run that
+    --resume auto then passes over (no checkpoint) for a new one."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "ckpt").mkdir()
+    dead = [tmp_path / "ckpt" / f".step-000002.safetensors.tmp-{gone.pid}", tmp_path / f".hf.tmp-{gone.pid}"]
+    dead[0].write_bytes(b"half")
+    dead[1].mkdir()
+    live = tmp_path / "ckpt" / f".step-000004.safetensors.tmp-{os.getpid()}"  # still being written
+    live.write_bytes(b"half")
+    sharded = tmp_path / "ckpt" / ".step-000002.tmp"
+    sharded.mkdir()
+    assert sorted(tools.supervise.remove_temporaries(tmp_path, sharded=False)) == sorted(dead)
+    assert live.exists() and sharded.exists()  # another node's ranks may still write a sharded one
+    assert tools.supervise.remove_temporaries(tmp_path, sharded=True) == [sharded] and live.exists()
+
+
+@pytest.mark.e2e
+def test_bare_torchrun_prints_an_error_every_rank_meets_once(tmp_path):
+    """Without the launcher nothing gathers the ranks' lines: rank 0 alone says an error every rank meets."""
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not on PATH")
+    args = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "recipes", "run", "ddp", *TINY]
+    args += ["--model", "tiny:mlp", "--resume", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "runs")]
+    proc = run(args, env=env(), check=False, timeout=120)
+    assert proc.returncode == 1
+    assert error_lines(proc.stderr) == [f"error: --resume {tmp_path / 'none.safetensors'}: no such checkpoint file"]

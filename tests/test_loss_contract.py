@@ -16,6 +16,7 @@ from core.amp import step_amp
 from core.config import RecipeError
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
 from core.loss import forward, make_loss, split_outputs
+from core.loss_options import choose_loss, split_any
 from core.meter import Meter
 from core.steps import evaluate, step_plain
 from world import GlooWorld
@@ -150,18 +151,23 @@ class Regressor(nn.Module):
         return self.lin(x)
 
 
+def loss_for(spec: str, model):
+    """--loss spec as the recipes take it: core.loss's base, then core.loss_options (the opt-in)."""
+    return choose_loss(spec, make_loss(model=model), model=model)
+
+
 def exact(model, batch, spec="auto", normalizer=1.0):
-    return forward_exact(model, batch, make_exact_loss(spec, model=model), normalizer=normalizer)
+    return forward_exact(model, batch, make_exact_loss(loss_for(spec, model), model=model), normalizer=normalizer)
 
 
 @pytest.mark.fast
 def test_make_loss_specs():
     model = Wrapped("tensor")
-    assert [make_loss(s, model=model).spec for s in ("auto", "ce", "mse")] == ["auto", "ce", "mse"]
-    assert make_loss("test_loss_contract:custom_loss", model=model).fn is custom_loss
+    assert [loss_for(s, model).spec for s in ("auto", "ce", "mse")] == ["auto", "ce", "mse"]
+    assert loss_for("test_loss_contract:custom_loss", model).fn.args == (custom_loss,)
     for bad in ("mean", "no_such_module_xyz:f", "test_loss_contract:nothing"):
         with pytest.raises(RecipeError, match="--loss") as err:
-            make_loss(bad, model=model)
+            loss_for(bad, model)
         assert "\n" not in str(err.value)
 
 
@@ -169,7 +175,7 @@ def test_make_loss_specs():
 def test_loss_model_on_a_forward_without_targets_is_refused_when_the_loss_is_made():
     """Before any process starts (the pre-check makes the loss): one line naming the forward and the fix."""
     with pytest.raises(RecipeError, match=r"--loss model: Wrapped.forward\(x\) takes no targets") as err:
-        make_loss("model", model=Wrapped("tensor"))
+        loss_for("model", Wrapped("tensor"))
     assert "--loss ce or mse" in str(err.value) and "auto" not in str(err.value)
 
 
@@ -181,7 +187,7 @@ def test_output_shapes_give_cross_entropy_and_accuracy(kind):
     loss, metrics = exact(model, (x, y), normalizer=5.0)
     logits = model.lin(x)
     torch.testing.assert_close(loss, F.cross_entropy(logits, y, reduction="sum").double() / 5)
-    mean, plain = forward(model, (x, y), make_loss("auto", model=model))
+    mean, plain = forward(model, (x, y), loss_for("auto", model))
     torch.testing.assert_close(mean, F.cross_entropy(logits, y, ignore_index=-100))
     for m in (metrics, plain):
         assert m["count"].item() == 5 and m["samples"].item() == 6  # -100 counts nowhere
@@ -191,9 +197,11 @@ def test_output_shapes_give_cross_entropy_and_accuracy(kind):
 @pytest.mark.fast
 def test_split_outputs_orders():
     logits, loss = torch.randn(2, 3), torch.tensor(0.5)
-    for outputs in (logits, (logits, loss), (loss, logits), [logits, loss], {"logits": logits, "loss": loss}):
-        got_logits, got_loss = split_outputs(outputs)
+    for outputs in (logits, (logits, loss), [logits, loss], {"logits": logits, "loss": loss}, (loss, logits)):
+        got_logits, got_loss = split_any(outputs)  # the opt-in's: (loss, logits, ...) too, transformers' tuples
         assert got_logits is logits and (got_loss is None or got_loss is loss)
+        if not isinstance(outputs, tuple) or outputs[0] is logits:  # the base's shapes
+            assert split_outputs(outputs) == (got_logits, got_loss)
     assert split_outputs({"loss": loss}) == (None, loss)
     with pytest.raises(RecipeError, match="the model returned str"):
         split_outputs("logits")
@@ -208,13 +216,13 @@ def test_nanogpt_auto_uses_its_own_loss_called_with_the_targets():
     logits, own = model(x, targets=y)
     assert make_loss("auto", model=model).targets_as == "targets"
     for spec in ("auto", "model"):
-        mean, metrics = forward(model, (x, y), make_loss(spec, model=model))
+        mean, metrics = forward(model, (x, y), loss_for(spec, model))
         torch.testing.assert_close(mean, own)
         assert metrics["count"].item() == 7 + 4 + 2 and "correct" in metrics
-    mean, _ = forward(model, (x, y), make_loss("ce", model=model))  # ce: the logits of model(x), as before
+    mean, _ = forward(model, (x, y), loss_for("ce", model))  # ce: the logits of model(x), as before
     torch.testing.assert_close(mean, F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-100))
     with pytest.raises(RecipeError, match="--loss model: the model returned Tensor with no loss"):
-        forward(NoLoss(), (torch.randn(2, 4), torch.tensor([0, 1])), make_loss("model", model=NoLoss()))
+        forward(NoLoss(), (torch.randn(2, 4), torch.tensor([0, 1])), loss_for("model", NoLoss()))
 
 
 @pytest.mark.fast
@@ -222,7 +230,7 @@ def test_samples_of_three_parts_call_the_model_with_all_but_the_last():
     """Issue 20 item 2: (input, mask, target): model(input, mask), the target last."""
     x, mask, y = torch.randn(5, 4), torch.ones(5, 4), torch.tensor([0, 1, 2, 1, 0])
     model = ThreeParts()
-    mean, metrics = forward(model, (x, mask, y), make_loss("auto", model=model))
+    mean, metrics = forward(model, (x, mask, y), loss_for("auto", model))
     torch.testing.assert_close(mean, F.cross_entropy(model(x, mask), y))
     assert metrics["samples"].item() == 5 and metrics["count"].item() == 5
 
@@ -233,13 +241,13 @@ def test_float_targets_of_the_outputs_shape_get_mse_and_others_one_line():
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     model = Regressor()
     for spec in ("auto", "mse"):
-        mean, metrics = forward(model, (x, y), make_loss(spec, model=model))
+        mean, metrics = forward(model, (x, y), loss_for(spec, model))
         torch.testing.assert_close(mean, F.mse_loss(model(x), y))
         assert metrics["count"].item() == 6 and "correct" not in metrics
     with pytest.raises(RecipeError, match=r"float targets \(6,\) and outputs \(6, 2\) differ in shape"):
-        forward(model, (x, y[:, 0]), make_loss("auto", model=model))
+        forward(model, (x, y[:, 0]), loss_for("auto", model))
     with pytest.raises(RecipeError, match=r"--loss mse: int64 targets \(6,\) and outputs \(6, 2\) differ in shape"):
-        forward(model, (x, torch.zeros(6, dtype=torch.int64)), make_loss("mse", model=model))  # a review find: "float"
+        forward(model, (x, torch.zeros(6, dtype=torch.int64)), loss_for("mse", model))  # a review find: "float"
 
 
 @pytest.mark.fast
@@ -255,7 +263,7 @@ def test_no_logits_no_accuracy():
     batch = {"x": torch.randn(5, 4), "labels": torch.randn(5)}
     _, metrics = exact(LossOnly(), batch)
     assert "correct" not in metrics and metrics["count"].item() == 5  # float labels: one per sample
-    result = evaluate(LossOnly(), [batch], loss_fn=make_loss("auto", model=LossOnly()), device=CPU)
+    result = evaluate(LossOnly(), [batch], loss_fn=loss_for("auto", LossOnly()), device=CPU)
     assert set(result) == {"val_loss"}
     unlabelled = {"x": batch["x"], "y": batch["labels"]}  # no `labels`: the model's own loss, one per sample
     model = SelfSupervised()
@@ -266,7 +274,7 @@ def test_no_logits_no_accuracy():
 @pytest.mark.fast
 def test_transformers_causal_lm_dict_batch():
     model, batch = gpt2(), lm_batch([8, 3, 6], seed=2)
-    loss_fn = make_exact_loss("auto", model=model)
+    loss_fn = make_exact_loss(loss_for("auto", model), model=model)
     assert (loss_fn.takes_count, loss_fn.shifts) == (True, True)  # takes num_items_in_batch; shifts its labels
     loss, metrics = forward_exact(model, batch, loss_fn, normalizer=4.0)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -276,17 +284,17 @@ def test_transformers_causal_lm_dict_batch():
     assert metrics["count"].item() == 7 + 2 + 5 and metrics["samples"].item() == 3
     correct = ((logits[:, :-1].argmax(-1) == shifted) & (shifted != -100)).sum()
     assert metrics["correct"].item() == correct.item()
-    _, plain = forward(model, batch, make_loss("auto", model=model))  # the base does not know the shift:
+    _, plain = forward(model, batch, loss_for("auto", model))  # the base does not know the shift:
     assert "correct" not in plain  # no accuracy rather than a wrong one
     model.accepts_loss_kwargs = False  # the other path: the model's mean, weighted by its (shifted) count
-    loss2, _ = forward_exact(model, batch, make_exact_loss("auto", model=model), normalizer=4.0)
+    loss2, _ = forward_exact(model, batch, make_exact_loss(loss_for("auto", model), model=model), normalizer=4.0)
     torch.testing.assert_close(loss2.double(), total.double() / 4)
 
 
 @pytest.mark.fast
 def test_transformers_sequence_classifier():
     model = bert()
-    loss_fn = make_exact_loss("auto", model=model)
+    loss_fn = make_exact_loss(loss_for("auto", model), model=model)
     assert (loss_fn.takes_count, loss_fn.shifts) == (False, False)  # **kwargs, but its loss ignores num_items
     ids = torch.randint(V, (4, T))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, -100, 1])}
@@ -342,7 +350,7 @@ MODELS = {  # name -> (build, loss spec, pair batches)
 def test_ranks_times_micro_batches_equal_one_process(name, data, world, k):
     build, spec, pairs = MODELS[name]
     model = build()
-    loss_fn = make_exact_loss(spec, model=model)
+    loss_fn = make_exact_loss(loss_for(spec, model), model=model)
     sizes = st.lists(st.integers(0, T), min_size=1, max_size=3)  # 0: a sequence with nothing counted
     ranks = [
         [lm_batch(data.draw(sizes), seed=data.draw(st.integers(0, 99)), pairs=pairs) for _ in range(k)]
@@ -361,7 +369,7 @@ def test_ranks_times_micro_batches_equal_one_process(name, data, world, k):
 def test_mean_of_means_is_not_the_global_mean():
     """What the old normalisation (each micro-batch's mean, weighted by its share of samples) gets wrong."""
     model = NanoGPT()
-    loss_fn = make_exact_loss("ce", model=model)
+    loss_fn = make_exact_loss(loss_for("ce", model), model=model)
     micro = [lm_batch([8, 8], seed=3, pairs=True), lm_batch([2, 1], seed=4, pairs=True)]
     model.zero_grad()
     for batch in micro:
@@ -375,9 +383,9 @@ def test_mean_of_means_is_not_the_global_mean():
 def test_step_plain_and_step_amp_on_dict_batches():
     model, batch = gpt2(), lm_batch([8, 2, 5], seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics, norm = step_plain(model, batch, optimizer=opt, loss_fn=make_loss("auto", model=model))
+    metrics, norm = step_plain(model, batch, optimizer=opt, loss_fn=loss_for("auto", model))
     assert metrics["count"].item() == 8 + 2 + 5 and math.isfinite(norm)  # the base counts labels as given
-    loss_fn = make_exact_loss("auto", model=model)
+    loss_fn = make_exact_loss(loss_for("auto", model), model=model)
     metrics, stats = step_amp(model, [batch, batch], optimizer=opt, loss_fn=loss_fn, precision="bf16")
     assert metrics["samples"].item() == 6 and math.isfinite(stats.grad_norm) and not stats.skipped
     assert metrics["count"].item() == 2 * (7 + 1 + 4)  # shifted: one target fewer a sequence
@@ -426,7 +434,7 @@ def world2():
 def _ddp_gpt2_step(topo, ranks):
     model = DistributedDataParallel(gpt2())
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss_fn = make_exact_loss("auto", model=model.module)
+    loss_fn = make_exact_loss(loss_for("auto", model.module), model=model.module)
     metrics, _ = step_amp(model, ranks[topo.rank], optimizer=opt, loss_fn=loss_fn)
     return [p.detach().clone() for p in model.module.parameters()], {k: v.item() for k, v in metrics.items()}
 
@@ -441,9 +449,122 @@ def test_step_amp_under_ddp_matches_one_process(world2):
     model = gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     step_amp(
-        model, [_concat([b for r in ranks for b in r])], optimizer=opt, loss_fn=make_exact_loss("auto", model=model)
+        model,
+        [_concat([b for r in ranks for b in r])],
+        optimizer=opt,
+        loss_fn=make_exact_loss(loss_for("auto", model), model=model),
     )
     for rank_params, _ in results:
         for got, want in zip(rank_params, model.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
     assert results[0][1]["count"] == 7 + 0 + 2 + 0 + 5 and results[1][1]["count"] == 1 + 7 + 7 + 6
+
+
+# --- what a sample means (issue 27.1): a pair's target is aligned with the output, whatever the model shifts -----
+
+
+class NanoGPTInference(NanoGPT):
+    """nanoGPT exactly: without targets it returns the last position's logits only (its generation path)."""
+
+    def forward(self, idx, targets=None):
+        logits, loss = super().forward(idx, targets)
+        return (logits, loss) if targets is not None else (logits[:, [-1], :], None)
+
+
+@pytest.mark.fast
+def test_a_pair_target_is_compared_position_by_position_with_a_transformers_lm():
+    """Issue 27.1: `--loss auto` on (input, target) pairs gave the target to GPT-2 as `labels`, which transformers
+    shifts once more (the token two ahead). Now: cross-entropy of logits[:, t] against target[:, t], written here
+    by hand, in the plain forward and the exact one; the accuracy compares the same positions."""
+    model = gpt2()
+    x, y = lm_batch([8, 5, 3], seed=6, pairs=True)
+    logits = model(x).logits
+    by_hand = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert make_loss("auto", model=model).targets_as is None  # never `labels`
+    mean, plain = forward(model, (x, y), loss_for("auto", model))
+    torch.testing.assert_close(mean, by_hand)
+    total, sums = exact(model, (x, y), normalizer=2.0)
+    torch.testing.assert_close(total.double(), by_hand.double() * (7 + 4 + 2) / 2)
+    correct = ((logits.argmax(-1) == y) & (y != -100)).sum().item()
+    assert plain["correct"].item() == sums["correct"].item() == correct and sums["count"].item() == 7 + 4 + 2
+
+
+@pytest.mark.fast
+def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_naming_the_fix():
+    model = gpt2()
+    loss = loss_for("model", model)
+    with pytest.raises(RecipeError, match=r"--loss model: GPT2LMHeadModel takes its targets as `labels`") as err:
+        forward(model, lm_batch([4, 4], seed=1, pairs=True), loss)
+    assert "dict samples with `labels`" in str(err.value) and "--loss ce" in str(err.value)
+    assert "\n" not in str(err.value)
+    from tools.precheck import check_step  # before launch: the same line, the fix kept
+
+    with pytest.raises(RecipeError, match=r"--loss model: GPT2LMHeadModel takes .*dict samples with `labels`") as err:
+        check_step(model, lm_batch([4, 4], seed=1, pairs=True), model_spec="m:gpt2", data_spec="m:pairs", loss="model")
+    assert "\n" not in str(err.value)
+    mean, _ = forward(model, lm_batch([4, 4], seed=1), loss)  # a dict with labels: the model's own, shifted
+    batch = lm_batch([4, 4], seed=1)
+    torch.testing.assert_close(mean, model(**batch).loss)
+
+
+@pytest.mark.fast
+def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
+    """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in core.loss and in
+    the pipeline's TokenLoss, where the shapes are compared; the pre-check quotes the same line."""
+    from core.pipeline import TokenLoss
+    from tools.precheck import check_step
+
+    model, batch = NanoGPTInference(), lm_batch([8, 8], seed=2, pairs=True)
+    for call in (
+        lambda: forward(model, batch, loss_for("ce", model)),
+        lambda: TokenLoss()(model(batch[0])[0], batch[1]),
+    ):
+        with pytest.raises(RecipeError, match=r"the model returns logits for one position \(2, 1, 50\)") as err:
+            call()
+        assert f"targets of {T} positions" in str(err.value) and "return every position's logits" in str(err.value)
+    with pytest.raises(RecipeError, match="logits for one position .*give the forward the targets") as err:
+        check_step(model, batch, model_spec="m:nano", data_spec="m:pairs", loss="ce")
+    assert "\n" not in str(err.value)
+    forward(model, batch, loss_for("auto", model))  # auto passes the targets: every position's logits
+
+
+# --- the base alone (issue 28.4): what a lean copy carries, core.loss without core.loss_options -------------------
+
+
+@pytest.mark.fast
+def test_the_base_alone_takes_every_sample_shape_and_the_common_outputs():
+    """make_loss() and forward, no opt-in: pairs (aligned cross-entropy, never `labels`), (x, mask, y), dicts with
+    labels (the model's own loss), a `targets` forward (its own loss), -100 ignored; logits, (logits,),
+    (logits, loss), dict outputs. Any other --loss is one line naming the opt-in."""
+    model, (x, y) = gpt2(), lm_batch([8, 5, 3], seed=7, pairs=True)
+    mean, _ = forward(model, (x, y), make_loss(model=model))
+    torch.testing.assert_close(mean, F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100))
+    batch = lm_batch([8, 5, 3], seed=7)
+    torch.testing.assert_close(forward(model, batch, make_loss(model=model))[0], model(**batch).loss)
+    nano = NanoGPT()
+    torch.testing.assert_close(forward(nano, (x, y), make_loss(model=nano))[0], nano(x, targets=y)[1])
+    three, (a, mask, c) = ThreeParts(), (torch.randn(5, 4), torch.ones(5, 4), torch.tensor([0, 1, 2, -100, 0]))
+    torch.testing.assert_close(
+        forward(three, (a, mask, c), make_loss(model=three))[0], F.cross_entropy(three(a, mask), c)
+    )
+    for kind in ("tensor", "tuple", "list", "dict"):
+        wrapped = Wrapped(kind)
+        mean, sums = forward(wrapped, (a, c), make_loss(model=wrapped))
+        torch.testing.assert_close(mean, F.cross_entropy(wrapped.lin(a), c))
+        assert sums["count"].item() == 4 and "correct" in sums
+    with pytest.raises(RecipeError, match=r"--loss mse: this recipe takes --loss auto or ce; .* core\.loss_options"):
+        make_loss("mse", model=model)
+    with pytest.raises(RecipeError, match="cross-entropy needs logits and int64 class targets, and here are torch.fl"):
+        forward(Regressor(), (a, torch.randn(5, 2)), make_loss(model=Regressor()))
+
+
+@pytest.mark.fast
+def test_the_base_never_imports_the_opt_in():
+    import ast
+    import inspect as inspect_
+
+    import core.loss
+
+    tree = ast.parse(inspect_.getsource(core.loss))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "core.loss_options" not in imported and "core.exact_loss" not in imported

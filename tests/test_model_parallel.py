@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from core import amp, data, grads, models, steps
 from core.config import RecipeError
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
+from core.loss import make_loss
+from helpers import unfinished
 from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng
 from world import GlooWorld
 
@@ -48,6 +50,25 @@ def world1():
 def one_share():
     """Reference for the recipes whose ranks share one batch (pipeline, tensor parallel, dp=1)."""
     return reference(config("fsdp"), replicas=1)
+
+
+@pytest.mark.world
+def test_pipeline_evaluates_every_validation_sample_once(world2, tmp_path):
+    """27.3: 37 validation windows in groups of 16 (--accum 2 x 8): the smaller last group (5, its second
+    micro-batch all padding) is evaluated, not dropped. val_loss and val_acc equal a plain evaluation, written here in
+    plain torch, of the final weights over every sample: loss within rel 1e-5 (float32 sums in another order; the 32
+    samples of the whole groups alone are 8e-4 away), accuracy within one target of 37 x 64."""
+    cfg = config("pipeline", out=str(tmp_path), data="mp_reference:odd_text", accum=2, microbatches=2, max_steps=1)
+    summary = world2.run(run_recipe, "pipeline", cfg)[0]
+    model = models.build_model("gpt")
+    model.load_state_dict(load_file(summary["weights"]))
+    _, val, _ = data.build_data(cfg.data)
+    inputs, targets = (torch.stack(column) for column in zip(*[val[i] for i in range(len(val))]))
+    with torch.no_grad():
+        logits = model.eval()(inputs)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    assert summary["val_loss"] == pytest.approx(loss.item() / targets.numel(), rel=1e-5)
+    assert summary["val_acc"] == pytest.approx(logits.argmax(-1).eq(targets).double().mean().item(), abs=1.01 / 2368)
 
 
 @pytest.mark.world
@@ -142,7 +163,7 @@ def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
     model = models.build_model("mlp")
     model.load_state_dict(load_file(summary["weights"]))
     val = torch.utils.data.DataLoader(data.build_data("digits")[1], batch_size=64)
-    loss_fn = make_exact_loss("auto", model=model)
+    loss_fn = make_exact_loss(make_loss("auto", model=model), model=model)
     expected = steps.evaluate(model, val, loss_fn=loss_fn, device=torch.device("cpu"), forward=forward_sums)
     assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
     assert summary["val_acc"] == pytest.approx(expected["val_acc"])
@@ -166,12 +187,18 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _resumed(world, name: str, cfg, finished: dict, tmp_path, *, stop: int, **changes) -> dict:
-    """Copy the finished run's step-`stop` checkpoint into a fresh --out and continue it with --resume auto."""
+def _resumed(world, name: str, cfg, finished: dict, tmp_path, *, stop: int, monkeypatch=None, **changes) -> dict:
+    """Copy the finished run's step-`stop` checkpoint into a fresh --out and continue it with --resume auto (after
+    the launchers' pre-check, with `monkeypatch`)."""
     out = tmp_path / "resumed"
     source = finished["weights"].replace("model.safetensors", f"ckpt/step-{stop:06d}")
     shutil.copytree(source, out / f"{name}-1" / "ckpt" / f"step-{stop:06d}")
-    return world.run(run_recipe, name, cfg.replace(out=str(out), resume="auto", **changes))[0]
+    resumed = cfg.replace(out=str(out), resume="auto", **changes)
+    if monkeypatch is not None:
+        with monkeypatch.context() as env:
+            env.setenv("WORLD_SIZE", str(world.world_size))
+            _check_resume(name, resumed)
+    return world.run(run_recipe, name, resumed)[0]
 
 
 RESUMABLE = {  # name: (options, changes that keep the global batch on one rank; None: not tried there)
@@ -201,17 +228,22 @@ def test_resume_at_the_same_world_size_is_bitwise(world2, world1, tmp_path, monk
     cfg = config(name, out=str(tmp_path / "whole"), max_steps=4, ckpt_every=2, keep=5, **options)
     finished = world2.run(run_recipe, name, cfg)[0]
     weights = load_file(finished["weights"])
-    with monkeypatch.context() as env:
-        env.setenv("WORLD_SIZE", "2")
-        _check_resume(name, cfg.replace(resume="auto"))
-    resumed = _resumed(world2, name, cfg, finished, tmp_path / "two", stop=2)
+    resumed = _resumed(world2, name, cfg, finished, tmp_path / "two", stop=2, monkeypatch=monkeypatch)
     assert resumed["steps"] == 4 and _same(load_file(resumed["weights"]), weights)
     if on_one is not None:
         alone = _resumed(world1, name, cfg, finished, tmp_path / "one", stop=2, **on_one)
         assert alone["world_size"] == 1 and alone["global_batch"] == finished["global_batch"]
         assert_same_weights(alone, weights, **TOL)
+    run_dir = Path(finished["weights"]).parent
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     again = world2.run(run_recipe, name, cfg.replace(resume="auto"))[0]  # 11.1: nothing past --max-steps
-    assert again["already_finished"] and _same(load_file(finished["weights"]), weights)
+    assert again["already_finished"] and again["steps"] == 4
+    # 27.2: any checkpoint of the finished run, at another world size (another global batch for fsdp): no check,
+    # nothing trained, no byte changed; the launchers' pre-check lets it through too
+    step2 = cfg.replace(resume=str(run_dir / "ckpt" / "step-000002"), batch_size=cfg.batch_size * 3)
+    _check_resume(name, step2)
+    assert world1.run(run_recipe, name, step2)[0]["already_finished"]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.world
@@ -228,7 +260,7 @@ def test_fsdp_checkpoints_tied_weights_and_resumes_bitwise(world2, tmp_path):
 def test_a_checkpoint_under_another_recipe_or_precision_is_refused_in_one_line(world2, tmp_path, monkeypatch):
     """14.7: the pre-check names both sides: an fsdp checkpoint under tensor_parallel, a bf16 one resumed in fp32."""
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=2, precision="bf16")
-    path = Path(world2.run(run_recipe, "fsdp", cfg)[0]["weights"]).parent / "ckpt" / "step-000002"
+    path = unfinished(Path(world2.run(run_recipe, "fsdp", cfg)[0]["weights"]).parent) / "ckpt" / "step-000002"
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="a checkpoint of recipe fsdp, and this run is tensor_parallel.*with fsdp"):
         _check_resume("tensor_parallel", config("tensor_parallel", out=str(tmp_path), resume=str(path)))
@@ -252,7 +284,7 @@ def test_a_missing_shard_is_skipped_by_auto_and_named_for_a_path(world2, tmp_pat
 
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=1, keep=5)
     finished = world2.run(run_recipe, "fsdp", cfg)[0]
-    run_dir = Path(finished["weights"]).parent
+    run_dir = unfinished(Path(finished["weights"]).parent)  # as if the job had died: it resumes
     lost = sorted((run_dir / "ckpt" / "step-000002").glob("shard-*.safetensors"))[1]
     lost.unlink()
     explicit = cfg.replace(resume=str(run_dir / "ckpt" / "step-000002"))
@@ -339,7 +371,7 @@ def _one_process(batches, *, k: int, precision: str = "fp32", losses: bool = Fal
     """step_amp on the whole global batch, cut into k micro-batches: (weights, norms[, each step's mean loss])."""
     model = _tiny_gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss("ce", model=model)
+    loss_fn = make_exact_loss(make_loss("ce", model=model), model=model)
     norms, means = [], []
     for x, y in batches:
         micro = list(zip(x.chunk(k), y.chunk(k)))
@@ -358,7 +390,7 @@ def fsdp_accum_clip(topo):
     mesh = parallel.build_mesh(topo, {"dp": 2})
     model = parallel.apply_fsdp(_tiny_gpt(), mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss("ce", model=model)
+    loss_fn = make_exact_loss(make_loss("ce", model=model), model=model)
     norms = []
     for x, y in batches:
         mine = x.chunk(2)[topo.rank], y.chunk(2)[topo.rank]
@@ -476,7 +508,7 @@ def tp_accum_clip(topo, via_step_amp: bool):
     mesh = parallel.build_mesh(topo, {"dp": 1, "tp": 2})  # no data parallelism: the count is this rank's batch's
     model = parallel.apply_tp(_tiny_gpt(), mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss("ce", model=model)
+    loss_fn = make_exact_loss(make_loss("ce", model=model), model=model)
     one = mesh["dp"].get_group()
     norms = []
     for x, y in batches:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, folder, meter, monitor, watchdog
+from core import ckpt, folder, meter, monitor, records, watchdog
 from core.loss import make_loss
 from core.models import MLP
 from core.steps import step_plain
@@ -99,7 +99,7 @@ def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_
 
 @pytest.mark.fast
 def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys):
-    run_folder = folder.RunFolder(tmp_path, None, "ddp_monitored", {}, True)
+    run_folder = records.RunFolder(tmp_path, None, "ddp_monitored", {}, True)
     numbers = {"loss": 0.41234, "acc": 0.5, "samples_per_s": 1875.4, "tokens_per_s": 9e4}
     meter.log_train(run_folder, SimpleNamespace(read=lambda: numbers), step=40, total=115, epoch=1, step_ms=3.0)
     assert capsys.readouterr().out == "step 40/115 epoch 1 loss 0.4123 acc 0.5000 1875 samples/s 90000 tokens/s\n"
@@ -153,6 +153,8 @@ def test_watchdog_fires_on_a_stalled_rank_and_names_it(stalled):
     assert "in forward" in stacks[1] and "test_monitoring.py" in stacks[1]  # where rank 1 stopped
     assert "gloo:all_reduce" in stacks[0].splitlines()[0]  # rank 0's last collective, waiting for rank 1
     assert '"kind": "summary"' in (stalled / "metrics.jsonl").read_text()  # the stall passed; the run finished
+    warned = [line for line in (stalled / "train.log").read_text().splitlines() if "| WARNING | rank 0 |" in line]
+    assert any("warning: watchdog: rank(s) 1 behind" in line for line in warned), warned  # train.log has it too
 
 
 @pytest.mark.world

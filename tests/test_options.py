@@ -101,7 +101,7 @@ def test_a_bad_value_under_the_launcher_leaves_no_folder(tmp_path):
 # --- the walk: every option of every recipe is read by its run ----------------------------------------------
 
 
-def _recording(config):
+def recording(config):
     """A subclass of `config` that records which fields are read (config.json's dump does not count)."""
 
     class Recording(config):
@@ -139,7 +139,21 @@ WALK = {  # small runs that take every code path an option steers: checkpoints, 
     "fsdp_tp": {"tp": 1},
     "pipeline": {"pp": 1, "microbatches": 2},
 }
-NEVER_READ_IN_ONE_PROCESS = {"debug"}  # read before the process group exists, by main(): checked below
+NEVER_READ_IN_ONE_PROCESS = {"debug"}
+
+
+def walk_values(name: str, fields: set[str], out) -> dict:
+    """The walk's options for recipe `name` (or a copy of it) whose Config has `fields`."""
+    return {
+        "max_steps": 2,
+        "epochs": 1,
+        "batch_size": 8,
+        "ckpt_every": 1,
+        "log_every": 1,
+        "out": str(out),
+        **({"log_to": "tensorboard"} if "log_to" in fields else {}),  # --wandb-project is read where a tracker is
+        **{k: v for k, v in WALK.get(name, {}).items() if k in fields},
+    }  # read before the process group exists, by main(): checked below
 
 
 @pytest.mark.world
@@ -148,17 +162,7 @@ def test_every_option_is_read_by_the_run(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TDR_DEVICE", "cpu")
     module = RECIPES[name].load()
     fields = _fields(name)
-    values = {
-        "max_steps": 2,
-        "epochs": 1,
-        "batch_size": 8,
-        "ckpt_every": 1,
-        "log_every": 1,
-        "out": str(tmp_path),
-        **({"log_to": "tensorboard"} if "log_to" in fields else {}),  # --wandb-project is read where a tracker is
-        **{k: v for k, v in WALK.get(name, {}).items() if k in fields},
-    }
-    cfg = _recording(module.Config)(**values)
+    cfg = recording(module.Config)(**walk_values(name, fields, tmp_path))
     try:
         module.main(cfg)
     finally:

@@ -57,8 +57,8 @@ def test_a_nanogpt_model_trains_on_its_own_loss_and_another_choice_names_the_one
     takes its inference output (the last position only), which cannot work: one line naming --loss auto."""
     assert _precheck("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2) == []
     line = _refused("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2, loss="ce")
-    assert line.startswith("--model check_user:nano --data check_user:pair_stream --loss ce: one training step")
-    assert "Expected input batch_size" in line
+    assert line.startswith("--model check_user:nano --data check_user:pair_stream --loss ce: the model returns logits")
+    assert "for one position" in line and "return every position's logits" in line  # issue 27.4: cause and fix
     assert line.endswith("use --loss auto or model, with which this model and data give a loss")
 
 
@@ -87,6 +87,22 @@ def test_syncbatchnorm_without_a_gpu_and_the_batchnorm_warning():
     (warning,) = _precheck(model="check_user:batchnorm")
     assert warning.startswith("BatchNorm layers 1 (BatchNorm1d) normalise with each rank's own batch")
     assert _precheck("dp", model="check_user:batchnorm") == []  # one process: no replicas to tell apart
+
+
+def test_unequal_counted_targets_across_ddp_replicas_is_one_warning_naming_ddp_amp():
+    """27.4: padded sequences (-100 on tails of varying length) under ddp at 2 ranks: each rank's mean loss,
+    averaged, weighs a target by its rank's count; the pre-check's first samples (12 and 11 counted) say so once.
+    One rank, ddp_amp (token-exact) or targets that all count: no warning."""
+    lm = dict(model="check_user:gpt2", data="check_user:lm", max_steps=1)
+    (warning,) = _precheck(world_size=2, **lm)
+    assert warning.startswith("the first samples hold 12 and 11 counted targets (not -100): ddp averages the mean ")
+    assert "its 2 replicas" in warning
+    assert warning.endswith("ddp_amp weighs every target of the global batch alike (token-exact weights)")
+    assert _precheck("ddp_monitored", world_size=2, **lm)[0] == warning.replace(
+        "ddp averages", "ddp_monitored averages"
+    )
+    assert _precheck(world_size=1, **lm) == [] and _precheck("ddp_amp", world_size=2, **lm) == []
+    assert _precheck("dp", **lm) == [] and _precheck(world_size=2) == []  # dp on a CPU: one replica; digits: all count
 
 
 @pytest.mark.fast

@@ -3,6 +3,8 @@ a refused resume touches nothing, records stay whole and strict JSON, one job ho
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,15 +14,15 @@ import pytest
 import torch
 
 from core.config import INTERRUPTED
-from core.folder import RunFolder, repair_records, write_record
-from helpers import REPO, recipes_cli, user_env
+from core.records import RunFolder, repair_records, write_record
+from helpers import REPO, recipes_cli, run, torchrun, user_env
 
 pytestmark = pytest.mark.e2e
 TINY = ["--model", "tiny:mlp", "--batch-size", "16", "--timeout-s", "60"]
 
 
-def _env():
-    return user_env(PYTHONPATH=str(REPO / "tests"))
+def _env():  # this checkout's code, not the one an editable install points at
+    return user_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
 
 
 def _run(tmp_path, *args, check=True):
@@ -44,39 +46,82 @@ def _snapshot(folder):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
+    """The quick start's shape (115 steps, checkpoints at 50 and 100): the last step is not checkpointed."""
     tmp_path = tmp_path_factory.mktemp("finished")
-    _run(tmp_path, "--max-steps", "6", "--ckpt-every", "3")
+    proc = _run(tmp_path, "--max-steps", "7", "--ckpt-every", "3")
+    (tmp_path / "stdout.txt").write_text(proc.stdout)
+    names = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*") if p.is_file())
+    files = (".lock", *CKPTS, "config.json", "metrics.jsonl", "model.safetensors", "train.log")
+    assert names == [f"runs/ddp-1/{n}" for n in files]
     return tmp_path
 
 
-@pytest.mark.parametrize("how", ["--resume auto", "torchrun restart"])
-def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(finished, how):
-    run_dir = finished / "runs" / "ddp-1"
+def test_train_log_holds_every_line_the_run_printed_with_time_level_and_rank(finished):
+    """Issue 28 item 5: the terminal keeps its lines as they were; train.log has each of them, in order."""
+    printed = (finished / "stdout.txt").read_text().splitlines()
+    assert printed[0].startswith("step 7/7 epoch 0 loss ") and printed[-1].startswith("summary val_loss=")
+    log = (finished / "runs" / "ddp-1" / "train.log").read_text().splitlines()
+    line = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| INFO    \| rank 0 \| (.*)")
+    assert [line.fullmatch(entry)[1] for entry in log] == printed
+
+
+CKPTS = ("ckpt/step-000003.safetensors", "ckpt/step-000006.safetensors")
+
+
+def _stopped(finished, tmp_path):
+    """A copy of the finished run stopped before its end (no summary, no weights): it has steps left to train."""
+    shutil.copytree(finished / "runs", tmp_path / "runs")
+    metrics, run_dir = tmp_path / "runs" / "ddp-1" / "metrics.jsonl", tmp_path / "runs" / "ddp-1"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _strict(metrics) if r["kind"] != "summary"))
+    (run_dir / "model.safetensors").unlink()
+    return tmp_path
+
+
+@pytest.mark.parametrize("how", ["--resume auto", "torchrun restart", "--resume step-3 at 2 ranks", "a copy"])
+def test_resuming_a_finished_run_trains_nothing_and_changes_no_byte(finished, how, tmp_path):
+    """27.2: the run's summary says it is finished: a resume of any of its checkpoints, at any world size (its
+    global batch and options are not even checked), through the CLI, bare torchrun or a standalone copy, prints one
+    line and exits 0, and every file (the lock's contents, config.json, metrics.jsonl, weights) keeps its bytes."""
+    run_dir, out = finished / "runs" / "ddp-1", ["--out", str(finished / "runs"), "--max-steps", "7"]
     before = _snapshot(run_dir)
-    env = _env() | ({"TORCHELASTIC_RESTART_COUNT": "1"} if how == "torchrun restart" else {})
-    extra = ["--resume", "auto"] if how == "--resume auto" else []
-    proc = recipes_cli(
-        "run",
-        "ddp",
-        *TINY,
-        "--out",
-        str(finished / "runs"),
-        "--max-steps",
-        "6",
-        "--ckpt-every",
-        "3",
-        *extra,
-        cwd=finished,
-        env=env,
-    )
-    assert "already finished at step 6" in proc.stdout
-    after = _snapshot(run_dir)
-    assert (
-        after[run_dir.relative_to(run_dir) / "model.safetensors"]
-        == before[run_dir.relative_to(run_dir) / "model.safetensors"]
-    )
-    assert not [r for r in _strict(run_dir / "metrics.jsonl") if r["kind"] == "train" and r["step"] > 6]
+    if how == "--resume auto":
+        proc = recipes_cli("run", "ddp", *TINY, *out, "--resume", "auto", cwd=finished, env=_env())
+    elif how == "torchrun restart":
+        proc = recipes_cli("run", "ddp", *TINY, *out, cwd=finished, env=_env() | {"TORCHELASTIC_RESTART_COUNT": "1"})
+    elif how == "a copy":
+        copy = tmp_path / "ddp_copy.py"
+        recipes_cli("cp", "ddp", str(copy), "--standalone", cwd=tmp_path, env=_env())
+        lean = [a for a in TINY if a not in ("--model", "tiny:mlp")]  # a lean copy names its model in its code
+        proc = run([sys.executable, str(copy), *lean, *out, "--resume", "auto"], cwd=tmp_path, env=_env())
+    else:  # 2 ranks, global batch 32 (the run's was 16), under bare torchrun
+        step3 = str(run_dir / CKPTS[0])
+        proc = run([*torchrun("-m", "recipes", "run", "ddp"), *TINY, *out, "--resume", step3], cwd=finished, env=_env())
+    assert proc.stdout.strip().splitlines()[-1].endswith("already finished at step 7; nothing to train"), proc.stdout
+    assert _snapshot(run_dir) == before
     assert sorted(p.name for p in (finished / "runs").iterdir()) == ["ddp-1"]
+
+
+def test_a_run_stopped_during_its_hf_write_writes_what_is_missing_and_trains_nothing(tmp_path):
+    """27.7: SIGTERM during the hf/ write, after the checkpoint at the last step: the weights are on disk, hf/ is
+    half written, no summary. The run is not finished: resumed, it trains nothing, evaluates the final weights again
+    and writes the weights, hf/ and the summary, the same bytes and numbers as the run that was not stopped. A torn
+    last record (the kill came mid-write) is dropped first."""
+    gpt2 = ["--model", "check_user:gpt2", "--data", "check_user:lm_val", "--batch-size", "8", "--max-steps", "4"]
+    _run(tmp_path, *gpt2, "--ckpt-every", "2")
+    run_dir = tmp_path / "runs" / "ddp-1"
+    promised = {p: p.read_bytes() for p in [run_dir / "model.safetensors", *(run_dir / "hf").iterdir()]}
+    records = _strict(run_dir / "metrics.jsonl")
+    kept = "".join(json.dumps(r) + "\n" for r in records[:-1])  # all but the summary
+    (run_dir / "metrics.jsonl").write_text(kept + '{"kind": "train", "step": 5, "lo')
+    (run_dir / "hf" / "model.safetensors").unlink()
+    proc = _run(tmp_path, *gpt2, "--ckpt-every", "2", "--resume", "auto")
+    after = _strict(run_dir / "metrics.jsonl")
+    assert after[: len(records) - 1] == records[:-1] and "already finished" not in proc.stdout
+    assert [r["kind"] for r in after[len(records) - 1 :]] == ["resume", "eval", "summary"]
+    assert {p: p.read_bytes() for p in promised} == promised
+    same = ("val_loss", "val_acc", "steps", "weights")
+    assert {k: after[-1].get(k) for k in same} == {k: records[-1].get(k) for k in same} and "val_loss" in after[-1]
+    assert after[-2] | {"epoch": None} == [r for r in records if r["kind"] == "eval"][-1] | {"epoch": None}
 
 
 @pytest.mark.parametrize(
@@ -87,46 +132,48 @@ def test_resuming_a_finished_run_trains_nothing_and_keeps_its_weights(finished, 
         (["--seed", "3"], "--seed 0 -> 3"),
     ],
 )
-def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(finished, args, words):
-    before = _snapshot(finished / "runs")
+def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(finished, args, words, tmp_path):
+    stopped = _stopped(finished, tmp_path)
+    before = _snapshot(stopped / "runs")
     cli_args = [a for a in TINY if a not in ("--model", "tiny:mlp")] if "--model" in args else TINY
     proc = recipes_cli(
         "run",
         "ddp",
         *cli_args,
         "--out",
-        str(finished / "runs"),
+        str(stopped / "runs"),
         "--max-steps",
-        "6",
+        "7",
         "--resume",
         "auto",
         *args,
-        cwd=finished,
+        cwd=stopped,
         env=_env(),
         check=False,
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.count("error: ") == 1 and words in proc.stderr
-    assert _snapshot(finished / "runs") == before
+    assert _snapshot(stopped / "runs") == before
 
 
-def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_leaves_no_folder(finished):
+def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_leaves_no_folder(finished, tmp_path):
     """`python recipes/ddp.py` (or a copy) has no CLI pre-check: the run checks the checkpoint's header before it
     touches anything, a damaged checkpoint refused at load takes back the folder made for it, and a new run refused
     for bad input never made a folder (it builds before it opens one)."""
+    finished = _stopped(finished, tmp_path)
     runs = finished / "runs"
     before = _snapshot(runs)
     damaged = finished / "damaged.safetensors"  # outside the runs: its resume would make a new folder
     body = bytearray(next((runs / "ddp-1" / "ckpt").glob("*.safetensors")).read_bytes())
     body[-9] ^= 0x10  # one bit of tensor data: its header passes, its checksum does not
     damaged.write_bytes(bytes(body))
-    recipe = [sys.executable, str(REPO / "recipes" / "ddp.py"), *TINY, "--out", str(runs), "--max-steps", "6"]
+    recipe = [sys.executable, str(REPO / "recipes" / "ddp.py"), *TINY, "--out", str(runs), "--max-steps", "7"]
     for args, words in [
         (["--resume", str(damaged)], "does not match its checksum"),  # a review find: it left an empty runs/ddp-2
         (["--resume", "auto", "--lr", "0.01"], "--lr 0.001 -> 0.01"),
         (["--resume", "auto", "--batch-size", "8"], "saved with global batch 16"),
         (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
-        (["--out", str(runs / "ddp-1" / "model.safetensors")], "Not a directory"),
+        (["--out", str(runs / "ddp-1" / "config.json")], "Not a directory"),
     ]:
         proc = subprocess.run([*recipe, *args], capture_output=True, text=True, env=_env(), cwd=finished, timeout=120)
         assert proc.returncode == 1 and proc.stderr.count("error: ") == 1 and words in proc.stderr, proc.stderr
@@ -140,16 +187,6 @@ def test_resume_auto_says_so_when_the_newest_run_has_no_checkpoint(tmp_path):
     proc = _run(tmp_path, "--max-steps", "1", "--epochs", "1", "--resume", "auto")
     assert f"--resume auto: {tmp_path / 'runs' / 'ddp-1'}, the newest ddp run, has no usable checkpoint" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ddp-1", "ddp-2"]
-
-
-def test_a_torn_last_record_is_dropped_when_the_run_continues(tmp_path):
-    _run(tmp_path, "--max-steps", "4", "--ckpt-every", "2", "--epochs", "2")
-    metrics = tmp_path / "runs" / "ddp-1" / "metrics.jsonl"
-    with open(metrics, "a") as f:
-        f.write('{"kind": "train", "step": 5, "lo')  # a crash in the middle of a write
-    (metrics.parent / "model.safetensors").unlink()  # as if the crash came before the end
-    _run(tmp_path, "--max-steps", "4", "--ckpt-every", "2", "--epochs", "2", "--resume", "auto")
-    assert [r["kind"] for r in _strict(metrics)][-2:] == ["resume", "summary"] or _strict(metrics)
 
 
 def test_records_are_one_write_each_and_torn_lines_repair(tmp_path):
@@ -180,6 +217,8 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     assert proc.returncode == 1 and "error: step 3: the loss or the gradients are not finite" in proc.stderr
     assert "Traceback" not in proc.stderr
     _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
+    last = (tmp_path / "runs" / "ddp-1" / "train.log").read_text().splitlines()[-1]  # the error ends the log too
+    assert re.fullmatch(r"\S+ \S+ \| ERROR   \| rank 0 \| error: step 3: the loss or the gradients are not .*", last)
 
 
 def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_own_options(tmp_path):
@@ -195,6 +234,7 @@ def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_ow
         "error: step 1: the loss or the gradients are not finite (gradient norm nan); lower --lr, or pass "
         "--on-nonfinite skip"
     )
+    assert not list((tmp_path / "runs").iterdir())  # issue 27 item 7: it left config.json and .lock in a folder
 
 
 def test_skip_on_non_finite_skips_and_counts(tmp_path):
@@ -229,9 +269,10 @@ time.sleep(60)
 """
 
 
-def test_a_folder_held_by_a_live_job_is_refused_and_a_stale_lock_is_taken_over(finished):
+def test_a_folder_held_by_a_live_job_is_refused_and_a_stale_lock_is_taken_over(finished, tmp_path):
     """The lock is an flock the kernel releases when its holder ends, however it ends: a lock file left behind
     by a killed job is no lock."""
+    finished = _stopped(finished, tmp_path)  # a finished run is said finished before the lock
     lock = finished / "runs" / "ddp-1" / ".lock"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
     try:
@@ -243,7 +284,7 @@ def test_a_folder_held_by_a_live_job_is_refused_and_a_stale_lock_is_taken_over(f
             "--out",
             str(finished / "runs"),
             "--max-steps",
-            "6",
+            "7",
             "--resume",
             "auto",
             cwd=finished,
@@ -261,13 +302,13 @@ def test_a_folder_held_by_a_live_job_is_refused_and_a_stale_lock_is_taken_over(f
         "--out",
         str(finished / "runs"),
         "--max-steps",
-        "6",
+        "7",
         "--resume",
         "auto",
         cwd=finished,
         env=_env(),
     )  # the holder is gone: the kernel released its lock, the file it left is no lock
-    assert "already finished" in proc.stdout
+    assert "summary " in proc.stdout and "already finished" not in proc.stdout
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs to fill")
@@ -294,7 +335,8 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path):
         )
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         line = proc.stderr.strip().splitlines()[-1]
-        assert line.startswith("error: ") and "the disk is full" in line and "bytes free" in line
+        assert line.startswith(f"error: {disk}/runs/ddp-1") and "the disk is full" in line, line  # not the cwd's
+        assert int(re.search(r"\(([\d,]+) bytes free\)", line)[1].replace(",", "")) < 600_000, line  # that disk's
         _strict(next(disk.glob("runs/ddp-*/metrics.jsonl")))
     finally:
         subprocess.run(["umount", str(disk)])

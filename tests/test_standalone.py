@@ -9,8 +9,10 @@ arithmetic in the same order, so there is nothing for a tolerance to absorb.
 """
 
 import ast
+import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -19,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import REPO, recipe_params, run, torchrun, user_env, waiting
 from tools.cli import cli
+from tools.features import FEATURES, features_of
 from tools.registry import RECIPES
 from tools.standalone import StandaloneError, copy_size, standalone_source
 
@@ -57,10 +61,21 @@ def project(tmp_path_factory) -> Path:
             f'raise ImportError("a standalone copy imported {package!r} from torch-dist-recipes")\n'
         )
     (root / "project").mkdir()
-    for name in READY:
-        result = CliRunner().invoke(cli, ["cp", name, str(root / "project" / f"{name}.py"), "--standalone"])
+    for name, variant in VARIANTS:
+        dest = str(root / "project" / f"{_stem(name, variant)}.py")
+        result = CliRunner().invoke(cli, ["cp", name, dest, "--standalone", *(["--with", variant] if variant else [])])
         assert result.exit_code == 0, result.output
     return root
+
+
+def _stem(name: str, variant: str) -> str:
+    """ddp.py (lean), ddp_all.py (--with all), ddp_with_hf.py (--with hf)."""
+    return name if not variant else f"{name}_{variant}" if variant == "all" else f"{name}_with_{variant}"
+
+
+# Every recipe's lean copy and its --with all copy; ddp's copy with each single feature too.
+VARIANTS = [(n, v) for n in READY for v in ("", "all")]
+VARIANTS += [("ddp", f) for f in features_of(RECIPES["ddp"].load().Config)]
 
 
 def _env(project: Path) -> dict[str, str]:
@@ -78,9 +93,9 @@ def test_the_package_cannot_be_imported_there(project):
     assert proc.returncode != 0 and "imported 'core'" in proc.stderr
 
 
-@pytest.mark.parametrize("name", recipe_params(NAMES))
-def test_copy_is_one_whole_file(project, name):
-    path = project / "project" / f"{name}.py"
+@pytest.mark.parametrize("name,variant", VARIANTS)
+def test_copy_is_one_whole_file(project, name, variant):
+    path = project / "project" / f"{_stem(name, variant)}.py"
     text = path.read_text()
     tree = ast.parse(text)
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [
@@ -111,32 +126,40 @@ def test_copy_is_one_whole_file(project, name):
         assert formatted.returncode == 0, formatted.stdout + formatted.stderr
     header = text[: text.index("\nfrom __future__")]
     assert f"`python -m recipes run {name}` has them" in header and "# Left out: the pre-launch checks" in header
+    have = features_of(RECIPES[name].load().Config)
+    kept = have if variant == "all" else [variant] if variant else []
+    for feature in have:  # what it left out, each with the --with that brings it back
+        assert (f"`--with {feature}` adds it" in header) == (feature not in kept), (feature, header)
 
 
-# Lines of each copy (and of code: without docstrings, comments and blank lines), as reached; the issue's budgets
-# are 500 for ddp and 800 for any other (DESIGN.md): what the copy still carries is the base's (see the docs).
+# Each lean copy's lines and code lines (tools.standalone.copy_size) as reached, held here; the budgets
+# (DESIGN.md) are 450 code lines and 650 in all for ddp, 750 code lines for every other: what the copies still
+# carry over them is listed in docs/copying-and-checking.md.
 SIZES = {
-    "ddp": (1550, 1139),
-    "ddp_amp": (2081, 1526),
-    "ddp_monitored": (2288, 1720),
-    "dp": (1522, 1119),
-    "fsdp": (2420, 1762),
-    "fsdp_tp": (2684, 1981),
-    "pipeline": (2272, 1668),
-    "pipeline_naive": (1707, 1245),
-    "tensor_parallel": (2648, 1948),
+    "ddp": (1521, 1110),
+    "ddp_amp": (1893, 1375),
+    "ddp_monitored": (2098, 1567),
+    "dp": (1493, 1090),
+    "fsdp": (2210, 1594),
+    "fsdp_tp": (2474, 1813),
+    "pipeline": (2020, 1465),
+    "pipeline_naive": (1675, 1214),
+    "tensor_parallel": (2438, 1780),
 }
-BUDGET = {"ddp": 500}  # every other recipe: 800
+BUDGET = {"ddp": (650, 450)}  # every other recipe: 750 code lines
 
 
 @pytest.mark.parametrize("name", recipe_params(NAMES))
 def test_copy_size_is_held(project, name):
     lines, code = copy_size((project / "project" / f"{name}.py").read_text())
-    reached = SIZES.get(name, (BUDGET.get(name, 800), BUDGET.get(name, 800)))
+    budget = BUDGET.get(name, (10**6, 750))
+    reached = SIZES.get(name, budget)
     assert lines <= reached[0] and code <= reached[1], (
-        f"{name}'s copy is {lines} lines ({code} of code): more than the {reached[0]} ({reached[1]}) it had; "
-        f"its budget is {BUDGET.get(name, 800)}"
+        f"{name}'s lean copy is {lines} lines ({code} of code): more than the {reached[0]} ({reached[1]}) it had; "
+        f"its budget is {budget[1]} code lines"
     )
+    all_lines, all_code = copy_size((project / "project" / f"{name}_all.py").read_text())
+    assert all_code >= code and (all_code > code) == bool(features_of(RECIPES[name].load().Config))
 
 
 def test_ddp_copy_holds_no_run_object_no_threads_no_dtensor_no_source_inspection(project):
@@ -154,7 +177,8 @@ def test_ddp_copy_holds_no_run_object_no_threads_no_dtensor_no_source_inspection
 
 
 def test_copies_parse_the_same_options(project):
-    """`--help` of every copy (one interpreter runs them all) lists the packaged recipe's options."""
+    """`--help` of every copy (one interpreter runs them all) lists the packaged recipe's options, less those of
+    the features it left out: --with all lists them all."""
     script = (
         "import runpy, sys\n"
         "for path in sys.argv[1:]:\n"
@@ -165,11 +189,14 @@ def test_copies_parse_the_same_options(project):
         "        pass\n"
         "    print('=====', flush=True)\n"
     )
-    files = [str(project / "project" / f"{name}.py") for name in READY]
+    files = [str(project / "project" / f"{_stem(name, variant)}.py") for name, variant in VARIANTS]
     proc = run([sys.executable, "-c", script, *files], cwd=project / "project", env=_env(project))
-    for name, copied in zip(READY, proc.stdout.split("=====\n")):
+    for (name, variant), copied in zip(VARIANTS, proc.stdout.split("=====\n")):
         packaged = CliRunner().invoke(cli, ["run", name, "--help"]).output
-        assert _options(copied) == _options(packaged), name
+        have = features_of(RECIPES[name].load().Config)
+        left_out = [f for f in have if variant != "all" and f != variant]
+        gone = {"--" + o.replace("_", "-") for f in left_out for o in FEATURES[f].options()}
+        assert _options(copied) == [o for o in _options(packaged) if o not in gone], (name, variant)
 
 
 def _options(help_text: str) -> list[str]:
@@ -177,30 +204,80 @@ def _options(help_text: str) -> list[str]:
     return [m[1] for m in re.finditer(r"^  (?:-\w, )?(--[\w-]+)", help_text, re.M) if m[1] != "--help"]
 
 
+def _jobs(name: str, out: Path, copies: Path) -> tuple[list[dict], list[tuple[str, str]]]:
+    """The runs of one launch (the copies, then the packaged recipe) and the pairs whose weights must be equal."""
+    user = USER_ARGS.get(name, [])
+    jobs = [
+        {"label": "lean", "copy": str(copies / f"{name}.py"), "args": TRAIN_ARGS},  # its own model and data
+        {"label": "all", "copy": str(copies / f"{name}_all.py"), "args": [*TRAIN_ARGS, *user]},
+    ]
+    pairs = [("lean", "package"), ("all", "package_user" if user else "package")]
+    if name == "ddp":  # each feature alone: factories on the user's model, init_from from the lean run's weights
+        init = ["--init-from", str(out / "lean" / "ddp-1" / "model.safetensors")]
+        extra = {"factories": user, "init_from": init}
+        for feature in features_of(RECIPES[name].load().Config):
+            args = [*TRAIN_ARGS, *extra.get(feature, [])]
+            jobs.append({"label": feature, "copy": str(copies / f"{_stem(name, feature)}.py"), "args": args})
+            pairs.append((feature, {"factories": "package_user", "init_from": "package_init"}.get(feature, "package")))
+        jobs.append({"label": "package_init", "recipe": name, "args": [*TRAIN_ARGS, *init]})
+    jobs.append({"label": "package", "recipe": name, "args": TRAIN_ARGS})
+    if user:
+        jobs.append({"label": "package_user", "recipe": name, "args": [*TRAIN_ARGS, *user]})
+    for job in jobs:
+        job["args"] = [*job["args"], "--out", str(out / job["label"])]
+    return jobs, pairs
+
+
 @pytest.mark.parametrize("name", recipe_params(NAMES))
-def test_copy_trains_exactly_like_the_recipe(project, name, tmp_path):
-    path = project / "project" / f"{name}.py"
-    nproc = min(_world_size(path.read_text()), MAX_PROCS)
-    launch, args = torchrun(nproc=nproc), [*TRAIN_ARGS, *USER_ARGS.get(name, [])]
-    user_module = str(REPO / "tests")  # check_user: the user's own module; the copy imports nothing of ours
-    copied = run(
-        [*launch, str(path), *args, "--out", str(tmp_path / "copy")],
-        cwd=path.parent,
-        env=user_env(PYTHONPATH=os.pathsep.join([str(project / "blocked"), user_module])),
-        timeout=300,
-    )
-    run(
-        [*launch, "-m", "recipes", "run", name, *args, "--out", str(tmp_path / "package")],
+def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
+    """One launch per recipe: its lean copy, its --with all copy (and ddp's single-feature copies), then the
+    packaged recipe, each pair ending with the same weights bit for bit."""
+    copies = project / "project"
+    nproc = min(_world_size((copies / f"{name}.py").read_text()), MAX_PROCS)
+    jobs, pairs = _jobs(name, tmp_path, copies)
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    user_module = str(REPO / "tests")  # check_user: the user's own module; the copies import nothing of ours
+    proc = run(
+        [*torchrun(str(REPO / "tests" / "copy_jobs.py"), str(tmp_path / "jobs.json"), nproc=nproc)],
         cwd=tmp_path,
-        env=user_env(PYTHONPATH=os.pathsep.join([user_module, str(REPO)])),
-        timeout=300,
+        env=user_env(PYTHONPATH=os.pathsep.join([user_module, str(REPO)]), TDR_PRECHECKED="1"),
+        timeout=400,
     )
-    assert "summary " in copied.stdout
-    mine = load_file(tmp_path / "copy" / f"{name}-1" / "model.safetensors")
-    theirs = load_file(tmp_path / "package" / f"{name}-1" / "model.safetensors")
-    assert mine.keys() == theirs.keys()
-    for key in theirs:
-        assert torch.equal(mine[key], theirs[key]), f"{name} on {nproc} processes: {key} differs"
+    for job in jobs:
+        assert f"job {job['label']} exit 0 rank 0" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("summary ") == len(jobs)
+    # a copy records what it built: one without --model names no model (not the default the owner may have
+    # replaced in its build lines), in config.json and in the weights' header
+    lean = tmp_path / "lean" / f"{name}-1"
+    with safe_open(lean / "model.safetensors", "pt") as weights:
+        assert "model" not in weights.metadata()
+    assert not {"model", "data"} & set(json.loads((lean / "config.json").read_text()))
+    for copied, packaged in pairs:
+        mine = load_file(tmp_path / copied / f"{name}-1" / "model.safetensors")
+        theirs = load_file(tmp_path / packaged / f"{name}-1" / "model.safetensors")
+        assert mine.keys() == theirs.keys()
+        for key in theirs:
+            assert torch.equal(mine[key], theirs[key]), f"{name} ({copied}) on {nproc} processes: {key} differs"
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("name,variant", VARIANTS)
+def test_every_option_of_every_copy_is_read(project, name, variant, tmp_path, monkeypatch):
+    """The options walk of tests/test_options.py on each copy variant, in this process (a world of one): a copy
+    that declares an option its run never reads would ignore it silently."""
+    from test_options import NEVER_READ_IN_ONE_PROCESS, recording, walk_values
+
+    monkeypatch.setenv("TDR_DEVICE", "cpu")
+    copy = runpy.run_path(str(project / "project" / f"{_stem(name, variant)}.py"), run_name="standalone_copy")
+    fields = set(copy["Config"].__dataclass_fields__)
+    cfg = recording(copy["Config"])(**walk_values(name, fields, tmp_path))
+    try:
+        copy["main"](cfg)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    unread = fields - cfg._read - NEVER_READ_IN_ONE_PROCESS
+    assert not unread, f"{name}'s copy ({variant or 'lean'}) takes options its run never reads: {sorted(unread)}"
 
 
 def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path):
@@ -335,3 +412,54 @@ def test_a_helpers_docstring_is_cut_to_its_first_sentence_not_its_first_line():
     )
     doc = ast.get_docstring(next(n for n in ast.parse(text).body if getattr(n, "name", "") == "in_step"))
     assert doc.endswith("until every rank's share is done.") and "\n" in doc  # two lines: one sentence
+
+
+# --- features: what a lean copy leaves out, and what the generator refuses to guess ------------------------------
+
+
+def _lean(source: str) -> str:
+    return standalone_source(source, name="demo", dest="demo.py", without=tuple(FEATURES), defaults={})
+
+
+@pytest.mark.fast
+def test_a_statement_mixing_two_features_is_refused_naming_its_line():
+    source = (
+        '"""demo."""\nfrom core import hf, weights\n\n\n'
+        "def train(cfg, run, model):\n"
+        "    weights.load_weights(model, cfg.init_from)\n"
+        "    hf.write_hf_folder(run, model, {}, attr=cfg.hf_attr, max_shard_mb=1.0 if cfg.init_from else 2.0)\n"
+        "    return model\n"
+    )
+    with pytest.raises(StandaloneError, match="the recipe line 7: one statement mixes the features hf, init_from"):
+        _lean(source)
+
+
+@pytest.mark.fast
+def test_a_features_statements_go_with_its_if_and_its_with_keeps_its_body():
+    text = _lean(
+        '"""demo."""\nfrom core import hf, weights\n\n\n'
+        "def train(cfg, run, model):\n"
+        "    if cfg.init_from:\n"
+        "        weights.load_weights(model, cfg.init_from)\n"
+        "    with hf.hf_model(model) as lender:\n"
+        "        model = model.double()\n"
+        "    return model\n"
+    )
+    body = text[text.index("\ndef train(") :]
+    assert "init_from" not in body and "load_weights" not in text and "hf_model" not in text
+    assert "\n    model = model.double()\n    return model\n" in text
+
+
+@pytest.mark.fast
+def test_a_feature_in_what_a_function_returns_is_refused():
+    with pytest.raises(StandaloneError, match="line 6: the feature init_from is part of what the function returns"):
+        _lean('"""demo."""\n\n\ndef train(cfg):\n    x = 1\n    return x, cfg.init_from\n')
+
+
+@pytest.mark.fast
+def test_with_names_the_valid_features_in_one_line(tmp_path):
+    bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,lock,meter"])
+    assert bad.exit_code == 2 and not (tmp_path / "a.py").exists()
+    assert "--with lock,meter: choose from all, init_from, hf, loss, factories" in bad.output
+    alone = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "b.py"), "--with", "hf"])
+    assert alone.exit_code == 2 and "--with: only a --standalone copy leaves features out" in alone.output

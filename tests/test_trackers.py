@@ -240,3 +240,37 @@ def test_both_trackers_at_once(wandb_offline):
     crashed_then_resumed(run_dir, ["tensorboard", "wandb"])
     assert scalars(run_dir)["train/loss"][-1] == (40, 0.125)
     assert fragments(run_dir)[-1]["rows"][-1]["train/loss"] == 0.125
+
+
+def test_a_tracker_that_cannot_open_on_resume_leaves_metrics_as_they_were(tmp_path):
+    """Issue 27 item 7: an unwritable RUN/tensorboard refused the resumed run after it had appended its `resume`
+    record to metrics.jsonl. The refused run takes it back; the error is one line naming the folder."""
+    from core.records import RunFolder, os_error_line, write_record
+    from core.trackers import attach
+
+    checkpoint = tmp_path / "ckpt" / "step-000004.safetensors"
+    run = RunFolder(tmp_path, checkpoint, "ddp_amp", {}, True)
+    write_record(run, train(4, 0.5))
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    write_record(run, {**RESUME, "checkpoint": str(checkpoint)})  # as core.ckpt.load_checkpoint writes it
+    (tmp_path / "tensorboard").write_text("not a folder")
+    cfg, _ = parse_args(Tracking, ["--log-to", "tensorboard"])
+    with pytest.raises(OSError) as caught:
+        attach(run, cfg, step=4, header=lambda path: {})
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert os_error_line(caught.value).startswith(f"{tmp_path / 'tensorboard'}: ")
+
+
+def test_wandb_leaves_no_folder_in_tmpdir(wandb_offline):
+    """wandb makes two folders in TMPDIR when imported; the recipes end with os._exit, past the finalizers that
+    would remove them: closing the trackers does."""
+    from wandb.sdk.artifacts.artifact import Artifact
+    from wandb.sdk.data_types import _private
+
+    trackers = open_trackers(["wandb"], run_dir=wandb_offline, config={}, resume_state=None, step=0)
+    made = [Path(_private.MEDIA_TMP.name), Path(Artifact._TMP_DIR.name)]  # made at import: in the test's TMPDIR
+    trackers.close()
+    assert not any(folder.exists() for folder in made)
+    again = open_trackers(["wandb"], run_dir=wandb_offline, config={}, resume_state=None, step=0)
+    again.write(train(1, 0.5))  # W&B still logs scalars in this process
+    again.close()

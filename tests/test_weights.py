@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 from transformers.utils import logging as hf_logging
 
 from core.config import RecipeError
-from core.folder import RunFolder
 from core.hf import hf_model, write_hf_folder
+from core.records import RunFolder
 from core.weights import check_weights, load_weights, read_weights, write_weights
 
 
@@ -312,3 +312,31 @@ def test_an_hf_attr_that_names_no_transformers_model_is_one_line(attr, says, tmp
         write_hf_folder(_run(tmp_path), model, model.state_dict(), attr=attr, max_shard_mb=100)
     assert says in one_line(err)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_the_hf_folder_has_the_run_folders_file_mode(tmp_path):
+    """Issue 27 item 7: safetensors wrote hf/'s weights 0600 while the rest of the run folder is 0644."""
+    model, state = trained(gpt2)
+    run = _run(tmp_path)
+    out = write_hf_folder(run, model, state, max_shard_mb=0.005)  # shards and an index: every file
+    mode = write_weights(run, state).stat().st_mode & 0o777
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: mode for p in out.iterdir()}
+
+
+def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeypatch):
+    """safetensors reports a full disk as a SafetensorError naming no file: a traceback, not the disk-full line.
+    It is an OSError naming the run folder's disk now, and nothing of the half-written folder is left."""
+    from safetensors import SafetensorError
+
+    from core.records import os_error_line
+
+    model, state = trained(gpt2)
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(model, "save_pretrained", full)
+    with pytest.raises(OSError) as caught:
+        write_hf_folder(_run(tmp_path), model, state)
+    assert caught.value.errno == 28 and os_error_line(caught.value).startswith(f"{tmp_path}: the disk is full (")
+    assert not list(tmp_path.iterdir())

@@ -34,6 +34,7 @@ from torch import nn
 from core.config import RecipeError
 from core.data import to_device
 from core.loss import make_loss
+from core.loss_options import choose_loss
 from core.models import build_model
 from tools.precheck import check_data, check_model
 from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
@@ -180,20 +181,21 @@ def _check(
     env = {}
     if dropout:  # compare the runs bit for bit with the masks off; with them on, they agree in distribution only
         report.findings.remove(dropout)
-        model, env = f"{__name__}:without_dropout", {"TDR_CHECK_MODEL": model}
+        env = {"TDR_CHECK_MODEL": model}  # the runs take check's factory below; what is shown names the user's
         report.lines.append(
             f"  dropout ({few(list(dropout.layers))}) is off (p=0) in both runs: with it on, each rank draws its own "
             f"masks (seed + rank), as one process draws them over the whole batch: equal in distribution, not bit "
             f"for bit"
         )
-    args = ["recipes", "run", recipe.name, "--model", model, "--data", data, "--seed", str(seed), *own]
+    runs_model = f"{__name__}:without_dropout" if dropout else model
+    args = ["recipes", "run", recipe.name, "--model", runs_model, "--data", data, "--seed", str(seed), *own]
     quiet = ["--log-every", str(steps), "--timeout-s", str(min(timeout_s, 300.0))]  # not shown in a rerun command
     with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
         runs, crash = _three_runs(
             args, quiet=quiet, tmp=tmp, nproc=nproc, steps=steps, batch_size=batch_size, timeout_s=timeout_s, env=env
         )
         if crash:
-            return _verdict(report, crash=crash)
+            return _verdict(report, crash=_as_named(crash, model, runs_model) if dropout else crash)
         found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
     distributed, single, _ = runs
     half = "--precision" in own and own[own.index("--precision") + 1] in ("bf16", "fp16")
@@ -232,6 +234,16 @@ def judge(report: Report, distributed: dict, single: dict, found: Comparison, *,
     )
 
 
+def _as_named(crash: Crash, model: str, runs_model: str) -> Crash:
+    """A crash of runs that took check's without_dropout factory, told with the model as the user named it."""
+    command = crash.command.replace(f"TDR_CHECK_MODEL={model} ", "").replace(runs_model, model)
+    return dataclasses.replace(
+        crash,
+        line=crash.line.replace(runs_model, model),
+        command=command + "  (check ran it with dropout at p=0)" if command else "",
+    )
+
+
 def without_dropout() -> nn.Module:
     """`check`'s --model for a model with dropout: the user's (TDR_CHECK_MODEL) with every dropout layer at p=0, so
     that the runs compare bit for bit everything the masks leave alone."""
@@ -247,7 +259,7 @@ def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, see
     failure is one RecipeError line."""
     torch.manual_seed(seed)
     built = check_model(model)
-    loss_fn = make_loss(loss, model=built)  # a bad --loss: one RecipeError line, as a bad --model or --data below
+    loss_fn = choose_loss(loss, make_loss(model=built), model=built)  # a bad --loss: one RecipeError line, as below
     found = check_data(data, streams=recipe.streams, recipe=recipe.name)
     batches = sample_batches(found["train"], found["collate"], spec=data, size=batch_size, count=2)
     device = next(built.parameters(), torch.empty(0)).device

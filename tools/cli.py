@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from core.config import KEPT, RecipeError, UsageError, fail, leave, parse_args
+from core.records import os_error_line
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -29,21 +30,19 @@ def _recipe(name: str) -> Recipe:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     """Small, correct, copy-pasteable PyTorch distributed-training recipes."""
-    for problem in PLUGIN_PROBLEMS:
+    for problem in PLUGIN_PROBLEMS if os.environ.get("RANK", "0") == "0" else []:  # once, not once per rank
         click.echo(f"warning: {problem}", err=True)
 
 
 @cli.command("ls")
 def list_recipes():
-    """A table of the recipes: name, what it builds on, multi-node, the opt-in modules it takes, what it shows."""
-    rows = [("name", "builds on", "multi-node", "opt-ins (core/)", "what it shows")]
-    rows += [
-        (r.name, r.builds_on or "-", "yes" if r.multi_node else "no", ", ".join(r.opt_ins) or "-", r.summary)
-        for _, r in sorted(RECIPES.items())
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    """The recipes as a markdown table (the README shows it as printed): name, what it builds on, multi-node, what
+    it shows, the opt-in core modules it takes."""
+    click.echo("| recipe | builds on | multi-node | what it shows | opt-ins it takes (`core/`) |")
+    click.echo("|---|---|---|---|---|")
+    for r in RECIPES.values():  # the registry's order: the base first, each recipe after what it builds on
+        cells = [f"`{r.name}`", f"`{r.builds_on}`" if r.builds_on else "-", "yes" if r.multi_node else "no"]
+        click.echo("| " + " | ".join([*cells, r.summary, ", ".join(r.opt_ins) or "-"]) + " |")
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": True, "help_option_names": []})
@@ -108,9 +107,21 @@ def _explained(err: UsageError, name: str, config: type) -> UsageError:
 @click.option(
     "--standalone", is_flag=True, help="one file with the core code it uses inlined: needs only torch and safetensors"
 )
-def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
-    """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone)."""
+@click.option(
+    "--with",
+    "features",
+    default="",
+    metavar="FEATURE,...",
+    help="with --standalone: the features to keep (init_from, hf, trackers, factories; all: every one the recipe has)",
+)
+def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, features: str = ""):
+    """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone).
+
+    A standalone copy is lean: the features it leaves out are listed in its header, each with the --with that
+    brings it back."""
     recipe = _recipe(name)
+    if features and not standalone:
+        raise click.UsageError("--with: only a --standalone copy leaves features out; add --standalone")
     target = Path(dest)
     if target.exists() and not force:
         raise click.UsageError(f"{dest} exists; pass --force to overwrite it or pick another name")
@@ -118,9 +129,15 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
         raise click.UsageError(f"{dest}: the folder {target.parent} does not exist; create it or pick another place")
     text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     if standalone:  # the launcher's lines become torchrun ones; a one-process recipe gets one process
-        from tools.standalone import standalone_source
+        from tools.features import builtin_defaults, features_of, parse_with
+        from tools.standalone import StandaloneError, standalone_source
 
-        defaults = recipe.load().Config()  # the copy carries the recipe's default model and data, no other built-in
+        config = recipe.load().Config
+        try:
+            kept = parse_with(features, config=config)
+        except StandaloneError as err:
+            raise click.UsageError(str(err)) from None
+        defaults = config()  # the copy carries the recipe's default model and data, no other built-in
         text = standalone_source(
             text,
             name=name,
@@ -128,6 +145,8 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False):
             nproc=2 if recipe.multi_node else 1,
             keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
             left_out=LEFT_OUT,
+            without=tuple(f for f in features_of(config) if f not in kept),
+            defaults=builtin_defaults(defaults),
         )
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
@@ -294,9 +313,7 @@ def run_cli(args: list[str] | None = None) -> int:
     except RecipeError as err:
         return fail(str(err), 1)
     except OSError as err:  # a full disk, a folder that can't be written: with the bytes free
-        from tools.precheck import disk_error
-
-        return fail(disk_error(err), 1)
+        return fail(os_error_line(err), 1, everyone=False)
     except (click.exceptions.Abort, KeyboardInterrupt) as err:
         stop = err if isinstance(err, Stopped) else err.__cause__  # click turns the interrupt into Abort
         if not isinstance(stop, Stopped):

@@ -29,8 +29,14 @@ def _key(target: tuple) -> tuple:
 class _Inliner:
     """Loads modules, follows references from the recipe, names and orders what it found."""
 
-    def __init__(self, packages: tuple[str, ...], *, keep_builtins: dict[str, str] | None = None):
-        self.packages, self.keep_builtins = packages, keep_builtins or {}
+    def __init__(
+        self,
+        packages: tuple[str, ...],
+        *,
+        keep_builtins: dict[str, str] | None = None,
+        drop=lambda name, source: source,
+    ):
+        self.packages, self.keep_builtins, self.drop = packages, keep_builtins or {}, drop
         self.modules: dict[str, Module] = {}
         self.package_of: dict[str, bool] = {}
         self.included: dict[tuple[str, int], Chunk] = {}
@@ -50,7 +56,7 @@ class _Inliner:
             if spec is None or not (spec.origin or "").endswith(".py"):
                 raise StandaloneError(f"cannot find the Python source of {name} to inline it")
             source, is_package = Path(spec.origin).read_bytes(), spec.origin.endswith("__init__.py")
-            source = _keep_builtins(name, source, self.keep_builtins)
+            source = self.drop(name, _keep_builtins(name, source, self.keep_builtins))  # features left out
         module = Module(name, source, ast.parse(source))
         self.modules[name], self.package_of[name] = module, is_package
         previous_end = 0

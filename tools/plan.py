@@ -143,15 +143,18 @@ def _mesh_math_on_real_tensors():
 
 
 def _loss(name: str, cfg, model):
+    """The recipe's loss, taken as its recipe takes it (core.loss, then --loss's other choices, then exact weights)."""
     if name == "pipeline":
         return None
+    from core.loss import make_loss
+    from core.loss_options import choose_loss
+
+    loss = choose_loss(cfg.loss, make_loss(model=model), model=model)
     if name in EXACT_LOSS:
         from core.exact_loss import make_exact_loss
 
-        return make_exact_loss(cfg.loss, model=model)
-    from core.loss import make_loss
-
-    return make_loss(cfg.loss, model=model)
+        return make_exact_loss(loss, model=model)
+    return loss
 
 
 def _traced(run, modules: list):

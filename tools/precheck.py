@@ -10,7 +10,6 @@ recipe does not carry it: `python -m recipes run` does.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import inspect
 import os
 import tempfile
@@ -25,7 +24,8 @@ from core.config import RecipeError
 from core.data import to_device
 from core.dist import Topology
 from core.factory import resolve_factory
-from core.loss import make_loss
+from core.loss import IGNORE, make_loss
+from core.loss_options import choose_loss
 from tools.probes import (
     batchnorm_layers,
     check_call,
@@ -65,9 +65,10 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
     grads = check_step(model, batch, model_spec=cfg.model, data_spec=cfg.data, loss=cfg.loss)
     if "find_unused_parameters" in takes and not (cfg.find_unused_parameters or cfg.static_graph):
         check_unused(model, grads, spec=cfg.model)
+    warnings = unequal_counts(recipe, batch, make_loss(model=model), dp=dp) if recipe.mean_per_replica else []
     if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         check_resume(recipe.name, module, cfg, model, world_size=world_size, dp=dp)
-    return batchnorm_warnings(model) if "sync_batchnorm" in takes and not cfg.sync_batchnorm else []
+    return warnings + (batchnorm_warnings(model) if "sync_batchnorm" in takes and not cfg.sync_batchnorm else [])
 
 
 def call_checked(spec: str, builtins: dict, *, option: str):
@@ -209,7 +210,7 @@ def check_step(model: nn.Module, batch, *, model_spec: str, data_spec: str, loss
     batch = to_device(batch, device)
     synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
     try:
-        loss_fn = make_loss(loss, model=model)
+        loss_fn = choose_loss(loss, make_loss(model=model), model=model)  # as the recipes take it
         check_call(model, batch, loss_fn, where=where)
         for layer in synced:  # SyncBatchNorm trains on GPUs only; here its running statistics stand in
             layer.eval()
@@ -242,6 +243,25 @@ def check_unused(model: nn.Module, grads: dict, *, spec: str) -> None:
         )
 
 
+def unequal_counts(recipe, batch, loss_fn, *, dp: int) -> list[str]:
+    """The line for a recipe that averages its replicas' mean losses (ddp, dp) when the first samples count
+    different numbers of targets (-100 padding): a target then weighs more on a replica that counts fewer."""
+    own = isinstance(batch, Mapping) or loss_fn.targets_as is not None  # the model's own loss, in each replica
+    replicas = dp if recipe.multi_node else (torch.cuda.device_count() if _gpu() and own else 1)  # dp: one process
+    targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
+    if replicas < 2 or not torch.is_tensor(targets) or targets.is_floating_point() or targets.dim() < 1:
+        return []
+    counts = targets.ne(IGNORE).reshape(len(targets), -1).sum(1).tolist()
+    if len(set(counts)) < 2:
+        return []
+    return [
+        f"the first samples hold {' and '.join(map(str, counts))} counted targets (not -100): {recipe.name} averages "
+        f"the mean losses of its {replicas} replicas, so where their batches count unequal targets a target weighs "
+        f"more on the replica with fewer than in one process; ddp_amp weighs every target of the global batch alike "
+        f"(token-exact weights)"
+    ]
+
+
 def batchnorm_warnings(model: nn.Module) -> list[str]:
     """The line the DDP recipes' runs print for BatchNorm layers: each rank keeps its own statistics."""
     names = batchnorm_layers(model)
@@ -268,22 +288,14 @@ def check_writable(out: str) -> None:
         raise RecipeError(f"--out {out}: cannot write there ({err.strerror or err}); pick a writable one") from None
 
 
-def disk_error(err: OSError) -> str:
-    """A failed write as one line: for a full disk with the folder and the bytes free, else with the OS's reason."""
-    path = Path(err.filename or ".")
-    folder_ = next((p for p in [path, *path.parents] if p.exists()), Path("."))
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = os.statvfs(folder_).f_bavail * os.statvfs(folder_).f_frsize
-        return f"{folder_}: the disk is full ({free:,} bytes free); free some space or point --out at another disk"
-    return f"{err.filename or folder_}: {err.strerror or err}; check the folder"
-
-
 def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -> None:
     """The checkpoint --resume names (or auto finds) is whole, holds this model and continues in this job."""
     dcp = getattr(module, "dcp", None)  # a recipe with sharded checkpoints imports core.dcp
     newest, header = (dcp.newest_good, dcp.read_metadata) if dcp else (ckpt.newest_good, ckpt.read_metadata)
     runs = folder.run_dirs(cfg.out, cfg.name or recipe)
     resume = cfg.resume or "auto"
+    if folder.finished_run(cfg.out, cfg.name or recipe, resume):
+        return  # at any world size and with any options: the run says it is finished and trains nothing
     path = (newest(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run

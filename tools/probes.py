@@ -21,7 +21,8 @@ from torch.utils.data import default_collate
 
 from core import stream
 from core.config import RecipeError
-from core.loss import LOSSES, Loss, call_model, forward, make_loss
+from core.loss import Loss, call_model, forward, make_loss
+from core.loss_options import CHOICES, choose_loss
 
 
 @dataclass
@@ -146,10 +147,10 @@ def train_step(model: nn.Module, batch, loss: Loss) -> tuple[torch.Tensor, dict[
 def losses_that_work(model: nn.Module, batch, *, besides: str) -> list[str]:
     """The built-in --loss choices (other than `besides`) with which one forward of this batch gives a loss."""
     working = []
-    for spec in (s for s in LOSSES if s != besides):
+    for spec in (s for s in CHOICES if s != besides):
         try:
             with torch.no_grad():
-                forward(model, batch, make_loss(spec, model=model))
+                forward(model, batch, choose_loss(spec, make_loss(model=model), model=model))
             working.append(spec)
         except Exception:  # this choice cannot work either
             continue
@@ -168,7 +169,7 @@ def _forward_backward(model: nn.Module, batch, *, seed: int, loss: str) -> tuple
     """train_step on a copy of `model` (the original is untouched), seeded."""
     model = copy.deepcopy(model)
     torch.manual_seed(seed)
-    return train_step(model, batch, make_loss(loss, model=model))
+    return train_step(model, batch, choose_loss(loss, make_loss(model=model), model=model))
 
 
 def _same(a, b) -> bool:

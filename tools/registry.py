@@ -23,10 +23,11 @@ ENTRY_POINT_GROUP = "torch_dist_recipes"
 class Recipe:
     name: str
     module: str  # holds main(cfg) -> dict and Config (a dataclass of exactly the options it takes)
-    summary: str
+    summary: str  # what it shows: `ls` and the README's table, in markdown
     builds_on: str | None = None
     multi_node: bool = True  # False: one process drives every local device (the launcher starts one)
     opt_ins: tuple[str, ...] = ()  # the core modules it takes beyond ddp's (the base): `ls` shows them
+    mean_per_replica: bool = False  # each replica's loss is its own batch's mean, and the replicas are averaged
 
     @property
     def streams(self) -> bool:
@@ -42,60 +43,64 @@ class Recipe:
 
 
 _BUILT_IN = [
-    Recipe("ddp", "recipes.ddp", "DistributedDataParallel: the base every other recipe builds on"),
+    Recipe(
+        "ddp", "recipes.ddp", "`DistributedDataParallel`: the base every other recipe builds on", mean_per_replica=True
+    ),
     Recipe(
         "ddp_amp",
         "recipes.ddp_amp",
-        "ddp + autocast (bf16/fp16), GradScaler, accumulation with no_sync, clipping",
+        "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
         opt_ins=("amp", "exact_loss", "stream", "trackers"),
     ),
     Recipe(
         "ddp_monitored",
         "recipes.ddp_monitored",
-        "ddp + step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile",
+        "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
         opt_ins=("monitor", "metrics", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
+        mean_per_replica=True,
     ),
     Recipe(
         "dp",
         "recipes.dp",
-        "nn.DataParallel in one process (plain training with <2 GPUs)",
+        "`nn.DataParallel` in one process (plain training with fewer than 2 GPUs)",
         builds_on="ddp",
         multi_node=False,
+        mean_per_replica=True,  # where the model computes its loss: each GPU's replica returns its mean
     ),
     Recipe(
         "fsdp",
         "recipes.fsdp",
-        "FSDP2 fully_shard per block; sharded checkpoints; bf16; CPU offload",
+        "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
         opt_ins=("parallel", "amp", "exact_loss", "stream", "dcp", "trackers"),
     ),
     Recipe(
         "tensor_parallel",
         "recipes.tensor_parallel",
-        "Megatron-style column/row splits of each block's Linear layers (DTensor)",
+        "column/row splits of each block's Linear layers (DTensor), from the model's own plan",
         builds_on="fsdp",
         opt_ins=("parallel", "tp_plan", "amp", "exact_loss", "stream", "dcp", "trackers"),
     ),
     Recipe(
         "fsdp_tp",
         "recipes.fsdp_tp",
-        "2-D mesh: tensor parallel within groups of --tp ranks, FSDP2 across them",
+        "2-D mesh: tensor parallel within groups of `--tp` ranks, FSDP2 across them",
         builds_on="fsdp",
         opt_ins=("parallel", "tp_plan", "amp", "exact_loss", "stream", "dcp", "trackers"),
     ),
     Recipe(
         "pipeline",
         "recipes.pipeline",
-        "torch.distributed.pipelining: GPipe / 1F1B / interleaved, pp x dp",
+        "`torch.distributed.pipelining`: GPipe, 1F1B, interleaved; pipeline x data parallel",
         builds_on="ddp_amp",
         opt_ins=("parallel", "pipeline", "amp", "dcp", "trackers"),
     ),
     Recipe(
         "pipeline_naive",
         "recipes.pipeline_naive",
-        "model parallel by hand: stages on devices, one process",
+        "model parallel by hand: stages on devices, one process, one device busy at a time",
         builds_on="dp",
         multi_node=False,
         opt_ins=("pipeline",),

@@ -15,14 +15,17 @@ never given where a local variable of that name would hide it.
 """
 
 import ast
+import io
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import tokenize
 from bisect import bisect_right
 from collections.abc import Iterable
 
+from tools.features import FEATURES, drop_features
 from tools.inline_deps import _Inliner, _key
 from tools.inline_refs import RECIPE, Chunk, Module, StandaloneError, _inlined  # noqa: F401 (StandaloneError: API)
 
@@ -275,19 +278,27 @@ def standalone_source(
     keep_builtins: dict[str, str] | None = None,
     first: tuple[str, ...] = STEP_MODULES,
     left_out: str = "",
+    without: tuple[str, ...] = (),
+    defaults: dict[str, tuple[str, str]] | None = None,
 ) -> str:
     """The text of one Python file that runs recipe `name` (its `source`) with nothing from `packages`.
 
     `dest` is the file's name as the user runs it (the docstring's launch lines use it); `nproc`
     the process count a `./launch_single_node.sh` line started, now written out for torchrun; `first`: the
     modules placed right after the recipe's functions; `left_out`: what the package's runner has that the copy
-    does not, for the header. The text is `ruff format`ted where ruff is installed.
+    does not, for the header; `without`: the features (tools.features) the copy leaves out, `defaults` the
+    built-ins (option -> (module, function)) that replace the factories. The text is `ruff format`ted where ruff
+    is installed.
     """
-    inliner = _Inliner(packages, keep_builtins=keep_builtins)
-    recipe = inliner.load(RECIPE, source.encode())
+
+    def drop(module: str, text: bytes) -> bytes:
+        return drop_features(text, module=module, off=set(without), defaults=defaults or {})
+
+    inliner = _Inliner(packages, keep_builtins=keep_builtins, drop=drop)
+    recipe = inliner.load(RECIPE, drop(RECIPE, source.encode()))
     inliner.include_recipe(recipe)
     names = inliner.names(recipe)
-    own_imports = {_key(t): n for n, t in recipe.globals.items() if t[0] == "ext"}
+    own_imports = {_key(t): n for n, t in recipe.globals.items() if t[0] == "ext" and _key(t) in inliner.discovered}
     used = {k: names[k] for k in inliner.discovered if k[0] == "ext"} | own_imports
     chunks = inliner.ordered_chunks(first=first)
     needs, lazy = _requirements(inliner, used)
@@ -301,6 +312,8 @@ def standalone_source(
     ]
     if left_out:
         header.append(f"# Left out: {left_out} (`python -m recipes run {name}` has them).")
+    for feature in without:  # one line each, with the option that brings it back
+        header.append(f"# Left out: {FEATURES[feature].says}; `--with {feature}` adds it.")
     header = "\n".join(textwrap.fill(line, width=118, subsequent_indent="# ") for line in header)
     top = [_launch_lines(docstring, dest, nproc).rstrip("\n"), header] if docstring else [header]
     # the recipe's functions come before the helpers their annotations name: annotations must not be evaluated
@@ -357,17 +370,17 @@ def ruff_format(text: str) -> str:
 
 
 def copy_size(text: str) -> tuple[int, int]:
-    """(lines, code lines): code lines are those left without docstrings, comments and blank lines."""
-    tree = ast.parse(text)
+    """(lines, code lines): a code line holds a token other than a comment or a docstring (the budgets' count)."""
     docstrings = set()
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
-            value = body[0].value
-            if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                docstrings |= set(range(body[0].lineno, body[0].end_lineno + 1))
-    code = 0
-    for number, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        code += bool(stripped) and not stripped.startswith("#") and number not in docstrings
-    return len(text.splitlines()), code
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstrings |= set(range(node.lineno, node.end_lineno + 1))
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    code = {
+        line
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type not in layout
+        for line in range(token.start[0], token.end[0] + 1)
+        if line not in docstrings
+    }
+    return len(text.splitlines()), len(code)

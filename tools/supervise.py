@@ -15,6 +15,9 @@ replaced by one line:
   `error: WHAT failed: CAUSE` when it does not;
 - a stop by signal: `error: WHAT stopped by SIGNAL ...` with the last step, the checkpoint kept and how
   to resume, and the exit status 128 + the signal, as schedulers expect.
+The lines it prints of its own (a failed rank's traceback, a restart, the closing line) also end the run folder's
+train.log (`launcher` in a rank's place), and what a killed write left there (.NAME.tmp-PID, whose process is
+gone) is removed once torchrun has ended: the run a failed job abandons keeps no half-written file.
 Standard library only.
 """
 
@@ -59,6 +62,8 @@ LOST = re.compile(
     r"|\[([0-9a-f.:]+)\]:\d+: (Connection (reset|closed|refused)[a-z ]*|Broken pipe)"
 )
 CKPT = re.compile(r"step-(\d+)(\.safetensors)?")
+TEMPORARY = re.compile(r"\..+\.tmp-(\d+)")  # core.ckpt_io's atomic writes, core.hf's folder: .NAME.tmp-PID
+SHARDED_TEMPORARY = re.compile(r"\.step-\d+\.tmp")  # core.dcp's checkpoint folder while its ranks write it
 
 
 def signame(signum: int) -> str:
@@ -112,7 +117,9 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
         # it printed its traceback, then took a while to exit (shown already): that exception ended it
         error, traceback = final_exception(state["released"]), []
     said = error and re.fullmatch(r"rank \d+: (.*)", error)  # a rank's uncaught exception: `error: rank R: ...`
-    if said or (error and EXCEPTION.fullmatch(error)):
+    if said and not EXCEPTION.fullmatch(said[1]):  # a line of its own (a full disk): as the rank said it
+        error = f"rank {rank}: {said[1]}"
+    elif said or (error and EXCEPTION.fullmatch(error)):
         error = f"rank {rank} raised {said[1] if said else error}"
     if error:  # else a one-line error every rank prints alike (core's RecipeError): as it is
         return "symptom" if SYMPTOM.search(error) else "raised", error, traceback
@@ -249,6 +256,52 @@ def say(text: str) -> None:
         pass
 
 
+def log_line(run_dir: str | None, text: str, *, level: str) -> None:
+    """Append a line of the launcher's to RUN/train.log, in core.records' form; only to a log the run opened (a run
+    folder taken back, or on another node, gets none)."""
+    if run_dir is None:
+        return
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+    try:
+        fd = os.open(Path(run_dir) / "train.log", os.O_WRONLY | os.O_APPEND)  # no O_CREAT
+    except OSError:
+        return
+    try:
+        os.write(fd, f"{stamp} | {level:<7} | launcher | {text}\n".encode())
+    except OSError:  # a full disk: the terminal has the line
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_temporaries(run_dir: Path, *, sharded: bool) -> list[Path]:
+    """Delete what a killed write left in run_dir and run_dir/ckpt: .NAME.tmp-PID files and folders whose process
+    is gone, and (`sharded`: every rank of the job has ended) core.dcp's .step-N.tmp folders."""
+    removed = []
+    for folder in (run_dir, run_dir / "ckpt"):
+        try:
+            found = list(folder.iterdir())
+        except OSError:
+            continue
+        for path in found:
+            pid = TEMPORARY.fullmatch(path.name)
+            if (pid and not alive(int(pid[1]))) or (sharded and SHARDED_TEMPORARY.fullmatch(path.name)):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class Supervisor:
     """What torchrun's stderr has told so far, and what to print (see the module docstring)."""
 
@@ -335,12 +388,13 @@ class Supervisor:
             cause = f"local rank {local_rank} {how}"
         if traceback and cause != self.shown and self.stop is None:
             for text in traceback:
-                say(text)
+                self.own(text)
             self.shown = cause
         self.ranks = {}
         if self.failures <= self.max_restarts and self.stop is None and self.torchrun_signal is None:
             restart = f"restart {self.failures} of MAX_RESTARTS={self.max_restarts}"
-            say(f"{self.note}: the group failed (exitcode {exitcode}): {shorten(cause)}; restarting it ({restart})")
+            failed = f"the group failed (exitcode {exitcode}): {shorten(cause)}"
+            self.own(f"{self.note}: {failed}; restarting it ({restart})")
         else:
             self.cause = cause
 
@@ -365,10 +419,12 @@ class Supervisor:
             return 0
         if stopped:
             sent_to = "the launcher" if self.stop else "torchrun"
-            say(stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir, multi_node=bool(self.this_node)))
+            self.own(
+                stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir, multi_node=bool(self.this_node))
+            )
             return 128 + stopped
         if returncode < 0:
-            say(
+            self.own(
                 f"error: {self.what} failed: torchrun was killed by {signame(-returncode)}, and its ranks ended with it"
             )
             return 128 - returncode
@@ -377,11 +433,17 @@ class Supervisor:
             cause, show = torchrun_error(self.traceback)
             if show:
                 for text in self.traceback:
-                    say(text)
+                    self.own(text)
         if cause is None:
             cause = explain(self.ranks, this_node=self.this_node, peer=self.peer)[0]
-        say(f"error: {self.what} failed: {shorten(cause or f'torchrun exited with code {returncode}')}")
+        self.own(f"error: {self.what} failed: {shorten(cause or f'torchrun exited with code {returncode}')}")
         return returncode
+
+    def own(self, text: str) -> None:
+        """A line of the launcher's own: on stderr, and at the end of the run's train.log."""
+        say(text)
+        level = "ERROR" if text.startswith(("error: ", "Traceback", " ")) or EXCEPTION.fullmatch(text) else "WARNING"
+        log_line(self.run_dir, text, level=level)
 
 
 def signal_in(traceback: list[str] | None) -> int | None:
@@ -464,7 +526,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         pump(torchrun.stderr.fileno(), watch.feed, watch.tick, until=torchrun_gone_a_while)
-        return watch.finish(torchrun.wait())
+        code = watch.finish(torchrun.wait())
+        if code and watch.run_dir is not None:  # the job ended: no write of its own is in flight on this node
+            remove_temporaries(Path(watch.run_dir), sharded=opts.this_node is None)
+        return code
     finally:
         if opts.remove:
             shutil.rmtree(opts.remove, ignore_errors=True)

@@ -1,0 +1,74 @@
+"""Golden losses (issue 27.5): each recipe's first steps on the built-in model and data, kept in tests/golden/.
+
+A change of numbers, from a code change or a torch upgrade, shows as a failing test and then as a diff of the
+files, as torchtitan's loss comparison and Megatron's golden values do. Each recipe runs its own train() with its
+defaults (the built-in model and data: mlp on digits for the ddp family and dp, the GPT on text for the others)
+for STEPS steps of its default batch on 2 gloo ranks (dp and pipeline_naive: their one process), and its training
+records (loss, accuracy, gradient norm: already reduced over the ranks) are compared with the file's.
+
+Exact (bit for bit) with the torch version the file records, on CPU; within TOLERANCE (relative) with another.
+To rewrite the files on purpose, after a change that is meant to change the numbers:
+
+    TDR_GOLDEN=rewrite pytest tests/test_golden.py
+"""
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools.registry import RECIPES
+from world import GlooWorld
+
+GOLDEN = Path(__file__).parent / "golden"
+REWRITE = os.environ.get("TDR_GOLDEN") == "rewrite"
+STEPS = 4
+ONE_PROCESS = ("dp", "pipeline_naive")
+KEYS = ("loss", "acc", "grad_norm")  # per training record
+TOLERANCE = 1e-4  # relative, with another torch than the file's: kernels may add in another order
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    with GlooWorld(2, timeout_s=180) as two, GlooWorld(1, timeout_s=180) as one:
+        yield {2: two, 1: one}
+
+
+def first_steps(topo, recipe: str, out: str) -> dict:
+    module = importlib.import_module(f"recipes.{recipe}")
+    cfg = module.Config(out=out, epochs=1, max_steps=STEPS, log_every=1)  # the recipe's defaults otherwise
+    summary = module.train(cfg, topo)
+    lines = (Path(summary["weights"]).parent / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    return {
+        "recipe": recipe,
+        "model": cfg.model,
+        "data": cfg.data,
+        "world_size": topo.world_size,
+        "batch_size": cfg.batch_size,
+        "steps": [{"step": r["step"], **{k: r[k] for k in KEYS if k in r}} for r in records],
+    }
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_first_losses_are_the_golden_ones(worlds, tmp_path, recipe):
+    got = worlds[1 if recipe in ONE_PROCESS else 2].run(first_steps, recipe, str(tmp_path))[0]
+    got["torch"] = torch.__version__.split("+")[0]
+    path = GOLDEN / f"{recipe}.json"
+    if REWRITE:
+        path.write_text(json.dumps(got, indent=1) + "\n")
+        pytest.skip(f"rewrote {path}")
+    want = json.loads(path.read_text())
+    assert {k: v for k, v in got.items() if k != "steps"} | {"torch": want["torch"]} == {
+        k: v for k, v in want.items() if k != "steps"
+    }, "another run than the golden file's: rewrite it (TDR_GOLDEN=rewrite)"
+    assert [s["step"] for s in got["steps"]] == [s["step"] for s in want["steps"]] == list(range(1, STEPS + 1))
+    if got["torch"] == want["torch"]:  # the pinned torch, on CPU: bit for bit
+        assert got["steps"] == want["steps"], f"{recipe}: the first losses changed; if meant, TDR_GOLDEN=rewrite"
+    else:
+        for g, w in zip(got["steps"], want["steps"]):
+            assert g == pytest.approx(w, rel=TOLERANCE), f"torch {got['torch']} against the file's {want['torch']}"

@@ -1,0 +1,169 @@
+"""A run's printed lines and its log (core.records): train.log through loguru, the error line a job prints once, and
+the line a failed write gives (issue 28 item 5, issue 27 item 7). In-process: no process group, no launch."""
+
+import errno
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from core import records
+from core.records import RunFolder, close_log, error_line, open_log, os_error_line, say, show, write_record
+
+pytestmark = pytest.mark.fast
+LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \| (INFO|WARNING|ERROR) +\| rank (\d+) \| (.*)")
+
+
+@pytest.fixture
+def run(tmp_path):
+    folder = tmp_path / "ddp-1"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}\n")
+    (folder / ".lock").write_text("PID 1\n")
+    yield RunFolder(folder, None, "ddp", {}, True)
+    close_log()
+
+
+def logged(run: RunFolder) -> list[tuple[str, str, str]]:
+    """(level, rank, message) of every train.log line; each line has its time."""
+    lines = (run.path / "train.log").read_text().splitlines()
+    found = [LINE.fullmatch(line) for line in lines]
+    assert all(found), lines
+    return [(m[2], m[3], m[4]) for m in found]
+
+
+def test_every_line_printed_goes_to_train_log_with_time_level_and_rank(run, capsys):
+    open_log(run)
+    assert (run.path / "train.log").is_file()  # from the moment the folder is known
+    say(run, "step 10/20 epoch 0 loss 1.0000")
+    say(run, "warning: something", level="WARNING")
+    say(RunFolder(run.path, None, "ddp", {}, False), "rank 1 says nothing")  # not the writer: no line
+    error_line("step 3: the loss is not finite", everyone=True)
+    out, err = capsys.readouterr()
+    assert out == "step 10/20 epoch 0 loss 1.0000\n"  # the terminal keeps today's forms
+    assert err == "warning: something\nerror: step 3: the loss is not finite\n"
+    assert logged(run) == [
+        ("INFO", "0", "step 10/20 epoch 0 loss 1.0000"),
+        ("WARNING", "0", "warning: something"),
+        ("ERROR", "0", "error: step 3: the loss is not finite"),
+    ]
+    close_log()
+    say(run, "after the end")  # the sink is gone: the terminal only
+    assert logged(run)[-1][2] == "error: step 3: the loss is not finite"
+
+
+def test_a_second_run_in_one_process_logs_to_its_own_folder_only(run, tmp_path):
+    other = RunFolder(tmp_path / "ddp-2", None, "ddp", {}, True)
+    other.path.mkdir()
+    open_log(run)
+    say(run, "first")
+    open_log(other)  # the run before ended: its log is closed
+    say(other, "second")
+    assert [m for _, _, m in logged(run)] == ["first"] and [m for _, _, m in logged(other)] == ["second"]
+
+
+def test_a_users_own_loguru_lines_stay_out_of_train_log(run):
+    from loguru import logger
+
+    open_log(run)
+    logger.info("the user's own line")
+    say(run, "ours")
+    assert [m for _, _, m in logged(run)] == ["ours"]
+
+
+@pytest.mark.parametrize(
+    "rank, world, everyone, says",
+    [
+        ("0", "1", True, "error: it failed"),  # no torchrun: as it always was
+        ("0", "1", False, "error: it failed"),
+        ("0", "2", True, "error: it failed"),  # every rank meets it: rank 0 says it, as it is
+        ("1", "2", True, ""),  # ... and rank 1 does not (torchrun ends it while it waits)
+        ("1", "2", False, "error: rank 1: it failed"),  # its own: with its number
+        ("0", "2", False, "error: rank 0: it failed"),
+        ("1", "2", "late", "error: rank 1: it failed"),  # every rank's, but rank 0 did not end the job: with its number
+    ],
+)
+def test_under_torchrun_an_error_every_rank_meets_is_said_once_and_a_ranks_own_with_its_number(
+    rank, world, everyone, says, monkeypatch, capsys
+):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    waited = []
+    if everyone is True and rank != "0":  # torchrun ends rank 1 in its grace: as if it did
+        monkeypatch.setattr(records.time, "sleep", lambda s: (waited.append(s), (_ for _ in ()).throw(SystemExit)))
+    else:
+        monkeypatch.setattr(records.time, "sleep", waited.append)
+    try:
+        error_line("it  failed", everyone=bool(everyone))
+    except SystemExit:
+        pass
+    assert capsys.readouterr().err.strip() == says
+    assert waited == ([records.GRACE_S] if everyone and rank != "0" else [])
+
+
+def test_a_refused_run_takes_back_a_folder_that_holds_nothing_but_its_config_lock_and_log(run, tmp_path):
+    open_log(run)
+    error_line("step 1: the loss is not finite", everyone=True)
+    close_log(refused=True)
+    assert not run.path.exists()
+    kept = RunFolder(tmp_path / "ddp-2", None, "ddp", {}, True)
+    kept.path.mkdir()
+    open_log(kept)
+    write_record(kept, {"kind": "train", "step": 10})
+    close_log(refused=True)  # it wrote a record: kept, and its log with it
+    assert sorted(p.name for p in kept.path.iterdir()) == ["metrics.jsonl", "train.log"]
+
+
+def test_a_full_disk_names_the_folder_written_to_never_the_working_directory(run, tmp_path, monkeypatch):
+    """Issue 27 item 7: an OSError from a write to an open file carried no name, and the line named the working
+    directory's disk; a bytes file name (TensorBoard's) made the error path raise a TypeError."""
+    monkeypatch.chdir(tmp_path)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(records.os, "write", full)
+    with pytest.raises(OSError) as caught:
+        write_record(run, {"kind": "train", "step": 1})
+    monkeypatch.undo()
+    assert caught.value.filename == str(run.path / "metrics.jsonl")
+    line = os_error_line(caught.value)
+    assert re.fullmatch(rf"{re.escape(str(run.path))}/metrics.jsonl: the disk is full \([\d,]+ bytes free\); .*", line)
+    nameless = OSError(errno.ENOSPC, "No space left on device")
+    assert os_error_line(nameless).startswith(".: the disk is full")  # no run open: the working directory
+    open_log(run)
+    assert os_error_line(nameless).startswith(f"{run.path}: the disk is full")  # a run: its folder's disk
+    tensorboard = OSError(errno.EACCES, "Permission denied", os.fsencode(run.path / "tensorboard" / "events.out"))
+    assert os_error_line(tensorboard) == f"{run.path}/tensorboard/events.out: Permission denied; check the folder"
+
+
+def test_a_sharded_checkpoint_on_a_full_disk_is_the_ranks_oserror_not_a_checkpointexception(tmp_path):
+    """DCP's CheckpointException is a BaseException: past every handler, a traceback and 'rank 1 exited with code 1
+    without an error message'. save_sharded raises the OSError it holds."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from core.dcp import _first_os_error
+
+    failures = {0: (ValueError("other"), None), 1: (OSError(errno.ENOSPC, "No space left on device"), None)}
+    err = _first_os_error(CheckpointException("save", failures), tmp_path / ".step-000002.tmp")
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename == str(tmp_path / ".step-000002.tmp")
+    assert os_error_line(err).startswith(f"{tmp_path}: the disk is full")
+    other = _first_os_error(CheckpointException("save", {0: (ValueError("bad"), None)}), tmp_path)
+    assert isinstance(other, RuntimeError) and "bad" in str(other)
+
+
+def test_show_prints_info_on_stdout_and_the_rest_on_stderr(capsys):
+    show("progress")
+    show("warning: w", level="WARNING")
+    assert capsys.readouterr() == ("progress\n", "warning: w\n")
+    assert not records._RUN_LOG  # no run: loguru is not touched
+
+
+def test_the_log_format_is_loguru_s(run):
+    """The form train.log promises (docs/monitoring.md) is LOG_FORMAT's."""
+    open_log(run)
+    say(run, "x")
+    level, rank, message = logged(run)[0]
+    assert (level, rank, message) == ("INFO", "0", "x") and "{extra[rank]}" in records.LOG_FORMAT
+    assert Path(run.path / "train.log").stat().st_mode & 0o777 == (run.path / "config.json").stat().st_mode & 0o777

@@ -1,0 +1,361 @@
+"""Features a standalone copy carries on request: `python -m recipes cp ddp train.py --standalone --with hf`.
+
+A feature is the options that steer it (Config fields, or whole option groups) and the core code only it calls.
+Left out, the generator takes out of the recipe and of every core function it inlines:
+  - each statement that touches the feature alone (reads one of its options, calls its code, or uses a name
+    such a statement bound), with the `if`/`for` whose condition is the feature's;
+  - the `with` whose context is the feature's, keeping its body;
+  - its option group among the Config's bases, and its fields where a Config declares them again;
+  - a build call the feature steers (`models.build_model(cfg.model)`) becomes the recipe's default, called
+    directly (`mlp()`): the line the owner edits for their own model.
+A statement that touches two features, or a feature and the function's result, is refused (StandaloneError
+naming the line): the split is the code's to make, never the generator's to guess.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from dataclasses import dataclass
+
+from tools.inline_refs import StandaloneError
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    says: str  # what a copy without it lacks, for its header
+    groups: tuple[str, ...] = ()  # option groups (module.Class) that are the feature's alone
+    fields: tuple[str, ...] = ()  # more options of the feature, declared in a shared group
+    calls: tuple[str, ...] = ()  # core code only the feature calls: module.name, or `module.` for all of it
+    # (call, option, what replaces it ({}: the default's function), the comment its line gets)
+    builds: tuple[tuple[str, str, str, str], ...] = ()
+
+    def options(self) -> set[str]:
+        found = set(self.fields)
+        for group in self.groups:
+            module, _, name = group.rpartition(".")
+            found |= set(getattr(importlib.import_module(module), name).__dict__.get("__annotations__", {}))
+        return found
+
+
+FEATURES = {
+    f.name: f
+    for f in (
+        Feature(
+            "init_from",
+            "--init-from (a new run from earlier weights)",
+            fields=("init_from",),
+            calls=("core.weights.load_weights",),
+        ),
+        Feature(
+            "hf", "the Hugging Face folder RUN/hf (--hf-attr, --hf-shard-mb)", ("core.hf.HFExport",), (), ("core.hf.",)
+        ),
+        Feature("trackers", "--log-to tensorboard or wandb", ("core.trackers.Tracking",), (), ("core.trackers.",)),
+        Feature(
+            "loss",
+            "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy)",
+            fields=("loss",),
+            calls=("core.loss_options.",),
+        ),
+        Feature(
+            "factories",
+            "--model and --data (built-in names or module:function factories; the copy builds its default model and "
+            "data in two lines of train(): edit those for your own)",
+            fields=("model", "data"),
+            builds=(
+                ("core.models.build_model", "model", "{}()", "your model: any nn.Module"),
+                ("core.data.build_data", "data", "(*{}(), None)[:3]", "your data: (train, val[, collate_fn])"),
+            ),
+        ),
+    )
+}
+
+
+def features_of(config: type) -> list[str]:
+    """The features a recipe's Config has: those whose options it takes."""
+    fields = set(config.__dataclass_fields__)
+    return [name for name, feature in FEATURES.items() if feature.options() & fields]
+
+
+def parse_with(spec: str, *, config: type) -> set[str]:
+    """`--with a,b` (or `all`) -> the features kept; a name this recipe has no feature of is one line."""
+    have = features_of(config)
+    asked = {w.strip() for w in spec.split(",") if w.strip()}
+    if "all" in asked:
+        return set(have)
+    unknown = sorted(asked - set(have))
+    if unknown:
+        raise StandaloneError(f"--with {','.join(unknown)}: choose from all, {', '.join(have)}")
+    return asked
+
+
+# --- taking features out of a module's source -----------------------------------------------------------------
+
+
+def drop_features(source: bytes, *, module: str, off: set[str], defaults: dict[str, tuple[str, str]]) -> bytes:
+    """`source` (module `module`) without the features in `off`; `defaults`: option -> (module, function) of the
+    built-in a replaced build call names. A statement mixing features is a StandaloneError."""
+    if not off:
+        return source
+    tree = ast.parse(source)
+    pass_ = _Drop(source, module=module, tree=tree, off=off, defaults=defaults)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            pass_.function(node)
+        elif isinstance(node, ast.ClassDef):
+            pass_.klass(node)
+    text = _apply(source, pass_.edits)
+    if pass_.imports:  # the defaults a build call now names, imported after the module's last top-level import
+        last = max((n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
+        lines = text.splitlines(keepends=True)
+        shift = _line_shift(source, pass_.edits, last)
+        added = "".join(f"from {m} import {f}\n" for m, f in sorted(pass_.imports))
+        lines.insert(last + shift, added)
+        text = b"".join(x if isinstance(x, bytes) else x.encode() for x in lines)
+    return text
+
+
+def _line_shift(source: bytes, edits: list, line: int) -> int:
+    """How many lines the edits before `line`'s end added (negative: removed)."""
+    starts = _starts(source)
+    return sum(new.count("\n") - source[b:e].count(b"\n") for b, e, new in edits if e <= starts[line])
+
+
+def _starts(source: bytes) -> list[int]:
+    starts, pos = [0], 0
+    for line in source.splitlines(keepends=True):
+        pos += len(line)
+        starts.append(pos)
+    return starts
+
+
+def _apply(source: bytes, edits: list[tuple[int, int, str]]) -> bytes:
+    """`edits` (begin, end, new text) applied; one inside a statement taken out whole goes with it."""
+    kept: list[tuple[int, int, str]] = []
+    for begin, end, new in sorted(set(edits), key=lambda e: (e[0], -e[1])):
+        if kept and end <= kept[-1][1] and begin < kept[-1][1]:
+            continue
+        if kept and begin < kept[-1][1]:
+            raise StandaloneError("overlapping feature edits (a bug in tools/features.py)")
+        kept.append((begin, end, new))
+    for begin, end, new in reversed(kept):
+        source = source[:begin] + new.encode() + source[end:]
+    return source
+
+
+class _Drop:
+    def __init__(self, source: bytes, *, module: str, tree: ast.Module, off: set[str], defaults: dict):
+        self.source, self.module, self.off, self.defaults = source, module, off, defaults
+        self.starts = _starts(source)
+        self.edits: list[tuple[int, int, str]] = []
+        self.imports: set[tuple[str, str]] = set()
+        self.names = _qualified_names(tree, module)
+        self.options = {f: FEATURES[f].options() for f in FEATURES}
+        self.replaced: set[int] = set()  # ids of build calls replaced by their default
+        self.dropped: list[ast.stmt] = []
+
+    def at(self, line: int, col: int) -> int:
+        return self.starts[line - 1] + col
+
+    def where(self, node) -> str:
+        return f"{self.module.replace('__recipe__', 'the recipe')} line {node.lineno}"
+
+    # what a node touches
+
+    def qualname(self, node) -> str | None:
+        if isinstance(node, ast.Name):
+            return self.names.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = self.qualname(node.value)
+            return f"{base}.{node.attr}" if base else None
+        return None
+
+    def touches(self, nodes, tainted: dict[str, str]) -> set[str]:
+        found, todo = set(), list(nodes)
+        while todo:
+            node = todo.pop()
+            if id(node) in self.replaced:
+                continue
+            if isinstance(node, ast.Call) and self._build(node):
+                continue
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in tainted:
+                found.add(tainted[node.id])
+            if isinstance(node, (ast.Name, ast.Attribute)) and (q := self.qualname(node)):
+                found |= {
+                    f.name
+                    for f in FEATURES.values()
+                    if any(q == c or c.endswith(".") and q.startswith(c) for c in f.calls)
+                }
+                found |= {f.name for f in FEATURES.values() if q in f.groups}
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
+                found |= {f for f, options in self.options.items() if node.attr in options}
+            todo.extend(ast.iter_child_nodes(node))
+        return found
+
+    def _build(self, call: ast.Call) -> bool:
+        """A build call a left-out feature steers becomes its default: `mlp()` for `models.build_model(cfg.model)`."""
+        q = self.qualname(call.func)
+        for feature in (FEATURES[f] for f in self.off):
+            for target, option, form, note in feature.builds:
+                if q == target and option in self.defaults:
+                    module, function = self.defaults[option]
+                    self.imports.add((module, function))
+                    begin, end = self.at(call.lineno, call.col_offset), self.at(call.end_lineno, call.end_col_offset)
+                    self.edits.append((begin, end, form.format(function)))
+                    line_end = self.starts[call.end_lineno] - 1  # its newline
+                    if b"#" not in self.source[end:line_end]:  # the line the owner edits says so
+                        self.edits.append((line_end, line_end, f"  # {note}"))
+                    self.replaced.add(id(call))
+                    return True
+        return False
+
+    # statements
+
+    def block(self, body: list[ast.stmt], tainted: dict[str, str]) -> None:
+        dropped = 0
+        for stmt in body:
+            dropped += self.statement(stmt, tainted)
+        if dropped == len(body):
+            raise StandaloneError(
+                f"{self.where(body[0])}: every statement of this block is a feature's; move the block"
+            )
+
+    def statement(self, stmt: ast.stmt, tainted: dict[str, str]) -> bool:
+        """Take `stmt` out (True), unwrap it, or go into its blocks."""
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self.function(stmt)
+            return False
+        if isinstance(stmt, ast.ClassDef):
+            self.klass(stmt)
+            return False
+        blocks = [b for b in _blocks(stmt) if b]
+        header = _header(stmt) if blocks else [stmt]
+        mine = self.touches(header, tainted)
+        if len(mine) > 1 and mine & self.off:
+            raise StandaloneError(f"{self.where(stmt)}: one statement mixes the features {', '.join(sorted(mine))}")
+        feature = next(iter(mine), None)
+        if feature is None or feature not in self.off:
+            for block in blocks:
+                self.block(block, tainted)
+            return False
+        if isinstance(stmt, (ast.Return, ast.Raise)) or any(
+            isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(stmt)
+        ):
+            raise StandaloneError(f"{self.where(stmt)}: the feature {feature} is part of what the function returns")
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):  # its body stays, one level out
+            self._unwrap(stmt)
+            self.block(stmt.body, tainted)
+            return False
+        if getattr(stmt, "orelse", None) or getattr(stmt, "handlers", None):
+            raise StandaloneError(f"{self.where(stmt)}: the feature {feature} steers a statement with another branch")
+        others = self.touches([stmt], tainted) - {feature}
+        if others:
+            raise StandaloneError(
+                f"{self.where(stmt)}: one statement mixes the features {', '.join(sorted(others | {feature}))}"
+            )
+        read = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        for node in ast.walk(stmt):  # names it bound are the feature's from here (`run = attach(run)`: still run)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id not in read:
+                tainted[node.id] = feature
+        self.cut(stmt)
+        return True
+
+    def cut(self, stmt: ast.stmt) -> None:
+        self.dropped.append(stmt)
+        self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))
+
+    def function(self, node) -> None:
+        """Its blocks; then an assignment whose name only taken-out statements read goes too (the model a
+        Hugging Face folder borrows its config from), with the `with` it alone makes up."""
+        before = len(self.dropped)
+        self.block(node.body, {})
+        gone = {id(n) for s in self.dropped[before:] for n in ast.walk(s)}
+        if not gone:
+            return
+        loads = {}
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                loads.setdefault(n.id, []).append(id(n) in gone)
+        parents = {id(s): outer for outer in ast.walk(node) for b in _blocks(outer) for s in b}
+        for stmt in [s for s in ast.walk(node) if isinstance(s, ast.Assign) and id(s) not in gone]:
+            names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+            if len(names) == len(stmt.targets) and all(loads.get(n) and all(loads[n]) for n in names):
+                outer = parents.get(id(stmt))
+                whole = isinstance(outer, (ast.With, ast.AsyncWith)) and len(outer.body) == 1
+                self.cut(outer if whole else stmt)
+
+    def _unwrap(self, stmt: ast.With) -> None:
+        first = stmt.body[0]
+        self.edits.append((self.starts[stmt.lineno - 1], self.starts[first.lineno - 1], ""))
+        indent = first.col_offset - stmt.col_offset
+        for line in range(first.lineno, stmt.end_lineno + 1):
+            text = self.source[self.starts[line - 1] : self.starts[line]]
+            if text[:indent] == b" " * indent:
+                self.edits.append((self.starts[line - 1], self.starts[line - 1] + indent, ""))
+
+    def klass(self, node: ast.ClassDef) -> None:
+        """A left-out group among the bases goes, and the fields of a left-out feature a class declares."""
+        kept = [b for b in node.bases if not any(self.qualname(b) in FEATURES[f].groups for f in self.off)]
+        if len(kept) < len(node.bases):  # the bases written again without those
+            first, last = node.bases[0], node.bases[-1]
+            text = ", ".join(ast.get_source_segment(self.source.decode(), b) for b in kept)
+            begin, end = self.at(first.lineno, first.col_offset), self.at(last.end_lineno, last.end_col_offset)
+            self.edits.append((begin, end, text))
+        for stmt in node.body:
+            target = getattr(stmt, "target", None)
+            name = target.id if isinstance(target, ast.Name) else None
+            if isinstance(stmt, ast.AnnAssign) and any(name in self.options[f] for f in self.off):
+                self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.function(stmt)
+
+
+def _blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
+    blocks = [getattr(stmt, name, None) for name in ("body", "orelse", "finalbody")]
+    blocks += [h.body for h in getattr(stmt, "handlers", [])]
+    blocks += [c.body for c in getattr(stmt, "cases", [])]
+    return [b for b in blocks if isinstance(b, list)]
+
+
+def _header(stmt: ast.stmt) -> list[ast.AST]:
+    """The expressions of a compound statement that are not its blocks."""
+    if isinstance(stmt, (ast.With, ast.AsyncWith)):
+        return list(stmt.items)
+    if isinstance(stmt, (ast.For, ast.AsyncFor)):
+        return [stmt.target, stmt.iter]
+    if isinstance(stmt, (ast.If, ast.While)):
+        return [stmt.test]
+    if isinstance(stmt, ast.Match):
+        return [stmt.subject]
+    if isinstance(stmt, ast.Try):
+        return [h.type for h in stmt.handlers if h.type]
+    return []
+
+
+def _qualified_names(tree: ast.Module, module: str) -> dict[str, str]:
+    """Top-level name -> what it is (`hf` -> core.hf, `say` -> core.records.say, a def -> module.def)."""
+    names = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {
+                a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0] for a in node.names
+            }
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = f"{module}.{node.name}"
+    return names
+
+
+def builtin_defaults(cfg) -> dict[str, tuple[str, str]]:
+    """The recipe's default model and data as (module, function): what a copy without factories builds."""
+    from core.data import DATASETS
+    from core.models import MODELS
+
+    found = {}
+    for option, table in (("model", MODELS), ("data", DATASETS)):
+        spec = table.get(getattr(cfg, option, None), "")
+        if ":" in spec:
+            found[option] = tuple(spec.split(":"))
+    return found
