@@ -112,7 +112,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
                 pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)
                 group = mesh["pp"].get_group()
                 order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)
-            loss_fn = _loss(name, cfg, layout.model)
+            loss_fn = recipe_loss(name, cfg, layout.model)
             step = lambda: planned_steps(  # noqa: E731
                 name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
@@ -142,7 +142,7 @@ def _mesh_math_on_real_tensors():
         DeviceMesh._compute_coordinate_on_dim = original
 
 
-def _loss(name: str, cfg, model):
+def recipe_loss(name: str, cfg, model):
     """The recipe's loss, taken as its recipe takes it (core.loss, then --loss's other choices, then exact weights)."""
     if name == "pipeline":
         return None

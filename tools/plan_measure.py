@@ -25,7 +25,7 @@ from tools.plan_step import quiet
 def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
     """Two real training steps of recipe `name` with `args` on this rank: the peak of live tensor bytes, and the
     bytes this rank's parameters, gradients and optimizer state hold after them (from the real tensors)."""
-    from tools.plan import first_batch
+    from tools.plan import first_batch, recipe_loss
     from tools.registry import RECIPES
 
     cfg, _ = parse_args(RECIPES[name].load().Config, list(args), prog=name, description="")
@@ -48,7 +48,7 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
         with tracker:
             model = _wrapped(name, layout.model)  # inside: the tracker sees DDP's buckets made
             optimizer = torch.optim.AdamW(optimizer_params, lr=cfg.lr)
-            loss_fn = _loss(name, cfg, layout.model)
+            loss_fn = recipe_loss(name, cfg, layout.model)
             for _ in range(2):
                 if name in EXACT_LOSS:
                     group = mesh["dp"].get_group() if mesh is not None else None
@@ -93,16 +93,6 @@ def _wrapped(name: str, model):
     if name == "dp":
         return torch.nn.DataParallel(model)
     return model
-
-
-def _loss(name: str, cfg, model):
-    if name in EXACT_LOSS:
-        from core.exact_loss import make_exact_loss
-
-        return make_exact_loss(cfg.loss, model=model)
-    from core.loss import make_loss
-
-    return make_loss(cfg.loss, model=model)
 
 
 def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tuple:
