@@ -62,11 +62,13 @@ def test_json_is_exactly_the_documented_shape(capsys):
 
 @pytest.mark.fast
 def test_table_puts_the_largest_rank_first_and_names_what_dominates(capsys):
-    assert run_cli(["plan", "pipeline", "--batch-size", "4", "--microbatches", "2", "--nproc", "2"]) == 0
+    assert run_cli(["plan", "pipeline", "--batch-size", "4", "--microbatches", "4", "--nproc", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "pipeline on 2 ranks, GiB per rank" and lines[1].split()[0] == "ranks"
-    plan = plan_recipe("pipeline", _cfg("pipeline", ["--batch-size", "4", "--microbatches", "2"]), world_size=2)
+    plan = plan_recipe("pipeline", _cfg("pipeline", ["--batch-size", "4", "--microbatches", "4"]), world_size=2)
     assert lines[2].split()[0] == str(plan.largest.rank) and "activations (" in lines[2]
+    # 1F1B: the first stage keeps as many micro-batches in flight as there are stages, the last one
+    assert "  rank 0: micro-batches in flight: 2 of 4" in lines and "  rank 1: micro-batches in flight: 1 of 4" in lines
 
 
 @pytest.mark.fast

@@ -33,6 +33,7 @@ class RankPlan:
     activations_bytes: int
     peak_bytes: int
     buffers_bytes: int = 0  # DDP's gradient buckets (in the peak; not in the JSON's fixed keys)
+    notes: tuple[str, ...] = ()  # what the layout holds at once: FSDP's gathered unit, a pipeline's micro-batches
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             step = lambda: planned_steps(  # noqa: E731
                 name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
-            return _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
+            planned = _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
+            return dataclasses.replace(planned, notes=_notes(name, layout, order))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -140,6 +142,17 @@ def _mesh_math_on_real_tensors():
         yield
     finally:
         DeviceMesh._compute_coordinate_on_dim = original
+
+
+def _notes(name: str, layout, order) -> tuple[str, ...]:
+    from tools.plan_layout import gathered_bytes, in_flight
+
+    if name in ("fsdp", "fsdp_tp"):
+        return (f"a block gathered at once: {gathered_bytes(layout.model) / GIB:.3g} GiB",)
+    if name == "pipeline":
+        count = max(mb for _, _, mb in order) + 1
+        return (f"micro-batches in flight: {in_flight(order)} of {count}",)
+    return ()
 
 
 def recipe_loss(name: str, cfg, model):

@@ -190,3 +190,26 @@ def pipeline_buffers(layout: Layout, micro_input: torch.Tensor, *, microbatches:
         if index < layout.num_stages - 1:
             out = stage(entering[index])
             layout.grad_recv[index] = [torch.empty_like(out) for _ in range(microbatches)]
+
+
+def gathered_bytes(model: nn.Module) -> int:
+    """FSDP2: the largest unit's parameters gathered whole (in the policy's compute dtype), what a rank holds at
+    once beyond its shards while that unit runs; 0 for a model fully_shard did not wrap."""
+    from torch.distributed.fsdp import FSDPModule
+
+    largest = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None:
+            sizes = [p._orig_size.numel() * (p.param_dtype or p.orig_dtype).itemsize for p in group.fsdp_params]
+            largest = max(largest, sum(sizes))
+    return largest
+
+
+def in_flight(order: list[tuple]) -> int:
+    """The most micro-batches whose forward has run and backward not yet, in this rank's schedule order."""
+    held = most = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most

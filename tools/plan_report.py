@@ -32,6 +32,7 @@ def table(plan: Plan) -> str:
     for r in plan.ranks:
         groups.setdefault(dataclasses.astuple(dataclasses.replace(r, rank=0)), []).append(r.rank)
     rows = [("ranks", "params", "grads", "optimizer", "activations", "buckets", "peak", "dominated by")]
+    notes: list[str] = []
     for _, ranks in sorted(groups.items(), key=lambda item: (-item[0][5], item[1][0])):
         r = dataclasses.replace(plan.ranks[ranks[0]])
         terms = {name: getattr(r, k) for k, name in PARTS} | {"activations": r.activations_bytes}
@@ -40,13 +41,14 @@ def table(plan: Plan) -> str:
         cells = [gib(r.params_bytes), gib(r.grads_bytes), gib(r.optimizer_bytes), gib(r.activations_bytes)]
         share = f"{top} ({100 * terms[top] / max(r.peak_bytes, 1):.0f}%)"
         rows.append((_span(ranks), *cells, gib(r.buffers_bytes), gib(r.peak_bytes), share))
+        notes += [f"  rank{'s' * (len(ranks) > 1)} {_span(ranks)}: {note}" for note in r.notes]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(c.rjust(w) if i and i < 7 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
         for row in rows
     ]
     head = f"{plan.recipe} on {plan.world_size} rank{'s' * (plan.world_size > 1)}, GiB per rank"
-    return "\n".join([head, *(line.rstrip() for line in lines)])
+    return "\n".join([head, *(line.rstrip() for line in lines), *notes])
 
 
 def _span(ranks: list[int]) -> str:
