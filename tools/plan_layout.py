@@ -98,8 +98,9 @@ def build_layout(
 
             checkpoint_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        as_view = getattr(cfg, "grad_as_bucket_view", False)  # .grad points into the bucket: no second copy
-        buckets = held_bytes(params) if name in REPLICAS and not as_view else 0  # at any world size, one too
+        # DDP's buckets, one copy of the gradients, at any world size (one too). With --grad-as-bucket-view the
+        # gradients become views into them after the reduction, but backward still makes each one first: measured.
+        buckets = held_bytes(params) if name in REPLICAS else 0
         return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
     from core import parallel, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
 

@@ -46,7 +46,7 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
             return _held(layout, optimizer, peak)
         tracker = track([*layout.modules, *(t for b in micro_batches for t in _tensors(b))])
         with tracker:
-            model = _wrapped(name, layout.model)  # inside: the tracker sees DDP's buckets made
+            model = _wrapped(name, layout.model, cfg)  # inside: the tracker sees DDP's buckets made
             optimizer = torch.optim.AdamW(optimizer_params, lr=cfg.lr)
             loss_fn = recipe_loss(name, cfg, layout.model)
             for _ in range(2):
@@ -84,12 +84,16 @@ def _held(layout, optimizer, peak: int) -> dict[str, int]:
     }
 
 
-def _wrapped(name: str, model):
+def _wrapped(name: str, model, cfg):
+    """The recipe's wrapper with its options: DDP as ddp, ddp_amp and ddp_monitored make it; DataParallel."""
     if name in REPLICAS:
         from torch.nn.parallel import DistributedDataParallel
 
         device = next(model.parameters()).device
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        options = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
+        if name == "ddp_monitored":
+            options |= {"bucket_cap_mb": cfg.bucket_mb, "gradient_as_bucket_view": cfg.grad_as_bucket_view}
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
     if name == "dp":
         return torch.nn.DataParallel(model)
     return model

@@ -155,9 +155,12 @@ def precheck_memory(name: str, cfg, *, world_size: int) -> None:
     talk = os.environ.get("RANK", "0") == "0"
     try:
         plan = plan_recipe(name, cfg, world_size=world_size)
-    except RecipeError as err:
+    except Exception as err:  # a job the plan cannot follow (or a fault of the plan's) is not refused for it
         if talk:
-            print(f"warning: {str(err).removeprefix('plan: ')}; memory not checked", file=sys.stderr, flush=True)
+            said = (
+                str(err).removeprefix("plan: ") if isinstance(err, RecipeError) else f"the plan failed ({err!r:.200})"
+            )
+            print(f"warning: {' '.join(said.split())}; memory not checked", file=sys.stderr, flush=True)
         return
     free, where, sharing = free_bytes(world_size=world_size)
     top = plan.largest
