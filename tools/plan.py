@@ -3,10 +3,11 @@
     python -m recipes plan fsdp --model mypkg:llama --batch-size 8 --nproc 8 --device-memory 80
 
 For every rank: parameters, gradients, optimizer state (exact: bytes from the shapes and dtypes that rank holds),
-the activations at the step's peak, and the step's peak, for the layout the recipe builds (tools.plan_layout)
-and two training steps of its own step (tools.plan_step), on fake tensors with a fake process group under torch's
-MemTracker: no memory is allocated, whatever the model's size. Not seen by any tracker, so not in the plan: the
-CUDA context, NCCL's buffers and the allocator's slack (docs/memory-plan.md).
+the activations the forwards keep for backward, and the step's peak, for the layout the recipe builds
+(tools.plan_layout) and a training step of its own step carrying AdamW's state (tools.plan_step), on fake tensors
+in a fake process group, their live bytes counted as torch's MemTracker counts them: no memory is allocated,
+whatever the model's size. Not seen by any tracker, so not in the plan: the CUDA context, NCCL's buffers and the
+allocator's slack (docs/memory-plan.md). tools.plan_report prints it and says what would fit.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             order = None
             if name == "pipeline":
                 count = cfg.microbatches * cfg.accum
-                first = fake[0] if not isinstance(fake, dict) else None
+                if isinstance(fake, dict):  # as core.pipeline.step_pipeline: the schedule takes (input, target)
+                    raise RecipeError(f"--data {cfg.data}: pipeline trains on (input, target) pairs, not dicts")
+                first = fake[0]
                 pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)
                 group = mesh["pp"].get_group()
                 order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)

@@ -19,7 +19,6 @@ from core.config import RecipeError
 
 # The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
 REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")
-ONE_PROCESS = ("dp", "pipeline_naive")
 EXACT_LOSS = ("ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp")  # core.exact_loss's step (amp.step_amp)
 
 
@@ -67,7 +66,8 @@ def unplannable(name: str, cfg) -> str | None:
 
 
 def held_bytes(params) -> int:
-    """Bytes of the distinct storages these parameters' local tensors hold (a DTensor's shard, FSDP2's padding)."""
+    """Bytes of the distinct storages these tensors' local parts hold (a DTensor's shard, FSDP2's padding, a DDP
+    bucket once for all the gradients that are views into it)."""
     seen, total = set(), 0
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p

@@ -102,8 +102,8 @@ def what_fits(
             continue
         try:
             peak = plan_recipe(recipe, other, world_size=world, gpu=gpu).largest.peak_bytes
-        except RecipeError:
-            continue  # not a layout this model or shape allows
+        except Exception:  # not a layout this model or shape allows: not an alternative
+            continue
         if peak <= device_bytes:
             fits.append(f"{label} ({gib(peak)} GiB)")
             done.add(kind)
