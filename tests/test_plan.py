@@ -133,3 +133,19 @@ def test_the_launchers_pre_check_runs_the_plan(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert run_cli(["run", "fsdp", "--batch-size", "2", "--dry-run"]) == 0
     assert "plan: largest peak" in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_free_memory_is_per_gpu_the_least_free_device_or_the_cpus_available_shared(monkeypatch):
+    import torch
+
+    from tools import plan_report
+
+    monkeypatch.setattr(plan_report, "_mem_available", lambda: 64 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert plan_report.free_bytes(world_size=4) == (64 * 2**30, "this machine's available memory for 4 ranks", 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: ((70, 60)[i] * 2**30, 80 * 2**30))
+    monkeypatch.delenv("TDR_DEVICE", raising=False)
+    assert plan_report.free_bytes(world_size=4) == (60 * 2**30, "the free memory of the GPUs", 1)
