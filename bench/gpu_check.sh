@@ -6,7 +6,9 @@
 # 1. each recipe on nccl at world size 1;
 # 2. each recipe as 2 processes over gloo sharing one GPU (TDR_BACKEND=gloo TDR_SHARE_GPU=1);
 # 3. ddp_amp with fp16 (GradScaler) and bf16; the GPU-only options (bf16 comm hook, channels-last, --debug);
-# 4. the tiny GPT on ddp: step time, tokens/s and MFU (fp32 and --compile).
+# 4. the tiny GPT on ddp: step time, tokens/s and MFU (fp32 and --compile);
+# 5. the memory plan against torch.cuda.max_memory_allocated per recipe, and the fixed terms no tracker sees
+#    (CUDA context, NCCL buffers, allocator slack), on 1 process (nccl) and 2 sharing the GPU (gloo).
 # A recipe that refuses a world size (a one-line `error:`, e.g. a pipeline with one stage) is a skip, not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +63,15 @@ check "ddp_monitored: gpt fp32, 200 steps" launch 1 -m recipes run ddp_monitored
   --batch-size 64 --max-steps 200 --log-every 50 && last_train
 check "ddp_monitored: gpt --compile, 200 steps" launch 1 -m recipes run ddp_monitored --model gpt --data text \
   --batch-size 64 --compile --max-steps 200 --log-every 50 && last_train
+
+for plan_world in 1 2; do  # 5. the table of bench/bench_plan.py --gpu; two processes share the GPU over gloo
+  extra=(); [ "$plan_world" = 2 ] && extra=(env TDR_BACKEND=gloo TDR_SHARE_GPU=1)
+  if ! timeout 300 "${extra[@]}" python -m torch.distributed.run --standalone --nproc-per-node "$plan_world" \
+      bench/bench_plan.py --gpu 2>"$OUT/plan.log" | grep -v '^{'; then
+    printf 'FAIL  %-44s\n' "memory plan on $plan_world process(es)"; tail -15 "$OUT/plan.log" | sed 's/^/      /'
+    failures=$((failures + 1))
+  fi
+done
 
 echo "$failures failure(s)"
 exit $((failures > 0))

@@ -139,6 +139,8 @@ MATRIX = {
     ],
     2: [
         *ANY_WORLD,
+        ("ddp_monitored", [*GPT, "--grad-as-bucket-view"]),
+        ("tensor_parallel", [*GPT, "--sequence-parallel"]),
         ("fsdp_tp", GPT),
         ("fsdp_tp", [*LLAMA, "--accum", "2"]),
         ("pipeline", [*GPT, "--microbatches", "2"]),

@@ -62,11 +62,13 @@ def test_json_is_exactly_the_documented_shape(capsys):
 
 @pytest.mark.fast
 def test_table_puts_the_largest_rank_first_and_names_what_dominates(capsys):
-    assert run_cli(["plan", "pipeline", "--batch-size", "4", "--microbatches", "2", "--nproc", "2"]) == 0
+    assert run_cli(["plan", "pipeline", "--batch-size", "4", "--microbatches", "4", "--nproc", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "pipeline on 2 ranks, GiB per rank" and lines[1].split()[0] == "ranks"
-    plan = plan_recipe("pipeline", _cfg("pipeline", ["--batch-size", "4", "--microbatches", "2"]), world_size=2)
+    plan = plan_recipe("pipeline", _cfg("pipeline", ["--batch-size", "4", "--microbatches", "4"]), world_size=2)
     assert lines[2].split()[0] == str(plan.largest.rank) and "activations (" in lines[2]
+    # 1F1B: the first stage keeps as many micro-batches in flight as there are stages, the last one
+    assert "  rank 0: micro-batches in flight: 2 of 4" in lines and "  rank 1: micro-batches in flight: 1 of 4" in lines
 
 
 @pytest.mark.fast
@@ -80,9 +82,10 @@ def test_a_plan_that_does_not_fit_says_what_would_each_from_a_plan(capsys):
     assert "\n" not in err and err.startswith("error: plan: rank 0's peak") and "would fit:" in err
     from tools.plan_report import gib
 
-    smaller = plan_recipe("ddp_amp", _cfg("ddp_amp", [*args[:-3], "4", "--accum", "2"]), world_size=1)
-    assert f"--batch-size 4 --accum 2 ({gib(smaller.largest.peak_bytes)} GiB)" in err  # a figure from a plan
-    assert "fsdp (" in err
+    smaller = _cfg("ddp_amp", [*args[:-3], "4", "--accum", "2"])  # --device-memory plans for a GPU
+    figure = gib(plan_recipe("ddp_amp", smaller, world_size=1, gpu=True).largest.peak_bytes)
+    assert f"--batch-size 4 --accum 2 ({figure} GiB)" in err  # a figure from a plan
+    assert "fsdp (" in err and "ddp_monitored --activation-checkpointing (" in err
 
 
 @pytest.mark.fast
@@ -130,3 +133,19 @@ def test_the_launchers_pre_check_runs_the_plan(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert run_cli(["run", "fsdp", "--batch-size", "2", "--dry-run"]) == 0
     assert "plan: largest peak" in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_free_memory_is_per_gpu_the_least_free_device_or_the_cpus_available_shared(monkeypatch):
+    import torch
+
+    from tools import plan_report
+
+    monkeypatch.setattr(plan_report, "_mem_available", lambda: 64 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert plan_report.free_bytes(world_size=4) == (64 * 2**30, "this machine's available memory for 4 ranks", 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: ((70, 60)[i] * 2**30, 80 * 2**30))
+    monkeypatch.delenv("TDR_DEVICE", raising=False)
+    assert plan_report.free_bytes(world_size=4) == (60 * 2**30, "the free memory of the GPUs", 1)

@@ -3,10 +3,11 @@
     python -m recipes plan fsdp --model mypkg:llama --batch-size 8 --nproc 8 --device-memory 80
 
 For every rank: parameters, gradients, optimizer state (exact: bytes from the shapes and dtypes that rank holds),
-the activations at the step's peak, and the step's peak, for the layout the recipe builds (tools.plan_layout)
-and two training steps of its own step (tools.plan_step), on fake tensors with a fake process group under torch's
-MemTracker: no memory is allocated, whatever the model's size. Not seen by any tracker, so not in the plan: the
-CUDA context, NCCL's buffers and the allocator's slack (docs/memory-plan.md).
+the activations the forwards keep for backward, and the step's peak, for the layout the recipe builds
+(tools.plan_layout) and a training step of its own step carrying AdamW's state (tools.plan_step), on fake tensors
+in a fake process group, their live bytes counted as torch's MemTracker counts them: no memory is allocated,
+whatever the model's size. Not seen by any tracker, so not in the plan: the CUDA context, NCCL's buffers and the
+allocator's slack (docs/memory-plan.md). tools.plan_report prints it and says what would fit.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class RankPlan:
     activations_bytes: int
     peak_bytes: int
     buffers_bytes: int = 0  # DDP's gradient buckets (in the peak; not in the JSON's fixed keys)
+    notes: tuple[str, ...] = ()  # what the layout holds at once: FSDP's gathered unit, a pipeline's micro-batches
 
 
 @dataclass(frozen=True)
@@ -108,15 +110,18 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             order = None
             if name == "pipeline":
                 count = cfg.microbatches * cfg.accum
-                first = fake[0] if not isinstance(fake, dict) else None
+                if isinstance(fake, dict):  # as core.pipeline.step_pipeline: the schedule takes (input, target)
+                    raise RecipeError(f"--data {cfg.data}: pipeline trains on (input, target) pairs, not dicts")
+                first = fake[0]
                 pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)
                 group = mesh["pp"].get_group()
                 order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)
-            loss_fn = _loss(name, cfg, layout.model)
+            loss_fn = recipe_loss(name, cfg, layout.model)
             step = lambda: planned_steps(  # noqa: E731
                 name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
-            return _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
+            planned = _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
+            return dataclasses.replace(planned, notes=_notes(name, layout, order))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -142,7 +147,18 @@ def _mesh_math_on_real_tensors():
         DeviceMesh._compute_coordinate_on_dim = original
 
 
-def _loss(name: str, cfg, model):
+def _notes(name: str, layout, order) -> tuple[str, ...]:
+    from tools.plan_layout import gathered_bytes, in_flight
+
+    if name in ("fsdp", "fsdp_tp"):
+        return (f"a block gathered at once: {gathered_bytes(layout.model) / GIB:.3g} GiB",)
+    if name == "pipeline":
+        count = max(mb for _, _, mb in order) + 1
+        return (f"micro-batches in flight: {in_flight(order)} of {count}",)
+    return ()
+
+
+def recipe_loss(name: str, cfg, model):
     """The recipe's loss, taken as its recipe takes it (core.loss, then --loss's other choices, then exact weights)."""
     if name == "pipeline":
         return None
@@ -200,13 +216,10 @@ def _fake(batch, mode):
     return batch
 
 
-def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int) -> RankPlan:
-    """The exact terms from the shapes and dtypes this rank holds; activations: the rest of the peak (what the
-    forward keeps for backward, gathered shards, receive buffers, the step's temporaries, the batch)."""
+def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int, activations: int) -> RankPlan:
+    """The exact terms from the shapes and dtypes this rank holds; activations: the most the forwards keep for
+    their backwards at once (the micro-batches a pipeline schedule keeps in flight, FSDP's gathered blocks)."""
     from tools.plan_layout import held_bytes
 
     params = held_bytes([p for m in layout.modules for p in m.parameters()])
-    buckets = layout.bucket_bytes
-    module_buffers = held_bytes([b for m in layout.modules for b in m.buffers()])
-    activations = max(peak - params - module_buffers - grads - optimizer - buckets, 0)
-    return RankPlan(rank, params, grads, optimizer, activations, peak, buckets)
+    return RankPlan(rank, params, grads, optimizer, activations, peak, layout.bucket_bytes)

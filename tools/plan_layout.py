@@ -19,7 +19,6 @@ from core.config import RecipeError
 
 # The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
 REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")
-ONE_PROCESS = ("dp", "pipeline_naive")
 EXACT_LOSS = ("ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp")  # core.exact_loss's step (amp.step_amp)
 
 
@@ -67,7 +66,8 @@ def unplannable(name: str, cfg) -> str | None:
 
 
 def held_bytes(params) -> int:
-    """Bytes of the distinct storages these parameters' local tensors hold (a DTensor's shard, FSDP2's padding)."""
+    """Bytes of the distinct storages these tensors' local parts hold (a DTensor's shard, FSDP2's padding, a DDP
+    bucket once for all the gradients that are views into it)."""
     seen, total = set(), 0
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -79,10 +79,15 @@ def held_bytes(params) -> int:
     return total
 
 
-def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, build=models.build_model) -> Layout:
+def build_layout(
+    name: str, cfg, *, device_mesh, rank: int, world_size: int, build=models.build_model, device=None
+) -> Layout:
     """Rank `rank`'s layout of recipe `name`, built on the current tensors (call under FakeTensorMode to plan).
-    `build`: the model factory's caller (the plan passes the pre-check's, whose refusals are one line)."""
+    `build`: the model factory's caller (the plan passes the pre-check's, whose refusals are one line); `device`:
+    where a measured run puts it (the plan's fake tensors stay on the CPU: their bytes are the same)."""
     model = build(cfg.model)
+    if device is not None and name != "pipeline":  # the pipeline moves its stages after the split, as below
+        model = model.to(device)
     if name in REPLICAS or name == "dp":
         if getattr(cfg, "channels_last", False):
             from core.tuning import to_channels_last
@@ -93,8 +98,9 @@ def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, bui
 
             checkpoint_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        as_view = getattr(cfg, "grad_as_bucket_view", False)  # .grad points into the bucket: no second copy
-        buckets = held_bytes(params) if name in REPLICAS and not as_view else 0  # at any world size, one too
+        # DDP's buckets, one copy of the gradients, at any world size (one too). With --grad-as-bucket-view the
+        # gradients become views into them after the reduction, but backward still makes each one first: measured.
+        buckets = held_bytes(params) if name in REPLICAS else 0
         return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
     from core import parallel, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
 
@@ -115,7 +121,8 @@ def build_layout(name: str, cfg, *, device_mesh, rank: int, world_size: int, bui
         _fully_shard(model, device_mesh["dp"], parallel.fsdp_policy(cfg.precision), cfg.blocks)
         return Layout(model, list(model.parameters()), sync=parallel.fsdp_sync)
     if name == "pipeline":
-        return _pipeline_layout(model, cfg, pp=device_mesh["pp"].size(), pp_rank=device_mesh["pp"].get_local_rank())
+        pp, pp_rank = device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
+        return _pipeline_layout(model, cfg, pp=pp, pp_rank=pp_rank, device=device)
     if name == "pipeline_naive":  # one process; on CPU (or one GPU) every block on the one device
         return Layout(model, list(model.parameters()))
     raise RecipeError(f"plan: no memory plan for the recipe {name!r} (a plugin); plan one of the built-in recipes")
@@ -131,12 +138,13 @@ def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
     fully_shard(model, mesh=mesh, **policy)
 
 
-def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int) -> Layout:
+def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int, device=None) -> Layout:
     """The recipe's stages for this pipeline rank (two, looped, for interleaved1f1b), and the whole model kept
     for the shapes that flow between stages."""
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
     stages = [pipeline.split_pipeline(model, stage_index=i, num_stages=num_stages) for i in stage_ids]
+    stages = [stage.to(device) for stage in stages] if device is not None else stages
     params = [p for m in stages for p in m.parameters()]
     return Layout(model, params, autocast=cfg.precision, stages=list(zip(stage_ids, stages)), num_stages=num_stages)
 
@@ -183,3 +191,26 @@ def pipeline_buffers(layout: Layout, micro_input: torch.Tensor, *, microbatches:
         if index < layout.num_stages - 1:
             out = stage(entering[index])
             layout.grad_recv[index] = [torch.empty_like(out) for _ in range(microbatches)]
+
+
+def gathered_bytes(model: nn.Module) -> int:
+    """FSDP2: the largest unit's parameters gathered whole (in the policy's compute dtype), what a rank holds at
+    once beyond its shards while that unit runs; 0 for a model fully_shard did not wrap."""
+    from torch.distributed.fsdp import FSDPModule
+
+    largest = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None:
+            sizes = [p._orig_size.numel() * (p.param_dtype or p.orig_dtype).itemsize for p in group.fsdp_params]
+            largest = max(largest, sum(sizes))
+    return largest
+
+
+def in_flight(order: list[tuple]) -> int:
+    """The most micro-batches whose forward has run and backward not yet, in this rank's schedule order."""
+    held = most = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import amp, parallel, pipeline, steps
 from core.config import parse_args
+from core.data import to_device
 from core.dist import Topology
 from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
 from tools.plan_step import quiet
@@ -24,26 +25,30 @@ from tools.plan_step import quiet
 def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
     """Two real training steps of recipe `name` with `args` on this rank: the peak of live tensor bytes, and the
     bytes this rank's parameters, gradients and optimizer state hold after them (from the real tensors)."""
-    from tools.plan import first_batch
+    from tools.plan import first_batch, recipe_loss
     from tools.registry import RECIPES
 
     cfg, _ = parse_args(RECIPES[name].load().Config, list(args), prog=name, description="")
     torch.manual_seed(cfg.seed)
+    if topo.device.type == "cuda":  # the allocator's own peak, from here: bench/gpu_check.sh compares it too
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(topo.device)
     dims = mesh_dims(name, cfg, topo.world_size)
     mesh = parallel.build_mesh(topo, dims) if dims else None
-    batch = first_batch(cfg)
+    batch = to_device(first_batch(cfg), topo.device)
     micro_batches = [batch] * getattr(cfg, "accum", 1)
     with quiet():
-        layout = build_layout(name, cfg, device_mesh=mesh, rank=topo.rank, world_size=topo.world_size)
+        where = {"device_mesh": mesh, "rank": topo.rank, "world_size": topo.world_size, "device": topo.device}
+        layout = build_layout(name, cfg, **where)
         optimizer_params = layout.params
         if name == "pipeline":
-            optimizer, peak = _measure_pipeline(cfg, layout, micro_batches, mesh=mesh)
+            optimizer, peak = _measure_pipeline(cfg, layout, micro_batches, mesh=mesh, device=topo.device)
             return _held(layout, optimizer, peak)
         tracker = track([*layout.modules, *(t for b in micro_batches for t in _tensors(b))])
         with tracker:
-            model = _wrapped(name, layout.model)  # inside: the tracker sees DDP's buckets made
+            model = _wrapped(name, layout.model, cfg)  # inside: the tracker sees DDP's buckets made
             optimizer = torch.optim.AdamW(optimizer_params, lr=cfg.lr)
-            loss_fn = _loss(name, cfg, layout.model)
+            loss_fn = recipe_loss(name, cfg, layout.model)
             for _ in range(2):
                 if name in EXACT_LOSS:
                     group = mesh["dp"].get_group() if mesh is not None else None
@@ -64,7 +69,14 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
 def _held(layout, optimizer, peak: int) -> dict[str, int]:
     params = [p for m in layout.modules for p in m.parameters()]
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return {
+    device = params[0].device
+    cuda = {}
+    if device.type == "cuda":  # what the allocator saw: its peak, and what it reserved from the driver for it
+        cuda = {
+            "cuda_peak_bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    return cuda | {
         "peak_bytes": peak,
         "params_bytes": held_bytes(params),
         "grads_bytes": held_bytes([p.grad for p in params if p.grad is not None]),
@@ -72,31 +84,26 @@ def _held(layout, optimizer, peak: int) -> dict[str, int]:
     }
 
 
-def _wrapped(name: str, model):
+def _wrapped(name: str, model, cfg):
+    """The recipe's wrapper with its options: DDP as ddp, ddp_amp and ddp_monitored make it; DataParallel."""
     if name in REPLICAS:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
+        device = next(model.parameters()).device
+        options = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
+        if name == "ddp_monitored":
+            options |= {"bucket_cap_mb": cfg.bucket_mb, "gradient_as_bucket_view": cfg.grad_as_bucket_view}
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
     if name == "dp":
         return torch.nn.DataParallel(model)
     return model
 
 
-def _loss(name: str, cfg, model):
-    if name in EXACT_LOSS:
-        from core.exact_loss import make_exact_loss
-
-        return make_exact_loss(cfg.loss, model=model)
-    from core.loss import make_loss
-
-    return make_loss(cfg.loss, model=model)
-
-
-def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh) -> int:
+def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tuple:
     from torch.distributed.pipelining import PipelineStage
 
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-    runners = [PipelineStage(m, i, layout.num_stages, torch.device("cpu"), group=pp_group) for i, m in layout.stages]
+    runners = [PipelineStage(m, i, layout.num_stages, device, group=pp_group) for i, m in layout.stages]
     loss_fn = pipeline.TokenLoss()
     micro = cfg.microbatches * cfg.accum
     schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)

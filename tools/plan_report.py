@@ -31,7 +31,8 @@ def table(plan: Plan) -> str:
     groups: dict[tuple, list[int]] = {}
     for r in plan.ranks:
         groups.setdefault(dataclasses.astuple(dataclasses.replace(r, rank=0)), []).append(r.rank)
-    rows = [("ranks", "params", "grads", "optimizer", "activations", "buffers", "peak", "dominated by")]
+    rows = [("ranks", "params", "grads", "optimizer", "activations", "buckets", "peak", "dominated by")]
+    notes: list[str] = []
     for _, ranks in sorted(groups.items(), key=lambda item: (-item[0][5], item[1][0])):
         r = dataclasses.replace(plan.ranks[ranks[0]])
         terms = {name: getattr(r, k) for k, name in PARTS} | {"activations": r.activations_bytes}
@@ -40,13 +41,14 @@ def table(plan: Plan) -> str:
         cells = [gib(r.params_bytes), gib(r.grads_bytes), gib(r.optimizer_bytes), gib(r.activations_bytes)]
         share = f"{top} ({100 * terms[top] / max(r.peak_bytes, 1):.0f}%)"
         rows.append((_span(ranks), *cells, gib(r.buffers_bytes), gib(r.peak_bytes), share))
+        notes += [f"  rank{'s' * (len(ranks) > 1)} {_span(ranks)}: {note}" for note in r.notes]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(c.rjust(w) if i and i < 7 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
         for row in rows
     ]
     head = f"{plan.recipe} on {plan.world_size} rank{'s' * (plan.world_size > 1)}, GiB per rank"
-    return "\n".join([head, *lines])
+    return "\n".join([head, *(line.rstrip() for line in lines), *notes])
 
 
 def _span(ranks: list[int]) -> str:
@@ -88,17 +90,20 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
     return found
 
 
-def what_fits(name: str, cfg, *, world_size: int, device_bytes: int) -> list[str]:
-    """Each alternative re-planned: 'LABEL (PEAK GiB)', those that fit first; the first fit of each kind."""
+def what_fits(
+    name: str, cfg, *, world_size: int, device_bytes: int, gpu: bool | None = None
+) -> tuple[list[str], list[str]]:
+    """Each alternative re-planned, as 'LABEL (PEAK GiB)': the first that fits of each kind, and of each kind
+    with none that fits the one that comes closest."""
     fits, misses, done = [], [], set()
     for label, recipe, other, world in alternatives(name, cfg, world_size=world_size):
         kind = label.split()[0]
         if kind in done:
             continue
         try:
-            peak = plan_recipe(recipe, other, world_size=world).largest.peak_bytes
-        except RecipeError:
-            continue  # not a layout this model or shape allows
+            peak = plan_recipe(recipe, other, world_size=world, gpu=gpu).largest.peak_bytes
+        except Exception:  # not a layout this model or shape allows: not an alternative
+            continue
         if peak <= device_bytes:
             fits.append(f"{label} ({gib(peak)} GiB)")
             done.add(kind)
@@ -108,16 +113,17 @@ def what_fits(name: str, cfg, *, world_size: int, device_bytes: int) -> list[str
     for kind, text in misses:  # the last (smallest) of each kind that does not fit, to show how far it is
         if kind not in done:
             best[kind] = text
-    return fits + [f"not {text}" for text in best.values()]
+    return fits, list(best.values())
 
 
-def refuse_if_over(name: str, cfg, plan: Plan, *, device_bytes: int, where: str) -> None:
+def refuse_if_over(name: str, cfg, plan: Plan, *, device_bytes: int, where: str, gpu: bool | None = None) -> None:
     """One line naming the largest rank's peak, the device's memory and what would fit, when it does not fit."""
     top = plan.largest
     if top.peak_bytes <= device_bytes:
         return
-    options = what_fits(name, cfg, world_size=plan.world_size, device_bytes=device_bytes)
-    would = "; would fit: " + ", ".join(options) if options else "; no smaller batch, layout or more ranks found"
+    fits, misses = what_fits(name, cfg, world_size=plan.world_size, device_bytes=device_bytes, gpu=gpu)
+    would = f"; would fit: {', '.join(fits)}" if fits else "; no smaller batch, layout or more ranks found that fits"
+    would += f"; would not: {', '.join(misses)}" if misses else ""
     raise RecipeError(
         f"plan: rank {top.rank}'s peak {gib(top.peak_bytes)} GiB does not fit {where} ({gib(device_bytes)} GiB){would}"
     )
@@ -149,9 +155,12 @@ def precheck_memory(name: str, cfg, *, world_size: int) -> None:
     talk = os.environ.get("RANK", "0") == "0"
     try:
         plan = plan_recipe(name, cfg, world_size=world_size)
-    except RecipeError as err:
+    except Exception as err:  # a job the plan cannot follow (or a fault of the plan's) is not refused for it
         if talk:
-            print(f"warning: {str(err).removeprefix('plan: ')}; memory not checked", file=sys.stderr, flush=True)
+            said = (
+                str(err).removeprefix("plan: ") if isinstance(err, RecipeError) else f"the plan failed ({err!r:.200})"
+            )
+            print(f"warning: {' '.join(said.split())}; memory not checked", file=sys.stderr, flush=True)
         return
     free, where, sharing = free_bytes(world_size=world_size)
     top = plan.largest
@@ -207,7 +216,9 @@ def show_plan(name: str, module, cfg, *, nproc: int, device_memory: float | None
             module.check(cfg)
         finally:
             os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
-    plan = plan_recipe(name, cfg, world_size=nproc)
+    gpu = True if device_memory is not None else None  # --device-memory plans for a GPU: foreach, 512-byte blocks
+    plan = plan_recipe(name, cfg, world_size=nproc, gpu=gpu)
     echo(json.dumps(plan.to_json()) if as_json else table(plan))
     if device_memory is not None:
-        refuse_if_over(name, cfg, plan, device_bytes=int(device_memory * GIB), where="the device's memory")
+        device = int(device_memory * GIB)
+        refuse_if_over(name, cfg, plan, device_bytes=device, where="the device's memory", gpu=gpu)

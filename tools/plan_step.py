@@ -142,19 +142,31 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
     tracker.add(*(t for bufs in (*layout.recv.values(), *layout.grad_recv.values()) for t in bufs))
     buckets = torch.empty(layout.bucket_bytes, dtype=torch.uint8) if layout.bucket_bytes else None
     tracker.add(*([buckets] if buckets is not None else []))  # the reducer's: made when DDP wraps the model
+    held_for_backward = [0]
+
+    def after_forward() -> None:  # what the forwards keep for their backwards: the live bytes beyond the step's start
+        grads = held_bytes([p.grad for p in layout.params if p.grad is not None])  # an earlier micro-batch's
+        held_for_backward[0] = max(held_for_backward[0], tracker.now - start - grads)
+
     with tracker:
         optimizer.step()  # no gradients yet: the state alone, as the first step leaves it
+        start = tracker.now
         if name == "pipeline":
-            pipeline_step(layout, micro_batches, cfg=cfg, order=order)
+            pipeline_step(layout, micro_batches, cfg=cfg, order=order, after_forward=after_forward)
         else:
-            micro_steps(name, layout, micro_batches, loss_fn=loss_fn)
+            micro_steps(name, layout, micro_batches, loss_fn=loss_fn, after_forward=after_forward)
         optimizer.step()
     grads = [p.grad for p in layout.params if p.grad is not None]  # as the step left them: shards, or whole
     state = [t for s in optimizer.state.values() for t in s.values()]
-    return {"peak": tracker.peak, "grads": held_bytes(grads), "optimizer": held_bytes(state)}
+    return {
+        "peak": tracker.peak,
+        "grads": held_bytes(grads),
+        "optimizer": held_bytes(state),
+        "activations": held_for_backward[0],
+    }
 
 
-def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn) -> None:
+def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
     """amp.step_amp's forwards and backwards (or core.steps.step_plain's one), without reading any value."""
     exact, normalizer = name in EXACT_LOSS, torch.ones(())
     for i, batch in enumerate(micro_batches):
@@ -164,10 +176,11 @@ def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn) -> N
                     loss, _ = forward_exact(layout.model, batch, loss_fn, normalizer=normalizer)
                 else:
                     loss, _ = forward(layout.model, batch, loss_fn)
+            after_forward()
             loss.backward()
 
 
-def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple]) -> None:
+def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple], after_forward=lambda: None) -> None:
     """One schedule step on this rank's stages, in the schedule's order: what torch's PipelineStage keeps (a
     receive buffer per micro-batch for the inputs and for the gradients, every forward's graph until its
     backward, the last stage's outputs until the step returns) is kept here as long."""
@@ -188,6 +201,7 @@ def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple
             if stage == last:
                 outputs.append(out)
             cache[(stage, mb)] = (out, loss)
+            after_forward()
         else:
             out, loss = cache.pop((stage, mb))
             if loss is not None:
