@@ -136,15 +136,15 @@ def test_copy_is_one_whole_file(project, name, variant):
 # (DESIGN.md) are 450 code lines and 650 in all for ddp, 750 code lines for every other: what the copies still
 # carry over them is listed in docs/copying-and-checking.md.
 SIZES = {
-    "ddp": (1458, 1044),
-    "ddp_amp": (1831, 1309),
-    "ddp_monitored": (2031, 1497),
-    "dp": (1430, 1024),
-    "fsdp": (2147, 1527),
-    "fsdp_tp": (2411, 1746),
+    "ddp": (1467, 1053),
+    "ddp_amp": (1840, 1318),
+    "ddp_monitored": (2040, 1506),
+    "dp": (1439, 1033),
+    "fsdp": (2156, 1536),
+    "fsdp_tp": (2420, 1755),
     "pipeline": (2016, 1455),
-    "pipeline_naive": (1611, 1147),
-    "tensor_parallel": (2375, 1713),
+    "pipeline_naive": (1620, 1156),
+    "tensor_parallel": (2384, 1722),
 }
 BUDGET = {"ddp": (650, 450)}  # every other recipe: 750 code lines
 
@@ -160,6 +160,15 @@ def test_copy_size_is_held(project, name):
     )
     all_lines, all_code = copy_size((project / "project" / f"{name}_all.py").read_text())
     assert all_code >= code and (all_code > code) == bool(features_of(RECIPES[name].load().Config))
+
+
+@pytest.mark.xfail(strict=True, reason="the budgets are not met yet (docs/copying-and-checking.md says what is over)")
+@pytest.mark.parametrize("name", recipe_params(NAMES))
+def test_copy_meets_its_budget(project, name):
+    """DESIGN.md's budgets: strict, so the day a lean copy fits, this test says so and its marker goes."""
+    lines, code = copy_size((project / "project" / f"{name}.py").read_text())
+    budget = BUDGET.get(name, (10**6, 750))
+    assert lines <= budget[0] and code <= budget[1]
 
 
 def test_ddp_copy_holds_no_run_object_no_threads_no_dtensor_no_source_inspection(project):

@@ -118,21 +118,11 @@ def drop_features(source: bytes, *, module: str, off: set[str], defaults: dict[s
             pass_.function(node)
         elif isinstance(node, ast.ClassDef):
             pass_.klass(node)
-    text = _apply(source, pass_.edits)
     if pass_.imports:  # the defaults a build call now names, imported after the module's last top-level import
         last = max((n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
-        lines = text.splitlines(keepends=True)
-        shift = _line_shift(source, pass_.edits, last)
         added = "".join(f"from {m} import {f}\n" for m, f in sorted(pass_.imports))
-        lines.insert(last + shift, added)
-        text = b"".join(x if isinstance(x, bytes) else x.encode() for x in lines)
-    return text
-
-
-def _line_shift(source: bytes, edits: list, line: int) -> int:
-    """How many lines the edits before `line`'s end added (negative: removed)."""
-    starts = _starts(source)
-    return sum(new.count("\n") - source[b:e].count(b"\n") for b, e, new in edits if e <= starts[line])
+        pass_.edits.append((pass_.starts[last], pass_.starts[last], added))
+    return _apply(source, pass_.edits)
 
 
 def _starts(source: bytes) -> list[int]:
