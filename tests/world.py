@@ -86,8 +86,18 @@ class GlooWorld:
             )
             for rank in range(self.world_size)
         ]
-        for proc in self._procs:
-            proc.start()
+        # One OpenMP thread a rank, as torchrun sets for its workers: torch.set_num_threads alone leaves LAPACK's
+        # threads free, and under load they split a QR differently on each rank (PowerSGD's replicas then drift).
+        threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for proc in self._procs:
+                proc.start()
+        finally:
+            if threads is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = threads
         return self
 
     def run(self, fn, *args, **kwargs) -> list:
