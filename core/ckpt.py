@@ -108,13 +108,7 @@ def _open(path: str | os.PathLike, read):
             if metadata.get("format") == FORMAT:
                 return read(f), metadata
     except (SafetensorError, OSError) as err:
-        with open(path, "rb") as f:
-            pickled = f.read(2) in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save, pickle
-        if pickled:
-            raise RecipeError(
-                f"{path}: a pickle (torch.save) file, not a safetensors checkpoint; it is never unpickled "
-                f"here: resume from a ckpt/step-N.safetensors file"
-            ) from None
+        refuse_pickle(path)
         raise RecipeError(
             f"{path}: not a readable checkpoint ({err}); it is truncated or corrupted: resume from an older one "
             f"in {path.parent}"
@@ -123,6 +117,17 @@ def _open(path: str | os.PathLike, read):
         f"{path}: a safetensors file but not a checkpoint of this project (format {metadata.get('format')!r}); "
         f"resume from a ckpt/step-N.safetensors file"
     )
+
+
+def refuse_pickle(path: Path) -> None:
+    """A torch.save (pickle) file given as a checkpoint: one line that says so (it is never unpickled)."""
+    with open(path, "rb") as f:
+        pickled = f.read(2) in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save, pickle
+    if pickled:
+        raise RecipeError(
+            f"{path}: a pickle (torch.save) file, not a safetensors checkpoint; it is never unpickled "
+            f"here: resume from a ckpt/step-N.safetensors file"
+        ) from None
 
 
 def newest_good(run_dir: Path) -> Path | None:

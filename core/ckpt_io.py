@@ -131,10 +131,8 @@ def read_header(path: str | os.PathLike) -> dict:
 
 
 def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: str = "") -> None:
-    """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a bad value.
-
-    A bad value is one no training state can hold: a non-finite weight or optimizer state, a negative average of
-    squares."""
+    """One RecipeError line naming the tensor (or the header) that fails its checksum or holds a bad value
+    (check_values)."""
     fix = fix or f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
     meta = header.get("__metadata__", {})
     if meta.get("header_checksum") != header_checksum(header):
@@ -145,14 +143,20 @@ def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: s
     for key, tensor in tensors.items():
         if not checksum_matches(tensor, sums.get(key, "")):  # old checkpoints' format too
             raise RecipeError(f"{path}: tensor {key} does not match its checksum (the file is damaged); {fix}")
-        if key.startswith(("model/", "optim/")) and tensor.is_floating_point():
-            if not bool(torch.isfinite(tensor).all()):
-                raise RecipeError(
-                    f"{path}: tensor {key} holds a non-finite value (NaN or inf); the run had "
-                    f"diverged or the file is damaged; {fix}"
-                )
-            if key.rsplit("/", 1)[-1] in _NON_NEGATIVE and bool((tensor < 0).any()):
-                raise RecipeError(f"{path}: tensor {key} holds a negative value (an average of squares cannot); {fix}")
+        check_values(path, key, tensor, fix=fix)
+
+
+def check_values(path: Path, key: str, tensor: torch.Tensor, *, fix: str) -> None:
+    """A value no training state can hold, its checksum right (a diverged run's checkpoint): a non-finite weight or
+    optimizer state, a negative average of squares."""
+    if key.startswith(("model/", "optim/")) and tensor.is_floating_point():
+        if not bool(torch.isfinite(tensor).all()):
+            raise RecipeError(
+                f"{path}: tensor {key} holds a non-finite value (NaN or inf); the run had "
+                f"diverged or the file is damaged; {fix}"
+            )
+        if key.rsplit("/", 1)[-1] in _NON_NEGATIVE and bool((tensor < 0).any()):
+            raise RecipeError(f"{path}: tensor {key} holds a negative value (an average of squares cannot); {fix}")
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:

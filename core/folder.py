@@ -42,7 +42,8 @@ def open_run(
     choice, lock = None, None
     if topo.is_rank0:
         try:
-            choice, lock = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
+            choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
+            lock = choice.pop("lock", None)  # an open file: it stays with rank 0, the others get the folder
         except RecipeError as err:
             choice = str(err)  # every rank raises it: none waits for a folder that never comes
     choice = broadcast_object(choice)
@@ -95,7 +96,7 @@ def resume_of(cfg) -> str:
     return cfg.resume or ("auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) else "")
 
 
-def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> tuple[dict, object]:
+def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
     prefix = cfg.name or config["recipe"]  # RUN/ckpt/step-N of this recipe's runs continues RUN; others start anew
     resume = resume_of(cfg)
     runs = run_dirs(cfg.out, prefix)
@@ -110,13 +111,20 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> tuple[dict, o
         check_continues(resume_from, header(resume_from), config, dp=dp)
     in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
     path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
-    lock = take_lock(path)
+    found = {"path": path, "resume_from": resume_from}
+    found["lock"] = take_lock(path)  # before anything in the folder is touched
     remove_stale_temporaries(path)  # left by a write that a kill interrupted
     repair_records(path / "metrics.jsonl")
-    if not in_run:  # a resumed run keeps the config it was started with: check_continues refused changes
+    write_config(path, config, new=not in_run)
+    return found
+
+
+def write_config(path: Path, config: dict, *, new: bool) -> None:
+    """A new run's RUN/config.json; a resumed run keeps the one it was started with (check_continues refused
+    changes)."""
+    if new:
         text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
         atomic_write(path / "config.json", lambda f: f.write(text))
-    return {"path": path, "resume_from": resume_from}, lock
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
@@ -124,7 +132,15 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
 
     It must come from a recipe whose state means the same, have fp16's loss scaler on both sides or neither, the
     same global batch (`dp`: this job's data-parallel ranks), and the same options that shape training. The line
-    names both sides and the fix."""
+    names both sides and the fix. Only the global batch is checked in a copy without `checks`: another one would
+    silently train another run."""
+    check_layout(path, meta, config)
+    check_batch(path, meta, config, dp=dp)
+    check_options(path, meta, config)
+
+
+def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
+    """A checkpoint of a recipe whose state is laid out otherwise, or with fp16's loss scaler on one side only."""
     saved, recipe = json.loads(meta.get("config", "{}")), config["recipe"]
     saved_recipe = meta.get("recipe") or saved.get("recipe")
     if saved_recipe and saved_recipe != recipe and {saved_recipe, recipe} & set(SHARDED):
@@ -139,6 +155,10 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
             f"{path}: a checkpoint trained in {was} and this run asks for --precision {precision}: fp16's loss-scaler "
             f"state does not carry across; resume with --precision {was}, or start a new run"
         )
+
+
+def check_batch(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
+    """Another global batch: every later step would differ; the line says how to keep it at `dp` ranks."""
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:
         batch, accum = config["batch_size"], config.get("accum", 1)
@@ -153,6 +173,12 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
             f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
             f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
         )
+
+
+def check_options(path: Path, meta: dict[str, str], config: dict) -> None:
+    """Other options that shape training (TRAJECTORY): resumed, they would train another run."""
+    saved, recipe = json.loads(meta.get("config", "{}")), config["recipe"]
+    saved_recipe = meta.get("recipe") or saved.get("recipe")
     both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
     was, now = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     differ = [k for k in both if was[k] != now[k]]

@@ -52,44 +52,71 @@ class Meter:
 
     def __init__(self, device: torch.device):
         self.device, self.window = device, Tally(device)
-        self.born, self.started, self.window_start, self.paused_s = process_start(), None, None, 0.0
-        self.startup_s, self.trained = None, {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
         self.last: dict[str, float] = {}
+        self.clock = Clock()  # the rates and the start-up: a standalone copy's `meter` feature
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
         """After every optimizer step, its metrics (summed over its micro-batches)."""
-        if self.started is None:  # the first step ends start-up; its samples are not in the rates
-            self.started = self.window_start = time.perf_counter()
-            self.startup_s = self.started - self.born
-        else:
-            metrics = {**metrics, "timed_samples": metrics["samples"], "timed_count": metrics["count"]}
+        metrics = self.clock.step(metrics)
         self.window.add(metrics)
 
     @contextmanager
     def paused(self):
         """Evaluation and checkpoints: not training time."""
+        with self.clock.paused():
+            yield
+
+    def read(self) -> dict[str, float]:
+        """The window's loss (and accuracy) and rates for the whole job, and a new window."""
+        sums = self.window.reduce()
+        self.window = Tally(self.device)
+        rates = self.clock.lap(sums)
+        if sums["count"] > 0:  # else the last window's numbers stand
+            self.last = summarize(sums)
+            self.last.update(rates)
+        return self.last
+
+
+class Clock:
+    """The training clock: it starts when the first optimizer step ends (start-up: from the process's start to
+    there); each log window's rates leave out the time `paused` (evaluation, checkpoints)."""
+
+    def __init__(self):
+        self.born, self.started, self.window_start, self.paused_s = process_start(), None, None, 0.0
+        self.startup_s, self.trained = None, {"samples": 0.0, "tokens": 0.0, "seconds": 0.0}
+
+    def step(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A step's metrics, with what the rates count (`timed_*`): the first step's samples are not in them."""
+        if self.started is None:
+            self.started = self.window_start = time.perf_counter()
+            self.startup_s = self.started - self.born
+            return metrics
+        return {**metrics, "timed_samples": metrics["samples"], "timed_count": metrics["count"]}
+
+    @contextmanager
+    def paused(self):
         began = time.perf_counter()
         try:
             yield
         finally:
             self.paused_s += time.perf_counter() - began
 
-    def read(self) -> dict[str, float]:
-        """The window's loss (and accuracy) and rates for the whole job, and a new window."""
-        sums, now = self.window.reduce(), time.perf_counter()
+    def lap(self, sums: dict[str, float]) -> dict[str, float]:
+        """The rates of the window `sums` (reduced), and a new window."""
+        now = time.perf_counter()
         seconds = now - (self.window_start or now) - self.paused_s
-        self.window, self.paused_s, self.window_start = Tally(self.device), 0.0, self.started and now
+        self.paused_s, self.window_start = 0.0, self.started and now
         if sums["count"] == 0:
-            return self.last
+            return {}
         samples, tokens = sums["timed_samples"], sums["timed_count"]
         for key, value in (("samples", samples), ("tokens", tokens), ("seconds", seconds)):
             self.trained[key] += value
-        self.last = summarize(sums) | _rates(samples, tokens, seconds)
-        return self.last
+        return _rates(samples, tokens, seconds)
 
     def throughput(self) -> dict[str, float]:
-        """Over every window read so far: the job's training throughput, and the start-up."""
-        return _rates(**self.trained) | {"startup_s": round(self.startup_s or 0.0, 3)}
+        """Over every window read so far: the job's training throughput, the start-up, and the time trained."""
+        elapsed = time.perf_counter() - self.started if self.started else 0.0
+        return _rates(**self.trained) | {"startup_s": round(self.startup_s or 0.0, 3), "elapsed_s": round(elapsed, 3)}
 
 
 def process_start() -> float:
@@ -149,7 +176,7 @@ def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, s
 
     The last evaluation, the last train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes),
     where the weights are, and the throughput of the training clock."""
-    config, elapsed = run.config, time.perf_counter() - meter.started if meter.started else 0.0
+    config = run.config
     summary = {
         **evaluation,
         "train_loss": meter.last.get("loss"),
@@ -160,9 +187,8 @@ def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, s
         **extra,
         "weights": str(weights),
         **({"init_from": config["init_from"]} if config.get("init_from") else {}),
-        **meter.throughput(),
-        "elapsed_s": round(elapsed, 3),
     }
+    summary.update(meter.clock.throughput())
     write_record(run, {"kind": "summary", **summary})
     shown = {k: (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}") if isinstance(v, float) else v for k, v in summary.items()}
     say(run, "summary " + " ".join(f"{k}={v}" for k, v in shown.items()))  # 51690 tokens/s, not 5.169e+04

@@ -226,7 +226,7 @@ from core.meter import Meter
 meter = Meter(torch.device("cpu"))
 one = torch.ones((), dtype=torch.float64)
 meter.add({"loss_sum": one, "count": one, "samples": one})  # the first optimizer step ends
-print(meter.throughput()["startup_s"])
+print(meter.clock.throughput()["startup_s"])
 """
 
 

@@ -405,7 +405,7 @@ def test_meter_samples_tokens_and_nonfinite():
     record = meter.read()
     assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(15.0)
     assert record["loss"] == 0.5 and "acc" not in record
-    assert meter.throughput()["startup_s"] >= 0 and meter.trained["samples"] == 4  # one timed step of 4
+    assert meter.clock.throughput()["startup_s"] >= 0 and meter.clock.trained["samples"] == 4  # one timed step of 4
     meter.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
     record = meter.read()
     assert math.isnan(record["loss"]) and record["acc"] == 0.75 and "tokens_per_s" not in record  # null in the record

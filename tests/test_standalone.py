@@ -136,15 +136,15 @@ def test_copy_is_one_whole_file(project, name, variant):
 # (DESIGN.md) are 450 code lines and 650 in all for ddp, 750 code lines for every other: what the copies still
 # carry over them is listed in docs/copying-and-checking.md.
 SIZES = {
-    "ddp": (1467, 1053),
-    "ddp_amp": (1840, 1318),
-    "ddp_monitored": (2040, 1506),
-    "dp": (1439, 1033),
-    "fsdp": (2156, 1536),
-    "fsdp_tp": (2420, 1755),
-    "pipeline": (2016, 1455),
-    "pipeline_naive": (1620, 1156),
-    "tensor_parallel": (2384, 1722),
+    "ddp": (1339, 936),
+    "ddp_amp": (1712, 1201),
+    "ddp_monitored": (1913, 1390),
+    "dp": (1311, 916),
+    "fsdp": (2066, 1452),
+    "fsdp_tp": (2330, 1671),
+    "pipeline": (1926, 1371),
+    "pipeline_naive": (1492, 1039),
+    "tensor_parallel": (2294, 1638),
 }
 BUDGET = {"ddp": (650, 450)}  # every other recipe: 750 code lines
 
@@ -275,11 +275,14 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
             assert f"unread {job['label']} []" in proc.stdout, f"{name} {job['label']}: " + proc.stdout
     assert proc.stdout.count("summary ") == len(jobs)
     # a copy records what it built: one without --model names no model (not the default the owner may have
-    # replaced in its build lines), in config.json and in the weights' header
+    # replaced in its build lines), in the weights' header and in config.json (`records`: the lean copy writes none)
     lean = tmp_path / "lean" / f"{name}-1"
     with safe_open(lean / "model.safetensors", "pt") as weights:
         assert "model" not in weights.metadata()
-    assert not {"model", "data"} & set(json.loads((lean / "config.json").read_text()))
+    assert not (lean / "config.json").exists() and not (lean / ".lock").exists()
+    if name == "ddp":
+        records = tmp_path / "records" / f"{name}-1" / "config.json"
+        assert not {"model", "data"} & set(json.loads(records.read_text()))
     for copied, packaged in pairs:
         mine = load_file(tmp_path / copied / f"{name}-1" / "model.safetensors")
         theirs = load_file(tmp_path / packaged / f"{name}-1" / "model.safetensors")
@@ -469,10 +472,10 @@ def test_a_feature_in_what_a_function_returns_is_refused():
 
 @pytest.mark.fast
 def test_with_names_the_valid_features_in_one_line(tmp_path):
-    bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,lock,meter"])
+    bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,wandb,clock"])
     assert bad.exit_code == 2 and not (tmp_path / "a.py").exists()
-    valid = "all, init_from, hf, loss, fast_writer, old_checksums, factories"
-    assert f"--with lock,meter: choose from {valid}" in bad.output
+    valid = "all, init_from, hf, loss, fast_writer, old_checksums, lock, records, checks, meter, factories"
+    assert f"--with clock,wandb: choose from {valid}" in bad.output
     alone = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "b.py"), "--with", "hf"])
     assert alone.exit_code == 2 and "--with: only a --standalone copy leaves features out" in alone.output
 
@@ -503,3 +506,27 @@ def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bi
     path.write_bytes(bytes(data))
     with pytest.raises(RecipeError, match="tensor model/w does not match its checksum"):
         verify(path, read_header(path), load_file(path))
+
+
+def test_a_lean_copy_refuses_another_global_batch_and_only_checks_takes_the_rest(project):
+    """Without `checks` a copy still refuses another global batch (it would silently train another run); another
+    --lr is refused by the copy with `checks` and the package, not by the lean copy, whose header says so."""
+    import runpy
+
+    from core.folder import check_continues
+
+    lean = runpy.run_path(str(project / "project" / "ddp.py"), run_name="lean_copy")
+    checked = runpy.run_path(str(project / "project" / "ddp_with_checks.py"), run_name="checks_copy")
+    config = {"recipe": "ddp", "world_size": 2, "global_batch": 64, "batch_size": 32, "lr": 0.001, "seed": 0}
+    saved = {**config, "lr": 0.002}
+    meta = {"recipe": "ddp", "global_batch": "64", "world_size": "2", "config": json.dumps(saved)}
+    for copy in (lean, checked):
+        with pytest.raises(copy["RecipeError"], match="saved with global batch 32 .* use --batch-size 16 at 2"):
+            copy["check_continues"](Path("c"), {**meta, "global_batch": "32"}, config, dp=2)
+    lean["check_continues"](Path("c"), meta, config, dp=2)  # another --lr: the lean copy takes it
+    with pytest.raises(checked["RecipeError"], match="--lr 0.002 -> 0.001"):
+        checked["check_continues"](Path("c"), meta, config, dp=2)
+    with pytest.raises(Exception, match="--lr 0.002 -> 0.001"):
+        check_continues(Path("c"), meta, config, dp=2)
+    header = (project / "project" / "ddp.py").read_text().replace("\n# ", " ")
+    assert "another --lr, --seed, --epochs or --max-steps (options that shape training)" in header

@@ -2,8 +2,9 @@
 
 A feature is the options that steer it (Config fields, or whole option groups) and the core code only it calls.
 Left out, the generator takes out of the recipe and of every core function it inlines:
-  - each statement that touches the feature alone (reads one of its options, calls its code, or uses a name
-    such a statement bound), with the `if`/`for` whose condition is the feature's;
+  - each statement that touches the feature alone (reads one of its options, calls its code, reads or sets an
+    attribute only it has, such as `meter.clock`, or uses a name such a statement bound), with the `if`/`for`
+    whose condition is the feature's;
   - the `with` whose context is the feature's, keeping its body;
   - its option group among the Config's bases, and its fields where a Config declares them again;
   - a build call the feature steers (`models.build_model(cfg.model)`) becomes the recipe's default, called
@@ -31,6 +32,7 @@ class Feature:
     # (call, option, what replaces it ({}: the default's function), the comment its line gets)
     builds: tuple[tuple[str, str, str, str], ...] = ()
     swaps: tuple[tuple[str, str], ...] = ()  # (module.name, module.name): what a copy without it calls instead
+    attrs: tuple[str, ...] = ()  # attributes only the feature reads or sets (`meter.clock`), wherever they are
 
     def options(self) -> set[str]:
         found = set(self.fields)
@@ -69,6 +71,37 @@ FEATURES = {
             "old_checksums",
             "the reader of the old blocksum64-crc32 checksums (checkpoints written before XXH3)",
             calls=("core.checksum._OLD_PREFIX", "core.checksum.blocksum64_crc32"),
+        ),
+        Feature(
+            "lock",
+            "the run folder's lock (RUN/.lock): two jobs that write one run folder are not refused",
+            calls=("core.folder.take_lock",),
+        ),
+        Feature(
+            "records",
+            "RUN/config.json and the repair of a torn last line of metrics.jsonl (a kill mid-write)",
+            calls=("core.folder.write_config", "core.records.repair_records"),
+        ),
+        Feature(
+            "checks",
+            "the resume checks past the global batch and the checksums: a checkpoint of another recipe, precision or "
+            "model, resumed with another --lr, --seed, --epochs or --max-steps (options that shape training), or "
+            "holding NaN, inf or a negative average of squares, is not refused in one line; a torch.save file is "
+            "said to be unreadable",
+            calls=(
+                "core.folder.check_layout",
+                "core.folder.check_options",
+                "core.ckpt.check_shapes",
+                "core.dcp.check_shapes",
+                "core.ckpt_io.check_values",
+                "core.ckpt.refuse_pickle",
+            ),
+        ),
+        Feature(
+            "meter",
+            "the training clock: samples_per_s, tokens_per_s, startup_s and elapsed_s (the loss and accuracy stay)",
+            calls=("core.meter.Clock",),
+            attrs=("clock",),
         ),
         Feature(
             "factories",
@@ -191,6 +224,8 @@ class _Drop:
                     if any(q == c or c.endswith(".") and q.startswith(c) for c in f.calls)
                 }
                 found |= {f.name for f in FEATURES.values() if q in f.groups}
+            if isinstance(node, ast.Attribute):
+                found |= {f.name for f in FEATURES.values() if node.attr in f.attrs}
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
                 found |= {f for f, options in self.options.items() if node.attr in options}
             todo.extend(ast.iter_child_nodes(node))
@@ -259,14 +294,14 @@ class _Drop:
             for block in blocks:
                 self.block(block, tainted)
             return False
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):  # its body stays, one level out (a yield in it too)
+            self._unwrap(stmt)
+            self.block(stmt.body, tainted)
+            return False
         if isinstance(stmt, (ast.Return, ast.Raise)) or any(
             isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(stmt)
         ):
             raise StandaloneError(f"{self.where(stmt)}: the feature {feature} is part of what the function returns")
-        if isinstance(stmt, (ast.With, ast.AsyncWith)):  # its body stays, one level out
-            self._unwrap(stmt)
-            self.block(stmt.body, tainted)
-            return False
         if getattr(stmt, "orelse", None) or getattr(stmt, "handlers", None):
             raise StandaloneError(f"{self.where(stmt)}: the feature {feature} steers a statement with another branch")
         others = self.touches([stmt], tainted) - {feature}
