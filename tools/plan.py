@@ -151,7 +151,7 @@ def _notes(name: str, layout, order) -> tuple[str, ...]:
     from tools.plan_layout import gathered_bytes, in_flight
 
     if name in ("fsdp", "fsdp_tp"):
-        return (f"a block gathered at once: {gathered_bytes(layout.model) / GIB:.3g} GiB",)
+        return (f"the largest unit gathered at once: {gathered_bytes(layout.model) / GIB:.3g} GiB",)
     if name == "pipeline":
         count = max(mb for _, _, mb in order) + 1
         return (f"micro-batches in flight: {in_flight(order)} of {count}",)
