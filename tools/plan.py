@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
     reason = unplannable(name, cfg)
     if reason:
         raise RecipeError(f"plan: cannot plan {reason}")
+    _recipe_check(name, cfg, world_size=world_size)
     if name in ("dp", "pipeline_naive") and world_size != 1:
         raise RecipeError(f"--nproc {world_size}: {name} runs one process; plan it with --nproc 1")
     if torch.distributed.is_initialized():
@@ -72,6 +74,22 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
     }  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
     ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
     return Plan(name, world_size, ranks)
+
+
+def _recipe_check(name: str, cfg, *, world_size: int) -> None:
+    """The recipe's own structural checks (mesh sizes, heads and stages, the model's plan) at this world size,
+    which they read from WORLD_SIZE as the launchers set it: a layout the run would refuse is never planned."""
+    from tools.registry import RECIPES
+
+    module = RECIPES[name].load()
+    if not hasattr(module, "check"):
+        return
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        module.check(cfg)
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
 
 
 def first_batch(cfg):
