@@ -86,14 +86,24 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
     elif own is not None and loss.spec == "auto":  # the model's own: a dict with labels, a `targets` forward
         mean = own
     else:
-        mean = cross_entropy(logits, targets, spec=loss.spec)
+        mean = cross_entropy(logits, targets, spec=loss.spec, labels=isinstance(batch, Mapping))
     known = shift is not None or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)
     samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))
 
 
-def cross_entropy(logits: torch.Tensor | None, targets: torch.Tensor | None, *, spec: str) -> torch.Tensor:
-    """Mean cross-entropy of logits[..., t, :] against targets[..., t] over the counted targets (not -100)."""
+def cross_entropy(
+    logits: torch.Tensor | None, targets: torch.Tensor | None, *, spec: str, labels: bool = False
+) -> torch.Tensor:
+    """Mean cross-entropy of logits[..., t, :] against targets[..., t] over the counted targets (not -100).
+    labels: the targets are a dict sample's `labels`, which only the model knows whether to shift."""
+    if labels and logits is not None and logits.dim() > 2:
+        raise RecipeError(
+            f"--loss {spec}: a dict sample's `labels` follow transformers' convention (a causal LM's own loss "
+            f"compares logits[t] with labels[t + 1]), so cross-entropy of logits[t] against labels[t] would train "
+            f"another task: use --loss auto with a model that computes its loss from `labels`, or give (input, "
+            f"target) samples whose target is aligned with the output"
+        )
     if logits is None or targets is None or targets.is_floating_point():
         got = "no logits" if logits is None else "no targets" if targets is None else f"{targets.dtype} targets"
         raise RecipeError(

@@ -75,7 +75,7 @@ def _auto(outputs, targets, batch) -> torch.Tensor:
             f"--loss auto: the model returned {type(outputs).__name__} (no logits) or the batch has no "
             f"targets; return logits, or use --loss model or a module:function loss"
         )
-    return cross_entropy(logits, targets, spec="auto")
+    return cross_entropy(logits, targets, spec="auto", labels=isinstance(batch, Mapping))
 
 
 def _mse(outputs, targets, batch, *, spec: str) -> torch.Tensor:

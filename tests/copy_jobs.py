@@ -5,8 +5,9 @@
 JOBS.json is a list of {"label", "copy": PATH} or {"label", "recipe": NAME}, each with "args". Every rank runs
 the jobs in order, in one process group made once (a run's init_pg finds it joined and its cleanup leaves it
 for the next run), so the launch and the imports are paid once for many runs. While the copies run, importing
-`core` or `recipes` raises: a copy that still needs the package fails loudly. Each job ends with a line
-`job LABEL exit CODE` on stdout.
+`core` or `recipes` raises: a copy that still needs the package fails loudly. A copy runs its own parser and
+main() with a Config that records which options the run reads (the options walk of tests/test_options.py);
+rank 0 prints `unread LABEL [names]`. Each job ends with a line `job LABEL exit CODE rank R` on stdout.
 """
 
 import importlib.abc
@@ -14,8 +15,37 @@ import json
 import os
 import runpy
 import sys
+import traceback
 
 import torch.distributed as dist
+
+
+def recording(config):
+    """A builder of `config` (a dataclass) whose instances record which fields are read (`_read`); reads by
+    to_dict() (config.json's dump) do not count."""
+
+    class Recording(config):
+        def __getattribute__(self, name):
+            if not object.__getattribute__(self, "_muted"):
+                object.__getattribute__(self, "_read").add(name)
+            return object.__getattribute__(self, name)
+
+        def to_dict(self):
+            object.__setattr__(self, "_muted", True)
+            try:
+                return super().to_dict()
+            finally:
+                object.__setattr__(self, "_muted", False)
+
+    def build(**values):
+        cfg = Recording.__new__(Recording)
+        object.__setattr__(cfg, "_muted", True)
+        object.__setattr__(cfg, "_read", set())
+        config.__init__(cfg, **values)
+        object.__setattr__(cfg, "_muted", False)
+        return cfg
+
+    return build
 
 
 class _Exit(BaseException):  # a run's os._exit(code), caught here: the next job goes on
@@ -35,6 +65,17 @@ def _exit(code: int = 0):
     raise _Exit(code)
 
 
+def _copy(job: dict, rank: int) -> None:
+    """The copy's parser, then its main() on a recording Config: the walk rides on the training run."""
+    copy = runpy.run_path(job["copy"], run_name="standalone_copy")
+    parsed, _ = copy["parse_args"](copy["Config"], job["args"])
+    fields = set(copy["Config"].__dataclass_fields__)
+    cfg = recording(copy["Config"])(**{f: getattr(parsed, f) for f in fields})
+    copy["main"](cfg)
+    if rank == 0:
+        print(f"unread {job['label']} {sorted(fields - cfg._read)}", flush=True)
+
+
 def main() -> None:
     jobs = json.loads(open(sys.argv[1]).read())
     rank = int(os.environ.get("RANK", "0"))
@@ -46,19 +87,22 @@ def main() -> None:
     for job in jobs:
         if "recipe" in job and blocked in sys.meta_path:
             sys.meta_path.remove(blocked)
-        sys.argv = [job.get("copy", "recipes"), *(["run", job["recipe"]] if "recipe" in job else []), *job["args"]]
         code = 0
         try:
             if "copy" in job:
-                runpy.run_path(job["copy"], run_name="__main__")
+                _copy(job, rank)
             else:
                 from tools.cli import main as package
 
+                sys.argv = ["recipes", "run", job["recipe"], *job["args"]]
                 package()
         except _Exit as done:
             code = done.code
         except SystemExit as done:
             code = done.code or 0
+        except Exception:  # the job's traceback; the next job goes on
+            traceback.print_exc()
+            code = 1
         print(f"job {job['label']} exit {code} rank {rank}", flush=True)
     dist.barrier()
     destroy()

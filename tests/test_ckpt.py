@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from core import ckpt, weights
 from core.ckpt_io import list_checkpoints
 from core.records import RunFolder
-from helpers import REPO, run, torchrun, user_env
+from helpers import REPO, run, torchrun, unfinished, user_env
 from tiny import TiedMLP
 
 TESTS = str(Path(__file__).parent)
@@ -273,8 +274,14 @@ def test_bad_checkpoint_file_is_one_line_and_nothing_is_overwritten(finished_run
     assert _digest(finished_run) == before and not (tmp_path / "ddp-1").exists()
 
 
+def _stopped_copy(finished_run: Path, tmp_path: Path) -> Path:
+    """A copy of the shared run as if its job had died before the end (a finished run, resumed, checks nothing)."""
+    return unfinished(Path(shutil.copytree(finished_run, tmp_path / "stopped" / finished_run.name)))
+
+
 def test_checkpoint_of_another_model_names_the_keys(finished_run, tmp_path):
-    before = _digest(finished_run)
+    stopped = _stopped_copy(finished_run, tmp_path)
+    before = _digest(stopped)
     proc = run(
         [
             str(REPO / "launch_single_node.sh"),
@@ -282,7 +289,7 @@ def test_checkpoint_of_another_model_names_the_keys(finished_run, tmp_path):
             "--model",
             "mlp",
             "--resume",
-            str(finished_run / "ckpt" / "step-000030.safetensors"),
+            str(stopped / "ckpt" / "step-000030.safetensors"),
         ],
         cwd=tmp_path,
         check=False,
@@ -292,10 +299,11 @@ def test_checkpoint_of_another_model_names_the_keys(finished_run, tmp_path):
     assert line.startswith("error: ") and "holds another model" in line and "Traceback" not in proc.stderr
     assert "missing keys: blocks.2.0.bias" in line and "unexpected keys: blocks.2.bias" in line
     assert "shape mismatches: blocks.0.0.bias (32,) vs (1024,)" in line
-    assert _digest(finished_run) == before
+    assert _digest(stopped) == before
 
 
 def test_checkpoint_of_another_global_batch_is_refused(finished_run, tmp_path):
+    stopped = _stopped_copy(finished_run, tmp_path)
     proc = run(
         [
             sys.executable,
@@ -306,7 +314,7 @@ def test_checkpoint_of_another_global_batch_is_refused(finished_run, tmp_path):
             "--model",
             "tiny:mlp",
             "--resume",
-            str(finished_run / "ckpt" / "step-000010.safetensors"),
+            str(stopped / "ckpt" / "step-000010.safetensors"),
         ],
         cwd=tmp_path,
         check=False,

@@ -568,3 +568,20 @@ def test_the_base_never_imports_the_opt_in():
     tree = ast.parse(inspect_.getsource(core.loss))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "core.loss_options" not in imported and "core.exact_loss" not in imported
+
+
+@pytest.mark.fast
+def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
+    """A dict's `labels` follow transformers' convention: only the model knows whether it shifts them (a causal LM
+    does, a token classifier does not). --loss ce on a GPT-2 would compare logits[t] with labels[t], the identity
+    when labels = input_ids: refused in one line naming auto and pairs. A classifier's (B, classes) logits are not
+    sequences: ce stays."""
+    model, batch = gpt2(), lm_batch([8, 4], seed=3)
+    with pytest.raises(RecipeError, match=r"--loss ce: a dict sample's `labels` follow transformers' convention") as e:
+        forward(model, batch, loss_for("ce", model))
+    assert "--loss auto" in str(e.value) and "(input, target) samples" in str(e.value) and "\n" not in str(e.value)
+    classifier = bert()
+    ids = torch.randint(V, (4, T))
+    labelled = {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 1])}
+    mean, _ = forward(classifier, labelled, loss_for("ce", classifier))
+    torch.testing.assert_close(mean, F.cross_entropy(classifier(input_ids=ids).logits, labelled["labels"]))

@@ -11,6 +11,7 @@ import re
 import sys
 
 import pytest
+from copy_jobs import recording
 
 from core import dist
 from core.config import RecipeError, UsageError, parse_args
@@ -99,33 +100,6 @@ def test_a_bad_value_under_the_launcher_leaves_no_folder(tmp_path):
 
 
 # --- the walk: every option of every recipe is read by its run ----------------------------------------------
-
-
-def recording(config):
-    """A subclass of `config` that records which fields are read (config.json's dump does not count)."""
-
-    class Recording(config):
-        def __getattribute__(self, name):
-            if not object.__getattribute__(self, "_muted"):
-                object.__getattribute__(self, "_read").add(name)
-            return object.__getattribute__(self, name)
-
-        def to_dict(self):
-            object.__setattr__(self, "_muted", True)
-            try:
-                return super().to_dict()
-            finally:
-                object.__setattr__(self, "_muted", False)
-
-    def build(**values):
-        cfg = Recording.__new__(Recording)
-        object.__setattr__(cfg, "_muted", True)
-        object.__setattr__(cfg, "_read", set())
-        config.__init__(cfg, **values)
-        object.__setattr__(cfg, "_muted", False)
-        return cfg
-
-    return build
 
 
 WALK = {  # small runs that take every code path an option steers: checkpoints, evaluation, the logs

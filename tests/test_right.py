@@ -35,7 +35,7 @@ TWO = [  # recipe, model, data: every sample shape a recipe takes, with the mode
     *[(r, "gpt2", d) for r in ("ddp", "ddp_amp", "ddp_monitored", "fsdp") for d in ("pairs", "dicts")],
     *[(r, "nanogpt", d) for r in ("ddp", "ddp_amp", "ddp_monitored", "fsdp") for d in ("pairs", "padded_pairs")],
     *[(r, "gpt", "padded_pairs") for r in ("ddp", "ddp_amp", "ddp_monitored", "fsdp")],
-    *[(r, "llama", "triples") for r in ("ddp", "ddp_amp", "fsdp")],
+    *[(r, "llama", "triples") for r in ("ddp", "ddp_amp", "ddp_monitored", "fsdp")],
     *[(r, "llama", d) for r in ("tensor_parallel", "fsdp_tp") for d in ("pairs", "dicts", "triples")],
     *[(r, "gpt", "padded_pairs") for r in ("tensor_parallel", "fsdp_tp")],
     *[("pipeline", "gpt", d) for d in ("pairs", "padded_pairs")],
@@ -134,7 +134,7 @@ def test_every_recipe_and_sample_shape_is_proven():
     cases = TWO + ONE
     assert {r for r, _, _ in cases} == set(RECIPES)
     shapes = {"pairs", "padded_pairs", "triples", "dicts"}
-    for recipe in ("ddp", "ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp", "dp"):
+    for recipe in ("ddp", "ddp_amp", "ddp_monitored", "fsdp", "tensor_parallel", "fsdp_tp", "dp"):
         assert {d for r, _, d in cases if r == recipe} == shapes, recipe
     lm = {r for r, m, d in cases if m in ("gpt2", "llama") and d == "pairs"}
     assert lm == set(RECIPES) - {"pipeline", "pipeline_naive"}  # those two take block models (model.blocks) only

@@ -12,7 +12,6 @@ import ast
 import json
 import os
 import re
-import runpy
 import shutil
 import subprocess
 import sys
@@ -128,23 +127,24 @@ def test_copy_is_one_whole_file(project, name, variant):
     assert f"`python -m recipes run {name}` has them" in header and "# Left out: the pre-launch checks" in header
     have = features_of(RECIPES[name].load().Config)
     kept = have if variant == "all" else [variant] if variant else []
+    flat = header.replace("\n# ", " ")  # the header's lines are wrapped at 118 columns
     for feature in have:  # what it left out, each with the --with that brings it back
-        assert (f"`--with {feature}` adds it" in header) == (feature not in kept), (feature, header)
+        assert (f"`--with {feature}` adds it" in flat) == (feature not in kept), (feature, header)
 
 
 # Each lean copy's lines and code lines (tools.standalone.copy_size) as reached, held here; the budgets
 # (DESIGN.md) are 450 code lines and 650 in all for ddp, 750 code lines for every other: what the copies still
 # carry over them is listed in docs/copying-and-checking.md.
 SIZES = {
-    "ddp": (1521, 1110),
-    "ddp_amp": (1893, 1375),
-    "ddp_monitored": (2098, 1567),
-    "dp": (1493, 1090),
-    "fsdp": (2210, 1594),
-    "fsdp_tp": (2474, 1813),
-    "pipeline": (2020, 1465),
-    "pipeline_naive": (1675, 1214),
-    "tensor_parallel": (2438, 1780),
+    "ddp": (1467, 1053),
+    "ddp_amp": (1840, 1318),
+    "ddp_monitored": (2040, 1506),
+    "dp": (1439, 1033),
+    "fsdp": (2156, 1536),
+    "fsdp_tp": (2420, 1755),
+    "pipeline": (2016, 1455),
+    "pipeline_naive": (1620, 1156),
+    "tensor_parallel": (2384, 1722),
 }
 BUDGET = {"ddp": (650, 450)}  # every other recipe: 750 code lines
 
@@ -160,6 +160,15 @@ def test_copy_size_is_held(project, name):
     )
     all_lines, all_code = copy_size((project / "project" / f"{name}_all.py").read_text())
     assert all_code >= code and (all_code > code) == bool(features_of(RECIPES[name].load().Config))
+
+
+@pytest.mark.xfail(strict=True, reason="the budgets are not met yet (docs/copying-and-checking.md says what is over)")
+@pytest.mark.parametrize("name", recipe_params(NAMES))
+def test_copy_meets_its_budget(project, name):
+    """DESIGN.md's budgets: strict, so the day a lean copy fits, this test says so and its marker goes."""
+    lines, code = copy_size((project / "project" / f"{name}.py").read_text())
+    budget = BUDGET.get(name, (10**6, 750))
+    assert lines <= budget[0] and code <= budget[1]
 
 
 def test_ddp_copy_holds_no_run_object_no_threads_no_dtensor_no_source_inspection(project):
@@ -204,25 +213,41 @@ def _options(help_text: str) -> list[str]:
     return [m[1] for m in re.finditer(r"^  (?:-\w, )?(--[\w-]+)", help_text, re.M) if m[1] != "--help"]
 
 
+def _options_of(name: str, variant: str) -> set[str]:
+    """The options of recipe `name`'s copy `variant` ("" lean, "all", or one feature)."""
+    fields = set(RECIPES[name].load().Config.__dataclass_fields__)
+    left_out = [f for f in features_of(RECIPES[name].load().Config) if variant not in ("all", f)]
+    return fields - {o for f in left_out for o in FEATURES[f].options()}
+
+
+def _args(name: str, variant: str, *extra: str) -> list[str]:
+    """TRAIN_ARGS and the options walk's (tests/test_options.py: every code path an option steers) that this
+    variant takes: a checkpoint and a record at every step, trackers, the recipe's own. Not --tp or --pp 1: the
+    copies run on the recipe's layout."""
+    from test_options import WALK
+
+    options = _options_of(name, variant)
+    walk = {"ckpt_every": 1, "log_every": 1, "log_to": "tensorboard", **WALK.get(name, {})}
+    walk = {k: v for k, v in walk.items() if k in options and k not in ("tp", "pp")}
+    return [*TRAIN_ARGS, *[a for k, v in walk.items() for a in ("--" + k.replace("_", "-"), str(v))], *extra]
+
+
 def _jobs(name: str, out: Path, copies: Path) -> tuple[list[dict], list[tuple[str, str]]]:
-    """The runs of one launch (the copies, then the packaged recipe) and the pairs whose weights must be equal."""
+    """The runs of one launch (the copies, then the packaged recipe) and the pairs whose weights must be equal:
+    each copy against the package run with the same options (the package takes them all)."""
     user = USER_ARGS.get(name, [])
-    jobs = [
-        {"label": "lean", "copy": str(copies / f"{name}.py"), "args": TRAIN_ARGS},  # its own model and data
-        {"label": "all", "copy": str(copies / f"{name}_all.py"), "args": [*TRAIN_ARGS, *user]},
-    ]
-    pairs = [("lean", "package"), ("all", "package_user" if user else "package")]
+    init = ["--init-from", str(out / "lean" / f"{name}-1" / "model.safetensors")]  # the lean run's weights
+    variants = {"lean": ("", []), "all": ("all", user)}
     if name == "ddp":  # each feature alone: factories on the user's model, init_from from the lean run's weights
-        init = ["--init-from", str(out / "lean" / "ddp-1" / "model.safetensors")]
         extra = {"factories": user, "init_from": init}
-        for feature in features_of(RECIPES[name].load().Config):
-            args = [*TRAIN_ARGS, *extra.get(feature, [])]
-            jobs.append({"label": feature, "copy": str(copies / f"{_stem(name, feature)}.py"), "args": args})
-            pairs.append((feature, {"factories": "package_user", "init_from": "package_init"}.get(feature, "package")))
-        jobs.append({"label": "package_init", "recipe": name, "args": [*TRAIN_ARGS, *init]})
-    jobs.append({"label": "package", "recipe": name, "args": TRAIN_ARGS})
-    if user:
-        jobs.append({"label": "package_user", "recipe": name, "args": [*TRAIN_ARGS, *user]})
+        variants |= {f: (f, extra.get(f, [])) for f in features_of(RECIPES[name].load().Config)}
+    jobs, pairs, packaged = [], [], {}
+    for label, (variant, extra) in variants.items():
+        args = _args(name, variant, *extra)
+        jobs.append({"label": label, "copy": str(copies / f"{_stem(name, variant)}.py"), "args": args})
+        package_args = _args(name, "all", *extra)
+        pairs.append((label, packaged.setdefault(tuple(package_args), f"package_{len(packaged)}")))
+    jobs += [{"label": label, "recipe": name, "args": list(args)} for args, label in packaged.items()]
     for job in jobs:
         job["args"] = [*job["args"], "--out", str(out / job["label"])]
     return jobs, pairs
@@ -231,7 +256,8 @@ def _jobs(name: str, out: Path, copies: Path) -> tuple[list[dict], list[tuple[st
 @pytest.mark.parametrize("name", recipe_params(NAMES))
 def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
     """One launch per recipe: its lean copy, its --with all copy (and ddp's single-feature copies), then the
-    packaged recipe, each pair ending with the same weights bit for bit."""
+    packaged recipe, each pair ending with the same weights bit for bit; every copy's run reads every option it
+    takes (the walk rides on the run: tests/copy_jobs.py)."""
     copies = project / "project"
     nproc = min(_world_size((copies / f"{name}.py").read_text()), MAX_PROCS)
     jobs, pairs = _jobs(name, tmp_path, copies)
@@ -245,6 +271,8 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
     )
     for job in jobs:
         assert f"job {job['label']} exit 0 rank 0" in proc.stdout, proc.stdout + proc.stderr
+        if "copy" in job:  # the options walk on every copy variant: an option its run never reads is ignored
+            assert f"unread {job['label']} []" in proc.stdout, f"{name} {job['label']}: " + proc.stdout
     assert proc.stdout.count("summary ") == len(jobs)
     # a copy records what it built: one without --model names no model (not the default the owner may have
     # replaced in its build lines), in config.json and in the weights' header
@@ -258,26 +286,6 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
         assert mine.keys() == theirs.keys()
         for key in theirs:
             assert torch.equal(mine[key], theirs[key]), f"{name} ({copied}) on {nproc} processes: {key} differs"
-
-
-@pytest.mark.world
-@pytest.mark.parametrize("name,variant", VARIANTS)
-def test_every_option_of_every_copy_is_read(project, name, variant, tmp_path, monkeypatch):
-    """The options walk of tests/test_options.py on each copy variant, in this process (a world of one): a copy
-    that declares an option its run never reads would ignore it silently."""
-    from test_options import NEVER_READ_IN_ONE_PROCESS, recording, walk_values
-
-    monkeypatch.setenv("TDR_DEVICE", "cpu")
-    copy = runpy.run_path(str(project / "project" / f"{_stem(name, variant)}.py"), run_name="standalone_copy")
-    fields = set(copy["Config"].__dataclass_fields__)
-    cfg = recording(copy["Config"])(**walk_values(name, fields, tmp_path))
-    try:
-        copy["main"](cfg)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    unread = fields - cfg._read - NEVER_READ_IN_ONE_PROCESS
-    assert not unread, f"{name}'s copy ({variant or 'lean'}) takes options its run never reads: {sorted(unread)}"
 
 
 def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path):
@@ -443,8 +451,11 @@ def test_a_features_statements_go_with_its_if_and_its_with_keeps_its_body():
         "        weights.load_weights(model, cfg.init_from)\n"
         "    with hf.hf_model(model) as lender:\n"
         "        model = model.double()\n"
-        "    return model\n"
+        "    return model\n\n\n"
+        "class Holder:\n"
+        "    loss: int = 0  # a field named like an option, not declared as one: it stays\n"
     )
+    assert "    loss: int = 0" in text
     body = text[text.index("\ndef train(") :]
     assert "init_from" not in body and "load_weights" not in text and "hf_model" not in text
     assert "\n    model = model.double()\n    return model\n" in text
@@ -460,6 +471,35 @@ def test_a_feature_in_what_a_function_returns_is_refused():
 def test_with_names_the_valid_features_in_one_line(tmp_path):
     bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,lock,meter"])
     assert bad.exit_code == 2 and not (tmp_path / "a.py").exists()
-    assert "--with lock,meter: choose from all, init_from, hf, loss, factories" in bad.output
+    valid = "all, init_from, hf, loss, fast_writer, old_checksums, factories"
+    assert f"--with lock,meter: choose from {valid}" in bad.output
     alone = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "b.py"), "--with", "hf"])
     assert alone.exit_code == 2 and "--with: only a --standalone copy leaves features out" in alone.output
+
+
+@pytest.mark.fast
+def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bit(tmp_path):
+    """A lean copy writes with safetensors' own writer (core.ckpt_io.write_plain), the package with its own: the same
+    checksums, verified by the same reader; one flipped bit is refused naming the tensor."""
+    from core.ckpt_io import read_header, verify, write_plain, write_safetensors
+    from core.config import RecipeError
+
+    tensors = {
+        "model/w": torch.randn(3, 5),
+        "optim/0/exp_avg_sq": torch.rand(4, dtype=torch.float64),
+        "rng": torch.arange(7, dtype=torch.uint8),
+        "empty": torch.zeros(0),
+    }
+    for write in (write_safetensors, write_plain):
+        path = tmp_path / f"{write.__name__}.safetensors"
+        with open(path, "wb", buffering=0) as f:
+            write(f, tensors, {"step": "3"})
+        header, loaded = read_header(path), load_file(path)
+        verify(path, header, loaded)
+        assert header["__metadata__"]["step"] == "3" and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little") + header["model/w"]["data_offsets"][0]
+    data[start + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(RecipeError, match="tensor model/w does not match its checksum"):
+        verify(path, read_header(path), load_file(path))

@@ -112,7 +112,8 @@ def _explained(err: UsageError, name: str, config: type) -> UsageError:
     "features",
     default="",
     metavar="FEATURE,...",
-    help="with --standalone: the features to keep (init_from, hf, trackers, factories; all: every one the recipe has)",
+    help="with --standalone: the features to keep (init_from, hf, trackers, loss, fast_writer, old_checksums, "
+    "factories; all: every one the recipe has)",
 )
 def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, features: str = ""):
     """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone).

@@ -30,6 +30,7 @@ class Feature:
     calls: tuple[str, ...] = ()  # core code only the feature calls: module.name, or `module.` for all of it
     # (call, option, what replaces it ({}: the default's function), the comment its line gets)
     builds: tuple[tuple[str, str, str, str], ...] = ()
+    swaps: tuple[tuple[str, str], ...] = ()  # (module.name, module.name): what a copy without it calls instead
 
     def options(self) -> set[str]:
         found = set(self.fields)
@@ -59,6 +60,17 @@ FEATURES = {
             calls=("core.loss_options.",),
         ),
         Feature(
+            "fast_writer",
+            "the hand-written safetensors writer (checkpoints go through safetensors' own, one more copy of the "
+            "tensors in memory)",
+            swaps=(("core.ckpt_io.write_safetensors", "core.ckpt_io.write_plain"),),
+        ),
+        Feature(
+            "old_checksums",
+            "the reader of the old blocksum64-crc32 checksums (checkpoints written before XXH3)",
+            calls=("core.checksum._OLD_PREFIX", "core.checksum.blocksum64_crc32"),
+        ),
+        Feature(
             "factories",
             "--model and --data (built-in names or module:function factories; the copy builds its default model and "
             "data in two lines of train(): edit those for your own)",
@@ -73,9 +85,9 @@ FEATURES = {
 
 
 def features_of(config: type) -> list[str]:
-    """The features a recipe's Config has: those whose options it takes."""
+    """The features a recipe's Config has: those whose options it takes, and those with none (every recipe's)."""
     fields = set(config.__dataclass_fields__)
-    return [name for name, feature in FEATURES.items() if feature.options() & fields]
+    return [name for name, f in FEATURES.items() if f.options() & fields or not (f.options() or f.builds)]
 
 
 def parse_with(spec: str, *, config: type) -> set[str]:
@@ -101,25 +113,16 @@ def drop_features(source: bytes, *, module: str, off: set[str], defaults: dict[s
     tree = ast.parse(source)
     pass_ = _Drop(source, module=module, tree=tree, off=off, defaults=defaults)
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        own = any(_matches(f"{module}.{getattr(node, 'name', '')}", FEATURES[f].calls) for f in off)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not own:  # a feature's own code: not used
             pass_.function(node)
         elif isinstance(node, ast.ClassDef):
             pass_.klass(node)
-    text = _apply(source, pass_.edits)
     if pass_.imports:  # the defaults a build call now names, imported after the module's last top-level import
         last = max((n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
-        lines = text.splitlines(keepends=True)
-        shift = _line_shift(source, pass_.edits, last)
         added = "".join(f"from {m} import {f}\n" for m, f in sorted(pass_.imports))
-        lines.insert(last + shift, added)
-        text = b"".join(x if isinstance(x, bytes) else x.encode() for x in lines)
-    return text
-
-
-def _line_shift(source: bytes, edits: list, line: int) -> int:
-    """How many lines the edits before `line`'s end added (negative: removed)."""
-    starts = _starts(source)
-    return sum(new.count("\n") - source[b:e].count(b"\n") for b, e, new in edits if e <= starts[line])
+        pass_.edits.append((pass_.starts[last], pass_.starts[last], added))
+    return _apply(source, pass_.edits)
 
 
 def _starts(source: bytes) -> list[int]:
@@ -177,7 +180,7 @@ class _Drop:
             node = todo.pop()
             if id(node) in self.replaced:
                 continue
-            if isinstance(node, ast.Call) and self._build(node):
+            if isinstance(node, ast.Call) and self._build(node) or self._swap(node):
                 continue
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in tainted:
                 found.add(tainted[node.id])
@@ -207,6 +210,23 @@ class _Drop:
                     if b"#" not in self.source[end:line_end]:  # the line the owner edits says so
                         self.edits.append((line_end, line_end, f"  # {note}"))
                     self.replaced.add(id(call))
+                    return True
+        return False
+
+    def _swap(self, node) -> bool:
+        """A reference a left-out feature swaps for another name (write_safetensors -> write_plain)."""
+        if not isinstance(node, (ast.Name, ast.Attribute)) or not isinstance(node.ctx, ast.Load):
+            return False
+        q = self.qualname(node)
+        for feature in (FEATURES[f] for f in self.off):
+            for old, new in feature.swaps:
+                if q == old:
+                    module, _, name = new.rpartition(".")
+                    if module != self.module:
+                        self.imports.add((module, name))
+                    begin = self.at(node.lineno, node.col_offset)
+                    self.edits.append((begin, self.at(node.end_lineno, node.end_col_offset), name))
+                    self.replaced.add(id(node))
                     return True
         return False
 
@@ -305,10 +325,19 @@ class _Drop:
         for stmt in node.body:
             target = getattr(stmt, "target", None)
             name = target.id if isinstance(target, ast.Name) else None
-            if isinstance(stmt, ast.AnnAssign) and any(name in self.options[f] for f in self.off):
+            declared = isinstance(getattr(stmt, "value", None), ast.Call) and self.qualname(stmt.value.func) in _DECLARE
+            if isinstance(stmt, ast.AnnAssign) and declared and any(name in self.options[f] for f in self.off):
                 self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))
             elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.function(stmt)
+
+
+_DECLARE = ("core.config.option", "core.config.with_default")  # how an option is declared: only those fields go
+
+
+def _matches(name: str, calls: tuple[str, ...]) -> bool:
+    """`name` is one of `calls`, or in a module `calls` names whole (`core.hf.`)."""
+    return any(name == c or c.endswith(".") and name.startswith(c) for c in calls)
 
 
 def _blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
@@ -345,6 +374,9 @@ def _qualified_names(tree: ast.Module, module: str) -> dict[str, str]:
             }
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names[node.name] = f"{module}.{node.name}"
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # module constants (_OLD_PREFIX)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id: f"{module}.{t.id}" for t in targets if isinstance(t, ast.Name)}
     return names
 
 
