@@ -122,7 +122,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             mesh = parallel.build_mesh(topo, dims)
         with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             with _mesh_math_on_real_tensors():
-                layout = build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=check_model)
+                layout = _built(name, cfg, mesh=mesh, rank=rank, world_size=world_size, build=check_model)
             fake = _fake(batch, mode)
             micro_batches = [fake] * getattr(cfg, "accum", 1)
             order = None
@@ -142,6 +142,20 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             return dataclasses.replace(planned, notes=_notes(name, layout, order))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _built(name: str, cfg, *, mesh, rank: int, world_size: int, build):
+    """The layout on fake tensors, or one line naming the step of the build that fake tensors could not take."""
+    try:
+        return build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=build)
+    except RecipeError:
+        raise
+    except Exception as err:
+        what = f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
+        raise RecipeError(
+            f"plan: cannot build {name}'s layout of --model {cfg.model} on fake tensors ({what}); "
+            f"plan another layout of it, or measure a real step"
+        ) from None
 
 
 @contextlib.contextmanager
