@@ -24,59 +24,35 @@ slices from the saved chunks). All ranks must see the same folder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
-from core.checksum import checksum, checksum_matches
 from core.ckpt import START
-from core.ckpt_io import atomic_write
 from core.config import RecipeError
+from core.dcp_folder import (
+    DONE,
+    FORMAT,
+    damage,
+    extra_files,
+    file_checksums,
+    file_problems,
+    list_sharded,
+    read_info,
+    write_json,
+)
+from core.dcp_tensors import rng_tensors, root_module, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
 from core.records import RunFolder, release_new, say, write_record
 from core.weights import check_model_matches, model_part
 
-FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
-DONE = "checkpoint.json"
-STEP_DIR = re.compile(r"step-(\d+)")
-
-
 # --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
-
-
-def digest(info: dict) -> str:
-    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
-
-
-def read_info(path: Path) -> dict:
-    """checkpoint.json, checked whole (its own checksum); a RecipeError line when it isn't a good one."""
-    if (path / "ckpt").is_dir() or path.name == "ckpt":  # a run folder, or its ckpt folder: which step?
-        raise RecipeError(f"--resume {path}: a folder of checkpoints, not one; pass one of them, or --resume auto")
-    if path.is_file() and (path.parent / DONE).is_file():  # a file of a step folder: the folder is the checkpoint
-        raise RecipeError(f"--resume {path}: a file inside a sharded checkpoint; pass its folder: {path.parent}")
-    fix = f"resume from another step-N folder in {path.parent}"
-    try:
-        info = json.loads((path / DONE).read_text())
-        sealed = info.pop("self_checksum")
-    except (OSError, ValueError, KeyError, AttributeError) as err:
-        raise RecipeError(f"{path}: not a complete sharded checkpoint ({type(err).__name__}: {err}); {fix}") from None
-    if digest(info) != sealed:
-        raise RecipeError(f"{path / DONE}: its checksum does not match its contents (edited or corrupted); {fix}")
-    if info.get("format") != FORMAT:
-        raise RecipeError(
-            f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from a checkpoint "
-            f"written by this project's sharded save"
-        )
-    return info
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -88,58 +64,13 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     return {**info["metadata"], "world_size": str(info["world_size"]), "progress": json.dumps(info["progress"])}
 
 
-def list_sharded(ckpt_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints (step-N folders with a valid checkpoint.json) in ckpt_dir, oldest first."""
-    found = []
-    for path in Path(ckpt_dir).glob("step-*"):
-        if (m := STEP_DIR.fullmatch(path.name)) and path.is_dir():
-            try:
-                read_info(path)
-            except RecipeError:
-                continue  # incomplete or damaged: never picked
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
-
-
-def _file_problems(path: Path, info: dict, names: list[str], *, values: bool) -> list[str]:
-    """What is wrong with these shard files of the checkpoint, each problem naming the file.
-
-    Missing, unreadable, and (values=True) a tensor that does not match its checksum or holds NaN or inf."""
-    problems = []
-    for name in names:
-        try:
-            with safe_open(str(path / name), framework="pt") as f:  # checks the header and that no byte is missing
-                for key, want in info["checksums"][name].items() if values else ():
-                    t = f.get_tensor(key)
-                    if not checksum_matches(t, want):
-                        problems.append(f"tensor {key} in {name} does not match its checksum")
-                    elif t.is_floating_point() and not torch.isfinite(t).all():
-                        problems.append(f"tensor {key} in {name} holds NaN or inf")
-        except FileNotFoundError:
-            problems.append(f"shard file {name} is missing")
-        except Exception as err:  # noqa: BLE001 a truncated or unreadable file
-            problems.append(f"shard file {name} is unreadable ({type(err).__name__}: {' '.join(str(err).split())})")
-    return problems
-
-
-def _damage(path: Path, problems: list[str]) -> str:
-    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-    fix = f"resume from an older step-N folder in {path.parent} (--resume auto skips damaged ones)"
-    return f"{path}: {problems[0]}{more}; the checkpoint is damaged: {fix}"
-
-
-def _extra_files(path: Path, info: dict) -> list[str]:
-    extra = sorted({p.name for p in path.glob("*.safetensors")} - set(info["checksums"]))  # DCP would read them too
-    return [f"{name} is not one of its files" for name in extra[:1]]
-
-
 def newest_good(run_dir: Path) -> Path | None:
     """The newest checkpoint of RUN/ckpt whose checkpoint.json and every shard read back whole and undamaged.
 
     Rank 0 reads them all; a newer one is passed over in a warning line that names what is wrong."""
     for path in reversed(list_sharded(Path(run_dir) / "ckpt")):
         info = read_info(path)
-        problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=True)
+        problems = extra_files(path, info) + file_problems(path, info, sorted(info["checksums"]), values=True)
         if not problems:
             return path
         why = f"damaged ({problems[0]})"
@@ -154,87 +85,15 @@ def check_shapes(path: str | os.PathLike, model: nn.Module) -> None:
     are checked at load."""
     path = Path(path)
     info = read_info(path)
-    problems = _extra_files(path, info) + _file_problems(path, info, sorted(info["checksums"]), values=False)
+    problems = extra_files(path, info) + file_problems(path, info, sorted(info["checksums"]), values=False)
     if problems:
-        raise RecipeError(_damage(path, problems))
+        raise RecipeError(damage(path, problems))
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     fix = "resume with the --model it was trained with, or start a new run"
     check_model_matches(path, {k: tuple(v) for k, v in info["shapes"].items()}, expected, fix=fix)
 
 
 # --- writing and reading the shards (collectives) ----------------------------------------------------------------
-
-
-def _root(model: nn.Module | list[nn.Module]) -> nn.Module:
-    """One module for several pipeline stages of a rank, their blocks under their own names."""
-    if isinstance(model, nn.Module):
-        return model
-    root, blocks = nn.Module(), nn.Module()
-    for stage in model:
-        for name, block in stage.blocks.named_children():
-            blocks.add_module(name, block)
-    root.add_module("blocks", blocks)
-    return root
-
-
-def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    """The model's whole shapes (DTensor.shape is the whole tensor's), merged over ranks: a collective."""
-    mine = {k: list(v.shape) for k, v in model_part(tensors).items()}
-    return {k: v for shapes in all_gather_object(mine) for k, v in shapes.items()}
-
-
-def _train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """Flat tensors for DCP, the optimizer's param groups and its non-tensor per-parameter state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict  # here: only sharded recipes load DCP
-
-    model_sd, optim_sd = get_state_dict(_root(model), optimizer)
-    tensors = {f"model/{k}": v for k, v in model_sd.items()}
-    scalars = {}
-    for fqn, state in optim_sd["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim/{fqn}/{name}"] = value
-            else:
-                scalars[f"{fqn}/{name}"] = value
-    return tensors, optim_sd["param_groups"], scalars
-
-
-def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors with each storage once: a tied weight under its first name only.
-
-    A tied weight: lm_head and the embedding. safetensors refuses shared memory; loading into that one fills the
-    other names, which share its storage."""
-    out, seen = {}, set()
-    for key, value in tensors.items():
-        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
-        where = (
-            (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) if local.numel() else key
-        )
-        if where not in seen:
-            out[key] = value
-        seen.add(where)
-    return out
-
-
-def _rng_tensors() -> dict[str, torch.Tensor]:
-    """This rank's generators, under its rank."""
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {f"rng/{dist.get_rank()}/{kind}": state for kind, state in ({"cpu": torch.get_rng_state()} | cuda).items()}
-
-
-def _file_checksums(folder: Path) -> dict[str, dict[str, str]]:
-    """{file: {key: checksum}} of this rank's own safetensors file(s) in `folder`, read back from disk."""
-    name = re.compile(rf"shard-{dist.get_rank() + 1:05d}-model-\d+-of-\d+\.safetensors")
-    out = {}
-    for path in sorted(p for p in folder.iterdir() if name.fullmatch(p.name)):
-        with safe_open(str(path), framework="pt") as f:
-            out[path.name] = {key: checksum(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
-    return out
-
-
-def _write_json(path: Path, info: dict) -> None:
-    text = json.dumps({**info, "self_checksum": digest(info)}, indent=1, sort_keys=True)
-    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _first_os_error(err: BaseException, where: Path) -> BaseException:
@@ -277,13 +136,14 @@ def save_sharded(
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
     dist.barrier()
-    tensors, groups, scalars = _train_tensors(model, optimizer)
-    tensors |= _rng_tensors()  # each rank its own generator: bitwise resume
+    tensors, groups, scalars = train_tensors(model, optimizer)
+    tensors |= rng_tensors()  # each rank its own generator: bitwise resume
     try:
-        dcp.save(_untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+        dcp.save(untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     except dcp.api.CheckpointException as err:  # a BaseException holding every rank's: a full disk, as its OSError
         raise _first_os_error(err, tmp) from None
-    everyone, shapes = all_gather_object((_file_checksums(tmp), scalars)), _shapes(tensors)  # every file is closed
+    mine = (file_checksums(tmp, rank=dist.get_rank()), scalars)  # read back once every file is closed
+    everyone, shapes = all_gather_object(mine), whole_shapes(tensors)
     if dist.get_rank() == 0:
         info = {
             "format": FORMAT,
@@ -298,7 +158,7 @@ def save_sharded(
             "checksums": {name: sums for files, _ in everyone for name, sums in files.items()},
             "shapes": shapes,
         }
-        _write_json(tmp / DONE, info)
+        write_json(tmp / DONE, info)
         aside = ckpt_dir / f".step-{progress['step']:06d}.old.tmp"
         if final.exists():  # the same step saved again (a run resumed from before it): swap it out first
             os.replace(final, aside)
@@ -314,12 +174,12 @@ def save_sharded(
 def _verify_files(path: Path, info: dict) -> None:
     """Every rank checks a share of the files (present, checksums, finite values); all ranks fail together."""
     rank, names = dist.get_rank(), sorted(info["checksums"])
-    problems = _file_problems(path, info, names[rank :: dist.get_world_size()], values=True)
+    problems = file_problems(path, info, names[rank :: dist.get_world_size()], values=True)
     if rank == 0:
-        problems += _extra_files(path, info)
+        problems += extra_files(path, info)
     problems = sorted(p for mine in all_gather_object(problems) for p in mine)
     if problems:
-        raise RecipeError(_damage(path, problems))
+        raise RecipeError(damage(path, problems))
 
 
 def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) -> dict:
@@ -363,15 +223,15 @@ def load_sharded(
 
     path = Path(path)
     info = read_info(path)
-    tensors, groups, _ = _train_tensors(model, optimizer)
-    check_model_matches(path, info["shapes"], _shapes(tensors), fix="resume with the --model it was trained with")
+    tensors, groups, _ = train_tensors(model, optimizer)
+    check_model_matches(path, info["shapes"], whole_shapes(tensors), fix="resume with the --model it was trained with")
     _verify_files(path, info)
     saved = {key for sums in info["checksums"].values() for key in sums}
-    rng = {k: v for k, v in _rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
+    rng = {k: v for k, v in rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
     optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
-    dcp.load(_untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    dcp.load(untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     model_sd = model_part(tensors)
-    set_state_dict(_root(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(root_module(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if scheduler is not None and info["scheduler"] is not None:
         scheduler.load_state_dict(info["scheduler"])
     if scaler is not None and info["scaler"] is not None:

@@ -133,6 +133,7 @@ MATRIX = {
         ("dp", GPT2),
         ("dp", LLAMA),
         ("pipeline_naive", GPT),
+        ("ddp_monitored", ["--model", "cnn", "--data", "digits", "--batch-size", "2", "--channels-last"]),
         ("fsdp_tp", [*GPT, "--tp", "1"]),
         ("fsdp_tp", [*LLAMA, "--tp", "1"]),
         ("pipeline", [*GPT, "--microbatches", "2"]),

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from core import dcp, parallel
+from core import dcp, dcp_folder, dcp_tensors, parallel
 from core.config import RecipeError
 from core.gpt import GPT
 from core.pipeline import split_pipeline
@@ -79,7 +79,9 @@ def _stages(model) -> list:
 
 def _full(model, optimizer) -> dict:
     """Weights and optimizer state, gathered whole (a collective), on CPU."""
-    model_sd, optim_sd = get_state_dict(dcp._root(model), optimizer, options=StateDictOptions(full_state_dict=True))
+    model_sd, optim_sd = get_state_dict(
+        dcp_tensors.root_module(model), optimizer, options=StateDictOptions(full_state_dict=True)
+    )
     out = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
     out |= {f"optim/{k}/{n}": v.clone() for k, s in optim_sd["state"].items() for n, v in s.items()}
     return out
@@ -148,7 +150,7 @@ def test_resume_is_bitwise(world2, tmp_path, kind):
     assert results[0]["progress"]["step"] == 2 and results[0]["progress"]["samples"] == 16
     for result in results:
         _assert_bitwise(result["never_stopped"], result["resumed"])
-    assert [p.name for p in dcp.list_sharded(tmp_path)] == ["step-000002"]
+    assert [p.name for p in dcp_folder.list_sharded(tmp_path)] == ["step-000002"]
 
 
 @pytest.mark.parametrize("kind", ["pipeline", "interleaved"])
@@ -192,7 +194,7 @@ def load_and_continue(topo, path: str, *, total: int) -> dict:
 
 def _reshard(saver, loader, ckpt_dir) -> None:
     saved = saver.run(save_then_continue, str(ckpt_dir), stop=3, total=5)[0]
-    (path,) = dcp.list_sharded(ckpt_dir)
+    (path,) = dcp_folder.list_sharded(ckpt_dir)
     assert dcp.read_metadata(path)["world_size"] == str(saver.world_size)
     ends = loader.run(load_and_continue, str(path), total=5)
     _assert_bitwise(saved["at_save"], ends[0]["loaded"])  # resharding moves values, it does not compute
@@ -274,10 +276,10 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
     good = ckpt / "step-000002"
     good.mkdir(parents=True)
     meta = {"recipe": "fsdp_tp", "global_batch": "16", "config": '{"tp": 2}'}
-    dcp._write_json(
-        good / dcp.DONE,
+    dcp_folder.write_json(
+        good / dcp_folder.DONE,
         {
-            "format": dcp.FORMAT,
+            "format": dcp_folder.FORMAT,
             "world_size": 2,
             "progress": {"step": 2},
             "metadata": meta,
@@ -288,8 +290,10 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
     (ckpt / "step-000009").mkdir()  # a folder without its completion file
     shutil.copytree(good, ckpt / ".step-000010.tmp")  # a save killed before the rename
     shutil.copytree(good, ckpt / "step-000011")
-    (ckpt / "step-000011" / dcp.DONE).write_text((good / dcp.DONE).read_text().replace('"step": 2', '"step": 11'))
-    assert dcp.list_sharded(ckpt) == [good] and dcp.newest_good(tmp_path / "run") == good
+    (ckpt / "step-000011" / dcp_folder.DONE).write_text(
+        (good / dcp_folder.DONE).read_text().replace('"step": 2', '"step": 11')
+    )
+    assert dcp_folder.list_sharded(ckpt) == [good] and dcp.newest_good(tmp_path / "run") == good
     assert dcp.newest_good(tmp_path / "nothing") is None
     header = dcp.read_metadata(good)  # what core.ckpt.read_metadata gives, for core.folder.check_continues
     assert header == {**meta, "world_size": "2", "progress": '{"step": 2}'}
@@ -305,7 +309,7 @@ def save_steps(topo, ckpt_dir: str, steps: list[int]) -> list[str]:
     model, optimizer, _ = _build("tp", topo.world_size)
     for step in steps:
         dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, progress={"step": step}, keep=2)
-    return [p.name for p in dcp.list_sharded(ckpt_dir)]
+    return [p.name for p in dcp_folder.list_sharded(ckpt_dir)]
 
 
 def test_keeps_the_newest_and_replaces_a_step_saved_again(world2, tmp_path):

@@ -143,7 +143,10 @@ def test_free_memory_is_per_gpu_the_least_free_device_or_the_cpus_available_shar
 
     monkeypatch.setattr(plan_report, "_mem_available", lambda: 64 * 2**30)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("NPROC_PER_NODE", raising=False)
     assert plan_report.free_bytes(world_size=4) == (64 * 2**30, "this machine's available memory for 4 ranks", 4)
+    monkeypatch.setenv("NPROC_PER_NODE", "2")  # a multi-node job: this node runs 2 of the 4 ranks
+    assert plan_report.free_bytes(world_size=4)[2] == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: ((70, 60)[i] * 2**30, 80 * 2**30))

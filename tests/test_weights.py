@@ -111,7 +111,7 @@ def test_a_training_checkpoint_starts_a_run_from_its_model_part(tmp_path):
 def test_a_sharded_checkpoint_or_a_file_of_it_names_what_to_pass_instead(tmp_path):
     """A review find: a file of ckpt/step-N/ was "another model", the folder "no such file", and --resume of the file
     advised a folder that does not exist."""
-    from core import dcp
+    from core import dcp_folder
 
     step = tmp_path / "ckpt" / "step-000010"
     step.mkdir(parents=True)
@@ -124,7 +124,7 @@ def test_a_sharded_checkpoint_or_a_file_of_it_names_what_to_pass_instead(tmp_pat
         assert one_line(err).startswith(f"--init-from {path}: a sharded training checkpoint")
         assert f"continue it with --resume {step}" in one_line(err)
     with pytest.raises(RecipeError) as err:
-        dcp.read_info(shard)
+        dcp_folder.read_info(shard)
     assert one_line(err) == f"--resume {shard}: a file inside a sharded checkpoint; pass its folder: {step}"
 
 

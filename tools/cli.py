@@ -257,7 +257,7 @@ def plan_command(name: str | None, args: tuple[str, ...]):
         cfg, _ = parse_args(module.Config, rest, prog=f"python -m recipes plan {name}", description=recipe.summary)
     except UsageError as err:
         raise _explained(err, name, module.Config) from None
-    show_plan(name, module, cfg, **own, echo=click.echo)
+    show_plan(name, cfg, **own, echo=click.echo)
 
 
 @cli.command("plot")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
     reason = unplannable(name, cfg)
     if reason:
         raise RecipeError(f"plan: cannot plan {reason}")
+    _recipe_check(name, cfg, world_size=world_size)
     if name in ("dp", "pipeline_naive") and world_size != 1:
         raise RecipeError(f"--nproc {world_size}: {name} runs one process; plan it with --nproc 1")
     if torch.distributed.is_initialized():
@@ -72,6 +74,22 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
     }  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
     ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
     return Plan(name, world_size, ranks)
+
+
+def _recipe_check(name: str, cfg, *, world_size: int) -> None:
+    """The recipe's own structural checks (mesh sizes, heads and stages, the model's plan) at this world size,
+    which they read from WORLD_SIZE as the launchers set it: a layout the run would refuse is never planned."""
+    from tools.registry import RECIPES
+
+    module = RECIPES[name].load()
+    if not hasattr(module, "check"):
+        return
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        module.check(cfg)
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
 
 
 def first_batch(cfg):
@@ -104,7 +122,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             mesh = parallel.build_mesh(topo, dims)
         with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             with _mesh_math_on_real_tensors():
-                layout = build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=check_model)
+                layout = _built(name, cfg, mesh=mesh, rank=rank, world_size=world_size, build=check_model)
             fake = _fake(batch, mode)
             micro_batches = [fake] * getattr(cfg, "accum", 1)
             order = None
@@ -124,6 +142,20 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             return dataclasses.replace(planned, notes=_notes(name, layout, order))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _built(name: str, cfg, *, mesh, rank: int, world_size: int, build):
+    """The layout on fake tensors, or one line naming the step of the build that fake tensors could not take."""
+    try:
+        return build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=build)
+    except RecipeError:
+        raise
+    except Exception as err:
+        what = f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
+        raise RecipeError(
+            f"plan: cannot build {name}'s layout of --model {cfg.model} on fake tensors ({what}); "
+            f"plan another layout of it, or measure a real step"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -151,7 +183,7 @@ def _notes(name: str, layout, order) -> tuple[str, ...]:
     from tools.plan_layout import gathered_bytes, in_flight
 
     if name in ("fsdp", "fsdp_tp"):
-        return (f"a block gathered at once: {gathered_bytes(layout.model) / GIB:.3g} GiB",)
+        return (f"the largest unit gathered at once: {gathered_bytes(layout.model) / GIB:.3g} GiB",)
     if name == "pipeline":
         count = max(mb for _, _, mb in order) + 1
         return (f"micro-batches in flight: {in_flight(order)} of {count}",)

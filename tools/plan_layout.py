@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from core import amp, models, pipeline
 from core.config import RecipeError
@@ -72,7 +73,7 @@ def held_bytes(params) -> int:
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
         storage = local.untyped_storage()
-        key = id(storage) if isinstance(local, torch._subclasses.FakeTensor) else storage.data_ptr()
+        key = id(storage) if isinstance(local, FakeTensor) else storage.data_ptr()
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()
@@ -89,8 +90,8 @@ def build_layout(
     if device is not None and name != "pipeline":  # the pipeline moves its stages after the split, as below
         model = model.to(device)
     if name in REPLICAS or name == "dp":
-        if getattr(cfg, "channels_last", False):
-            from core.tuning import to_channels_last
+        if getattr(cfg, "channels_last", False) and not isinstance(next(model.parameters(), None), FakeTensor):
+            from core.tuning import to_channels_last  # the same bytes in another order: fake weights cannot be swapped
 
             model = to_channels_last(model)
         if getattr(cfg, "activation_checkpointing", False):

@@ -85,7 +85,7 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
             args = ["--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--loss", cfg.loss]
             checkpointed = parse_args(monitored.Config, [*args, "--activation-checkpointing"], prog="ddp_monitored")[0]
             found.append(("ddp_monitored --activation-checkpointing", "ddp_monitored", checkpointed, world_size))
-    if name in SHARDED and name != "tensor_parallel":
+    if name in SHARDED:  # a layout more ranks do not allow (heads, stages) is refused by the recipe's check
         found += [(f"--nproc {world_size * f}", name, cfg, world_size * f) for f in (2, 4)]
     return found
 
@@ -110,7 +110,7 @@ def what_fits(
         else:
             misses.append((kind, f"{label} ({gib(peak)} GiB)"))
     best = {}
-    for kind, text in misses:  # the last (smallest) of each kind that does not fit, to show how far it is
+    for kind, text in misses:  # the last tried of each kind (the smallest batch, the most ranks): how far it is
         if kind not in done:
             best[kind] = text
     return fits, list(best.values())
@@ -135,7 +135,8 @@ def free_bytes(*, world_size: int) -> tuple[int, str, int]:
     if torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu":
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
         return free, "the free memory of the GPUs", 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    named = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or ""  # a node's ranks, if said
+    local = int(named) if named.isdigit() and int(named) > 0 else world_size
     pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     available = _mem_available() or pages
     return available, f"this machine's available memory for {local} rank{'s' * (local > 1)}", local
@@ -204,18 +205,11 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
     return {"nproc": nproc, "device_memory": memory, "as_json": own.json}, rest
 
 
-def show_plan(name: str, module, cfg, *, nproc: int, device_memory: float | None, as_json: bool, echo) -> None:
-    """`python -m recipes plan`: the recipe's own checks at this world size, the plan as a table or JSON, then
-    one error line when it does not fit --device-memory."""
+def show_plan(name: str, cfg, *, nproc: int, device_memory: float | None, as_json: bool, echo) -> None:
+    """`python -m recipes plan`: the plan as a table or JSON, then one error line when it does not fit
+    --device-memory."""
     import json
 
-    if hasattr(module, "check"):  # the recipe's structural checks read the job's world size from WORLD_SIZE
-        saved = os.environ.get("WORLD_SIZE")
-        os.environ["WORLD_SIZE"] = str(nproc)
-        try:
-            module.check(cfg)
-        finally:
-            os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
     gpu = True if device_memory is not None else None  # --device-memory plans for a GPU: foreach, 512-byte blocks
     plan = plan_recipe(name, cfg, world_size=nproc, gpu=gpu)
     echo(json.dumps(plan.to_json()) if as_json else table(plan))

@@ -1,9 +1,10 @@
 """The memory plan's step: the recipe's training step on one rank's layout, its live tensor bytes tracked.
 
-Two steps run, as training runs them: the first creates AdamW's state, the second carries it through the forward
-and backward. Under fake tensors AdamW's own step cannot run (it reads its step count as a number), so PlanAdamW
-creates what torch's step creates (exp_avg and exp_avg_sq like each parameter, a scalar step) and the temporaries
-of its implementation: per parameter on CPU (two of the largest), for all parameters at once with foreach (GPU).
+The step planned is training's second, the one that carries AdamW's state through the forward and backward and
+then steps: its peak is the run's (the first step holds less, its optimizer step as much). Under fake tensors
+AdamW's own step cannot run (it reads its step count as a number), so PlanAdamW creates what torch's step creates
+(exp_avg and exp_avg_sq like each parameter, a scalar step) and the temporaries of its implementation: per
+parameter on CPU (two of the largest), for all parameters at once with foreach (torch's choice on GPUs).
 """
 
 from __future__ import annotations
@@ -131,10 +132,8 @@ def _storages(t) -> list:
 
 
 def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_fn, gpu: bool, order=None) -> dict:
-    """The recipe's step on fake tensors, tracked: its peak bytes, and the bytes of the gradients and of AdamW's
-    state it leaves (from their shapes and dtypes). It runs as the second
-    step of training runs, AdamW's state made first: the first step's forward and backward hold less, its
-    optimizer step as much, so this one step's peak is the run's."""
+    """The recipe's step on fake tensors, AdamW's state made first, tracked: its peak bytes, the most the forwards
+    keep for their backwards, and the bytes of the gradients and of AdamW's state it leaves."""
     optimizer = PlanAdamW(layout.params, foreach=gpu)  # torch's AdamW takes foreach on GPUs
     tracker = LiveBytes(unit=512 if gpu else 1)  # CUDA's caching allocator hands out multiples of 512 bytes
     held = [t for m in layout.modules for t in (*m.parameters(), *m.buffers())]
