@@ -19,7 +19,7 @@ import ast
 import importlib
 from dataclasses import dataclass
 
-from tools.inline_refs import StandaloneError
+from tools.inline_refs import StandaloneError, line_offsets
 
 
 @dataclass(frozen=True)
@@ -158,14 +158,6 @@ def drop_features(source: bytes, *, module: str, off: set[str], defaults: dict[s
     return _apply(source, pass_.edits)
 
 
-def _starts(source: bytes) -> list[int]:
-    starts, pos = [0], 0
-    for line in source.splitlines(keepends=True):
-        pos += len(line)
-        starts.append(pos)
-    return starts
-
-
 def _apply(source: bytes, edits: list[tuple[int, int, str]]) -> bytes:
     """`edits` (begin, end, new text) applied; one inside a statement taken out whole goes with it."""
     kept: list[tuple[int, int, str]] = []
@@ -183,7 +175,7 @@ def _apply(source: bytes, edits: list[tuple[int, int, str]]) -> bytes:
 class _Drop:
     def __init__(self, source: bytes, *, module: str, tree: ast.Module, off: set[str], defaults: dict):
         self.source, self.module, self.off, self.defaults = source, module, off, defaults
-        self.starts = _starts(source)
+        self.starts = line_offsets(source)
         self.edits: list[tuple[int, int, str]] = []
         self.imports: set[tuple[str, str]] = set()
         self.names = _qualified_names(tree, module)

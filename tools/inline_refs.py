@@ -263,3 +263,12 @@ def _is_main_guard(node: ast.stmt) -> bool:
         and isinstance(test.left, ast.Name)
         and test.left.id == "__name__"
     )
+
+
+def line_offsets(source: bytes) -> list[int]:
+    """Byte offset where each line starts (ast's col_offset is in UTF-8 bytes, so splice bytes)."""
+    starts, pos = [0], 0
+    for line in source.splitlines(keepends=True):
+        pos += len(line)
+        starts.append(pos)
+    return starts

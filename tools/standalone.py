@@ -27,16 +27,7 @@ from collections.abc import Iterable
 
 from tools.features import FEATURES, drop_features
 from tools.inline_deps import _Inliner, _key
-from tools.inline_refs import RECIPE, Chunk, Module, StandaloneError, _inlined  # noqa: F401 (StandaloneError: API)
-
-
-def _offsets(source: bytes) -> list[int]:
-    """Byte offset where each line starts (ast's col_offset is in UTF-8 bytes, so splice bytes)."""
-    starts, pos = [0], 0
-    for line in source.splitlines(keepends=True):
-        pos += len(line)
-        starts.append(pos)
-    return starts
+from tools.inline_refs import RECIPE, Chunk, Module, StandaloneError, _inlined, line_offsets  # noqa: F401 (StandaloneError: API)
 
 
 def _parents(node: ast.AST) -> dict[int, list]:
@@ -115,7 +106,7 @@ def _realign(node: ast.stmt, source: bytes, starts: list[int], edits: list) -> l
 
 
 def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
-    starts, source = _offsets(module.source), module.source
+    starts, source = line_offsets(module.source), module.source
 
     def at(line: int, col: int) -> int:
         return starts[line - 1] + col
