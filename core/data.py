@@ -28,14 +28,12 @@ def build_data(spec: str) -> tuple:
 def to_device(batch, device: torch.device):
     """A batch's tensors moved to `device`: tensors, tuples (named too), lists and dicts, nested; other values stay.
     non_blocking overlaps the copy with compute from pinned memory."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, tuple | list):
         moved = [to_device(value, device) for value in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple takes *args
-    return batch
+    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
 
 
 class ResumableSampler(DistributedSampler):

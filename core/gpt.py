@@ -136,7 +136,6 @@ class GPT(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
-        self.context, self.heads = context, heads
         self.blocks = nn.Sequential(
             Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers)), Head(dim, vocab)
         )

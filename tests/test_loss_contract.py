@@ -552,9 +552,9 @@ def test_the_base_alone_takes_every_sample_shape_and_the_common_outputs():
         mean, sums = forward(wrapped, (a, c), make_loss(model=wrapped))
         torch.testing.assert_close(mean, F.cross_entropy(wrapped.lin(a), c))
         assert sums["count"].item() == 4 and "correct" in sums
-    with pytest.raises(RecipeError, match=r"--loss mse: this recipe takes --loss auto or ce; .* core\.loss_options"):
+    with pytest.raises(RecipeError, match=r"--loss mse: core\.loss takes auto or ce; the rest: core\.loss_options"):
         make_loss("mse", model=model)
-    with pytest.raises(RecipeError, match="cross-entropy needs logits and int64 class targets, and here are torch.fl"):
+    with pytest.raises(RecipeError, match="cross-entropy needs logits and int64 targets; use --loss model or mse"):
         forward(Regressor(), (a, torch.randn(5, 2)), make_loss(model=Regressor()))
 
 
@@ -577,7 +577,7 @@ def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
     when labels = input_ids: refused in one line naming auto and pairs. A classifier's (B, classes) logits are not
     sequences: ce stays."""
     model, batch = gpt2(), lm_batch([8, 4], seed=3)
-    with pytest.raises(RecipeError, match=r"--loss ce: a dict sample's `labels` follow transformers' convention") as e:
+    with pytest.raises(RecipeError, match=r"--loss ce on a dict's `labels`, which a causal LM shifts") as e:
         forward(model, batch, loss_for("ce", model))
     assert "--loss auto" in str(e.value) and "(input, target) samples" in str(e.value) and "\n" not in str(e.value)
     classifier = bert()
@@ -585,3 +585,15 @@ def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
     labelled = {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 1])}
     mean, _ = forward(classifier, labelled, loss_for("ce", classifier))
     torch.testing.assert_close(mean, F.cross_entropy(classifier(input_ids=ids).logits, labelled["labels"]))
+
+
+@pytest.mark.fast
+def test_a_lean_copy_without_check_aligned_still_refuses_logits_that_do_not_line_up(monkeypatch):
+    """A copy without `--with loss` has no check_aligned (tools/features.py): torch's own shape error then, never a
+    loss over the wrong positions."""
+    import core.loss
+
+    monkeypatch.setattr(core.loss, "check_aligned", lambda logits, targets: None)
+    model, batch = NanoGPTInference(), lm_batch([8, 8], seed=2, pairs=True)
+    with pytest.raises(ValueError, match="Expected input batch_size"):
+        forward(model, batch, loss_for("ce", model))
