@@ -36,9 +36,7 @@ class ExactLoss:
 def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
     """`loss` (core.loss.make_loss's, or core.loss_options') for `model` (the plain one), with how the model's own
     loss treats the targets when that loss is used."""
-    if loss.spec not in ("auto", "model"):
-        return ExactLoss(loss)
-    return ExactLoss(loss, *_model_loss_traits(model))
+    return ExactLoss(loss, *_model_loss_traits(model)) if loss.spec in ("auto", "model") else ExactLoss(loss)
 
 
 @functools.cache
@@ -107,10 +105,8 @@ def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) ->
     takes = own and loss_fn.takes_count
     extra = {"num_items_in_batch": norm} if takes else {}
     mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts and own, **extra)
-    if takes:  # the model divided its sum by `norm` itself
-        total = mean * norm
-    else:  # a mean over the counted targets; 0/0 = nan when none counts
-        total = torch.where(count > 0, mean * count, torch.zeros_like(count))
+    # takes: the model divided its sum by `norm` itself; else a mean over the counted targets (0/0 = nan: none counts)
+    total = mean * norm if takes else torch.where(count > 0, mean * count, torch.zeros_like(count))
     metrics |= {"loss_sum": total.detach().double(), "count": count}
     return (mean if takes else total / norm), metrics
 
