@@ -11,6 +11,7 @@ taken after the shift its loss applies to the labels. That is read from transfor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -45,12 +46,12 @@ def _forward_traits(cls: type) -> tuple[bool, bool, bool]:
     The last is read from the source: BertForSequenceClassification, say, takes **kwargs but calls
     CrossEntropyLoss itself, so it would silently ignore num_items_in_batch."""
     params = inspect.signature(cls.forward).parameters
-    var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-    try:
-        uses = "self.loss_function(" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        uses = False
-    return "num_items_in_batch" in params, var_kw, uses
+    found = "num_items_in_batch" in params, any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    with contextlib.suppress(
+        OSError, TypeError
+    ):  # no source to read (a compiled or generated class): not transformers'
+        return *found, "self.loss_function(" in inspect.getsource(cls.forward)
+    return *found, False
 
 
 def _model_loss_traits(model: nn.Module) -> tuple[bool, bool]:
