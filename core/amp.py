@@ -12,6 +12,7 @@ the scale backs off. K micro-batches make one step, their gradients reduced once
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,12 +66,9 @@ def make_scaler(precision: str, *, device: torch.device, **options) -> torch.amp
 
 def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list]:
     """The loader's batches K at a time, moved to `device`; an incomplete group at the end is dropped."""
-    group = []
-    for batch in loader:
-        group.append(to_device(batch, device))
-        if len(group) == k:
-            yield group
-            group = []
+    batches = iter(loader)
+    while len(group := [to_device(batch, device) for batch in itertools.islice(batches, k)]) == k:
+        yield group
 
 
 def grad_sync(model: nn.Module, *, enabled: bool):

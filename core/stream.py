@@ -76,10 +76,8 @@ class StreamLoader:
         batches = iter(self.loader)
         while True:
             batch = next(batches, None)
-            if self.together and not all_ranks(batch is not None, device=self.device):
-                return  # a rank with a batch in hand drops it: that batch was never trained, nor counted
-            if batch is None:
-                return
+            if self.together and not all_ranks(batch is not None, device=self.device) or batch is None:
+                return  # together: a rank with a batch in hand drops it when another has none (never trained)
             yield batch
 
     def __len__(self) -> int:
