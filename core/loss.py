@@ -40,7 +40,7 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 
 @dataclass(frozen=True)
 class Loss:
-    """`--loss`, resolved for one model: make_loss's auto or ce, or core.loss_options' other choices."""
+    """`--loss`, resolved for one model: make_loss's auto, Loss("ce"), or core.loss_options' other choices."""
 
     spec: str = "auto"
     targets_as: str | None = None  # the forward's parameter that takes a pair's target, when the model computes a loss
@@ -48,14 +48,11 @@ class Loss:
     split: Callable = split_outputs  # outputs -> (logits, loss)
 
 
-def make_loss(spec: str = "auto", *, model: nn.Module) -> Loss:
-    """auto: the model's own loss where it computes one (a dict with labels; a forward that takes `targets`, given a
-    pair's target), else cross-entropy on the logits; ce: cross-entropy on the logits of model(input, ...).
-    `model`: the plain one, not its wrapper. The other --loss choices are core.loss_options'."""
-    if spec not in ("auto", "ce"):  # core.loss_options.choose_loss takes the others
-        raise RecipeError(f"--loss {spec}: core.loss takes auto or ce; the rest: core.loss_options (`--with loss`)")
-    takes = spec == "auto" and TARGETS in inspect.signature(model.forward).parameters
-    return Loss(spec, targets_as=TARGETS if takes else None)
+def make_loss(*, model: nn.Module) -> Loss:
+    """--loss auto: the model's own loss where it computes one (a dict with labels; a forward that takes `targets`,
+    given a pair's target), else cross-entropy on the logits. `model`: the plain one, not its wrapper.
+    Loss("ce") is cross-entropy on the logits of model(input, ...); the other --loss choices are core.loss_options'."""
+    return Loss(targets_as=TARGETS if TARGETS in inspect.signature(model.forward).parameters else None)
 
 
 def call_model(model: nn.Module, batch, loss: Loss, **extra):

@@ -27,7 +27,7 @@ from core.data import too_few_batches
 from core.datasets import digits
 from core.exact_loss import make_exact_loss
 from core.grads import clip_grad_norm
-from core.loss import make_loss
+from core.loss import Loss
 from core.records import RunFolder
 from core.steps import step_plain
 from helpers import REPO, recipes_cli, run, user_env
@@ -74,7 +74,7 @@ def _micro_batches(x, y, *, rank: int, world: int, sizes: list[int]):
 def _ce(model: nn.Module):
     """--loss ce for step_amp (every counted target of the global batch weighs the same)."""
     plain = getattr(model, "module", model)
-    return make_exact_loss(make_loss("ce", model=plain), model=plain)
+    return make_exact_loss(Loss("ce"), model=plain)
 
 
 def cross_entropy(logits, targets):
@@ -118,7 +118,7 @@ def test_accumulation_equals_one_global_batch(world4, world, sizes):
     expected = []
     for step in range(steps):
         batch = _data(seed + step, world * sum(sizes))
-        step_plain(reference, batch, optimizer=optimizer, loss_fn=make_loss("ce", model=reference))
+        step_plain(reference, batch, optimizer=optimizer, loss_fn=Loss("ce"))
         expected.append(_grads(reference))
     for result in world4.run(accumulate_on_subworld, seed, world, sizes, steps)[:world]:
         grads, params = result
