@@ -79,7 +79,7 @@ def check(cfg: Config) -> None:
         )
     with torch.device("meta"):  # shapes only: the plan splits into tp whole shards, and the blocks are found
         model = models.build_model(cfg.model)
-    tp_plan.check_tp_plan(model, tp=cfg.tp)  # the model's own plan or the GPT's; neither: one line suggesting fsdp
+    tp_plan.check_tp_plan(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
     parallel.find_blocks(model, name=cfg.blocks or None)
 
 
@@ -108,7 +108,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         weights.load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, plan_dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
-    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model)
+    plan = tp_plan.plan_of(model)  # which Linear layers split by column, which by row
     with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
     policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction

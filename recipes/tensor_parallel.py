@@ -42,7 +42,7 @@ from core import (
     trackers,
     weights,
 )
-from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.config import Checkpointing, Training, cli_main, option, with_default
 from core.exact_loss import forward_sums, make_exact_loss
 from core.loss import make_loss
 from core.loss_options import choose_loss
@@ -71,14 +71,7 @@ def check(cfg: Config) -> None:
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     with torch.device("meta"):  # shapes only: the plan must split every layer it names into tp whole shards
         model = models.build_model(cfg.model)
-    tp_plan.check_tp_plan(model, tp=tp)  # the model's own plan or the GPT's; neither: one line suggesting fsdp
-    if cfg.sequence_parallel and tp_plan.model_tp_plan(model) is not None:
-        raise RecipeError(
-            f"--sequence-parallel: only the built-in GPT's plan splits the sequence; {type(model).__name__} splits "
-            f"by its own plan: drop --sequence-parallel"
-        )
-    if cfg.sequence_parallel:  # the GPT's layout: blocks = [Embed, Block..., Head(ln, out)]
-        parallel.check_tp(model, tp, sequence_parallel=True)
+    tp_plan.check_tp_plan(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # --sequence-parallel: the GPT's
 
 
 def main(cfg: Config) -> dict:
@@ -103,7 +96,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its slices of them
         weights.load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
-    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=cfg.sequence_parallel)
+    plan = tp_plan.plan_of(model, sequence_parallel=cfg.sequence_parallel)  # Linear layers split by column or by row
     with tp_plan.ties_and_heads_kept(model, plan, tp=device_mesh["tp"].size()):  # a tied lm_head stays tied
         parallelize_module(model, device_mesh["tp"], plan)
     torch.manual_seed(cfg.seed + device_mesh["dp"].get_local_rank())  # one group, one stream: DTensor needs it

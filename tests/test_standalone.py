@@ -578,3 +578,24 @@ def test_a_lean_copy_refuses_another_global_batch_and_only_checks_takes_the_rest
         check_continues(Path("c"), meta, config, dp=2)
     header = (project / "project" / "ddp.py").read_text().replace("\n# ", " ")
     assert "another --lr, --seed, --epochs or --max-steps (options that shape training)" in header
+
+
+def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a_llama_in_one_line(project):
+    """Without `model_plans` the copies split the built-in GPT's layout by core.parallel's plan; a transformers
+    Llama, which the package splits by its own plan, is refused by the copy's check in one line naming fsdp."""
+    import runpy
+
+    from core import tp_plan
+    from mp_reference import tiny_llama
+
+    for name in ("tensor_parallel", "fsdp_tp"):
+        lean = runpy.run_path(str(project / "project" / f"{name}.py"), run_name="lean_copy")
+        assert "model_tp_plan" not in lean and "ties_and_heads_kept" not in lean
+        gpt = lean["gpt"]()
+        assert set(lean["gpt_tp_plan"](gpt)) == set(tp_plan.plan_of(gpt))  # the package's plan for the GPT
+        lean["check_tp"](gpt, tp=2)
+        with torch.device("meta"):
+            llama = tiny_llama()
+        tp_plan.check_tp_plan(llama, tp=2)  # the package splits it by its own plan
+        with pytest.raises(lean["RecipeError"], match="tensor parallelism needs .*use fsdp"):
+            lean["check_tp"](llama, tp=2)

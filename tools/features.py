@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
+import types
 from dataclasses import dataclass
 
 from tools.inline_refs import RECIPE, StandaloneError, line_offsets
@@ -33,6 +35,7 @@ class Feature:
     builds: tuple[tuple[str, str, str, str], ...] = ()
     swaps: tuple[tuple[str, str], ...] = ()  # (module.name, module.name): what a copy without it calls instead
     attrs: tuple[str, ...] = ()  # attributes only the feature reads or sets (`meter.clock`), wherever they are
+    uses: str = ""  # a feature without options: the core module (core.tp_plan) whose recipes alone have it; "": all
 
     def options(self) -> set[str]:
         found = set(self.fields)
@@ -126,6 +129,17 @@ FEATURES = {
             calls=("core.comm.register", "core.comm.check_hook"),
         ),
         Feature(
+            "model_plans",
+            "a transformers model's own tensor-parallel plan (Llama, Qwen, Mistral: core/tp_plan.py); the copy splits "
+            "the built-in GPT's layout and refuses another model in one line",
+            calls=("core.tp_plan.",),
+            swaps=(
+                ("core.tp_plan.plan_of", "core.parallel.gpt_tp_plan"),
+                ("core.tp_plan.check_tp_plan", "core.parallel.check_tp"),
+            ),
+            uses="core.tp_plan",
+        ),
+        Feature(
             "profile",
             "--profile (a torch.profiler trace per rank)",
             fields=("profile",),
@@ -137,8 +151,13 @@ FEATURES = {
 
 def features_of(config: type) -> list[str]:
     """The features a recipe's Config has: those whose options it takes, and those with none (every recipe's)."""
-    fields = set(config.__dataclass_fields__)
-    return [name for name, f in FEATURES.items() if f.options() & fields or not (f.options() or f.builds)]
+    fields, imported = set(config.__dataclass_fields__), vars(sys.modules[config.__module__]).values()
+    modules = {value.__name__ for value in imported if isinstance(value, types.ModuleType)}
+    return [
+        name
+        for name, f in FEATURES.items()
+        if f.options() & fields or not (f.options() or f.builds) and (f.uses in modules or not f.uses)
+    ]
 
 
 def parse_with(spec: str, *, config: type) -> set[str]:
