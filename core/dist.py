@@ -24,8 +24,6 @@ class Topology:
     rank: int
     local_rank: int
     world_size: int
-    local_world_size: int
-    node_rank: int
     device: torch.device
     backend: str
 
@@ -61,47 +59,33 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % count)
 
 
-def init_pg(
-    *,
-    timeout_s: float = 300.0,
-    rank: int | None = None,
-    world_size: int | None = None,
-    master_port: int | None = None,
-    store: dist.Store | None = None,
-) -> Topology:
+def init_pg(*, timeout_s: float = 300.0, store: dist.Store | None = None) -> Topology:
     """Join the job's process group and return this process's Topology.
 
-    Under torchrun everything comes from its environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-    From `mp.spawn`, pass rank, world_size and a free master_port. With neither, a world of one that opens no port.
-    `store`: a store made by the caller (the package's runner binds one to loopback, tools/join.py, and the
-    recipe's own call then finds the group joined).
+    Everything comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); from
+    `mp.spawn`, set those in each process first. With none, a world of one that opens no port. `store`: a store made
+    by the caller (the package's runner binds one to loopback, tools/join.py; the recipe's own call then finds the
+    group joined).
     """
-    rank = _env_int("RANK", 0) if rank is None else rank
-    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-    local_rank = _env_int("LOCAL_RANK", 0 if "RANK" in os.environ else rank)
+    rank, world_size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     device = pick_device(local_rank)
     backend = os.environ.get("TDR_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port or os.environ.get("MASTER_PORT")
-    timeout = timedelta(seconds=timeout_s)
+    if store is None and "MASTER_PORT" not in os.environ and world_size == 1:  # no launcher: no port opened
+        store = dist.HashStore()
     try:
-        if dist.is_initialized():
-            pass
-        elif store is not None or (port is None and world_size == 1):  # no launcher: in memory, no port opened
-            store = store or dist.HashStore()
+        if not dist.is_initialized():  # store None: env:// (MASTER_ADDR, MASTER_PORT)
+            timeout = timedelta(seconds=timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            url = f"tcp://{addr}:{port}" if master_port else "env://"
-            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, TimeoutError, OSError, ValueError) as err:  # Dist*Error are RuntimeErrors
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
         raise RecipeError(
-            f"rank {rank} could not join the job at {addr}:{port} within {timeout_s:g}s ({first}); "
+            f"rank {rank} could not join the job at {where} within {timeout_s:g}s ({first}); "
             f"check MASTER_ADDR/MASTER_PORT and that node 0 is up"
         ) from None
-    local_world_size, node_rank = _env_int("LOCAL_WORLD_SIZE", world_size), _env_int("GROUP_RANK", 0)
-    return Topology(rank, local_rank, world_size, local_world_size, node_rank, device, backend)
+    return Topology(rank, local_rank, world_size, device, backend)
 
 
 def cleanup_pg(*, timeout_s: float = 60.0) -> None:

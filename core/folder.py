@@ -11,6 +11,7 @@ Only rank 0 writes or prints; every number it writes has been reduced over the r
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -62,11 +63,9 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
     found = finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.is_rank0 else None
     found = broadcast_object(found)  # rank 0 reads the folder: other nodes need not see it
-    if found is None:
-        return None
-    if topo.is_rank0:
+    if found and topo.is_rank0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
-    return {**found[1], "already_finished": True}
+    return found and {**found[1], "already_finished": True}
 
 
 def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str, dict] | None:
@@ -75,20 +74,14 @@ def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str,
     model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
     checkpoint, resumed, writes what is missing."""
     if resume == "auto":
-        runs = run_dirs(out, prefix)
-        run_dir = runs[-1] if runs else None
+        runs = run_dirs(out, prefix)[-1:]
     else:
-        run_dir = Path(resume).parent.parent if resume and Path(resume).parent.name == "ckpt" else None
-    if run_dir is None or not (run_dir / "metrics.jsonl").is_file():
+        runs = [Path(resume).parent.parent] if Path(resume).parent.name == "ckpt" else []
+    try:  # the summary is the last record: nothing is written after it
+        last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
+    except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    for line in reversed((run_dir / "metrics.jsonl").read_bytes().splitlines()):
-        try:
-            record = json.loads(line)
-        except ValueError:  # a torn last line
-            continue
-        if isinstance(record, dict) and record.get("kind") == "summary":
-            return str(run_dir), {k: v for k, v in record.items() if k != "kind"}
-    return None
+    return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
 
 
 def resume_of(cfg) -> str:
@@ -204,12 +197,10 @@ def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
     """`out/prefix-N`, one past the highest, created now so that no other job takes it."""
     while True:
         taken = run_dirs(out, prefix)
-        candidate = Path(out) / f"{prefix}-{int(taken[-1].name.rsplit('-', 1)[1]) + 1 if taken else 1}"
-        try:
-            candidate.mkdir(parents=True)
-            return candidate
-        except FileExistsError:  # another job took it between the listing and the mkdir
-            continue
+        path = Path(out) / f"{prefix}-{int(taken[-1].name.rsplit('-', 1)[1]) + 1 if taken else 1}"
+        with contextlib.suppress(FileExistsError):  # another job took it between the listing and the mkdir
+            path.mkdir(parents=True)
+            return path
 
 
 def take_lock(run_dir: Path):

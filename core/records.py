@@ -133,20 +133,14 @@ def os_error_line(err: OSError) -> str:
 def write_record(run: RunFolder, record: dict) -> None:
     """Rank 0 appends one JSON line to metrics.jsonl in one write(), and hands it to the run's sinks.
 
-    One write: a crash never leaves half a record. A number that is not finite is written as null, as strict JSON
-    readers need."""
+    One write (a line is far below the buffer's size): a crash never leaves half a record. A number that is not
+    finite is written as null, as strict JSON readers need. A full disk raises an OSError that names no file:
+    os_error_line names the run folder."""
     if not run.writer:
         return
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    data, path = (json.dumps(clean) + "\n").encode(), run.path / "metrics.jsonl"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.write(fd, data) != len(data):  # a full disk: the next record must not start mid-line
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    except OSError as err:  # os.write names no file: the line about it must
-        raise OSError(err.errno, err.strerror, str(path)) from None
-    finally:
-        os.close(fd)
+    with open(run.path / "metrics.jsonl", "ab") as f:
+        f.write((json.dumps(clean) + "\n").encode())
     for sink in run.sinks:
         sink.write(record)
 
