@@ -154,7 +154,6 @@ def cli_main(main: Callable, config: type) -> None:
 
 
 KEPT = "checkpoints already written are kept: --resume auto continues from the newest"  # after a stopped run
-INTERRUPTED = f"interrupted; {KEPT}"
 
 
 def leave(run: Callable[[], int | None]) -> None:
@@ -170,7 +169,7 @@ def leave(run: Callable[[], int | None]) -> None:
     except OSError as err:  # a full disk, a folder that can't be written: this rank's own
         code = fail(records.os_error_line(err), 1, everyone=False)
     except KeyboardInterrupt:
-        code = fail(INTERRUPTED, 130)
+        code = fail(f"interrupted; {KEPT}", 130)
     except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
         traceback.print_exc()
         code = fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
@@ -184,5 +183,5 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
     """Print `error: message` as one line on stderr (and in train.log); returns `code`. `everyone`: an error every
     rank meets, printed by rank 0 alone under torchrun (core.records.error_line); a refused run leaves no empty run."""
     records.error_line(message, everyone=everyone)
-    records.close_log(refused=everyone and code == 1)  # a RecipeError, not an interrupt: it would meet it again
+    records.take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt: a restart meets it again
     return code

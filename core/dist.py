@@ -5,6 +5,7 @@ The only state here is torch's own process group. Everything else is passed in a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -97,10 +98,8 @@ def cleanup_pg(*, timeout_s: float = 60.0) -> None:
     if not dist.is_initialized():
         return
     if dist.get_world_size() > 1 and sys.exc_info()[1] is None:
-        try:
+        with contextlib.suppress(Exception):  # a peer that died or hung: leave anyway, the run's own outcome stands
             dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-        except Exception:  # a peer that died or hung: leave anyway, the run's own outcome stands
-            pass
     dist.destroy_process_group()
 
 

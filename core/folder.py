@@ -155,13 +155,10 @@ def check_batch(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> N
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:
         batch, accum = config["batch_size"], config.get("accum", 1)
-        if saved_batch % (dp * accum) == 0:
-            same_accum = f" and --accum {accum}" if accum > 1 else ""
-            fix = f"use --batch-size {saved_batch // (dp * accum)} at {dp} rank(s){same_accum}"
-        elif saved_batch % (dp * batch) == 0:
-            fix = f"use --accum {saved_batch // (dp * batch)} with --batch-size {batch}"
-        else:
-            fix = f"use a number of ranks that divides {saved_batch}"
+        per_rank, rest = divmod(saved_batch, dp * accum)
+        fix = f"use a number of ranks that divides {saved_batch}"
+        if not rest:  # --accum as it is: the line shows it
+            fix = f"use --batch-size {per_rank} at {dp} rank(s)"
         raise RecipeError(
             f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
             f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"

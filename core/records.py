@@ -51,6 +51,13 @@ def release_new(run: RunFolder) -> None:
         _take_back(run.path)
 
 
+def take_back(*, refused: bool) -> None:
+    """`refused`: the run ends in an error every rank meets (a restart would meet it again: a non-finite loss at step
+    1, a refused load); rank 0 takes back the new folder it made, as release_new does."""
+    if refused and _RUN_LOG:
+        _take_back(_RUN_LOG["path"])
+
+
 def _take_back(path: Path) -> None:
     if not path.is_dir() or {p.name for p in path.iterdir()} - LOG_ONLY:
         return
@@ -75,16 +82,11 @@ def open_log(run: RunFolder) -> None:
     _RUN_LOG.update(path=run.path, id=logger.add(run.path / "train.log", format=LOG_FORMAT, filter=ours, catch=False))
 
 
-def close_log(*, refused: bool = False) -> None:
-    """The end of this process's run log. `refused`: the run ends in an error every rank meets (a restart would meet
-    it again: a non-finite loss at step 1, a refused load), and a new folder left holding only config.json, the lock
-    and this log is taken back, as release_new does."""
-    if not _RUN_LOG:
-        return
-    path = _RUN_LOG.pop("path")
-    logger.remove(_RUN_LOG.pop("id"))
-    if refused:
-        _take_back(path)
+def close_log() -> None:
+    """The end of this process's run log."""
+    if _RUN_LOG:
+        logger.remove(_RUN_LOG.pop("id"))
+        _RUN_LOG.clear()
 
 
 def show(message: str, *, level: str = "INFO", rank: int = 0) -> None:
