@@ -52,7 +52,7 @@ def pick_device(local_rank: int) -> torch.device:
     if os.environ.get("TDR_DEVICE") == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    if local_rank >= count and not os.environ.get("TDR_SHARE_GPU"):  # TDR_SHARE_GPU: gloo ranks on one GPU
+    if local_rank >= count and os.environ.get("TDR_BACKEND") != "gloo":  # gloo ranks may share a GPU (gpu_check)
         raise RecipeError(
             f"LOCAL_RANK {local_rank} but only {count} GPU(s) are visible: launch at most {count} processes per node "
             f"(NPROC_PER_NODE) or fix CUDA_VISIBLE_DEVICES"

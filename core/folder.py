@@ -31,9 +31,7 @@ TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that does not take the option trains (ddp)
 
 
-def open_run(
-    cfg, topo: Topology, *, recipe: str, global_batch: int, newest, header, dp: int | None = None
-) -> RunFolder:
+def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, header, dp: int = 0) -> RunFolder:
     """Rank 0 picks the run folder, checks the checkpoint it resumes, locks it; every rank gets the same folder.
 
     The folder is a new out/NAME-N, or the resumed checkpoint's; rank 0 checks that the checkpoint can continue in
@@ -128,7 +126,17 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
     names both sides and the fix. Only the global batch is checked in a copy without `checks`: another one would
     silently train another run."""
     check_layout(path, meta, config)
-    check_batch(path, meta, config, dp=dp)
+    saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
+    if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
+        batch, accum = config["batch_size"], config.get("accum", 1)
+        per_rank, rest = divmod(saved_batch, dp * accum)
+        fix = f"use a number of ranks that divides {saved_batch}"
+        if not rest:  # --accum as it is: the line shows it
+            fix = f"use --batch-size {per_rank} at {dp} rank(s)"
+        raise RecipeError(
+            f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
+            f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
+        )
     check_options(path, meta, config)
 
 
@@ -147,21 +155,6 @@ def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
         raise RecipeError(
             f"{path}: a checkpoint trained in {was} and this run asks for --precision {precision}: fp16's loss-scaler "
             f"state does not carry across; resume with --precision {was}, or start a new run"
-        )
-
-
-def check_batch(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
-    """Another global batch: every later step would differ; the line says how to keep it at `dp` ranks."""
-    saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
-    if saved_batch and saved_batch != global_batch:
-        batch, accum = config["batch_size"], config.get("accum", 1)
-        per_rank, rest = divmod(saved_batch, dp * accum)
-        fix = f"use a number of ranks that divides {saved_batch}"
-        if not rest:  # --accum as it is: the line shows it
-            fix = f"use --batch-size {per_rank} at {dp} rank(s)"
-        raise RecipeError(
-            f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
-            f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
         )
 
 

@@ -333,7 +333,7 @@ def test_fsdp_starts_from_a_runs_weights_and_writes_a_folder_from_pretrained_loa
         assert torch.equal(value, saved[key]), key
     events = EventAccumulator(str(run_dir / "tensorboard"))
     assert [e.step for e in events.Reload().Scalars("train/loss")] == [1, 2]
-    second = first.replace(out=str(tmp_path / "b"), init_from=summary["weights"], log_to="")
+    second = dataclasses.replace(first, out=str(tmp_path / "b"), init_from=summary["weights"], log_to="")
     again = world2.run(run_recipe, "fsdp", second)[0]
     assert again["init_from"] == summary["weights"]
     assert_same_weights(again, reference(second, replicas=2), **TOL)
