@@ -140,7 +140,9 @@ def worker(rank: int, port: int, args, queue) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    topo = dist.init_pg(rank=rank, world_size=2, master_port=port, timeout_s=120)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(2), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)  # as torchrun sets them: init_pg reads its environment
+    topo = dist.init_pg(timeout_s=120)
     try:
         for schedule in ("gpipe", "1f1b"):
             for m in (2, 4, 8, 16):
