@@ -25,7 +25,7 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, hf.HFExport):
+class Config(Training, Checkpointing, DDPOptions, weights.InitFrom, hf.HFExport):
     """The shared training and checkpoint options, DDP's own, and where a transformers model's weights go."""
 
 

@@ -30,7 +30,16 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, amp.Precision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    DDPOptions,
+    amp.Precision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """ddp's options, and precision, accumulation, clipping and trackers."""
 
     epochs: int = with_default(Training, "epochs", 10)  # --accum 4 takes 4x fewer steps per epoch than ddp

@@ -40,6 +40,7 @@ class Config(
     TuningOptions,
     DebugOptions,
     trackers.Tracking,
+    weights.InitFrom,
     hf.HFExport,
 ):
     """ddp's options, and the monitoring, debugging, tuning, asynchronous checkpoint and tracker ones."""

@@ -23,7 +23,7 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, hf.HFExport):
+class Config(Training, Checkpointing, weights.InitFrom, hf.HFExport):
     """The shared training and checkpoint options, and where a transformers model's weights go."""
 
 

@@ -33,7 +33,15 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
     title = "fully sharded data parallel"

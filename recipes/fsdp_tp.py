@@ -46,7 +46,15 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"

@@ -33,7 +33,15 @@ from core.config import Checkpointing, RecipeError, Training, cli_main, option, 
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
     title = "pipeline parallelism"

@@ -28,7 +28,7 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, hf.HFExport):
+class Config(Training, Checkpointing, weights.InitFrom, hf.HFExport):
     """The shared training and checkpoint options; the tiny GPT on the embedded text by default."""
 
     model: str = with_default(Training, "model", "gpt")

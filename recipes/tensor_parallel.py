@@ -49,7 +49,15 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """The shared options and sequence parallelism; the tiny GPT on the embedded text by default."""
 
     title = "tensor parallelism"

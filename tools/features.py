@@ -48,7 +48,7 @@ FEATURES = {
         Feature(
             "init_from",
             "--init-from (a new run from earlier weights)",
-            fields=("init_from",),
+            groups=("core.weights.InitFrom",),
             calls=("core.weights.load_weights",),
         ),
         Feature(
