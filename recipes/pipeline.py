@@ -174,10 +174,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():  # every rank writes its own stages
+                with meter.paused(clock):  # every rank writes its own stages
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # forward only, through the same schedule: K batches a run, the smaller last one too
+        with meter.paused(clock):  # forward only, through the same schedule: K batches a run, the smaller last one too
             evaluation = pipeline.evaluate_pipeline(
                 schedule,
                 val_loader,
