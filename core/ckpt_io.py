@@ -34,7 +34,7 @@ def header_checksum(header: dict) -> str:
     return f"crc32:{zlib.crc32(canonical.encode()):08x}"
 
 
-def atomic_write(path: str | os.PathLike, write) -> Path:
+def atomic_write(path: str | os.PathLike, write) -> None:
     """Call `write(file)` on a temporary file, fsync, then rename over `path`.
 
     Readers see the old file or the new one, never half of one."""
@@ -54,7 +54,6 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
         os.fsync(dir_fd)  # make the rename itself survive a power cut
     finally:
         os.close(dir_fd)
-    return path
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
