@@ -48,15 +48,18 @@ class Config(
 
 def check(cfg: Config) -> None:
     """Before launch: a comm hook the backend lacks, and tuning options the model does not fit (on the meta device)."""
-    backend = "nccl" if dist.pick_device(0).type == "cuda" else "gloo"  # what init_pg picks (TDR_BACKEND aside)
-    comm.check_hook(cfg.comm_hook, backend=backend)
-    if cfg.channels_last or cfg.activation_checkpointing:
-        with torch.device("meta"):  # shapes only: the layers and blocks are found without memory
-            model = models.build_model(cfg.model)
-        if cfg.channels_last:
-            to_channels_last(model)
-        if cfg.activation_checkpointing:
-            checkpoint_blocks(model)
+    on_gpu = dist.pick_device(0).type == "cuda"  # what init_pg picks (TDR_BACKEND aside)
+    comm.check_hook(cfg.comm_hook, backend="nccl" if on_gpu else "gloo")
+    if cfg.channels_last:
+        to_channels_last(meta_model(cfg))
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(meta_model(cfg))
+
+
+def meta_model(cfg: Config) -> torch.nn.Module:
+    """The model on the meta device: its layers and blocks, found without memory."""
+    with torch.device("meta"):
+        return models.build_model(cfg.model)
 
 
 def main(cfg: Config) -> dict:
@@ -84,8 +87,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         weights.load_weights(model, cfg.init_from)
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only; the pre-check says so on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if cfg.channels_last:  # conv weights in NHWC, the layout tensor cores read fastest
-        model = to_channels_last(model)
+    if cfg.channels_last:  # conv weights in NHWC, the layout tensor cores read fastest (in place)
+        to_channels_last(model)
     if cfg.activation_checkpointing:  # each block's activations recomputed in backward instead of kept
         checkpoint_blocks(model)
     ddp_model = DistributedDataParallel(

@@ -31,14 +31,14 @@ def _cells(line: str) -> list[str]:
 @pytest.mark.fast
 def test_ls_prints_the_readmes_table():
     """27.6: the README's recipe table is what `ls` prints, cell for cell, every recipe in the registry's order; the
-    README adds one column, each copy's size."""
+    README adds two columns, each copy's size and each feature's cost."""
     printed = [_cells(line) for line in CliRunner().invoke(cli, ["ls"]).output.splitlines()]
     readme = (REPO / "README.md").read_text().splitlines()
     start = next(i for i, line in enumerate(readme) if line.startswith("| recipe | builds on |"))
     table = [_cells(line) for line in itertools.takewhile(lambda line: line.startswith("|"), readme[start:])]
     assert [row[: len(printed[0])] for row in table] == printed and len(printed) == len(RECIPES) + 2
     assert printed[0][:3] == ["recipe", "builds on", "multi-node"]
-    assert table[0][-1] == "its lean standalone copy: lines (code)"
+    assert table[0][-2:] == ["its lean standalone copy: lines (code)", "code lines each `--with FEATURE` adds"]
     for row, recipe in zip(printed[2:], RECIPES.values()):
         assert (
             row[0] == f"`{recipe.name}`" and row[3] == recipe.summary and row[4] == (", ".join(recipe.opt_ins) or "-")

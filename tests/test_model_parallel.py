@@ -414,19 +414,19 @@ def pipeline_accum_clip(topo, precision):
     one micro-batch with none counted: token-exact, and the loss reported finite and equal to one process's."""
     from torch.distributed.pipelining import PipelineStage
 
-    from core import pipeline
+    from core import pipeline, schedules
 
     batches = _token_batches(padded=True)
     expected, _, expected_losses = _one_process(batches, k=4, precision=precision, losses=True)
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
-    loss_fn = pipeline.TokenLoss()
+    loss_fn = schedules.TokenLoss()
     stages = [PipelineStage(stage, topo.rank, 2, topo.device)]
-    sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
+    sched = schedules.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     losses = []
     for x, y in batches:
         accumulated = [(x[:4], y[:4]), (x[4:], y[4:])]  # K=2 batches through a schedule of 2 x 2 micro-batches
-        sums, _ = pipeline.step_pipeline(
+        sums, _ = schedules.step_pipeline(
             sched,
             accumulated,
             loss_fn=loss_fn,
@@ -437,7 +437,7 @@ def pipeline_accum_clip(topo, precision):
             pp_group=torch.distributed.group.WORLD,
         )
         losses.append(float(sums["loss_sum"] / sums["count"]) if topo.rank == 1 else None)
-    full = pipeline.gather_state_dict([stage])
+    full = schedules.gather_state_dict([stage])
     if topo.rank == 1:  # the last stage's metrics: finite, and the one process's loss
         assert losses == pytest.approx(expected_losses, rel=1e-2 if precision == "bf16" else 1e-5)
     return {k: (full[k], v) for k, v in expected.items()} if full else None
@@ -447,17 +447,19 @@ def pipeline_float_targets(topo):
     """Soft labels (float targets) through the pipeline's step: every rank's error, none left waiting."""
     from torch.distributed.pipelining import PipelineStage
 
-    from core import pipeline
+    from core import pipeline, schedules
 
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
-    loss_fn = pipeline.TokenLoss()
-    sched = pipeline.build_schedule(
+    loss_fn = schedules.TokenLoss()
+    sched = schedules.build_schedule(
         "1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=2, loss_fn=loss_fn
     )
     tokens, soft = torch.randint(0, 40, (4, 16)), torch.rand(4, 16, 40).softmax(-1)
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
     try:
-        pipeline.step_pipeline(sched, [(tokens, soft)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1)
+        schedules.step_pipeline(
+            sched, [(tokens, soft)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1
+        )
     except RecipeError as err:
         return str(err)
 

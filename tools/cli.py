@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import click
 
 from core.config import KEPT, RecipeError, UsageError, fail, leave, parse_args
 from core.records import os_error_line
+from tools.features import FEATURES
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -112,8 +112,7 @@ def _explained(err: UsageError, name: str, config: type) -> UsageError:
     "features",
     default="",
     metavar="FEATURE,...",
-    help="with --standalone: the features to keep (init_from, hf, trackers, loss, fast_writer, old_checksums, "
-    "factories; all: every one the recipe has)",
+    help=f"with --standalone: the features to keep ({', '.join(FEATURES)}; all: every one the recipe has)",
 )
 def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, features: str = ""):
     """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone).
@@ -128,41 +127,21 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, fea
         raise click.UsageError(f"{dest} exists; pass --force to overwrite it or pick another name")
     if not target.parent.is_dir():
         raise click.UsageError(f"{dest}: the folder {target.parent} does not exist; create it or pick another place")
-    text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
-    if standalone:  # the launcher's lines become torchrun ones; a one-process recipe gets one process
-        from tools.features import builtin_defaults, features_of, parse_with
-        from tools.standalone import StandaloneError, standalone_source
+    from tools.copies import copy_source, retarget_commands
 
-        config = recipe.load().Config
+    if standalone:  # one file that imports nothing of this package
+        from tools.features import parse_with
+        from tools.standalone import StandaloneError
+
         try:
-            kept = parse_with(features, config=config)
+            text = copy_source(name, dest, kept=parse_with(features, config=recipe.load().Config))
         except StandaloneError as err:
             raise click.UsageError(str(err)) from None
-        defaults = config()  # the copy carries the recipe's default model and data, no other built-in
-        text = standalone_source(
-            text,
-            name=name,
-            dest=dest,
-            nproc=2 if recipe.multi_node else 1,
-            keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
-            left_out=LEFT_OUT,
-            without=tuple(f for f in features_of(config) if f not in kept),
-            defaults=builtin_defaults(defaults),
-        )
+    else:
+        text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     click.echo(f"copied {name} to {dest}; run it with: {launch}")
-
-
-# What the package's runner has and a standalone copy does not (its header says so, in one line).
-LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
-
-
-def retarget_commands(text: str, name: str, dest: str) -> str:
-    """Point the docstring's launch commands at the copied file instead of the package."""
-    text = re.sub(rf"python -m recipes run {name}\b", f"python {dest}", text)
-    text = re.sub(rf"-m recipes run {name}\b", dest, text)
-    return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
 
 
 @cli.command("check", context_settings={"ignore_unknown_options": True})

@@ -19,7 +19,7 @@ import ast
 import importlib
 from dataclasses import dataclass
 
-from tools.inline_refs import StandaloneError, line_offsets
+from tools.inline_refs import RECIPE, StandaloneError, line_offsets
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,24 @@ FEATURES = {
                 ("core.data.build_data", "data", "(*{}(), None)[:3]", "your data: (train, val[, collate_fn])"),
             ),
         ),
+        Feature(
+            "tuning",
+            "--activation-checkpointing and --channels-last",
+            fields=("activation_checkpointing", "channels_last"),
+            calls=("core.tuning.to_channels_last", "core.tuning.checkpoint_blocks", "__recipe__.meta_model"),
+        ),
+        Feature(
+            "comm_hook",
+            "--comm-hook (fp16, bf16 or PowerSGD gradient compression; DDP's own all-reduce stays)",
+            fields=("comm_hook",),
+            calls=("core.comm.register", "core.comm.check_hook"),
+        ),
+        Feature(
+            "profile",
+            "--profile (a torch.profiler trace per rank)",
+            fields=("profile",),
+            calls=("core.monitor.profiler",),
+        ),
     )
 }
 
@@ -157,8 +175,10 @@ def drop_features(source: bytes, *, module: str, off: set[str], defaults: dict[s
     pass_ = _Drop(source, module=module, tree=tree, off=off, defaults=defaults)
     for node in tree.body:
         own = any(_matches(f"{module}.{getattr(node, 'name', '')}", FEATURES[f].calls) for f in off)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not own:  # a feature's own code: not used
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not own:
             pass_.function(node)
+        elif own and module == RECIPE:  # a recipe's helper for the feature alone; core's own code is not inlined
+            pass_.cut(node)
         elif isinstance(node, ast.ClassDef):
             pass_.klass(node)
     if pass_.imports:  # the defaults a build call now names, imported after the module's last top-level import

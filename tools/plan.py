@@ -128,7 +128,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             order = None
             if name == "pipeline":
                 count = cfg.microbatches * cfg.accum
-                if isinstance(fake, dict):  # as core.pipeline.step_pipeline: the schedule takes (input, target)
+                if isinstance(fake, dict):  # as core.schedules.step_pipeline: the schedule takes (input, target)
                     raise RecipeError(f"--data {cfg.data}: pipeline trains on (input, target) pairs, not dicts")
                 first = fake[0]
                 pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from core import amp, models, pipeline
+from core import amp, models, pipeline, schedules
 from core.config import RecipeError
 
 # The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
@@ -168,7 +168,7 @@ def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, grou
     runners = [
         PipelineStage(module, i, layout.num_stages, torch.device("cpu"), group=group) for i, module in layout.stages
     ]
-    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
+    schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
     kinds = {"F": "F", "B": "B"}  # torch's _ComputationType values: forward, full backward
     return [
         (kinds[a.computation_type.value], a.stage_index, a.microbatch_index)

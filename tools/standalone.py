@@ -271,6 +271,7 @@ def standalone_source(
     left_out: str = "",
     without: tuple[str, ...] = (),
     defaults: dict[str, tuple[str, str]] | None = None,
+    formatted: bool = True,
 ) -> str:
     """The text of one Python file that runs recipe `name` (its `source`) with nothing from `packages`.
 
@@ -279,7 +280,7 @@ def standalone_source(
     modules placed right after the recipe's functions; `left_out`: what the package's runner has that the copy
     does not, for the header; `without`: the features (tools.features) the copy leaves out, `defaults` the
     built-ins (option -> (module, function)) that replace the factories. The text is `ruff format`ted where ruff
-    is installed.
+    is installed (`formatted=False`: left for one `ruff format` over many copies).
     """
 
     def drop(module: str, text: bytes) -> bytes:
@@ -326,7 +327,7 @@ def standalone_source(
         text = f"# {mark}\n{text}" if mark else text
         body += (_separator(blocks[i - 1], (module, chunk, mark)) if i else "") + text
     text = "\n\n".join([*top, "\n".join(imports).rstrip("\n")]) + "\n\n\n" + body + "\n"
-    return ruff_format(text)
+    return ruff_format(text) if formatted else text
 
 
 def _separator(before: tuple, after: tuple) -> str:

@@ -1,0 +1,56 @@
+"""What `python -m recipes cp NAME DEST --standalone [--with ...]` writes, and what each copy costs in lines.
+
+`copy_source` is the one place a copy's text is made (the CLI writes it; the tests make every variant with it).
+`size_cells` turns measured sizes into the README's two copy columns: the lean copy's lines (code lines), and the
+code lines each `--with FEATURE` adds to it (`all`: every feature the recipe has, shared lines counted once).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tools.features import builtin_defaults, features_of
+from tools.registry import RECIPES
+from tools.standalone import standalone_source
+
+# What the package's runner has and a standalone copy does not (its header says so, in one line).
+LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
+
+
+def retarget_commands(text: str, name: str, dest: str) -> str:
+    """Point the docstring's launch commands at the copied file instead of the package."""
+    text = re.sub(rf"python -m recipes run {name}\b", f"python {dest}", text)
+    text = re.sub(rf"-m recipes run {name}\b", dest, text)
+    return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
+
+
+def copy_source(name: str, dest: str, *, kept: set[str], formatted: bool = True) -> str:
+    """The text of recipe `name`'s copy at `dest`, standalone, with the features in `kept` (tools.features)."""
+    recipe = RECIPES[name]
+    config = recipe.load().Config
+    defaults = config()  # the copy carries the recipe's default model and data, no other built-in
+    return standalone_source(
+        retarget_commands(Path(recipe.source_file).read_text(), name, dest),
+        name=name,
+        dest=dest,
+        nproc=2 if recipe.multi_node else 1,  # the launcher's lines become torchrun ones; one-process recipes: one
+        keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
+        left_out=LEFT_OUT,
+        without=tuple(f for f in features_of(config) if f not in kept),
+        defaults=builtin_defaults(defaults),
+        formatted=formatted,
+    )
+
+
+def size_variants(name: str) -> list[str]:
+    """The copies whose sizes the README prints: lean (""), each single feature, and all."""
+    features = features_of(RECIPES[name].load().Config)
+    return ["", *features, *(["all"] if features else [])]
+
+
+def size_cells(sizes: dict[str, tuple[int, int]]) -> tuple[str, str]:
+    """(lean "lines (code)", "feature +code, ...") from {variant: (lines, code lines)} of one recipe's copies."""
+    lines, code = sizes[""]
+    added = [f"{variant} +{sizes[variant][1] - code:,}" for variant in sizes if variant]
+    return f"{lines:,} ({code:,})", ", ".join(added) or "-"
