@@ -46,7 +46,15 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"
@@ -170,10 +178,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():  # every rank writes its own shard
+                with meter.paused(clock):  # every rank writes its own shard
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # a tp group's ranks count alike, each forward a collective: the means are right
+        with meter.paused(clock):  # a tp group's ranks count alike, each forward a collective: the means are right
             evaluation = parallel.evaluate_sharded(
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
             )

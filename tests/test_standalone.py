@@ -233,6 +233,17 @@ def test_ddp_copy_holds_no_run_object_no_threads_no_dtensor_no_source_inspection
     assert 0 < step - text.index("\ndef train(") < 6000, "the step is a few screens below the loop, not 1,800 lines"
 
 
+def test_lean_copies_leave_out_the_checkpoint_and_meter_code_of_their_features(project):
+    """28.2: a lean copy runs its evaluation and checkpoints without the clock's pause (the `meter` feature), keeps a
+    killed write's temporaries (their removal is the `lock` feature's), writes no trackers entry (`trackers`) and
+    leaves the sharded load's model and NaN checks to `checks`; the --with all copies keep every one of them."""
+    copy = {n: (project / "project" / f"{n}.py").read_text() for n in ("ddp", "ddp_all", "fsdp", "fsdp_all")}
+    kept = ("with paused(clock):", "def remove_stale_temporaries(", "class InitFrom(")
+    assert all(word in copy["ddp_all"] and word not in copy["ddp"] for word in kept)
+    sharded = ("run.sinks", "def _check_saved(", "def non_finite(", "with paused(clock):")
+    assert all(word in copy["fsdp_all"] and word not in copy["fsdp"] for word in sharded)
+
+
 def test_copies_parse_the_same_options(project):
     """`--help` of every copy (one interpreter runs them all) lists the packaged recipe's options, less those of
     the features it left out: --with all lists them all."""

@@ -51,13 +51,20 @@ FEATURES = {
         Feature(
             "init_from",
             "--init-from (a new run from earlier weights)",
-            fields=("init_from",),
+            groups=("core.weights.InitFrom",),
             calls=("core.weights.load_weights",),
         ),
         Feature(
             "hf", "the Hugging Face folder RUN/hf (--hf-attr, --hf-shard-mb)", ("core.hf.HFExport",), (), ("core.hf.",)
         ),
-        Feature("trackers", "--log-to tensorboard or wandb", ("core.trackers.Tracking",), (), ("core.trackers.",)),
+        Feature(
+            "trackers",
+            "--log-to tensorboard or wandb",
+            ("core.trackers.Tracking",),
+            (),
+            ("core.trackers.",),
+            attrs=("sinks",),  # the run's record sinks (core.records.RunFolder): only trackers adds any
+        ),
         Feature(
             "loss",
             "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy)",
@@ -77,8 +84,9 @@ FEATURES = {
         ),
         Feature(
             "lock",
-            "the run folder's lock (RUN/.lock): two jobs that write one run folder are not refused",
-            calls=("core.folder.take_lock",),
+            "the run folder's lock (RUN/.lock): two jobs that write one run folder are not refused, and the temporary "
+            "files of a write a kill interrupted are left in it",
+            calls=("core.folder.take_lock", "core.ckpt_io.remove_stale_temporaries"),
         ),
         Feature(
             "records",
@@ -96,6 +104,8 @@ FEATURES = {
                 "core.folder.check_options",
                 "core.ckpt.check_shapes",
                 "core.dcp.check_shapes",
+                "core.dcp._check_saved",
+                "core.dcp_folder.non_finite",
                 "core.ckpt_io.check_values",
                 "core.ckpt.refuse_pickle",
             ),
@@ -103,7 +113,7 @@ FEATURES = {
         Feature(
             "meter",
             "the training clock: samples_per_s, tokens_per_s, startup_s and elapsed_s (the loss and accuracy stay)",
-            calls=("core.meter.Clock",),
+            calls=("core.meter.Clock", "core.meter.paused"),
             attrs=("clock",),
         ),
         Feature(
