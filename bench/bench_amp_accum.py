@@ -59,7 +59,9 @@ def timed_steps(model, optimizer, batches, *, precision: str, sync, n: int) -> f
 def worker(rank: int, args, port: int, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(args.threads)
-    topo = dist.init_pg(rank=rank, world_size=args.nproc, master_port=port, timeout_s=120)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)  # as torchrun sets them: init_pg reads its environment
+    topo = dist.init_pg(timeout_s=120)
     try:
         torch.manual_seed(0)
         model = models.build_model(args.model).to(topo.device)

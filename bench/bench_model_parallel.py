@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core import dist, parallel, pipeline, steps  # noqa: E402
+from core import dist, parallel, pipeline, schedules, steps  # noqa: E402
 from core.gpt import GPT  # noqa: E402
 from core.loss import Loss  # noqa: E402
 
@@ -84,8 +84,8 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
     from torch.distributed.pipelining import PipelineStage
 
     stage = BusyTimer(pipeline.split_pipeline(model, num_stages=2, stage_index=topo.rank)).to(topo.device)
-    loss_fn = pipeline.TokenLoss()
-    sched = pipeline.build_schedule(
+    loss_fn = schedules.TokenLoss()
+    sched = schedules.build_schedule(
         schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m, loss_fn=loss_fn
     )
     optimizer = torch.optim.SGD(stage.parameters(), lr=1e-3)
@@ -95,7 +95,7 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
         stage.busy = 0.0
         torch.distributed.barrier()
         started = time.perf_counter()
-        pipeline.step_pipeline(
+        schedules.step_pipeline(
             sched, [(x, x)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1
         )  # the recipe's step
         stage.flush()
@@ -140,7 +140,9 @@ def worker(rank: int, port: int, args, queue) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    topo = dist.init_pg(rank=rank, world_size=2, master_port=port, timeout_s=120)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(2), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)  # as torchrun sets them: init_pg reads its environment
+    topo = dist.init_pg(timeout_s=120)
     try:
         for schedule in ("gpipe", "1f1b"):
             for m in (2, 4, 8, 16):

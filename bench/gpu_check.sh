@@ -4,7 +4,7 @@
 #   bench/gpu_check.sh            # from anywhere; prints one line per check and exits non-zero on a failure
 #
 # 1. each recipe on nccl at world size 1;
-# 2. each recipe as 2 processes over gloo sharing one GPU (TDR_BACKEND=gloo TDR_SHARE_GPU=1);
+# 2. each recipe as 2 processes over gloo sharing one GPU (TDR_BACKEND=gloo);
 # 3. ddp_amp with fp16 (GradScaler) and bf16; the GPU-only options (bf16 comm hook, channels-last, --debug);
 # 4. the tiny GPT on ddp: step time, tokens/s and MFU (fp32 and --compile);
 # 5. the memory plan against torch.cuda.max_memory_allocated per recipe, and the fixed terms no tracker sees
@@ -45,7 +45,7 @@ EOF
 
 for recipe in $(python -m recipes ls | awk 'NR > 1 {print $1}'); do
   check "$recipe: nccl x1" launch 1 -m recipes run "$recipe" --max-steps 20 --log-every 10
-  check "$recipe: gloo x2 on one GPU" env TDR_BACKEND=gloo TDR_SHARE_GPU=1 \
+  check "$recipe: gloo x2 on one GPU" env TDR_BACKEND=gloo \
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m recipes run "$recipe" --max-steps 10 --log-every 5
 done
 
@@ -65,7 +65,7 @@ check "ddp_monitored: gpt --compile, 200 steps" launch 1 -m recipes run ddp_moni
   --batch-size 64 --compile --max-steps 200 --log-every 50 && last_train
 
 for plan_world in 1 2; do  # 5. the table of bench/bench_plan.py --gpu; two processes share the GPU over gloo
-  extra=(); [ "$plan_world" = 2 ] && extra=(env TDR_BACKEND=gloo TDR_SHARE_GPU=1)
+  extra=(); [ "$plan_world" = 2 ] && extra=(env TDR_BACKEND=gloo)
   if ! timeout 300 "${extra[@]}" python -m torch.distributed.run --standalone --nproc-per-node "$plan_world" \
       bench/bench_plan.py --gpu 2>"$OUT/plan.log" | grep -v '^{'; then
     printf 'FAIL  %-44s\n' "memory plan on $plan_world process(es)"; tail -15 "$OUT/plan.log" | sed 's/^/      /'

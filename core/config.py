@@ -29,11 +29,7 @@ class RecipeError(Exception):
 
 
 class UsageError(RecipeError):
-    """A bad command line (exit status 2). `option` names an option this recipe does not take."""
-
-    def __init__(self, message: str, *, option: str | None = None):
-        super().__init__(message)
-        self.option = option
+    """A bad command line (exit status 2): argparse's line, which names the option."""
 
 
 def option(default, help: str, *, choices: tuple[str, ...] | None = None, check=None, fix: str = ""):
@@ -62,11 +58,7 @@ class Options:
             if meta.get("choices") and value not in meta["choices"]:
                 raise RecipeError(f"{flag(f.name)} {value}: choose one of {', '.join(meta['choices'])}")
             if meta.get("check") and not meta["check"](value):
-                shown = repr(value) if isinstance(value, str) else value
-                raise RecipeError(f"{flag(f.name)} {shown}: {meta['fix']}")
-
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
+                raise RecipeError(f"{flag(f.name)} {value!r}: {meta['fix']}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -77,8 +69,13 @@ def at_least(low: int) -> dict:
     return {"check": lambda v: low <= v <= 2**31, "fix": f"use {low} to 2**31"}
 
 
-def _plain_name(name: str) -> bool:
-    return name == "" or (name not in (".", "..") and not any(c in name for c in "/\\\0"))
+def within(low: float, high: float) -> dict:
+    """`option(..., **within(0, 10))`: a number above `low`, up to `high`."""
+    return {"check": lambda v: low < v <= high, "fix": f"use ({low:g}, {high:g}]"}
+
+
+def _plain_name(name: str) -> bool:  # "" too: the recipe's name
+    return name not in (".", "..") and not any(c in name for c in "/\\\0")
 
 
 @dataclass(frozen=True)
@@ -87,12 +84,9 @@ class Training(Options):
     epochs: int = option(5, "passes over the training set", **at_least(0))
     max_steps: int = option(0, "stop after N optimizer steps (0: no limit)", **at_least(0))
     batch_size: int = option(32, "samples per rank per micro-batch", **at_least(1))
-    lr: float = option(
-        1e-3, "peak learning rate (AdamW, cosine decay to zero)", check=lambda v: 0 < v <= 10, fix="use (0, 10]"
-    )
+    lr: float = option(1e-3, "peak learning rate (AdamW, cosine decay to zero)", **within(0, 10))
     seed: int = option(0, "seed of the weights and the data order; rank r draws dropout from seed + r", **at_least(0))
     model: str = option("mlp", "built-in model (mlp, cnn, gpt) or module:function returning an nn.Module")
-    init_from: str = option("", "start from these weights: a .safetensors file or a Hugging Face folder (no pickle)")
     data: str = option("digits", "built-in data (digits, synthetic, text) or module:function returning (train, val)")
     loss: str = option("auto", "auto (the model's own loss, else ce or mse), ce, mse, model, or module:function")
     on_nonfinite: str = option("stop", "a non-finite loss or gradient: stop or skip the step", choices=("stop", "skip"))
@@ -101,9 +95,7 @@ class Training(Options):
         "", "run folder name prefix (default: the recipe)", check=_plain_name, fix="use a plain name, not a path"
     )
     log_every: int = option(10, "log a train record every N optimizer steps", **at_least(1))
-    timeout_s: float = option(
-        300.0, "seconds a collective may wait before failing", check=lambda v: 0 < v <= 604800, fix="use (0, 604800]"
-    )
+    timeout_s: float = option(300.0, "seconds a collective may wait before failing", **within(0, 604800))
 
 
 @dataclass(frozen=True)
@@ -124,7 +116,7 @@ class DDPOptions(Options):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
-        raise UsageError(message, option=next((w for w in message.split() if w.startswith("-")), None))
+        raise UsageError(message)
 
 
 def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None = None, description: str = ""):
@@ -151,36 +143,32 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
 
 def cli_main(main: Callable, config: type) -> None:
     """`if __name__ == "__main__": cli_main(main, Config)`: parse, run; a user's error as one line."""
+    doc = sys.modules[main.__module__].__doc__ or ""  # a copy may have lost its docstring
 
-    def parse_and_run() -> int:
-        doc = sys.modules[main.__module__].__doc__ or ""  # a copy may have lost its docstring
-        try:
-            cfg, dry_run = parse_args(config, description=doc.split("\n")[0])
-            print(f"ok: {cfg.to_dict()}") if dry_run else main(cfg)
-            return 0
-        except UsageError as err:
-            return fail(str(err), 2)
-        except RecipeError as err:
-            return fail(str(err), 1)
-        except OSError as err:  # a full disk, a folder that can't be written: this rank's own
-            return fail(records.os_error_line(err), 1, everyone=False)
-        except KeyboardInterrupt:
-            return fail(INTERRUPTED, 130)
+    def parse_and_run() -> None:
+        cfg, dry_run = parse_args(config, description=doc.split("\n")[0])
+        print(f"ok: {cfg.to_dict()}") if dry_run else main(cfg)
 
     leave(parse_and_run)
 
 
 KEPT = "checkpoints already written are kept: --resume auto continues from the newest"  # after a stopped run
-INTERRUPTED = f"interrupted; {KEPT}"
 
 
-def leave(run: Callable[[], int]) -> None:
-    """Exit with `run()`'s status, past the interpreter's teardown (an uncaught error: its traceback, then one line).
+def leave(run: Callable[[], int | None]) -> None:
+    """Exit with `run()`'s status (None: 0), past the interpreter's teardown. A user's error is one line (a
+    UsageError exits 2); a full disk, this rank's own; an uncaught error its traceback, then one line.
 
     DDP keeps gloo's worker threads alive past destroy_process_group; one still releasing a collective's
     tensors once teardown stops handing out the GIL aborts the process (SIGABRT, pytorch/pytorch#179291)."""
     try:
-        code = run()
+        code = run() or 0
+    except RecipeError as err:
+        code = fail(str(err), 2 if isinstance(err, UsageError) else 1)
+    except OSError as err:  # a full disk, a folder that can't be written: this rank's own
+        code = fail(records.os_error_line(err), 1, everyone=False)
+    except KeyboardInterrupt:
+        code = fail(f"interrupted; {KEPT}", 130)
     except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
         traceback.print_exc()
         code = fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
@@ -194,5 +182,5 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
     """Print `error: message` as one line on stderr (and in train.log); returns `code`. `everyone`: an error every
     rank meets, printed by rank 0 alone under torchrun (core.records.error_line); a refused run leaves no empty run."""
     records.error_line(message, everyone=everyone)
-    records.close_log(refused=everyone and code == 1)  # a RecipeError, not an interrupt: it would meet it again
+    records.take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt: a restart meets it again
     return code

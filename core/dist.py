@@ -5,6 +5,7 @@ The only state here is torch's own process group. Everything else is passed in a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -24,8 +25,6 @@ class Topology:
     rank: int
     local_rank: int
     world_size: int
-    local_world_size: int
-    node_rank: int
     device: torch.device
     backend: str
 
@@ -53,7 +52,7 @@ def pick_device(local_rank: int) -> torch.device:
     if os.environ.get("TDR_DEVICE") == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    if local_rank >= count and not os.environ.get("TDR_SHARE_GPU"):  # TDR_SHARE_GPU: gloo ranks on one GPU
+    if local_rank >= count and os.environ.get("TDR_BACKEND") != "gloo":  # gloo ranks may share a GPU (gpu_check)
         raise RecipeError(
             f"LOCAL_RANK {local_rank} but only {count} GPU(s) are visible: launch at most {count} processes per node "
             f"(NPROC_PER_NODE) or fix CUDA_VISIBLE_DEVICES"
@@ -61,47 +60,33 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % count)
 
 
-def init_pg(
-    *,
-    timeout_s: float = 300.0,
-    rank: int | None = None,
-    world_size: int | None = None,
-    master_port: int | None = None,
-    store: dist.Store | None = None,
-) -> Topology:
+def init_pg(*, timeout_s: float = 300.0, store: dist.Store | None = None) -> Topology:
     """Join the job's process group and return this process's Topology.
 
-    Under torchrun everything comes from its environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-    From `mp.spawn`, pass rank, world_size and a free master_port. With neither, a world of one that opens no port.
-    `store`: a store made by the caller (the package's runner binds one to loopback, tools/join.py, and the
-    recipe's own call then finds the group joined).
+    Everything comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); from
+    `mp.spawn`, set those in each process first. With none, a world of one that opens no port. `store`: a store made
+    by the caller (the package's runner binds one to loopback, tools/join.py; the recipe's own call then finds the
+    group joined).
     """
-    rank = _env_int("RANK", 0) if rank is None else rank
-    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-    local_rank = _env_int("LOCAL_RANK", 0 if "RANK" in os.environ else rank)
+    rank, world_size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     device = pick_device(local_rank)
     backend = os.environ.get("TDR_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port or os.environ.get("MASTER_PORT")
-    timeout = timedelta(seconds=timeout_s)
+    if store is None and "MASTER_PORT" not in os.environ and world_size == 1:  # no launcher: no port opened
+        store = dist.HashStore()
     try:
-        if dist.is_initialized():
-            pass
-        elif store is not None or (port is None and world_size == 1):  # no launcher: in memory, no port opened
-            store = store or dist.HashStore()
+        if not dist.is_initialized():  # store None: env:// (MASTER_ADDR, MASTER_PORT)
+            timeout = timedelta(seconds=timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            url = f"tcp://{addr}:{port}" if master_port else "env://"
-            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, TimeoutError, OSError, ValueError) as err:  # Dist*Error are RuntimeErrors
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
         raise RecipeError(
-            f"rank {rank} could not join the job at {addr}:{port} within {timeout_s:g}s ({first}); "
+            f"rank {rank} could not join the job at {where} within {timeout_s:g}s ({first}); "
             f"check MASTER_ADDR/MASTER_PORT and that node 0 is up"
         ) from None
-    local_world_size, node_rank = _env_int("LOCAL_WORLD_SIZE", world_size), _env_int("GROUP_RANK", 0)
-    return Topology(rank, local_rank, world_size, local_world_size, node_rank, device, backend)
+    return Topology(rank, local_rank, world_size, device, backend)
 
 
 def cleanup_pg(*, timeout_s: float = 60.0) -> None:
@@ -113,10 +98,8 @@ def cleanup_pg(*, timeout_s: float = 60.0) -> None:
     if not dist.is_initialized():
         return
     if dist.get_world_size() > 1 and sys.exc_info()[1] is None:
-        try:
+        with contextlib.suppress(Exception):  # a peer that died or hung: leave anyway, the run's own outcome stands
             dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-        except Exception:  # a peer that died or hung: leave anyway, the run's own outcome stands
-            pass
     dist.destroy_process_group()
 
 

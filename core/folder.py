@@ -11,6 +11,7 @@ Only rank 0 writes or prints; every number it writes has been reduced over the r
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -30,9 +31,7 @@ TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that does not take the option trains (ddp)
 
 
-def open_run(
-    cfg, topo: Topology, *, recipe: str, global_batch: int, newest, header, dp: int | None = None
-) -> RunFolder:
+def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, header, dp: int = 0) -> RunFolder:
     """Rank 0 picks the run folder, checks the checkpoint it resumes, locks it; every rank gets the same folder.
 
     The folder is a new out/NAME-N, or the resumed checkpoint's; rank 0 checks that the checkpoint can continue in
@@ -62,11 +61,9 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
     found = finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.is_rank0 else None
     found = broadcast_object(found)  # rank 0 reads the folder: other nodes need not see it
-    if found is None:
-        return None
-    if topo.is_rank0:
+    if found and topo.is_rank0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
-    return {**found[1], "already_finished": True}
+    return found and {**found[1], "already_finished": True}
 
 
 def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str, dict] | None:
@@ -75,20 +72,14 @@ def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str,
     model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
     checkpoint, resumed, writes what is missing."""
     if resume == "auto":
-        runs = run_dirs(out, prefix)
-        run_dir = runs[-1] if runs else None
+        runs = run_dirs(out, prefix)[-1:]
     else:
-        run_dir = Path(resume).parent.parent if resume and Path(resume).parent.name == "ckpt" else None
-    if run_dir is None or not (run_dir / "metrics.jsonl").is_file():
+        runs = [Path(resume).parent.parent] if Path(resume).parent.name == "ckpt" else []
+    try:  # the summary is the last record: nothing is written after it
+        last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
+    except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    for line in reversed((run_dir / "metrics.jsonl").read_bytes().splitlines()):
-        try:
-            record = json.loads(line)
-        except ValueError:  # a torn last line
-            continue
-        if isinstance(record, dict) and record.get("kind") == "summary":
-            return str(run_dir), {k: v for k, v in record.items() if k != "kind"}
-    return None
+    return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
 
 
 def resume_of(cfg) -> str:
@@ -135,7 +126,17 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
     names both sides and the fix. Only the global batch is checked in a copy without `checks`: another one would
     silently train another run."""
     check_layout(path, meta, config)
-    check_batch(path, meta, config, dp=dp)
+    saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
+    if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
+        batch, accum = config["batch_size"], config.get("accum", 1)
+        per_rank, rest = divmod(saved_batch, dp * accum)
+        fix = f"use a number of ranks that divides {saved_batch}"
+        if not rest:  # --accum as it is: the line shows it
+            fix = f"use --batch-size {per_rank} at {dp} rank(s)"
+        raise RecipeError(
+            f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
+            f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
+        )
     check_options(path, meta, config)
 
 
@@ -154,24 +155,6 @@ def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
         raise RecipeError(
             f"{path}: a checkpoint trained in {was} and this run asks for --precision {precision}: fp16's loss-scaler "
             f"state does not carry across; resume with --precision {was}, or start a new run"
-        )
-
-
-def check_batch(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
-    """Another global batch: every later step would differ; the line says how to keep it at `dp` ranks."""
-    saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
-    if saved_batch and saved_batch != global_batch:
-        batch, accum = config["batch_size"], config.get("accum", 1)
-        if saved_batch % (dp * accum) == 0:
-            same_accum = f" and --accum {accum}" if accum > 1 else ""
-            fix = f"use --batch-size {saved_batch // (dp * accum)} at {dp} rank(s){same_accum}"
-        elif saved_batch % (dp * batch) == 0:
-            fix = f"use --accum {saved_batch // (dp * batch)} with --batch-size {batch}"
-        else:
-            fix = f"use a number of ranks that divides {saved_batch}"
-        raise RecipeError(
-            f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
-            f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
         )
 
 
@@ -204,12 +187,10 @@ def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
     """`out/prefix-N`, one past the highest, created now so that no other job takes it."""
     while True:
         taken = run_dirs(out, prefix)
-        candidate = Path(out) / f"{prefix}-{int(taken[-1].name.rsplit('-', 1)[1]) + 1 if taken else 1}"
-        try:
-            candidate.mkdir(parents=True)
-            return candidate
-        except FileExistsError:  # another job took it between the listing and the mkdir
-            continue
+        path = Path(out) / f"{prefix}-{int(taken[-1].name.rsplit('-', 1)[1]) + 1 if taken else 1}"
+        with contextlib.suppress(FileExistsError):  # another job took it between the listing and the mkdir
+            path.mkdir(parents=True)
+            return path
 
 
 def take_lock(run_dir: Path):

@@ -1,6 +1,5 @@
-"""Pipeline parallelism: cut a block-sequence model into stages, and run torch's schedules on them: the pipeline
-recipe's step (schedule.step, then the gradients averaged over the data-parallel pipelines and clipped over the
-stages) and its evaluation (schedule.eval).
+"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameters or measured time.
+Both pipeline recipes take it; core.schedules runs torch's schedules on the stages (the pipeline recipe).
 
 A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its
 forward is `model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the
@@ -11,24 +10,15 @@ whole model's state dict.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from core.amp import StepStats, autocast
 from core.config import RecipeError
-from core.data import to_device
 from core.dist import broadcast_object
-from core.grads import clip_grad_norm
-from core.loss import IGNORE, check_aligned, metrics
-from core.meter import Tally, summarize
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
 class Stage(nn.Module):
@@ -151,164 +141,3 @@ def split_pipeline(
             raise RecipeError(f"--balance {sizes}: give {num_stages} positive stage sizes adding up to {count} blocks")
     lo = sum(sizes[:stage_index])
     return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
-
-
-def check_pipeline(
-    *, world_size: int, pp: int, schedule: str, num_blocks: int, batch_size: int, microbatches: int
-) -> None:
-    """Everything about a pipeline job that can be refused before any process group exists."""
-    if pp < 1 or world_size % pp:
-        raise RecipeError(
-            f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
-            f"use --pp {world_size} (or a divisor of it)"
-        )
-    if schedule not in SCHEDULES:
-        raise RecipeError(f"--schedule {schedule}: choose one of {', '.join(SCHEDULES)}")
-    stages = pp * (2 if schedule == "interleaved1f1b" else 1)
-    if num_blocks < stages:
-        raise RecipeError(
-            f"the model has {num_blocks} blocks, fewer than the {stages} pipeline stages "
-            f"({schedule} on {pp} ranks); use fewer ranks per pipeline (--pp) or a deeper model"
-        )
-    if microbatches < 1 or batch_size % microbatches:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        near = min(divisors, key=lambda d: (abs(d - microbatches), d))
-        raise RecipeError(
-            f"--microbatches {microbatches}: must divide --batch-size {batch_size} (e.g. --microbatches {near})"
-        )
-    if schedule == "1f1b" and microbatches < pp:
-        raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
-    rounds = max(1, microbatches // pp)  # torch's interleaved schedule runs the micro-batches in equal rounds
-    if schedule == "interleaved1f1b" and microbatches % rounds:
-        raise RecipeError(
-            f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp} "
-            f"(or fewer than {2 * pp}); use {pp * rounds}"
-        )
-
-
-class TokenLoss:
-    """The last stage's loss, every counted target of the global batch weighing the same (core.exact_loss's rule,
-    for a schedule): a micro-batch's cross-entropy SUMMED over its counted targets (not -100), divided by
-    `normalizer`, the global batch's counted targets over the dp pipelines whose gradients are averaged.
-    step_pipeline sets it every step and the schedule is built with scale_grads=False, so nothing else divides:
-    a mean per micro-batch would weigh a micro-batch with fewer counted targets more, and one with none is 0/0.
-    evaluate_pipeline sets 1: the losses are then plain sums. logits (..., classes)."""
-
-    def __init__(self) -> None:
-        self.normalizer = torch.ones(())
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        check_aligned(logits, targets)  # output[..., t] against target[..., t], as core.loss compares them
-        flat, total = logits.flatten(0, -2).float(), targets.flatten()
-        summed = nn.functional.cross_entropy(flat, total, ignore_index=IGNORE, reduction="sum")
-        return summed / self.normalizer.to(summed.device)
-
-
-def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: TokenLoss):
-    """torch's schedule for `name`, calling `loss_fn` on the last stage. scale_grads=False: the summed
-    micro-batch gradients are the step's as they are, the loss having divided by the global count."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    if name == "interleaved1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-    return kind(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
-def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """Every stage's tensors, merged on rank 0 into the whole model's state dict ({} elsewhere): a collective.
-
-    Stage keys are the original model's, so the merge is a dict union (data-parallel replicas
-    of a stage send equal tensors; the union keeps one)."""
-    mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else {}
-
-
-def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:
-    """Data parallel across pipeline replicas: average each stage's gradients over `group` (None: no replicas)."""
-    size = dist.get_world_size(group) if group is not None else 1
-    if size > 1:
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)  # gloo has no AVG: sum, then divide
-                p.grad /= size
-
-
-def step_pipeline(
-    schedule,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    loss_fn: TokenLoss,
-    optimizer: torch.optim.Optimizer,
-    holds_last: bool,
-    precision: str = "fp32",
-    clip: float = 0.0,
-    dp_group=None,
-    pp_group=None,
-) -> tuple[dict[str, torch.Tensor], StepStats]:
-    """One optimizer step through the pipeline: core.amp.step_amp's shape for a schedule. Every rank passes the
-    whole batch (the first stage reads the inputs, the last the targets); the schedule cuts it into micro-batches
-    and sums their gradients, each micro-batch's loss divided by the global batch's counted targets (`loss_fn`,
-    the schedule's: one all-reduce over dp_group), so the step is the whole global batch's. --accum K: K batches to a
-    schedule built for K x --microbatches, run as one. Then the gradients are averaged over the dp pipelines
-    (dp_group), their norm taken over all stages (pp_group: the dp replicas hold equal gradients, not counted
-    again) and clipped; a step whose gradients are not finite is not taken. precision "bf16": the stages' forwards
-    under autocast. Returns the batch's metric sums (zeros but on the last stage) and the StepStats."""
-    inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
-    if targets.is_floating_point():  # every rank holds the targets: all refuse at once, none waits for another
-        raise RecipeError(
-            f"pipeline's loss is cross-entropy over class indices; these targets are {targets.dtype} (soft labels or "
-            f"regression): give int64 class indices (-100 ignored), or train with ddp_amp or fsdp (--loss mse)"
-        )
-    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
-    counted = targets.ne(IGNORE).sum().double()  # this pipeline's counted targets; every rank holds the targets
-    if dp > 1:
-        dist.all_reduce(counted, group=dp_group)
-    loss_fn.normalizer = (counted.clamp(min=1) / dp).float()  # DDP's rule: the dp average below divides by dp
-    optimizer.zero_grad(set_to_none=True)
-    losses: list[torch.Tensor] = []
-    with autocast(precision, device=inputs.device):
-        outputs = schedule.step(inputs, target=targets, losses=losses)  # forwards and backwards, stage to stage
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    average_gradients(params, group=dp_group)
-    norm = float(clip_grad_norm(params, clip, group=pp_group))  # the step's one host sync
-    if finite := math.isfinite(norm):
-        optimizer.step()
-    if not holds_last:  # nothing to add to the job's sums, under the keys core.meter reads
-        zero = torch.zeros((), dtype=torch.float64, device=inputs.device)
-        return {"loss_sum": zero, "count": zero, "samples": zero}, StepStats(norm, not finite)
-    loss_sum = torch.stack(losses).detach().double().sum() * loss_fn.normalizer.double()  # back to a plain sum
-    return metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum}, StepStats(
-        norm, not finite
-    )
-
-
-@torch.no_grad()
-def evaluate_pipeline(
-    schedule, loader, *, stages: Sequence[nn.Module], loss_fn: TokenLoss, accum: int, holds_last: bool, device
-) -> dict:
-    """Validation loss and accuracy over every sample, forward only through the schedule, this rank's `stages` in
-    eval mode. The schedule runs groups of one size (accum batches): the smaller last group is filled up with copies
-    of its first sample whose targets are -100, counted by no sum. Sums all-reduced once at the end."""
-    if loader is None:
-        return {}
-    tally, loss_fn.normalizer, size = Tally(device), torch.ones(()), loader.batch_size * accum
-    for stage in stages:
-        stage.eval()
-    batches = iter(loader)
-    while group := [to_device(batch, device) for batch in itertools.islice(batches, accum)]:
-        inputs, targets = (torch.cat(parts) for parts in zip(*group))
-        real = len(inputs)
-        if real < size:  # the schedule needs its micro-batches whole: pad, uncounted
-            inputs = torch.cat([inputs, inputs[:1].expand(size - real, *inputs.shape[1:])])
-            targets = torch.cat([targets, torch.full_like(targets[:1], IGNORE).expand(size - real, *targets.shape[1:])])
-        losses: list[torch.Tensor] = []
-        outputs = schedule.eval(inputs, target=targets, losses=losses)
-        if holds_last:
-            loss_sum = torch.stack(losses).double().sum()
-            tally.add(metrics(outputs[:real], targets[:real], loss_sum, samples=real) | {"loss_sum": loss_sum})
-    for stage in stages:
-        stage.train()  # the stages train between evaluations
-    return summarize(tally.reduce(), prefix="val_")

@@ -51,6 +51,13 @@ def release_new(run: RunFolder) -> None:
         _take_back(run.path)
 
 
+def take_back(*, refused: bool) -> None:
+    """`refused`: the run ends in an error every rank meets (a restart would meet it again: a non-finite loss at step
+    1, a refused load); rank 0 takes back the new folder it made, as release_new does."""
+    if refused and _RUN_LOG:
+        _take_back(_RUN_LOG["path"])
+
+
 def _take_back(path: Path) -> None:
     if not path.is_dir() or {p.name for p in path.iterdir()} - LOG_ONLY:
         return
@@ -75,16 +82,11 @@ def open_log(run: RunFolder) -> None:
     _RUN_LOG.update(path=run.path, id=logger.add(run.path / "train.log", format=LOG_FORMAT, filter=ours, catch=False))
 
 
-def close_log(*, refused: bool = False) -> None:
-    """The end of this process's run log. `refused`: the run ends in an error every rank meets (a restart would meet
-    it again: a non-finite loss at step 1, a refused load), and a new folder left holding only config.json, the lock
-    and this log is taken back, as release_new does."""
-    if not _RUN_LOG:
-        return
-    path = _RUN_LOG.pop("path")
-    logger.remove(_RUN_LOG.pop("id"))
-    if refused:
-        _take_back(path)
+def close_log() -> None:
+    """The end of this process's run log."""
+    if _RUN_LOG:
+        logger.remove(_RUN_LOG.pop("id"))
+        _RUN_LOG.clear()
 
 
 def show(message: str, *, level: str = "INFO", rank: int = 0) -> None:
@@ -133,20 +135,14 @@ def os_error_line(err: OSError) -> str:
 def write_record(run: RunFolder, record: dict) -> None:
     """Rank 0 appends one JSON line to metrics.jsonl in one write(), and hands it to the run's sinks.
 
-    One write: a crash never leaves half a record. A number that is not finite is written as null, as strict JSON
-    readers need."""
+    One write (a line is far below the buffer's size): a crash never leaves half a record. A number that is not
+    finite is written as null, as strict JSON readers need. A full disk raises an OSError that names no file:
+    os_error_line names the run folder."""
     if not run.writer:
         return
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    data, path = (json.dumps(clean) + "\n").encode(), run.path / "metrics.jsonl"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.write(fd, data) != len(data):  # a full disk: the next record must not start mid-line
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    except OSError as err:  # os.write names no file: the line about it must
-        raise OSError(err.errno, err.strerror, str(path)) from None
-    finally:
-        os.close(fd)
+    with open(run.path / "metrics.jsonl", "ab") as f:
+        f.write((json.dumps(clean) + "\n").encode())
     for sink in run.sinks:
         sink.write(record)
 

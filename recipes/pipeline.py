@@ -28,12 +28,35 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, pipeline, records, trackers, weights
+from core import (
+    amp,
+    data,
+    dcp,
+    dist,
+    folder,
+    hf,
+    meter,
+    models,
+    parallel,
+    pipeline,
+    records,
+    schedules,
+    trackers,
+    weights,
+)
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
     title = "pipeline parallelism"
@@ -48,7 +71,7 @@ class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulatio
         check=lambda v: 0 <= v <= 2**16,
         fix="use 0 (all ranks) or a divisor of the world size",
     )
-    schedule: str = option("1f1b", "pipeline schedule", choices=pipeline.SCHEDULES)
+    schedule: str = option("1f1b", "pipeline schedule", choices=schedules.SCHEDULES)
     microbatches: int = option(
         4, "micro-batches per batch (must divide the batch size)", check=lambda v: v >= 1, fix="use 1 or more"
     )
@@ -71,7 +94,7 @@ def check(cfg: Config) -> None:
     with torch.device("meta"):  # shapes only: every parameter must be in model.blocks
         blocks = pipeline.check_pipeline_model(models.build_model(cfg.model), num_stages=1)
     for k in sorted({1, cfg.accum}):  # --accum K runs a schedule of K x --microbatches micro-batches
-        pipeline.check_pipeline(
+        schedules.check_pipeline(
             world_size=world,
             pp=cfg.pp or world,
             schedule=cfg.schedule,
@@ -114,8 +137,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
     runners = [PipelineStage(m, i, num_stages, topo.device, group=pp_group) for m, i in zip(stages, stage_ids)]
     micro = cfg.microbatches * cfg.accum  # --accum K: K batches as one schedule run
-    loss_fn = pipeline.TokenLoss()  # on the last stage: summed cross-entropy over the global batch's counted targets
-    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
+    loss_fn = schedules.TokenLoss()  # on the last stage: summed cross-entropy over the global batch's counted targets
+    schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = stage_ids[-1] == num_stages - 1
     torch.manual_seed(cfg.seed + dp_rank)  # from here each pipeline draws its own dropout, as one process would
     my_row = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # the stages of one pipeline share its batches
@@ -145,7 +168,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         data.set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = pipeline.step_pipeline(  # schedule.step: forwards and backwards, stage to stage
+            metrics, stats = schedules.step_pipeline(  # schedule.step: forwards and backwards, stage to stage
                 schedule,
                 micro_batches,
                 loss_fn=loss_fn,
@@ -166,11 +189,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():  # every rank writes its own stages
+                with meter.paused(clock):  # every rank writes its own stages
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # forward only, through the same schedule: K batches a run, the smaller last one too
-            evaluation = pipeline.evaluate_pipeline(
+        with meter.paused(clock):  # forward only, through the same schedule: K batches a run, the smaller last one too
+            evaluation = schedules.evaluate_pipeline(
                 schedule,
                 val_loader,
                 stages=stages,
@@ -183,7 +206,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # The stages' tensors, merged on rank 0 into the plain model's state dict and written as one file (and a
     # Hugging Face folder for a transformers model: a meta-device model lends its config and class).
-    full = pipeline.gather_state_dict(stages)
+    full = schedules.gather_state_dict(stages)
     saved = weights.write_weights(run, full)
     with torch.device("meta"):
         lender = models.build_model(cfg.model)

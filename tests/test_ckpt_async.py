@@ -195,7 +195,7 @@ def test_the_recipe_with_ckpt_async_resumes_bitwise_and_ends_after_its_last_writ
     assert json.loads(meta["progress"])["step"] == 8
     uninterrupted = load_file(run_dir / "model.safetensors")
     unfinished(run_dir)  # as if the job had died after step 4: a finished run, resumed, trains nothing
-    (summary, _), _ = world2.run(_train_monitored, cfg.replace(resume=str(saved[0])))  # steps 5 to 8, from step 4
+    (summary, _), _ = world2.run(_train_monitored, replace(cfg, resume=str(saved[0])))  # steps 5 to 8, from step 4
     assert summary["steps"] == 8
     for key, value in load_file(run_dir / "model.safetensors").items():
         assert torch.equal(value, uninterrupted[key]), key

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import json
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from core.data import ResumableSampler, build_data, make_loader
 from core.datasets import digits
 from core.dist import Topology
 from core.factory import resolve_factory
-from core.folder import new_run_dir, run_dirs
+from core.folder import finished_run, new_run_dir, run_dirs
 from core.models import MODELS, build_model
 from helpers import REPO, user_env
 
@@ -57,7 +58,7 @@ def test_sampler_partitions_the_data_set(world_size, length, seed, epoch, drop_l
 
 
 def _topo(rank: int, world_size: int) -> Topology:
-    return Topology(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo")
+    return Topology(rank, rank, world_size, torch.device("cpu"), "gloo")
 
 
 @settings(max_examples=50, deadline=None)
@@ -202,11 +203,29 @@ def test_run_dirs_count_up_and_never_reuse(tmp_path):
     assert run_dirs(tmp_path, "fsdp") == [] and run_dirs(tmp_path / "missing", "ddp") == []
 
 
+@pytest.mark.fast
+def test_a_run_is_finished_when_its_last_record_is_the_summary(tmp_path):
+    """core.folder.finished_run: the summary is written last, so a run whose last whole line is not it (stopped
+    before, or torn while writing it) is not finished, whether --resume is auto or one of its checkpoints."""
+    run = new_run_dir(tmp_path, "ddp")
+    summary = {"kind": "summary", "steps": 7}
+    lines = ['{"kind": "train", "step": 5}', json.dumps(summary)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    step = str(run / "ckpt" / "step-000005.safetensors")
+    assert finished_run(tmp_path, "ddp", "auto") == finished_run(tmp_path, "ddp", step) == (str(run), {"steps": 7})
+    assert finished_run(tmp_path, "ddp", "") is None and finished_run(tmp_path, "fsdp", "auto") is None
+    (run / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:-3])  # killed while writing the summary
+    assert finished_run(tmp_path, "ddp", "auto") is None
+    (run / "metrics.jsonl").write_text(lines[0] + "\n")
+    assert finished_run(tmp_path, "ddp", step) is None
+    assert finished_run(tmp_path, "ddp", str(tmp_path / "elsewhere.safetensors")) is None
+
+
 def test_an_unknown_option_is_a_usage_error_that_names_it():
     """The runner (tools/cli.py) turns it into the recipes that take it, or the nearest option (test_cli)."""
     with pytest.raises(UsageError, match="--epoch") as raised:
         parse_args(Training, ["--epoch", "2"])
-    assert raised.value.option == "--epoch"
+    assert str(raised.value) == "unrecognized arguments: --epoch 2"
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "tensor_parallel", "pipeline"])

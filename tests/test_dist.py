@@ -1,5 +1,7 @@
 """core.dist: joining a group from torchrun's environment, from mp.spawn, or alone."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,8 +11,15 @@ from core import dist as cdist
 from core.config import RecipeError
 
 
+def _as_torchrun(rank: int, world_size: int, port: int) -> None:
+    """What torchrun sets, set by an mp.spawn'ed process itself before init_pg reads it."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def _spawned(rank, world_size, port, results):
-    topo = cdist.init_pg(rank=rank, world_size=world_size, master_port=port, timeout_s=30)
+    _as_torchrun(rank, world_size, port)
+    topo = cdist.init_pg(timeout_s=30)
     try:
         total = cdist.reduce_sum(torch.tensor([rank + 1.0])).item()
         mean = cdist.reduce_sum(torch.tensor([float(rank)])).item() / topo.world_size
@@ -24,7 +33,7 @@ def _spawned(rank, world_size, port, results):
 
 
 def test_init_pg_from_mp_spawn_on_a_free_port():
-    """The source's setup, fixed: a free port instead of 12355, explicit rank and world size."""
+    """The source's setup, fixed: a free port instead of 12355; rank and world size in torchrun's variables."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     mp.start_processes(_spawned, args=(2, cdist.free_port(), results), nprocs=2, join=True, start_method="spawn")
@@ -57,12 +66,10 @@ def test_device_comes_from_local_rank_never_rank(monkeypatch):
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "8")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv("GROUP_RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     topo = cdist.init_pg()
-    assert topo.device == torch.device("cuda", 1) and topo.rank == 5 and topo.node_rank == 1
+    assert topo.device == torch.device("cuda", 1) and topo.rank == 5 and topo.local_rank == 1
     assert topo.backend == "nccl"
 
 
@@ -90,7 +97,8 @@ def test_unreachable_master_fails_within_the_timeout(monkeypatch):
 
 def _leaving(rank, port, events, failing):
     """Rank 0 leaves first and records whether rank 1 had arrived at cleanup by the time it got out."""
-    cdist.init_pg(rank=rank, world_size=2, master_port=port, timeout_s=60)
+    _as_torchrun(rank, 2, port)
+    cdist.init_pg(timeout_s=60)
     if rank == 1:
         events["rank0_out"].wait(timeout=5 if failing else 0.5)  # failing: rank 0 must not wait for us
         events["rank1_in"].set()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from core import gpt, pipeline, steps
+from core import gpt, schedules, steps
 from core.config import RecipeError
 from core.loss import make_loss
 from core.pipeline import plan_split, split_pipeline
@@ -168,10 +168,10 @@ def test_mesh_sizes_must_multiply_to_the_world_size():
 
 def test_interleaved_micro_batch_rounds():
     with pytest.raises(RecipeError, match=r"--microbatches 5: interleaved1f1b on 2 ranks needs a multiple of 2.*use 4"):
-        pipeline.check_pipeline(
+        schedules.check_pipeline(
             world_size=2, pp=2, schedule="interleaved1f1b", num_blocks=6, batch_size=10, microbatches=5
         )
-    pipeline.check_pipeline(world_size=4, pp=2, schedule="interleaved1f1b", num_blocks=6, batch_size=8, microbatches=8)
+    schedules.check_pipeline(world_size=4, pp=2, schedule="interleaved1f1b", num_blocks=6, batch_size=8, microbatches=8)
 
 
 def test_gpt_trains_under_the_ddp_recipe(tmp_path, monkeypatch, capsys):

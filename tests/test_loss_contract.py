@@ -512,7 +512,7 @@ def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_na
 def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
     """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in core.loss and in
     the pipeline's TokenLoss, where the shapes are compared; the pre-check quotes the same line."""
-    from core.pipeline import TokenLoss
+    from core.schedules import TokenLoss
     from tools.precheck import check_step
 
     model, batch = NanoGPTInference(), lm_batch([8, 8], seed=2, pairs=True)

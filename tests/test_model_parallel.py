@@ -193,7 +193,7 @@ def _resumed(world, name: str, cfg, finished: dict, tmp_path, *, stop: int, monk
     out = tmp_path / "resumed"
     source = finished["weights"].replace("model.safetensors", f"ckpt/step-{stop:06d}")
     shutil.copytree(source, out / f"{name}-1" / "ckpt" / f"step-{stop:06d}")
-    resumed = cfg.replace(out=str(out), resume="auto", **changes)
+    resumed = dataclasses.replace(cfg, out=str(out), resume="auto", **changes)
     if monkeypatch is not None:
         with monkeypatch.context() as env:
             env.setenv("WORLD_SIZE", str(world.world_size))
@@ -236,11 +236,11 @@ def test_resume_at_the_same_world_size_is_bitwise(world2, world1, tmp_path, monk
         assert_same_weights(alone, weights, **TOL)
     run_dir = Path(finished["weights"]).parent
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    again = world2.run(run_recipe, name, cfg.replace(resume="auto"))[0]  # 11.1: nothing past --max-steps
+    again = world2.run(run_recipe, name, dataclasses.replace(cfg, resume="auto"))[0]  # 11.1: nothing past --max-steps
     assert again["already_finished"] and again["steps"] == 4
     # 27.2: any checkpoint of the finished run, at another world size (another global batch for fsdp): no check,
     # nothing trained, no byte changed; the launchers' pre-check lets it through too
-    step2 = cfg.replace(resume=str(run_dir / "ckpt" / "step-000002"), batch_size=cfg.batch_size * 3)
+    step2 = dataclasses.replace(cfg, resume=str(run_dir / "ckpt" / "step-000002"), batch_size=cfg.batch_size * 3)
     _check_resume(name, step2)
     assert world1.run(run_recipe, name, step2)[0]["already_finished"]
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
@@ -251,7 +251,7 @@ def test_fsdp_checkpoints_tied_weights_and_resumes_bitwise(world2, tmp_path):
     """Two modules share one weight (a tied lm_head): safetensors refuses shared memory, so the shard holds it once
     and loading fills both."""
     cfg = config("fsdp", out=str(tmp_path / "whole"), model="tiny:tied", data="digits", max_steps=2, ckpt_every=1)
-    finished = world2.run(run_recipe, "fsdp", cfg.replace(keep=5))[0]
+    finished = world2.run(run_recipe, "fsdp", dataclasses.replace(cfg, keep=5))[0]
     resumed = _resumed(world2, "fsdp", cfg, finished, tmp_path, stop=1)
     assert resumed["steps"] == 2 and _same(load_file(resumed["weights"]), load_file(finished["weights"]))
 
@@ -265,7 +265,7 @@ def test_a_checkpoint_under_another_recipe_or_precision_is_refused_in_one_line(w
     with pytest.raises(RecipeError, match="a checkpoint of recipe fsdp, and this run is tensor_parallel.*with fsdp"):
         _check_resume("tensor_parallel", config("tensor_parallel", out=str(tmp_path), resume=str(path)))
     with pytest.raises(RecipeError, match=r"other options \(--precision bf16 -> fp32\)"):
-        _check_resume("fsdp", cfg.replace(resume=str(path), precision="fp32"))
+        _check_resume("fsdp", dataclasses.replace(cfg, resume=str(path), precision="fp32"))
 
 
 def refused_resume(topo, name: str, cfg) -> str:
@@ -287,7 +287,7 @@ def test_a_missing_shard_is_skipped_by_auto_and_named_for_a_path(world2, tmp_pat
     run_dir = unfinished(Path(finished["weights"]).parent)  # as if the job had died: it resumes
     lost = sorted((run_dir / "ckpt" / "step-000002").glob("shard-*.safetensors"))[1]
     lost.unlink()
-    explicit = cfg.replace(resume=str(run_dir / "ckpt" / "step-000002"))
+    explicit = dataclasses.replace(cfg, resume=str(run_dir / "ckpt" / "step-000002"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match=f"shard file {lost.name} is missing") as refused:
         _check_resume("fsdp", explicit)
@@ -297,7 +297,7 @@ def test_a_missing_shard_is_skipped_by_auto_and_named_for_a_path(world2, tmp_pat
     assert dcp.newest_good(run_dir) == run_dir / "ckpt" / "step-000001"
     warning = f"skipping {run_dir / 'ckpt' / 'step-000002'}, damaged (shard file {lost.name} is missing)"
     assert warning in capsys.readouterr().err
-    resumed = world2.run(run_recipe, "fsdp", cfg.replace(resume="auto"))[0]
+    resumed = world2.run(run_recipe, "fsdp", dataclasses.replace(cfg, resume="auto"))[0]
     assert resumed["steps"] == 2 and _same(load_file(resumed["weights"]), load_file(finished["weights"]))
     assert [r["step"] for r in _records(resumed) if r["kind"] == "resume"] == [1]
 
@@ -333,7 +333,7 @@ def test_fsdp_starts_from_a_runs_weights_and_writes_a_folder_from_pretrained_loa
         assert torch.equal(value, saved[key]), key
     events = EventAccumulator(str(run_dir / "tensorboard"))
     assert [e.step for e in events.Reload().Scalars("train/loss")] == [1, 2]
-    second = first.replace(out=str(tmp_path / "b"), init_from=summary["weights"], log_to="")
+    second = dataclasses.replace(first, out=str(tmp_path / "b"), init_from=summary["weights"], log_to="")
     again = world2.run(run_recipe, "fsdp", second)[0]
     assert again["init_from"] == summary["weights"]
     assert_same_weights(again, reference(second, replicas=2), **TOL)
@@ -414,19 +414,19 @@ def pipeline_accum_clip(topo, precision):
     one micro-batch with none counted: token-exact, and the loss reported finite and equal to one process's."""
     from torch.distributed.pipelining import PipelineStage
 
-    from core import pipeline
+    from core import pipeline, schedules
 
     batches = _token_batches(padded=True)
     expected, _, expected_losses = _one_process(batches, k=4, precision=precision, losses=True)
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
-    loss_fn = pipeline.TokenLoss()
+    loss_fn = schedules.TokenLoss()
     stages = [PipelineStage(stage, topo.rank, 2, topo.device)]
-    sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
+    sched = schedules.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     losses = []
     for x, y in batches:
         accumulated = [(x[:4], y[:4]), (x[4:], y[4:])]  # K=2 batches through a schedule of 2 x 2 micro-batches
-        sums, _ = pipeline.step_pipeline(
+        sums, _ = schedules.step_pipeline(
             sched,
             accumulated,
             loss_fn=loss_fn,
@@ -437,7 +437,7 @@ def pipeline_accum_clip(topo, precision):
             pp_group=torch.distributed.group.WORLD,
         )
         losses.append(float(sums["loss_sum"] / sums["count"]) if topo.rank == 1 else None)
-    full = pipeline.gather_state_dict([stage])
+    full = schedules.gather_state_dict([stage])
     if topo.rank == 1:  # the last stage's metrics: finite, and the one process's loss
         assert losses == pytest.approx(expected_losses, rel=1e-2 if precision == "bf16" else 1e-5)
     return {k: (full[k], v) for k, v in expected.items()} if full else None
@@ -447,17 +447,19 @@ def pipeline_float_targets(topo):
     """Soft labels (float targets) through the pipeline's step: every rank's error, none left waiting."""
     from torch.distributed.pipelining import PipelineStage
 
-    from core import pipeline
+    from core import pipeline, schedules
 
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
-    loss_fn = pipeline.TokenLoss()
-    sched = pipeline.build_schedule(
+    loss_fn = schedules.TokenLoss()
+    sched = schedules.build_schedule(
         "1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=2, loss_fn=loss_fn
     )
     tokens, soft = torch.randint(0, 40, (4, 16)), torch.rand(4, 16, 40).softmax(-1)
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
     try:
-        pipeline.step_pipeline(sched, [(tokens, soft)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1)
+        schedules.step_pipeline(
+            sched, [(tokens, soft)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1
+        )
     except RecipeError as err:
         return str(err)
 

@@ -49,7 +49,7 @@ def pipeline_dp_accum_clip(topo):
     from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
     from torch.distributed.pipelining import PipelineStage
 
-    from core import parallel, pipeline
+    from core import parallel, pipeline, schedules
 
     batches = _token_batches(size=16, padded=True)  # each replica's count differs: the global count weighs
     expected, _ = _one_process(batches, k=1)
@@ -57,12 +57,12 @@ def pipeline_dp_accum_clip(topo):
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
     stages = [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())]
-    loss_fn = pipeline.TokenLoss()
-    sched = pipeline.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
+    loss_fn = schedules.TokenLoss()
+    sched = schedules.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        pipeline.step_pipeline(
+        schedules.step_pipeline(
             sched,
             [(x[:4], y[:4]), (x[4:], y[4:])],
             loss_fn=loss_fn,
@@ -72,7 +72,7 @@ def pipeline_dp_accum_clip(topo):
             clip=CLIP,
             pp_group=mesh["pp"].get_group(),
         )
-    full = pipeline.gather_state_dict([stage])
+    full = schedules.gather_state_dict([stage])
     return {k: (full[k], v) for k, v in expected.items()} if full else None
 
 

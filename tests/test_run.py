@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from core.config import INTERRUPTED
+from core.config import KEPT
 from core.records import RunFolder, repair_records, write_record
 from helpers import REPO, recipes_cli, run, torchrun, user_env
 
@@ -345,7 +345,7 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path):
 @pytest.mark.parametrize(
     "stop,code,says",
     [
-        (signal.SIGINT, 130, INTERRUPTED),
+        (signal.SIGINT, 130, f"interrupted; {KEPT}"),
         (signal.SIGTERM, 143, "stopped by SIGTERM; checkpoints already written are kept: --resume auto continues"),
     ],
     ids=["ctrl-c", "sigterm"],

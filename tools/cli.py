@@ -88,7 +88,7 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
 
 def _explained(err: UsageError, name: str, config: type) -> UsageError:
     """An option this recipe does not take: the recipes that do, or the nearest option it does take."""
-    option = (err.option or "").split("=")[0]
+    option = next((w for w in str(err).split() if w.startswith("-")), "").split("=")[0]  # argparse's line names it
     if not option.startswith("--") or "unrecognized arguments" not in str(err):  # a bad value: argparse's line
         return err
     others = [n for n in takers(option) if n != name]

@@ -114,7 +114,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        topo = Topology(rank, rank, world_size, world_size, 0, torch.device("cpu"), "fake")
+        topo = Topology(rank, rank, world_size, torch.device("cpu"), "fake")
         mesh = None
         if dims:  # before fake mode: init_device_mesh reads the ranks' values
             from core import parallel
@@ -128,7 +128,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             order = None
             if name == "pipeline":
                 count = cfg.microbatches * cfg.accum
-                if isinstance(fake, dict):  # as core.pipeline.step_pipeline: the schedule takes (input, target)
+                if isinstance(fake, dict):  # as core.schedules.step_pipeline: the schedule takes (input, target)
                     raise RecipeError(f"--data {cfg.data}: pipeline trains on (input, target) pairs, not dicts")
                 first = fake[0]
                 pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)

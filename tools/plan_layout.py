@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from core import amp, models, pipeline
+from core import amp, models, pipeline, schedules
 from core.config import RecipeError
 
 # The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
@@ -114,7 +114,7 @@ def build_layout(
 
         tp_mesh = device_mesh["tp"]
         sp = getattr(cfg, "sequence_parallel", False)
-        plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=sp)
+        plan = tp_plan.plan_of(model, sequence_parallel=sp)
         with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
             parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":
@@ -168,7 +168,7 @@ def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, grou
     runners = [
         PipelineStage(module, i, layout.num_stages, torch.device("cpu"), group=group) for i, module in layout.stages
     ]
-    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
+    schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
     kinds = {"F": "F", "B": "B"}  # torch's _ComputationType values: forward, full backward
     return [
         (kinds[a.computation_type.value], a.stage_index, a.microbatch_index)

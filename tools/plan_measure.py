@@ -3,7 +3,7 @@
 Called on every rank of a real process group (tests' gloo worlds, bench/bench_plan.py, bench/gpu_check.sh): the
 layout is built with real tensors by the plan's own builder, wrapped as the recipe wraps it (DDP, DataParallel,
 the pipeline's PipelineStage and schedule), and two steps run through the recipe's own step function
-(core.steps.step_plain, core.amp.step_amp, core.pipeline.step_pipeline). The tracker sees every tensor made in
+(core.steps.step_plain, core.amp.step_amp, core.schedules.step_pipeline). The tracker sees every tensor made in
 its context, the reducer's buckets included; it returns the peak of live tensor bytes.
 """
 
@@ -14,7 +14,7 @@ from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core import amp, parallel, pipeline, steps
+from core import amp, parallel, schedules, steps
 from core.config import parse_args
 from core.data import to_device
 from core.dist import Topology
@@ -104,15 +104,15 @@ def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tupl
 
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     runners = [PipelineStage(m, i, layout.num_stages, device, group=pp_group) for i, m in layout.stages]
-    loss_fn = pipeline.TokenLoss()
+    loss_fn = schedules.TokenLoss()
     micro = cfg.microbatches * cfg.accum
-    schedule = pipeline.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
+    schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = layout.stages[-1][0] == layout.num_stages - 1
     tracker = track([*layout.modules, *(t for b in micro_batches for t in _tensors(b))])
     with tracker:
         optimizer = torch.optim.AdamW(layout.params, lr=cfg.lr)
         for _ in range(2):
-            pipeline.step_pipeline(
+            schedules.step_pipeline(
                 schedule,
                 micro_batches,
                 loss_fn=loss_fn,

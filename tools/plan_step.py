@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from core import amp
 from core.exact_loss import forward_exact
 from core.loss import forward, metrics
-from core.pipeline import TokenLoss
+from core.schedules import TokenLoss
 from tools.plan_layout import EXACT_LOSS, Layout, held_bytes
 
 

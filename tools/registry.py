@@ -95,7 +95,7 @@ _BUILT_IN = [
         "recipes.pipeline",
         "`torch.distributed.pipelining`: GPipe, 1F1B, interleaved; pipeline x data parallel",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "pipeline", "amp", "dcp", "trackers"),
+        opt_ins=("parallel", "pipeline", "schedules", "amp", "dcp", "trackers"),
     ),
     Recipe(
         "pipeline_naive",
