@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Subset
 
 from core.config import RecipeError
 from core.factory import resolve_factory
@@ -63,6 +63,12 @@ def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = 
     """
     if dataset is None:
         return None
+    if isinstance(dataset, IterableDataset):  # a stream has no length for a sampler to deal out
+        raise RecipeError(
+            f"the data set is a stream ({type(dataset).__name__}, an IterableDataset) and this code deals out "
+            f"map-style data sets: give one with __len__ and __getitem__, or take a recipe that reads streams "
+            f"(ddp_amp, fsdp, fsdp_tp, tensor_parallel; a standalone copy of one made `--with stream`)"
+        )
     on_gpu = topo.device.type == "cuda"
     workers = 2 if on_gpu else 0
     options = dict(num_workers=workers, pin_memory=on_gpu, persistent_workers=workers > 0, collate_fn=collate_fn)

@@ -524,6 +524,30 @@ def test_a_features_statements_go_with_its_if_and_its_with_keeps_its_body():
 
 
 @pytest.mark.fast
+def test_a_features_if_keeps_its_else_branch_one_level_out_and_an_elif_is_refused():
+    text = _lean(
+        '"""demo."""\nfrom core import data, stream\n\n\n'
+        "def train(cfg, topo, train_set):\n"
+        "    if stream.is_stream(train_set):  # a stream\n"
+        "        loader = stream.make_loader(train_set, topo, batch_size=2)\n"
+        "    else:\n"
+        "        loader = data.make_loader(train_set, topo, batch_size=2)\n"
+        "        loader.x = 1\n"
+        "    return loader\n"
+    )
+    body = text[text.index("\ndef train(") : text.index("# inlined from")]
+    assert "stream" not in body and "else" not in body
+    assert "\n    loader = make_loader(train_set, topo, batch_size=2)\n    loader.x = 1\n    return loader\n" in body
+    with pytest.raises(StandaloneError, match="line 6: the feature stream steers a statement with another branch"):
+        _lean(
+            '"""demo."""\nfrom core import data, stream\n\n\n'
+            "def train(train_set):\n"
+            "    if stream.is_stream(train_set):\n        x = 1\n    elif train_set:\n        x = 2\n"
+            "    else:\n        x = 3\n    return x\n"
+        )
+
+
+@pytest.mark.fast
 def test_a_feature_in_what_a_function_returns_is_refused():
     with pytest.raises(StandaloneError, match="line 6: the feature init_from is part of what the function returns"):
         _lean('"""demo."""\n\n\ndef train(cfg):\n    x = 1\n    return x, cfg.init_from\n')
@@ -610,3 +634,26 @@ def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a
         tp_plan.check_tp_plan(llama, tp=2)  # the package splits it by its own plan
         with pytest.raises(lean["RecipeError"], match="tensor parallelism needs .*use fsdp"):
             lean["check_tp"](llama, tp=2)
+
+
+def test_a_copy_without_stream_takes_map_style_data_and_refuses_a_stream_in_one_line(project):
+    """The `stream` feature left out, a copy keeps the map-style branch of `if stream.is_stream(...)` alone, and
+    its make_loader (the package's too) refuses an IterableDataset in one line naming the recipes that read one."""
+    import runpy
+    from types import SimpleNamespace
+
+    from core import data
+
+    class Numbers(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    topo = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
+    for name in ("ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp"):
+        text = (project / "project" / f"{name}.py").read_text()
+        assert "is_stream" not in text and "StreamLoader" not in text, name
+        assert "is_stream(" in (project / "project" / f"{name}_all.py").read_text()
+    lean = runpy.run_path(str(project / "project" / "ddp_amp.py"), run_name="lean_copy")
+    for make_loader, error in ((lean["make_loader"], lean["RecipeError"]), (data.make_loader, data.RecipeError)):
+        with pytest.raises(error, match=r"a stream \(Numbers, an IterableDataset\).*--with stream"):
+            make_loader(Numbers(), topo, batch_size=2)

@@ -140,6 +140,13 @@ FEATURES = {
             calls=("core.comm.register", "core.comm.check_hook"),
         ),
         Feature(
+            "stream",
+            "streaming data (an IterableDataset, read in order and dealt out by position: core/stream.py); the copy "
+            "takes map-style data sets",
+            calls=("core.stream.",),
+            uses="core.stream",
+        ),
+        Feature(
             "model_plans",
             "a transformers model's own tensor-parallel plan (Llama, Qwen, Mistral: core/tp_plan.py); the copy splits "
             "the built-in GPT's layout and refuses another model in one line",
@@ -350,6 +357,12 @@ class _Drop:
             isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(stmt)
         ):
             raise StandaloneError(f"{self.where(stmt)}: the feature {feature} is part of what the function returns")
+        if isinstance(stmt, ast.If) and _plain_else(stmt, self.source, self.starts):  # the other branch stays
+            if self.touches(stmt.body, tainted) - {feature} - self.off:
+                raise StandaloneError(f"{self.where(stmt)}: the branch of feature {feature} holds another one's code")
+            self._keep_else(stmt)
+            self.block(stmt.orelse, tainted)
+            return False
         if getattr(stmt, "orelse", None) or getattr(stmt, "handlers", None):
             raise StandaloneError(f"{self.where(stmt)}: the feature {feature} steers a statement with another branch")
         others = self.touches([stmt], tainted) - {feature}
@@ -397,6 +410,16 @@ class _Drop:
             if text[:indent] == b" " * indent:
                 self.edits.append((self.starts[line - 1], self.starts[line - 1] + indent, ""))
 
+    def _keep_else(self, stmt: ast.If) -> None:
+        """`if FEATURE: a else: b` -> `b`, one level out (the feature's branch and the `else:` line go)."""
+        first = stmt.orelse[0]
+        self.edits.append((self.starts[stmt.lineno - 1], self.starts[first.lineno - 1], ""))
+        indent = first.col_offset - stmt.col_offset
+        for line in range(first.lineno, stmt.end_lineno + 1):
+            text = self.source[self.starts[line - 1] : self.starts[line]]
+            if text[:indent] == b" " * indent:
+                self.edits.append((self.starts[line - 1], self.starts[line - 1] + indent, ""))
+
     def klass(self, node: ast.ClassDef) -> None:
         """A left-out group among the bases goes, and the fields of a left-out feature a class declares."""
         kept = [b for b in node.bases if not any(self.qualname(b) in FEATURES[f].groups for f in self.off)]
@@ -421,6 +444,14 @@ _DECLARE = ("core.config.option", "core.config.with_default")  # how an option i
 def _matches(name: str, calls: tuple[str, ...]) -> bool:
     """`name` is one of `calls`, or in a module `calls` names whole (`core.hf.`)."""
     return any(name == c or c.endswith(".") and name.startswith(c) for c in calls)
+
+
+def _plain_else(stmt: ast.If, source: bytes, starts: list[int]) -> bool:
+    """An `if` with an `else:` branch (not an `elif`)."""
+    if not stmt.orelse:
+        return False
+    line = stmt.orelse[0].lineno
+    return not source[starts[line - 1] : starts[line]].lstrip().startswith(b"elif")
 
 
 def _blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
