@@ -657,3 +657,19 @@ def test_a_copy_without_stream_takes_map_style_data_and_refuses_a_stream_in_one_
     for make_loader, error in ((lean["make_loader"], lean["RecipeError"]), (data.make_loader, data.RecipeError)):
         with pytest.raises(error, match=r"a stream \(Numbers, an IterableDataset\).*--with stream"):
             make_loader(Numbers(), topo, batch_size=2)
+
+
+@pytest.mark.fast
+def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
+    """docs/copying-and-checking.md's feature table: one row per feature of tools/features.py, its recipes right."""
+    text = (REPO / "docs" / "copying-and-checking.md").read_text()
+    rows = {}
+    for line in text[text.index("| feature | without it, a lean copy | recipes |") :].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[-1]
+    assert list(rows) == list(FEATURES)
+    for name in FEATURES:
+        have = [r for r in RECIPES if name in features_of(RECIPES[r].load().Config)]
+        assert rows[name] == ("all" if len(have) == len(RECIPES) else ", ".join(have)), name
