@@ -95,10 +95,9 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 def _open(path: str | os.PathLike, read):
     path = Path(path)
-    if path.is_dir():  # a run folder, or its ckpt folder: which step?
-        raise RecipeError(f"--resume {path}: a folder, not a checkpoint file; pass one of its files, or --resume auto")
-    if not path.is_file():
-        raise RecipeError(f"--resume {path}: no such checkpoint file")
+    if not path.is_file():  # a run folder, or its ckpt folder (which step?), or nothing
+        folder = "a folder, not a checkpoint file; pass one of its files, or --resume auto"
+        raise RecipeError(f"--resume {path}: {folder if path.is_dir() else 'no such checkpoint file'}")
     try:
         with safe_open(str(path), framework="pt") as f:  # checks the header and that no byte is missing
             metadata = f.metadata() or {}

@@ -221,8 +221,7 @@ def load_sharded(path: str | os.PathLike, *, model, optimizer, scheduler=None, s
     rng = {k: v for k, v in rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
     optim_sd = _optimizer_state(tensors, groups, info)  # DCP fills its tensors
     dcp.load(untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    model_sd = model_part(tensors)
-    set_state_dict(root_module(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(root_module(model), optimizer, model_state_dict=model_part(tensors), optim_state_dict=optim_sd)
     for holder, key in ((scheduler, "scheduler"), (scaler, "scaler")):
         if holder is not None and info[key] is not None:
             holder.load_state_dict(info[key])
