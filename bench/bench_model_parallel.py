@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import dist, parallel, pipeline, schedules, steps  # noqa: E402
 from core.gpt import GPT  # noqa: E402
-from core.loss import make_loss  # noqa: E402
+from core.loss import Loss  # noqa: E402
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -127,7 +127,7 @@ def memory(topo, *, kind: str) -> dict:
     if topo.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(topo.device)
     x = torch.randint(128, (8, 64), device=topo.device)
-    loss_fn = make_loss("ce", model=model)
+    loss_fn = Loss("ce")
     for _ in range(2):
         steps.step_plain(model, (x, x), optimizer=optimizer, loss_fn=loss_fn)
     peak = torch.cuda.max_memory_allocated(topo.device) if topo.device.type == "cuda" else None

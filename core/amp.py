@@ -11,9 +11,10 @@ the scale backs off. K micro-batches make one step, their gradients reduced once
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -65,25 +66,17 @@ def make_scaler(precision: str, *, device: torch.device, **options) -> torch.amp
 
 def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list]:
     """The loader's batches K at a time, moved to `device`; an incomplete group at the end is dropped."""
-    group = []
-    for batch in loader:
-        group.append(to_device(batch, device))
-        if len(group) == k:
-            yield group
-            group = []
+    batches = iter(loader)
+    while len(group := [to_device(batch, device) for batch in itertools.islice(batches, k)]) == k:
+        yield group
 
 
-@contextmanager
 def grad_sync(model: nn.Module, *, enabled: bool):
     """Whether the backward inside reduces gradients across ranks (DDP's no_sync() when it does not).
 
     no_sync() holds DDP's all-reduce back and keeps adding to .grad. Another wrapper passes its own function of this
     shape (core.parallel.fsdp_sync)."""
-    if enabled or not hasattr(model, "no_sync"):
-        yield
-    else:
-        with model.no_sync():
-            yield
+    return contextlib.nullcontext() if enabled or not hasattr(model, "no_sync") else model.no_sync()
 
 
 @dataclass(frozen=True)
@@ -127,10 +120,9 @@ def step_amp(
                 loss, metrics = forward_exact(model, batch, loss_fn, normalizer=normalizer)
             (loss if scaler is None else scaler.scale(loss)).backward()
         sums = {k: sums[k] + v if k in sums else v for k, v in metrics.items()}
-    scaling = scaler is not None and scaler.is_enabled()
-    scale = scaler.get_scale() if scaling else 1.0
-    if scaling:
+    if scaling := scaler is not None and scaler.is_enabled():
         scaler.unscale_(optimizer)  # true gradients before the norm is read or clipped
+    scale = scaler.get_scale() if scaling else 1.0
     params = [p for group in optimizer.param_groups for p in group["params"]]
     norm = float(clip_grad_norm(params, clip, group=clip_group))  # the step's one host sync
     if scaling:

@@ -38,15 +38,12 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, sch
     """(tensors, metadata) of the whole train state: every rank's generators are gathered (a collective)."""
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
     rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
-    optim_tensors, optim_rest = {}, {"param_groups": optimizer.state_dict()["param_groups"], "scalars": {}}
-    for index, per_param in optimizer.state_dict()["state"].items():
-        for name, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                optim_tensors[f"optim/{index}/{name}"] = value
-            else:
-                optim_rest["scalars"][f"{index}/{name}"] = value
-    tensors = {f"model/{k}": v for k, v in model.state_dict().items()} | optim_tensors
+    optim = optimizer.state_dict()  # its state by parameter index: tensors to the file, other values to JSON
+    flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    tensors |= {f"optim/{key}": value for key, value in flat.items() if torch.is_tensor(value)}
     tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
+    scalars = {key: value for key, value in flat.items() if not torch.is_tensor(value)}
     metadata = {
         "format": FORMAT,
         "recipe": run.recipe,
@@ -54,12 +51,12 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, sch
         "global_batch": str(run.config["global_batch"]),
         "world_size": str(len(rng)),
         "torch": torch.__version__,
-        "optimizer": json.dumps(optim_rest),
+        "optimizer": json.dumps({"param_groups": optim["param_groups"], "scalars": scalars}),
         "progress": json.dumps(progress),
         "scheduler": json.dumps(scheduler.state_dict() if scheduler else None),
         "scaler": json.dumps(scaler.state_dict() if scaler and scaler.is_enabled() else None),
-        "trackers": json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()}),  # W&B's run id
     }
+    metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
     return tensors, metadata
 
 
@@ -109,14 +106,9 @@ def _open(path: str | os.PathLike, read):
                 return read(f), metadata
     except (SafetensorError, OSError) as err:
         refuse_pickle(path)
-        raise RecipeError(
-            f"{path}: not a readable checkpoint ({err}); it is truncated or corrupted: resume from an older one "
-            f"in {path.parent}"
-        ) from None
-    raise RecipeError(
-        f"{path}: a safetensors file but not a checkpoint of this project (format {metadata.get('format')!r}); "
-        f"resume from a ckpt/step-N.safetensors file"
-    )
+        raise RecipeError(f"{path}: truncated or corrupted ({err}); resume from an older checkpoint") from None
+    found = metadata.get("format")
+    raise RecipeError(f"{path}: not a checkpoint of this project (format {found!r}); resume from a ckpt/step-N file")
 
 
 def refuse_pickle(path: Path) -> None:
@@ -181,11 +173,8 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=No
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
     state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim/"):
-            _, index, name = key.split("/", 2)
-            state.setdefault(int(index), {})[name] = value
-    for key, value in rest["scalars"].items():
+    flat = {key.removeprefix("optim/"): value for key, value in tensors.items() if key.startswith("optim/")}
+    for key, value in (flat | rest["scalars"]).items():
         index, name = key.split("/", 1)
         state.setdefault(int(index), {})[name] = value
     groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in rest["param_groups"]]

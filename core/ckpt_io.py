@@ -34,7 +34,7 @@ def header_checksum(header: dict) -> str:
     return f"crc32:{zlib.crc32(canonical.encode()):08x}"
 
 
-def atomic_write(path: str | os.PathLike, write) -> Path:
+def atomic_write(path: str | os.PathLike, write) -> None:
     """Call `write(file)` on a temporary file, fsync, then rename over `path`.
 
     Readers see the old file or the new one, never half of one."""
@@ -54,13 +54,13 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
         os.fsync(dir_fd)  # make the rename itself survive a power cut
     finally:
         os.close(dir_fd)
-    return path
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     """Delete the `.NAME.tmp-PID` files an interrupted atomic_write left in run_dir and run_dir/ckpt.
 
-    Only those, by name: the caller holds the run's lock, so no write of ours is in flight."""
+    Only those, by name: the caller holds the run's lock, so no write of ours is in flight (the `lock` feature, for
+    that reason)."""
     removed = []
     for folder in (Path(run_dir), Path(run_dir) / "ckpt"):
         for path in folder.glob(".*.tmp-*"):  # none in a folder that does not exist
@@ -136,9 +136,7 @@ def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: s
     fix = fix or f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
     meta = header.get("__metadata__", {})
     if meta.get("header_checksum") != header_checksum(header):
-        raise RecipeError(
-            f"{path}: the header does not match its checksum (metadata such as progress was edited or damaged); {fix}"
-        )
+        raise RecipeError(f"{path}: the header does not match its checksum (edited or damaged); {fix}")
     sums = json.loads(meta["checksums"])
     for key, tensor in tensors.items():
         if not checksum_matches(tensor, sums.get(key, "")):  # old checkpoints' format too
@@ -161,6 +159,5 @@ def check_values(path: Path, key: str, tensor: torch.Tensor, *, fix: str) -> Non
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Checkpoints in a folder, oldest first (temporary files of an interrupted write are ignored)."""
-    folder = Path(ckpt_dir)
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.safetensors") if (m := CKPT_NAME.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
+    found = {int(m[1]): p for p in Path(ckpt_dir).glob("step-*.safetensors") if (m := CKPT_NAME.fullmatch(p.name))}
+    return [found[step] for step in sorted(found)]

@@ -87,7 +87,6 @@ class Training(Options):
     lr: float = option(1e-3, "peak learning rate (AdamW, cosine decay to zero)", **within(0, 10))
     seed: int = option(0, "seed of the weights and the data order; rank r draws dropout from seed + r", **at_least(0))
     model: str = option("mlp", "built-in model (mlp, cnn, gpt) or module:function returning an nn.Module")
-    init_from: str = option("", "start from these weights: a .safetensors file or a Hugging Face folder (no pickle)")
     data: str = option("digits", "built-in data (digits, synthetic, text) or module:function returning (train, val)")
     loss: str = option("auto", "auto (the model's own loss, else ce or mse), ce, mse, model, or module:function")
     on_nonfinite: str = option("stop", "a non-finite loss or gradient: stop or skip the step", choices=("stop", "skip"))

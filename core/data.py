@@ -28,14 +28,12 @@ def build_data(spec: str) -> tuple:
 def to_device(batch, device: torch.device):
     """A batch's tensors moved to `device`: tensors, tuples (named too), lists and dicts, nested; other values stay.
     non_blocking overlaps the copy with compute from pinned memory."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, tuple | list):
         moved = [to_device(value, device) for value in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple takes *args
-    return batch
+    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
 
 
 class ResumableSampler(DistributedSampler):
@@ -55,20 +53,18 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
-def make_loader(
-    dataset, topo, *, batch_size: int, seed: int = 0, train: bool = True, collate_fn=None, workers=None, drop_last=False
-):
+def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = True, collate_fn=None, drop_last=False):
     """A DataLoader over this rank's share of a map-style data set (None for None); call `set_epoch` every epoch.
 
     train=True: shuffled by a DistributedSampler seeded with `seed`, the same number of samples on every rank
     (the tail that does not divide by the world size is dropped, so no sample is trained twice).
     train=False: each sample on exactly one rank, in order, none repeated: exact evaluation metrics.
-    workers: None is 2 on CUDA, else 0. drop_last: a training epoch's smaller last batch is left out.
+    Two worker processes on CUDA, none on CPU. drop_last: a training epoch's smaller last batch is left out.
     """
     if dataset is None:
         return None
     on_gpu = topo.device.type == "cuda"
-    workers = (2 if on_gpu else 0) if workers is None else workers
+    workers = 2 if on_gpu else 0
     options = dict(num_workers=workers, pin_memory=on_gpu, persistent_workers=workers > 0, collate_fn=collate_fn)
     if not train:
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)

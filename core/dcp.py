@@ -114,19 +114,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_sharded(
-    ckpt_dir: str | os.PathLike,
-    *,
-    model: nn.Module | list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    progress: dict,
-    scheduler=None,
-    scaler=None,
-    keep: int = 2,
-    metadata: dict[str, str] | None = None,
+    ckpt_dir: str | os.PathLike, *, model, optimizer, progress: dict, scheduler=None, scaler=None, keep=2, metadata=None
 ) -> Path:
     """Write ckpt_dir/step-N/ (N = progress["step"]), every rank its own shard; keep the newest `keep`.
 
-    A collective. `model`: the (sharded) model, or a list of this rank's pipeline stages."""
+    A collective. `model`: the (sharded) model, or a list of this rank's pipeline stages; `metadata`: strings for
+    checkpoint.json."""
     import torch.distributed.checkpoint as dcp  # here: only sharded recipes load DCP
 
     ckpt_dir = Path(ckpt_dir)
@@ -182,24 +175,29 @@ def _verify_files(path: Path, info: dict) -> None:
         raise RecipeError(damage(path, problems))
 
 
-def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) -> dict:
-    """The optimizer state dict for set_state_dict over this rank's own param groups.
-
-    Loaded tensors, saved scalars and hyper-parameters; the groups' "params" differ between pipeline stages."""
+def _check_saved(path: Path, info: dict, tensors: dict, groups: list[dict]) -> None:
+    """One RecipeError line when the checkpoint holds another model or optimizer setup than this job's (a collective:
+    the whole shapes are gathered). The `checks` feature: without it DCP's own error says what does not fit."""
+    check_model_matches(path, info["shapes"], whole_shapes(tensors), fix="resume with the --model it was trained with")
     if len(groups) != len(info["param_groups"]):
         raise RecipeError(
             f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
             f"{len(groups)}; resume with the optimizer setup it was saved with"
         )
+
+
+def _optimizer_state(tensors: dict, groups: list[dict], info: dict) -> dict:
+    """The optimizer state dict for set_state_dict over this rank's own param groups.
+
+    Loaded tensors, saved scalars and hyper-parameters; the groups' "params" differ between pipeline stages."""
     state: dict[str, dict] = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):
             fqn, name = key.removeprefix("optim/").rsplit("/", 1)
             state.setdefault(fqn, {})[name] = value
-    for key, value in info["optim_scalars"].items():
+    for key, value in info["optim_scalars"].items():  # every rank's: those of the parameters this one holds
         fqn, name = key.rsplit("/", 1)
-        if fqn in state:
-            state[fqn][name] = value
+        state.get(fqn, {})[name] = value
     groups = [
         {**mine, **{k: tuple(v) if isinstance(v, list) else v for k, v in was.items()}}
         for mine, was in zip(groups, info["param_groups"])
@@ -207,35 +205,27 @@ def _optimizer_state(path: Path, tensors: dict, groups: list[dict], info: dict) 
     return {"state": state, "param_groups": groups}
 
 
-def load_sharded(
-    path: str | os.PathLike,
-    *,
-    model: nn.Module | list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    scheduler=None,
-    scaler=None,
-) -> dict:
+def load_sharded(path: str | os.PathLike, *, model, optimizer, scheduler=None, scaler=None) -> dict:
     """Restore the train state saved by save_sharded on every rank, and return the progress dict.
 
-    It reshards where the world size changed (DTensor models). A collective."""
+    It reshards where the world size changed (DTensor models). A collective; `model` as save_sharded takes it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict  # here: only sharded recipes load DCP
 
     path = Path(path)
     info = read_info(path)
     tensors, groups, _ = train_tensors(model, optimizer)
-    check_model_matches(path, info["shapes"], whole_shapes(tensors), fix="resume with the --model it was trained with")
+    _check_saved(path, info, tensors, groups)
     _verify_files(path, info)
     saved = {key for sums in info["checksums"].values() for key in sums}
     rng = {k: v for k, v in rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
-    optim_sd = _optimizer_state(path, tensors, groups, info)  # refuses before the read; DCP fills the tensors
+    optim_sd = _optimizer_state(tensors, groups, info)  # DCP fills its tensors
     dcp.load(untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     model_sd = model_part(tensors)
     set_state_dict(root_module(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    if scheduler is not None and info["scheduler"] is not None:
-        scheduler.load_state_dict(info["scheduler"])
-    if scaler is not None and info["scaler"] is not None:
-        scaler.load_state_dict(info["scaler"])
+    for holder, key in ((scheduler, "scheduler"), (scaler, "scaler")):
+        if holder is not None and info[key] is not None:
+            holder.load_state_dict(info[key])
     for key, value in rng.items():
         torch.set_rng_state(value) if key.endswith("/cpu") else torch.cuda.set_rng_state(value)
     return info["progress"]
@@ -255,8 +245,8 @@ def save_checkpoint(
         "recipe": run.recipe,
         "config": json.dumps(run.config),
         "global_batch": str(run.config["global_batch"]),
-        "trackers": json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()}),  # W&B's run id
     }
+    metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
     state = {"scheduler": scheduler, "scaler": scaler, "keep": keep, "metadata": metadata}
     return save_sharded(run.path / "ckpt", model=model, optimizer=optimizer, progress=progress, **state)
 

@@ -46,10 +46,7 @@ def read_info(path: Path) -> dict:
     if digest(info) != sealed:
         raise RecipeError(f"{path / DONE}: its checksum does not match its contents (edited or corrupted); {fix}")
     if info.get("format") != FORMAT:
-        raise RecipeError(
-            f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from a checkpoint "
-            f"written by this project's sharded save"
-        )
+        raise RecipeError(f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from one of this project's")
     return info
 
 
@@ -78,13 +75,17 @@ def file_problems(path: Path, info: dict, names: list[str], *, values: bool) -> 
                     t = f.get_tensor(key)
                     if not checksum_matches(t, want):
                         problems.append(f"tensor {key} in {name} does not match its checksum")
-                    elif t.is_floating_point() and not torch.isfinite(t).all():
-                        problems.append(f"tensor {key} in {name} holds NaN or inf")
+                    problems.extend(non_finite(t, f"tensor {key} in {name}"))
         except FileNotFoundError:
             problems.append(f"shard file {name} is missing")
         except Exception as err:  # noqa: BLE001 a truncated or unreadable file
             problems.append(f"shard file {name} is unreadable ({type(err).__name__}: {' '.join(str(err).split())})")
     return problems
+
+
+def non_finite(tensor: torch.Tensor, what: str) -> list[str]:
+    """A value no training state holds, its checksum right (a diverged run's checkpoint): the `checks` feature."""
+    return [f"{what} holds NaN or inf"] if tensor.is_floating_point() and not torch.isfinite(tensor).all() else []
 
 
 def damage(path: Path, problems: list[str]) -> str:

@@ -34,15 +34,10 @@ def train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dict
     from torch.distributed.checkpoint.state_dict import get_state_dict  # here: only sharded recipes load DCP
 
     model_sd, optim_sd = get_state_dict(root_module(model), optimizer)
+    flat = {f"{fqn}/{name}": value for fqn, state in optim_sd["state"].items() for name, value in state.items()}
     tensors = {f"model/{k}": v for k, v in model_sd.items()}
-    scalars = {}
-    for fqn, state in optim_sd["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim/{fqn}/{name}"] = value
-            else:
-                scalars[f"{fqn}/{name}"] = value
-    return tensors, optim_sd["param_groups"], scalars
+    tensors |= {f"optim/{key}": value for key, value in flat.items() if torch.is_tensor(value)}
+    return tensors, optim_sd["param_groups"], {key: value for key, value in flat.items() if not torch.is_tensor(value)}
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

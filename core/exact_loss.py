@@ -11,6 +11,7 @@ taken after the shift its loss applies to the labels. That is read from transfor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -36,9 +37,7 @@ class ExactLoss:
 def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
     """`loss` (core.loss.make_loss's, or core.loss_options') for `model` (the plain one), with how the model's own
     loss treats the targets when that loss is used."""
-    if loss.spec not in ("auto", "model"):
-        return ExactLoss(loss)
-    return ExactLoss(loss, *_model_loss_traits(model))
+    return ExactLoss(loss, *_model_loss_traits(model)) if loss.spec in ("auto", "model") else ExactLoss(loss)
 
 
 @functools.cache
@@ -47,12 +46,12 @@ def _forward_traits(cls: type) -> tuple[bool, bool, bool]:
     The last is read from the source: BertForSequenceClassification, say, takes **kwargs but calls
     CrossEntropyLoss itself, so it would silently ignore num_items_in_batch."""
     params = inspect.signature(cls.forward).parameters
-    var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-    try:
-        uses = "self.loss_function(" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        uses = False
-    return "num_items_in_batch" in params, var_kw, uses
+    found = "num_items_in_batch" in params, any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    with contextlib.suppress(
+        OSError, TypeError
+    ):  # no source to read (a compiled or generated class): not transformers'
+        return *found, "self.loss_function(" in inspect.getsource(cls.forward)
+    return *found, False
 
 
 def _model_loss_traits(model: nn.Module) -> tuple[bool, bool]:
@@ -107,10 +106,8 @@ def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) ->
     takes = own and loss_fn.takes_count
     extra = {"num_items_in_batch": norm} if takes else {}
     mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts and own, **extra)
-    if takes:  # the model divided its sum by `norm` itself
-        total = mean * norm
-    else:  # a mean over the counted targets; 0/0 = nan when none counts
-        total = torch.where(count > 0, mean * count, torch.zeros_like(count))
+    # takes: the model divided its sum by `norm` itself; else a mean over the counted targets (0/0 = nan: none counts)
+    total = mean * norm if takes else torch.where(count > 0, mean * count, torch.zeros_like(count))
     metrics |= {"loss_sum": total.detach().double(), "count": count}
     return (mean if takes else total / norm), metrics
 

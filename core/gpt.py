@@ -69,12 +69,10 @@ class Embed(nn.Module):
 
     def __init__(self, vocab: int, context: int, dim: int):
         super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(context, dim)
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tok(tokens) + self.pos(positions)
+        return self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
 
 
 class Attention(nn.Module):
@@ -97,8 +95,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.fc = nn.Linear(dim, hidden)
-        self.proj = nn.Linear(hidden, dim)
+        self.fc, self.proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -122,8 +119,7 @@ class Head(nn.Module):
 
     def __init__(self, dim: int, vocab: int):
         super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.out = nn.Linear(dim, vocab)
+        self.ln, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln(x))
@@ -136,7 +132,6 @@ class GPT(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
-        self.context, self.heads = context, heads
         self.blocks = nn.Sequential(
             Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers)), Head(dim, vocab)
         )

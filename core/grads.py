@@ -26,39 +26,36 @@ def _by_mesh(items: list, tensor_of) -> dict:
     return kinds
 
 
-def total_norm(grads: list[torch.Tensor], *, norm_type: float = 2.0) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The norm of all these gradients as one vector, a plain tensor, the same on every rank.
 
     DTensors (fully_shard, tensor parallel) and plain tensors may be mixed: tensor parallelism leaves the
     layers outside its plan plain and replicated, fsdp_tp puts them on the dp mesh and the TP layers on
     dp x tp, and torch's norm refuses such mixes. Each kind (each mesh)
     gets its own norm, a DTensor's reduced over its shards by full_tensor(); the parts combine as a vector
-    of norms does: (sum of n^p)^(1/p), or the max for inf."""
+    of norms does: the square root of the sum of their squares."""
     parts = []
     for part in _by_mesh(grads, lambda g: g).values():
-        norm = get_total_norm(part, norm_type=norm_type)
+        norm = get_total_norm(part)
         parts.append(norm.full_tensor() if isinstance(norm, _dtensor()) else norm)
     if not parts:
         return torch.zeros(())
-    return parts[0] if len(parts) == 1 else get_total_norm(parts, norm_type=norm_type)
+    return parts[0] if len(parts) == 1 else get_total_norm(parts)
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float, *, norm_type: float = 2.0, group=None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, *, group=None) -> torch.Tensor:
     """Clip the gradients' total norm to max_norm, for any layout; returns the total norm.
 
     Layouts: replicated (DDP), DTensor (fully_shard, TP), the two mixed (TP), and disjoint plain tensors split over
     `group` (pipeline stages). Scales the gradients by one factor on every rank when max_norm > 0 and the norm
     exceeds it."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = total_norm([p.grad for p in parameters], norm_type=norm_type)
-    if group is not None and torch.distributed.get_world_size(group) > 1:
-        if norm_type == float("inf"):
-            torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX, group=group)
-        else:  # p-norms combine as (sum of |g|^p)^(1/p)
-            norm = norm.pow(norm_type)
-            torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.SUM, group=group)
-            norm = norm.pow(1.0 / norm_type)
+    norm = total_norm([p.grad for p in parameters])
+    if group is not None and torch.distributed.get_world_size(group) > 1:  # disjoint shards: sqrt(sum of squares)
+        norm = norm.pow(2.0)
+        torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.SUM, group=group)
+        norm = norm.pow(1.0 / 2.0)
     if max_norm > 0:
         for kind in _by_mesh(parameters, lambda p: p.grad).values():  # fsdp_tp: the TP layers' mesh is 2-D
             clip_grads_with_norm_(kind, max_norm, norm)

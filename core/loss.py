@@ -32,18 +32,15 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return outputs, None
     if isinstance(outputs, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
         return outputs.get("logits"), outputs.get("loss")
-    if isinstance(outputs, tuple | list) and outputs:
-        second = outputs[1] if len(outputs) > 1 else None
-        return outputs[0], second if isinstance(second, torch.Tensor) and second.dim() == 0 else None
-    raise RecipeError(
-        f"the model returned {type(outputs).__name__}; return logits, (logits, loss), "
-        f"or a dict/ModelOutput with loss and/or logits"
-    )
+    if isinstance(outputs, tuple | list) and outputs:  # (logits, ...), (logits, loss): a loss is 0-dim
+        loss = outputs[1] if len(outputs) > 1 and torch.is_tensor(outputs[1]) and outputs[1].dim() == 0 else None
+        return outputs[0], loss
+    raise RecipeError(f"the model returned {type(outputs).__name__}; return logits, (logits, loss) or a dict of them")
 
 
 @dataclass(frozen=True)
 class Loss:
-    """`--loss`, resolved for one model: make_loss's auto or ce, or core.loss_options' other choices."""
+    """`--loss`, resolved for one model: make_loss's auto, Loss("ce"), or core.loss_options' other choices."""
 
     spec: str = "auto"
     targets_as: str | None = None  # the forward's parameter that takes a pair's target, when the model computes a loss
@@ -51,17 +48,11 @@ class Loss:
     split: Callable = split_outputs  # outputs -> (logits, loss)
 
 
-def make_loss(spec: str = "auto", *, model: nn.Module) -> Loss:
-    """auto: the model's own loss where it computes one (a dict with labels; a forward that takes `targets`, given a
-    pair's target), else cross-entropy on the logits; ce: cross-entropy on the logits of model(input, ...).
-    `model`: the plain one, not its wrapper. The other --loss choices are core.loss_options'."""
-    if spec not in ("auto", "ce"):
-        raise RecipeError(
-            f"--loss {spec}: this recipe takes --loss auto or ce; mse, model and module:function come with "
-            f"core.loss_options (`python -m recipes cp NAME FILE --standalone --with loss`)"
-        )
-    takes = spec == "auto" and TARGETS in inspect.signature(model.forward).parameters
-    return Loss(spec, targets_as=TARGETS if takes else None)
+def make_loss(*, model: nn.Module) -> Loss:
+    """--loss auto: the model's own loss where it computes one (a dict with labels; a forward that takes `targets`,
+    given a pair's target), else cross-entropy on the logits. `model`: the plain one, not its wrapper.
+    Loss("ce") is cross-entropy on the logits of model(input, ...); the other --loss choices are core.loss_options'."""
+    return Loss(targets_as=TARGETS if TARGETS in inspect.signature(model.forward).parameters else None)
 
 
 def call_model(model: nn.Module, batch, loss: Loss, **extra):
@@ -92,25 +83,16 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))
 
 
-def cross_entropy(
-    logits: torch.Tensor | None, targets: torch.Tensor | None, *, spec: str, labels: bool = False
-) -> torch.Tensor:
+def cross_entropy(logits, targets, *, spec: str, labels: bool = False) -> torch.Tensor:
     """Mean cross-entropy of logits[..., t, :] against targets[..., t] over the counted targets (not -100).
     labels: the targets are a dict sample's `labels`, which only the model knows whether to shift."""
-    if labels and logits is not None and logits.dim() > 2:
-        raise RecipeError(
-            f"--loss {spec}: a dict sample's `labels` follow transformers' convention (a causal LM's own loss "
-            f"compares logits[t] with labels[t + 1]), so cross-entropy of logits[t] against labels[t] would train "
-            f"another task: use --loss auto with a model that computes its loss from `labels`, or give (input, "
-            f"target) samples whose target is aligned with the output"
-        )
     if logits is None or targets is None or targets.is_floating_point():
-        got = "no logits" if logits is None else "no targets" if targets is None else f"{targets.dtype} targets"
+        raise RecipeError(f"--loss {spec}: cross-entropy needs logits and int64 targets; use --loss model or mse")
+    if labels and logits.dim() > 2:  # a causal LM compares logits[t] with labels[t + 1]: this would not
         raise RecipeError(
-            f"--loss {spec}: cross-entropy needs logits and int64 class targets, and here are {got}; return logits, "
-            f"or use --loss model, mse or a module:function loss"
+            f"--loss {spec} on a dict's `labels`, which a causal LM shifts: use --loss auto or (input, target) samples"
         )
-    check_aligned(logits, targets)
+    check_aligned(logits, targets)  # the lines a copy without `--with loss` leaves to torch's own shape error
     return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
 
 

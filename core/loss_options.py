@@ -22,7 +22,7 @@ from torch import nn
 
 from core.config import RecipeError
 from core.factory import resolve_factory
-from core.loss import TARGETS, Loss, cross_entropy, make_loss, split_outputs
+from core.loss import TARGETS, Loss, cross_entropy, split_outputs
 
 CHOICES = ("auto", "ce", "mse", "model")  # and module:function
 
@@ -41,7 +41,7 @@ def choose_loss(spec: str, loss: Loss, *, model: nn.Module) -> Loss:
         custom = resolve_factory(spec, dict.fromkeys(CHOICES), option="--loss")
         return Loss(spec, fn=functools.partial(_custom, custom), split=split_any)
     if spec == "ce":
-        return dataclasses.replace(make_loss("ce", model=model), split=split_any)
+        return Loss(spec, split=split_any)
     if spec == "auto":
         return dataclasses.replace(loss, fn=_auto, split=split_any)
     if spec == "mse":

@@ -60,16 +60,9 @@ class Meter:
         metrics = self.clock.step(metrics)
         self.window.add(metrics)
 
-    @contextmanager
-    def paused(self):
-        """Evaluation and checkpoints: not training time."""
-        with self.clock.paused():
-            yield
-
     def read(self) -> dict[str, float]:
         """The window's loss (and accuracy) and rates for the whole job, and a new window."""
-        sums = self.window.reduce()
-        self.window = Tally(self.device)
+        sums, self.window = self.window.reduce(), Tally(self.device)
         rates = self.clock.lap(sums)
         if sums["count"] > 0:  # else the last window's numbers stand
             self.last = summarize(sums)
@@ -117,6 +110,14 @@ class Clock:
         """Over every window read so far: the job's training throughput, the start-up, and the time trained."""
         elapsed = time.perf_counter() - self.started if self.started else 0.0
         return _rates(**self.trained) | {"startup_s": round(self.startup_s or 0.0, 3), "elapsed_s": round(elapsed, 3)}
+
+
+@contextmanager
+def paused(meter: Meter):
+    """`with meter.paused(clock):` evaluation and checkpoints, not training time. A copy without the `meter` feature
+    runs the body as it is."""
+    with meter.clock.paused():
+        yield
 
 
 def process_start() -> float:
@@ -176,18 +177,11 @@ def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, s
 
     The last evaluation, the last train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes),
     where the weights are, and the throughput of the training clock."""
-    config = run.config
-    summary = {
-        **evaluation,
-        "train_loss": meter.last.get("loss"),
-        "steps": steps,
-        "skipped_steps": skipped,
-        "world_size": config["world_size"],
-        "global_batch": config["global_batch"],
-        **extra,
-        "weights": str(weights),
-        **({"init_from": config["init_from"]} if config.get("init_from") else {}),
-    }
+    shape = {key: run.config[key] for key in ("world_size", "global_batch")}
+    summary = {**evaluation, "train_loss": meter.last.get("loss"), "steps": steps, "skipped_steps": skipped, **shape}
+    summary |= {**extra, "weights": str(weights)}
+    if run.config.get("init_from"):  # a copy without the init_from feature has none
+        summary["init_from"] = run.config["init_from"]
     summary.update(meter.clock.throughput())
     write_record(run, {"kind": "summary", **summary})
     shown = {k: (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}") if isinstance(v, float) else v for k, v in summary.items()}

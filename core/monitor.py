@@ -5,8 +5,9 @@
     timer.attach(train_model, optimizer)                          # hooks: no code in the step, no host sync
     ... every --log-every steps (a collective):
     meter.log_train(run, clock, ..., **monitor.breakdown(timer.take(), device=..., global_batch=...))
-    with clock.paused(), monitor.paused(timer, watch):            # evaluation, checkpoints: not a step
-        ...
+    with meter.paused(clock):                                     # evaluation, checkpoints: not a step
+        with monitor.paused(timer, watch):
+            ...
 
 Each rank times its own steps; `breakdown` gathers every rank's sums in one collective, so the record speaks
 for the job: the phases averaged over ranks, the slowest rank's step (the pace the others wait for), the fullest

@@ -35,23 +35,20 @@ class StreamShard(IterableDataset):
     """
 
     def __init__(self, source, *, rank: int, world_size: int, batch_size: int, drop_last: bool):
-        self.source, self.rank, self.world_size = source, rank, world_size
+        # num_replicas: the name core.data.set_epoch reads, as on a DistributedSampler
+        self.source, self.rank, self.num_replicas = source, rank, world_size
         self.batch_size, self.drop_last, self.skip = batch_size, drop_last, 0
-
-    @property
-    def num_replicas(self) -> int:  # core.data.set_epoch divides the samples consumed by it
-        return self.world_size
 
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         """A new epoch (a shuffling Hugging Face stream takes a new order), leaving out this rank's first `skip`."""
         if hasattr(self.source, "set_epoch"):
             self.source.set_epoch(epoch)
-        self.skip = skip * self.world_size  # the elements of the global stream already trained on
+        self.skip = skip * self.num_replicas  # the elements of the global stream already trained on
 
     def __iter__(self) -> Iterator[list]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        mine = itertools.islice(self.source, self.skip + self.rank, None, self.world_size)
+        mine = itertools.islice(self.source, self.skip + self.rank, None, self.num_replicas)
         for k in itertools.count():
             batch = list(itertools.islice(mine, self.batch_size))  # every worker reads all: only k's owner yields
             if not batch or (self.drop_last and len(batch) < self.batch_size):
@@ -63,8 +60,8 @@ class StreamShard(IterableDataset):
         """Batches per rank; TypeError for a stream without a length. Training: the fewest any rank has."""
         left = max(len(self.source) - self.skip, 0)
         if self.drop_last:
-            return left // (self.world_size * self.batch_size)
-        return -(-len(range(self.rank, left, self.world_size)) // self.batch_size)
+            return left // (self.num_replicas * self.batch_size)
+        return -(-len(range(self.rank, left, self.num_replicas)) // self.batch_size)
 
 
 class StreamLoader:
@@ -79,10 +76,8 @@ class StreamLoader:
         batches = iter(self.loader)
         while True:
             batch = next(batches, None)
-            if self.together and not all_ranks(batch is not None, device=self.device):
-                return  # a rank with a batch in hand drops it: that batch was never trained, nor counted
-            if batch is None:
-                return
+            if self.together and not all_ranks(batch is not None, device=self.device) or batch is None:
+                return  # together: a rank with a batch in hand drops it when another has none (never trained)
             yield batch
 
     def __len__(self) -> int:

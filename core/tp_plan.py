@@ -8,7 +8,7 @@ apply_model_tp hands it to DTensor's parallelize_module. A model without a plan 
 GPT's layout gets core.parallel's Megatron plan instead. Nothing here imports transformers.
 
     tp_plan.check_tp_plan(meta_model, tp=world_size)   # the pre-check (the recipe's check(cfg))
-    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model)
+    plan = tp_plan.plan_of(model)
     with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
         parallelize_module(model, tp_mesh, plan)        # after the process group exists
 """
@@ -149,11 +149,17 @@ def _check_ties(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
             )
 
 
-def check_tp_plan(model: nn.Module, *, tp: int) -> None:
-    """A RecipeError line unless the model's plan (or the built-in GPT's) splits it into `tp` equal shards.
+def check_tp_plan(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> None:
+    """A RecipeError line unless the model's plan (or the built-in GPT's) splits it into `tp` equal shards (and
+    --sequence-parallel only with the GPT's).
 
     Reads only attributes and shapes, so it runs on a meta-device model before any process starts."""
     plan = model_tp_plan(model)
+    if plan is not None and sequence_parallel:
+        raise RecipeError(
+            f"--sequence-parallel: only the built-in GPT's plan splits the sequence; {type(model).__name__} splits "
+            f"by its own plan: drop --sequence-parallel"
+        )
     if plan is None:
         try:
             parallel.check_tp_model(model)
@@ -166,7 +172,7 @@ def check_tp_plan(model: nn.Module, *, tp: int) -> None:
                 f"layout (model.blocks with attn.q/k/v/proj and mlp.fc/proj Linear layers); this model has "
                 f"neither{seen}; use fsdp for this model"
             ) from None
-        parallel.check_tp(model, tp)
+        parallel.check_tp(model, tp, sequence_parallel=sequence_parallel)
         return
     shards = list(_shards(model, plan))
     common = math.gcd(*(count for *_, count in shards))
@@ -178,6 +184,12 @@ def check_tp_plan(model: nn.Module, *, tp: int) -> None:
                 f"{name}; use a tp size that splits every layer in its plan evenly: {fits}"
             )
     _check_ties(model, plan)
+
+
+def plan_of(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The model's own plan (a transformers model's), else the built-in GPT's (core.parallel.gpt_tp_plan, which a
+    copy without the `model_plans` feature calls instead)."""
+    return model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=sequence_parallel)
 
 
 def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> None:

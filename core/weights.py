@@ -10,6 +10,7 @@ Pickles (.bin, .pt) are refused, never unpickled: loading one can run any code.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,11 +18,19 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from core.ckpt_io import atomic_write, read_header, verify, write_safetensors
-from core.config import RecipeError
+from core.config import Options, RecipeError, option
 from core.records import RunFolder
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class InitFrom(Options):
+    """--init-from: its own group, so a standalone copy without the `init_from` feature drops it whole."""
+
+    title = "initial weights"
+    init_from: str = option("", "start from these weights: a .safetensors file or a Hugging Face folder (no pickle)")
 
 
 def weight_files(path: str) -> list[Path]:

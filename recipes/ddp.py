@@ -25,7 +25,7 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, hf.HFExport):
+class Config(Training, Checkpointing, DDPOptions, weights.InitFrom, hf.HFExport):
     """The shared training and checkpoint options, DDP's own, and where a transformers model's weights go."""
 
 
@@ -96,11 +96,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():
+                with meter.paused(clock):
                     ckpt.save_checkpoint(
                         run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
                     )
-        with clock.paused():  # each rank evaluates its share of the validation set; the sums are all-reduced
+        with meter.paused(clock):  # each rank evaluates its share of the validation set; the sums are all-reduced
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 

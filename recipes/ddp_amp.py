@@ -30,7 +30,16 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, amp.Precision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    DDPOptions,
+    amp.Precision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """ddp's options, and precision, accumulation, clipping and trackers."""
 
     epochs: int = with_default(Training, "epochs", 10)  # --accum 4 takes 4x fewer steps per epoch than ddp
@@ -126,10 +135,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():
+                with meter.paused(clock):
                     state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
                     ckpt.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # each rank evaluates its share of the validation set; the sums are all-reduced
+        with meter.paused(clock):  # each rank evaluates its share of the validation set; the sums are all-reduced
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 

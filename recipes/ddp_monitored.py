@@ -40,6 +40,7 @@ class Config(
     TuningOptions,
     DebugOptions,
     trackers.Tracking,
+    weights.InitFrom,
     hf.HFExport,
 ):
     """ddp's options, and the monitoring, debugging, tuning, asynchronous checkpoint and tracker ones."""
@@ -153,12 +154,14 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused(), monitor.paused(timer, watch):
-                    saver.save(
-                        run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
-                    )
-        with clock.paused(), monitor.paused(timer, watch):  # each rank evaluates its share; the sums are all-reduced
-            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
+                with meter.paused(clock):
+                    with monitor.paused(timer, watch):
+                        saver.save(
+                            run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
+                        )
+        with meter.paused(clock):  # each rank evaluates its share; the sums are all-reduced
+            with monitor.paused(timer, watch):
+                evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
     profiler.stop()
     watch.stop()

@@ -23,7 +23,7 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, hf.HFExport):
+class Config(Training, Checkpointing, weights.InitFrom, hf.HFExport):
     """The shared training and checkpoint options, and where a transformers model's weights go."""
 
 
@@ -98,11 +98,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():
+                with meter.paused(clock):
                     ckpt.save_checkpoint(
                         run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
                     )
-        with clock.paused():
+        with meter.paused(clock):
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 

@@ -46,7 +46,15 @@ from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"
@@ -79,7 +87,7 @@ def check(cfg: Config) -> None:
         )
     with torch.device("meta"):  # shapes only: the plan splits into tp whole shards, and the blocks are found
         model = models.build_model(cfg.model)
-    tp_plan.check_tp_plan(model, tp=cfg.tp)  # the model's own plan or the GPT's; neither: one line suggesting fsdp
+    tp_plan.check_tp_plan(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
     parallel.find_blocks(model, name=cfg.blocks or None)
 
 
@@ -108,7 +116,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         weights.load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, plan_dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
-    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model)
+    plan = tp_plan.plan_of(model)  # which Linear layers split by column, which by row
     with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
     policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
@@ -170,10 +178,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():  # every rank writes its own shard
+                with meter.paused(clock):  # every rank writes its own shard
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # a tp group's ranks count alike, each forward a collective: the means are right
+        with meter.paused(clock):  # a tp group's ranks count alike, each forward a collective: the means are right
             evaluation = parallel.evaluate_sharded(
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
             )

@@ -42,14 +42,22 @@ from core import (
     trackers,
     weights,
 )
-from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.config import Checkpointing, Training, cli_main, option, with_default
 from core.exact_loss import forward_sums, make_exact_loss
 from core.loss import make_loss
 from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, parallel.ShardedPrecision, amp.Accumulation, trackers.Tracking, hf.HFExport):
+class Config(
+    Training,
+    Checkpointing,
+    parallel.ShardedPrecision,
+    amp.Accumulation,
+    trackers.Tracking,
+    weights.InitFrom,
+    hf.HFExport,
+):
     """The shared options and sequence parallelism; the tiny GPT on the embedded text by default."""
 
     title = "tensor parallelism"
@@ -71,14 +79,7 @@ def check(cfg: Config) -> None:
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     with torch.device("meta"):  # shapes only: the plan must split every layer it names into tp whole shards
         model = models.build_model(cfg.model)
-    tp_plan.check_tp_plan(model, tp=tp)  # the model's own plan or the GPT's; neither: one line suggesting fsdp
-    if cfg.sequence_parallel and tp_plan.model_tp_plan(model) is not None:
-        raise RecipeError(
-            f"--sequence-parallel: only the built-in GPT's plan splits the sequence; {type(model).__name__} splits "
-            f"by its own plan: drop --sequence-parallel"
-        )
-    if cfg.sequence_parallel:  # the GPT's layout: blocks = [Embed, Block..., Head(ln, out)]
-        parallel.check_tp(model, tp, sequence_parallel=True)
+    tp_plan.check_tp_plan(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # --sequence-parallel: the GPT's
 
 
 def main(cfg: Config) -> dict:
@@ -103,7 +104,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its slices of them
         weights.load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
-    plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=cfg.sequence_parallel)
+    plan = tp_plan.plan_of(model, sequence_parallel=cfg.sequence_parallel)  # Linear layers split by column or by row
     with tp_plan.ties_and_heads_kept(model, plan, tp=device_mesh["tp"].size()):  # a tied lm_head stays tied
         parallelize_module(model, device_mesh["tp"], plan)
     torch.manual_seed(cfg.seed + device_mesh["dp"].get_local_rank())  # one group, one stream: DTensor needs it
@@ -166,10 +167,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with clock.paused():  # every rank writes its own slices
+                with meter.paused(clock):  # every rank writes its own slices
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with clock.paused():  # every rank the same batches, each forward a collective: the means are right
+        with meter.paused(clock):  # every rank the same batches, each forward a collective: the means are right
             evaluation = parallel.evaluate_sharded(
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
             )

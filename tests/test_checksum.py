@@ -201,10 +201,8 @@ def test_a_checkpoint_written_with_old_format_checksums_still_loads(tmp_path):
     model, optimizer = _train_state()
     tensors, meta = ckpt.read_checkpoint(_save(tmp_path / "new", 10, model, optimizer))
     old_meta = {k: v for k, v in meta.items() if k not in ("checksums", "header_checksum")}
-    old = atomic_write(
-        tmp_path / "step-000010.safetensors",
-        lambda f: write_safetensors(f, tensors, old_meta, checksum_of=blocksum64_crc32),
-    )
+    old = tmp_path / "step-000010.safetensors"
+    atomic_write(old, lambda f: write_safetensors(f, tensors, old_meta, checksum_of=blocksum64_crc32))
     recorded = json.loads(read_header(old)["__metadata__"]["checksums"])
     assert all(s.startswith("blocksum64-crc32:") for s in recorded.values())
     loaded, _ = ckpt.read_checkpoint(old)

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core import comm, tuning
 from core.config import RecipeError, UsageError, parse_args
-from core.loss import make_loss
+from core.loss import Loss
 from core.models import CNN, MLP
 from core.steps import step_plain
 from recipes import ddp, ddp_monitored
@@ -59,7 +59,7 @@ def train_ddp(topo, hook, ddp_options):
     if hook is not None:
         comm.register(ddp_model, hook, backend=topo.backend)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
-    loss_fn = make_loss("ce", model=model)
+    loss_fn = Loss("ce")
     share = GLOBAL_BATCH // topo.world_size
     losses = []
     for x, y in _batches(1):
@@ -132,7 +132,7 @@ def test_the_pre_check_refuses_what_the_backend_or_the_model_cannot_take(monkeyp
 
 
 def _train_plain(model, batches):
-    optimizer, loss_fn = torch.optim.AdamW(model.parameters(), lr=3e-3), make_loss("ce", model=model)
+    optimizer, loss_fn = torch.optim.AdamW(model.parameters(), lr=3e-3), Loss("ce")
     for x, y in batches:
         step_plain(model, (x, y), optimizer=optimizer, loss_fn=loss_fn)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

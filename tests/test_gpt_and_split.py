@@ -102,7 +102,7 @@ def test_gpt_learns_on_cpu():
     train, _ = gpt.text()
     loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    loss_fn = make_loss("auto", model=model)
+    loss_fn = make_loss(model=model)
     losses = [
         steps.step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)[0] for batch, _ in zip(loader, range(40))
     ]

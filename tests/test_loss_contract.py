@@ -1,6 +1,7 @@
 """The loss contract (core.loss): model outputs, tuple and dict batches, -100, --loss; the exact normalisation over
 ranks and micro-batches (core.exact_loss, core.amp); throughput from the steps' own counts (core.meter)."""
 
+import inspect
 import math
 
 import pytest
@@ -214,7 +215,7 @@ def test_nanogpt_auto_uses_its_own_loss_called_with_the_targets():
     x, y = lm_batch([8, 5, 3], seed=1, pairs=True)
     model = NanoGPT()
     logits, own = model(x, targets=y)
-    assert make_loss("auto", model=model).targets_as == "targets"
+    assert make_loss(model=model).targets_as == "targets"
     for spec in ("auto", "model"):
         mean, metrics = forward(model, (x, y), loss_for(spec, model))
         torch.testing.assert_close(mean, own)
@@ -480,7 +481,7 @@ def test_a_pair_target_is_compared_position_by_position_with_a_transformers_lm()
     x, y = lm_batch([8, 5, 3], seed=6, pairs=True)
     logits = model(x).logits
     by_hand = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-    assert make_loss("auto", model=model).targets_as is None  # never `labels`
+    assert make_loss(model=model).targets_as is None  # never `labels`
     mean, plain = forward(model, (x, y), loss_for("auto", model))
     torch.testing.assert_close(mean, by_hand)
     total, sums = exact(model, (x, y), normalizer=2.0)
@@ -552,9 +553,8 @@ def test_the_base_alone_takes_every_sample_shape_and_the_common_outputs():
         mean, sums = forward(wrapped, (a, c), make_loss(model=wrapped))
         torch.testing.assert_close(mean, F.cross_entropy(wrapped.lin(a), c))
         assert sums["count"].item() == 4 and "correct" in sums
-    with pytest.raises(RecipeError, match=r"--loss mse: this recipe takes --loss auto or ce; .* core\.loss_options"):
-        make_loss("mse", model=model)
-    with pytest.raises(RecipeError, match="cross-entropy needs logits and int64 class targets, and here are torch.fl"):
+    assert list(inspect.signature(make_loss).parameters) == ["model"]  # auto; ce is Loss("ce"), the rest opt-in
+    with pytest.raises(RecipeError, match="cross-entropy needs logits and int64 targets; use --loss model or mse"):
         forward(Regressor(), (a, torch.randn(5, 2)), make_loss(model=Regressor()))
 
 
@@ -577,7 +577,7 @@ def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
     when labels = input_ids: refused in one line naming auto and pairs. A classifier's (B, classes) logits are not
     sequences: ce stays."""
     model, batch = gpt2(), lm_batch([8, 4], seed=3)
-    with pytest.raises(RecipeError, match=r"--loss ce: a dict sample's `labels` follow transformers' convention") as e:
+    with pytest.raises(RecipeError, match=r"--loss ce on a dict's `labels`, which a causal LM shifts") as e:
         forward(model, batch, loss_for("ce", model))
     assert "--loss auto" in str(e.value) and "(input, target) samples" in str(e.value) and "\n" not in str(e.value)
     classifier = bert()
@@ -585,3 +585,15 @@ def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
     labelled = {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 1])}
     mean, _ = forward(classifier, labelled, loss_for("ce", classifier))
     torch.testing.assert_close(mean, F.cross_entropy(classifier(input_ids=ids).logits, labelled["labels"]))
+
+
+@pytest.mark.fast
+def test_a_lean_copy_without_check_aligned_still_refuses_logits_that_do_not_line_up(monkeypatch):
+    """A copy without `--with loss` has no check_aligned (tools/features.py): torch's own shape error then, never a
+    loss over the wrong positions."""
+    import core.loss
+
+    monkeypatch.setattr(core.loss, "check_aligned", lambda logits, targets: None)
+    model, batch = NanoGPTInference(), lm_batch([8, 8], seed=2, pairs=True)
+    with pytest.raises(ValueError, match="Expected input batch_size"):
+        forward(model, batch, loss_for("ce", model))

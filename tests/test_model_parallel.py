@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from core import amp, data, grads, models, steps
 from core.config import RecipeError
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
-from core.loss import make_loss
+from core.loss import Loss, make_loss
 from helpers import unfinished
 from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng
 from world import GlooWorld
@@ -163,7 +163,7 @@ def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
     model = models.build_model("mlp")
     model.load_state_dict(load_file(summary["weights"]))
     val = torch.utils.data.DataLoader(data.build_data("digits")[1], batch_size=64)
-    loss_fn = make_exact_loss(make_loss("auto", model=model), model=model)
+    loss_fn = make_exact_loss(make_loss(model=model), model=model)
     expected = steps.evaluate(model, val, loss_fn=loss_fn, device=torch.device("cpu"), forward=forward_sums)
     assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
     assert summary["val_acc"] == pytest.approx(expected["val_acc"])
@@ -371,7 +371,7 @@ def _one_process(batches, *, k: int, precision: str = "fp32", losses: bool = Fal
     """step_amp on the whole global batch, cut into k micro-batches: (weights, norms[, each step's mean loss])."""
     model = _tiny_gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(make_loss("ce", model=model), model=model)
+    loss_fn = make_exact_loss(Loss("ce"), model=model)
     norms, means = [], []
     for x, y in batches:
         micro = list(zip(x.chunk(k), y.chunk(k)))
@@ -390,7 +390,7 @@ def fsdp_accum_clip(topo):
     mesh = parallel.build_mesh(topo, {"dp": 2})
     model = parallel.apply_fsdp(_tiny_gpt(), mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(make_loss("ce", model=model), model=model)
+    loss_fn = make_exact_loss(Loss("ce"), model=model)
     norms = []
     for x, y in batches:
         mine = x.chunk(2)[topo.rank], y.chunk(2)[topo.rank]
@@ -510,7 +510,7 @@ def tp_accum_clip(topo, via_step_amp: bool):
     mesh = parallel.build_mesh(topo, {"dp": 1, "tp": 2})  # no data parallelism: the count is this rank's batch's
     model = parallel.apply_tp(_tiny_gpt(), mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(make_loss("ce", model=model), model=model)
+    loss_fn = make_exact_loss(Loss("ce"), model=model)
     one = mesh["dp"].get_group()
     norms = []
     for x, y in batches:

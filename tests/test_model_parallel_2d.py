@@ -91,14 +91,14 @@ def fsdp_tp_accum_clip(topo):
 
     from core import grads, parallel
     from core.exact_loss import make_exact_loss
-    from core.loss import make_loss
+    from core.loss import Loss
 
     batches = _token_batches(size=16)
     expected, expected_norms = _one_process(batches, k=1)
     mesh = parallel.build_mesh(topo, {"dp": 2, "tp": 2})
     model = parallel.apply_fsdp(parallel.apply_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(make_loss("ce", model=model), model=model)
+    loss_fn = make_exact_loss(Loss("ce"), model=model)
     norms, dp_rank = [], mesh["dp"].get_local_rank()
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]

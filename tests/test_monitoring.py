@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from core import ckpt, folder, meter, monitor, records, watchdog
-from core.loss import make_loss
+from core.loss import Loss
 from core.models import MLP
 from core.steps import step_plain
 from helpers import REPO, run, user_env
@@ -56,7 +56,7 @@ def monitored_training(topo, out, steps):
     model = MLP(hidden=32, depth=2)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    clock, timer, loss_fn = meter.Meter(topo.device), monitor.StepClock(topo.device), make_loss("ce", model=model)
+    clock, timer, loss_fn = meter.Meter(topo.device), monitor.StepClock(topo.device), Loss("ce")
     timer.attach(ddp, optimizer)
     gen = torch.Generator().manual_seed(topo.rank)
     local = 0.0

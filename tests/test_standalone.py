@@ -233,6 +233,17 @@ def test_ddp_copy_holds_no_run_object_no_threads_no_dtensor_no_source_inspection
     assert 0 < step - text.index("\ndef train(") < 6000, "the step is a few screens below the loop, not 1,800 lines"
 
 
+def test_lean_copies_leave_out_the_checkpoint_and_meter_code_of_their_features(project):
+    """28.2: a lean copy runs its evaluation and checkpoints without the clock's pause (the `meter` feature), keeps a
+    killed write's temporaries (their removal is the `lock` feature's), writes no trackers entry (`trackers`) and
+    leaves the sharded load's model and NaN checks to `checks`; the --with all copies keep every one of them."""
+    copy = {n: (project / "project" / f"{n}.py").read_text() for n in ("ddp", "ddp_all", "fsdp", "fsdp_all")}
+    kept = ("with paused(clock):", "def remove_stale_temporaries(", "class InitFrom(")
+    assert all(word in copy["ddp_all"] and word not in copy["ddp"] for word in kept)
+    sharded = ("run.sinks", "def _check_saved(", "def non_finite(", "with paused(clock):")
+    assert all(word in copy["fsdp_all"] and word not in copy["fsdp"] for word in sharded)
+
+
 def test_copies_parse_the_same_options(project):
     """`--help` of every copy (one interpreter runs them all) lists the packaged recipe's options, less those of
     the features it left out: --with all lists them all."""
@@ -578,3 +589,24 @@ def test_a_lean_copy_refuses_another_global_batch_and_only_checks_takes_the_rest
         check_continues(Path("c"), meta, config, dp=2)
     header = (project / "project" / "ddp.py").read_text().replace("\n# ", " ")
     assert "another --lr, --seed, --epochs or --max-steps (options that shape training)" in header
+
+
+def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a_llama_in_one_line(project):
+    """Without `model_plans` the copies split the built-in GPT's layout by core.parallel's plan; a transformers
+    Llama, which the package splits by its own plan, is refused by the copy's check in one line naming fsdp."""
+    import runpy
+
+    from core import tp_plan
+    from mp_reference import tiny_llama
+
+    for name in ("tensor_parallel", "fsdp_tp"):
+        lean = runpy.run_path(str(project / "project" / f"{name}.py"), run_name="lean_copy")
+        assert "model_tp_plan" not in lean and "ties_and_heads_kept" not in lean
+        gpt = lean["gpt"]()
+        assert set(lean["gpt_tp_plan"](gpt)) == set(tp_plan.plan_of(gpt))  # the package's plan for the GPT
+        lean["check_tp"](gpt, tp=2)
+        with torch.device("meta"):
+            llama = tiny_llama()
+        tp_plan.check_tp_plan(llama, tp=2)  # the package splits it by its own plan
+        with pytest.raises(lean["RecipeError"], match="tensor parallelism needs .*use fsdp"):
+            lean["check_tp"](llama, tp=2)

@@ -231,3 +231,16 @@ def test_a_tied_weight_split_two_ways_is_refused():
     with pytest.raises(RecipeError, match="model.embed_tokens and lm_head share one weight") as refused:
         tp_plan.check_tp_plan(model, tp=2)
     assert "tie_word_embeddings=False" in str(refused.value)
+
+
+@pytest.mark.fast
+def test_sequence_parallel_is_the_gpts_alone_and_plan_of_picks_the_models_own():
+    """--sequence-parallel splits the GPT's residual stream; a model with its own plan is refused in one line."""
+    with pytest.raises(RecipeError, match="only the built-in GPT's plan splits the sequence.*drop --sequence-parallel"):
+        tp_plan.check_tp_plan(meta(llama), tp=2, sequence_parallel=True)
+    with torch.device("meta"):
+        gpt = GPT(vocab=32, dim=32, heads=4, layers=2, context=8)
+    tp_plan.check_tp_plan(gpt, tp=2, sequence_parallel=True)
+    assert set(tp_plan.plan_of(gpt, sequence_parallel=True)) == set(parallel.gpt_tp_plan(gpt, sequence_parallel=True))
+    own = {k: repr(v) for k, v in tp_plan.model_tp_plan(meta(llama)).items()}
+    assert {k: repr(v) for k, v in tp_plan.plan_of(meta(llama)).items()} == own

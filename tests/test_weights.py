@@ -340,3 +340,20 @@ def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeyp
         write_hf_folder(_run(tmp_path), model, state)
     assert caught.value.errno == 28 and os_error_line(caught.value).startswith(f"{tmp_path}: the disk is full (")
     assert not list(tmp_path.iterdir())
+
+
+def test_init_from_is_an_option_group_of_its_own(capsys):
+    """28.4: --init-from is core.weights.InitFrom, in every recipe, with its own --help section; the init_from
+    feature drops the group whole (a lean copy's Config has no such base)."""
+    from core.config import Training, parse_args
+    from core.weights import InitFrom
+    from tools.features import FEATURES
+    from tools.registry import RECIPES
+
+    assert "init_from" not in Training.__dataclass_fields__ and list(InitFrom.__annotations__) == ["init_from"]
+    assert FEATURES["init_from"].groups == ("core.weights.InitFrom",) and not FEATURES["init_from"].fields
+    for recipe in RECIPES.values():
+        assert issubclass(recipe.load().Config, InitFrom), recipe.name
+    with pytest.raises(SystemExit):
+        parse_args(RECIPES["ddp"].load().Config, ["--help"])
+    assert "\ninitial weights:\n  --init-from STR " in capsys.readouterr().out

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
+import types
 from dataclasses import dataclass
 
 from tools.inline_refs import RECIPE, StandaloneError, line_offsets
@@ -33,6 +35,7 @@ class Feature:
     builds: tuple[tuple[str, str, str, str], ...] = ()
     swaps: tuple[tuple[str, str], ...] = ()  # (module.name, module.name): what a copy without it calls instead
     attrs: tuple[str, ...] = ()  # attributes only the feature reads or sets (`meter.clock`), wherever they are
+    uses: str = ""  # a feature without options: the core module (core.tp_plan) whose recipes alone have it; "": all
 
     def options(self) -> set[str]:
         found = set(self.fields)
@@ -48,18 +51,26 @@ FEATURES = {
         Feature(
             "init_from",
             "--init-from (a new run from earlier weights)",
-            fields=("init_from",),
+            groups=("core.weights.InitFrom",),
             calls=("core.weights.load_weights",),
         ),
         Feature(
             "hf", "the Hugging Face folder RUN/hf (--hf-attr, --hf-shard-mb)", ("core.hf.HFExport",), (), ("core.hf.",)
         ),
-        Feature("trackers", "--log-to tensorboard or wandb", ("core.trackers.Tracking",), (), ("core.trackers.",)),
+        Feature(
+            "trackers",
+            "--log-to tensorboard or wandb",
+            ("core.trackers.Tracking",),
+            (),
+            ("core.trackers.",),
+            attrs=("sinks",),  # the run's record sinks (core.records.RunFolder): only trackers adds any
+        ),
         Feature(
             "loss",
-            "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy)",
+            "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy), "
+            "and the line naming logits that do not line up with the targets (torch's shape error instead)",
             fields=("loss",),
-            calls=("core.loss_options.",),
+            calls=("core.loss_options.", "core.loss.check_aligned"),
         ),
         Feature(
             "fast_writer",
@@ -74,8 +85,9 @@ FEATURES = {
         ),
         Feature(
             "lock",
-            "the run folder's lock (RUN/.lock): two jobs that write one run folder are not refused",
-            calls=("core.folder.take_lock",),
+            "the run folder's lock (RUN/.lock): two jobs that write one run folder are not refused, and the temporary "
+            "files of a write a kill interrupted are left in it",
+            calls=("core.folder.take_lock", "core.ckpt_io.remove_stale_temporaries"),
         ),
         Feature(
             "records",
@@ -93,6 +105,8 @@ FEATURES = {
                 "core.folder.check_options",
                 "core.ckpt.check_shapes",
                 "core.dcp.check_shapes",
+                "core.dcp._check_saved",
+                "core.dcp_folder.non_finite",
                 "core.ckpt_io.check_values",
                 "core.ckpt.refuse_pickle",
             ),
@@ -100,7 +114,7 @@ FEATURES = {
         Feature(
             "meter",
             "the training clock: samples_per_s, tokens_per_s, startup_s and elapsed_s (the loss and accuracy stay)",
-            calls=("core.meter.Clock",),
+            calls=("core.meter.Clock", "core.meter.paused"),
             attrs=("clock",),
         ),
         Feature(
@@ -126,6 +140,17 @@ FEATURES = {
             calls=("core.comm.register", "core.comm.check_hook"),
         ),
         Feature(
+            "model_plans",
+            "a transformers model's own tensor-parallel plan (Llama, Qwen, Mistral: core/tp_plan.py); the copy splits "
+            "the built-in GPT's layout and refuses another model in one line",
+            calls=("core.tp_plan.",),
+            swaps=(
+                ("core.tp_plan.plan_of", "core.parallel.gpt_tp_plan"),
+                ("core.tp_plan.check_tp_plan", "core.parallel.check_tp"),
+            ),
+            uses="core.tp_plan",
+        ),
+        Feature(
             "profile",
             "--profile (a torch.profiler trace per rank)",
             fields=("profile",),
@@ -143,8 +168,13 @@ FEATURES = {
 
 def features_of(config: type) -> list[str]:
     """The features a recipe's Config has: those whose options it takes, and those with none (every recipe's)."""
-    fields = set(config.__dataclass_fields__)
-    return [name for name, f in FEATURES.items() if f.options() & fields or not (f.options() or f.builds)]
+    fields, imported = set(config.__dataclass_fields__), vars(sys.modules[config.__module__]).values()
+    modules = {value.__name__ for value in imported if isinstance(value, types.ModuleType)}
+    return [
+        name
+        for name, f in FEATURES.items()
+        if f.options() & fields or not (f.options() or f.builds) and (f.uses in modules or not f.uses)
+    ]
 
 
 def parse_with(spec: str, *, config: type) -> set[str]:

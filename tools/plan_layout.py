@@ -114,7 +114,7 @@ def build_layout(
 
         tp_mesh = device_mesh["tp"]
         sp = getattr(cfg, "sequence_parallel", False)
-        plan = tp_plan.model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=sp)
+        plan = tp_plan.plan_of(model, sequence_parallel=sp)
         with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
             parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":

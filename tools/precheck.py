@@ -142,7 +142,7 @@ def check_steps(found: dict, cfg, *, dp: int) -> None:
     accum = getattr(cfg, "accum", 1)
     topo = Topology(0, 0, dp, torch.device("cpu"), "gloo")  # rank 0's share; every rank's is as long
     if not found["stream"]:
-        loader = data.make_loader(found["train"], topo, batch_size=cfg.batch_size, seed=cfg.seed, workers=0)
+        loader = data.make_loader(found["train"], topo, batch_size=cfg.batch_size, seed=cfg.seed)
         data.total_steps(loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=accum)
         return
     loader = stream.make_loader(found["train"], topo, batch_size=cfg.batch_size)
