@@ -74,7 +74,7 @@ def within(low: float, high: float) -> dict:
     return {"check": lambda v: low < v <= high, "fix": f"use ({low:g}, {high:g}]"}
 
 
-def _plain_name(name: str) -> bool:  # "" too: the recipe's name
+def _plain(name: str) -> bool:  # "" too: the recipe's name
     return name not in (".", "..") and not any(c in name for c in "/\\\0")
 
 
@@ -91,9 +91,7 @@ class Training(Options):
     loss: str = option("auto", "auto (the model's own loss, else ce or mse), ce, mse, model, or module:function")
     on_nonfinite: str = option("stop", "a non-finite loss or gradient: stop or skip the step", choices=("stop", "skip"))
     out: str = option("runs", "folder that gets one sub-folder per run", check=bool, fix="name a folder, e.g. runs")
-    name: str = option(
-        "", "run folder name prefix (default: the recipe)", check=_plain_name, fix="use a plain name, not a path"
-    )
+    name: str = option("", "run folder prefix (default: the recipe)", check=_plain, fix="use a plain name, not a path")
     log_every: int = option(10, "log a train record every N optimizer steps", **at_least(1))
     timeout_s: float = option(300.0, "seconds a collective may wait before failing", **within(0, 604800))
 
