@@ -51,11 +51,12 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
     check_steps(found, cfg, dp=dp)
     model = check_model(cfg.model)
     check_devices(model, spec=cfg.model, sync_batchnorm=getattr(cfg, "sync_batchnorm", False))
-    if cfg.init_from:
+    init_from = getattr(cfg, "init_from", "")  # a third-party recipe's Config may not take --init-from
+    if init_from:
         from core.weights import load_weights
 
-        load_weights(model, cfg.init_from)
-    check_trainable(model, spec=cfg.model, init_from=cfg.init_from)
+        load_weights(model, init_from)
+    check_trainable(model, spec=cfg.model, init_from=init_from)
     if getattr(cfg, "hf_attr", ""):  # refused here, not after the whole run when hf/ is written
         from core.hf import hf_model
 
