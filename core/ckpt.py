@@ -44,18 +44,13 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, sch
     tensors |= {f"optim/{key}": value for key, value in flat.items() if torch.is_tensor(value)}
     tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
     scalars = {key: value for key, value in flat.items() if not torch.is_tensor(value)}
-    metadata = {
-        "format": FORMAT,
-        "recipe": run.recipe,
-        "config": json.dumps(run.config),
-        "global_batch": str(run.config["global_batch"]),
-        "world_size": str(len(rng)),
-        "torch": torch.__version__,
-        "optimizer": json.dumps({"param_groups": optim["param_groups"], "scalars": scalars}),
-        "progress": json.dumps(progress),
-        "scheduler": json.dumps(scheduler.state_dict() if scheduler else None),
-        "scaler": json.dumps(scaler.state_dict() if scaler and scaler.is_enabled() else None),
-    }
+    # who wrote it and the job's shape (what a resume checks), then the train state that is not tensors, as JSON
+    metadata = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__, "config": json.dumps(run.config)}
+    metadata |= {"global_batch": str(run.config["global_batch"]), "world_size": str(len(rng))}
+    metadata["optimizer"] = json.dumps({"param_groups": optim["param_groups"], "scalars": scalars})
+    metadata["progress"] = json.dumps(progress)
+    metadata["scheduler"] = json.dumps(scheduler.state_dict() if scheduler else None)
+    metadata["scaler"] = json.dumps(scaler.state_dict() if scaler and scaler.is_enabled() else None)
     metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
     return tensors, metadata
 

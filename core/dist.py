@@ -53,10 +53,8 @@ def pick_device(local_rank: int) -> torch.device:
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if local_rank >= count and os.environ.get("TDR_BACKEND") != "gloo":  # gloo ranks may share a GPU (gpu_check)
-        raise RecipeError(
-            f"LOCAL_RANK {local_rank} but only {count} GPU(s) are visible: launch at most {count} processes per node "
-            f"(NPROC_PER_NODE) or fix CUDA_VISIBLE_DEVICES"
-        )
+        fix = f"launch at most {count} processes per node (NPROC_PER_NODE) or fix CUDA_VISIBLE_DEVICES"
+        raise RecipeError(f"LOCAL_RANK {local_rank} but only {count} GPU(s) are visible: {fix}")
     return torch.device("cuda", local_rank % count)
 
 
@@ -82,10 +80,8 @@ def init_pg(*, timeout_s: float = 300.0, store: dist.Store | None = None) -> Top
     except (RuntimeError, TimeoutError, OSError, ValueError) as err:  # Dist*Error are RuntimeErrors
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
-        raise RecipeError(
-            f"rank {rank} could not join the job at {where} within {timeout_s:g}s ({first}); "
-            f"check MASTER_ADDR/MASTER_PORT and that node 0 is up"
-        ) from None
+        why = f"within {timeout_s:g}s ({first}); check MASTER_ADDR/MASTER_PORT and that node 0 is up"
+        raise RecipeError(f"rank {rank} could not join the job at {where} {why}") from None
     return Topology(rank, local_rank, world_size, device, backend)
 
 

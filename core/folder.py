@@ -59,8 +59,8 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     """A run that --resume (or torchrun's restart) continues and that is finished: its summary record, said in one
     line; None when there is something to train. Decided from the folder alone, before anything is built, checked,
     locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
-    found = finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.is_rank0 else None
-    found = broadcast_object(found)  # rank 0 reads the folder: other nodes need not see it
+    # rank 0 reads the folder: other nodes need not see it
+    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.is_rank0 else None)
     if found and topo.is_rank0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
@@ -129,14 +129,11 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
         batch, accum = config["batch_size"], config.get("accum", 1)
-        per_rank, rest = divmod(saved_batch, dp * accum)
-        fix = f"use a number of ranks that divides {saved_batch}"
-        if not rest:  # --accum as it is: the line shows it
-            fix = f"use --batch-size {per_rank} at {dp} rank(s)"
-        raise RecipeError(
-            f"{path}: saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks) and this job's is "
-            f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum}); the run would change: {fix}"
-        )
+        per_rank, rest = divmod(saved_batch, dp * accum)  # --accum as it is: the line shows it
+        fix = f"a number of ranks that divides {saved_batch}" if rest else f"--batch-size {per_rank} at {dp} rank(s)"
+        was = f"saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks)"
+        now = f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum})"
+        raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
     check_options(path, meta, config)
 
 

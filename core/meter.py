@@ -177,9 +177,8 @@ def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, s
 
     The last evaluation, the last train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes),
     where the weights are, and the throughput of the training clock."""
-    shape = {key: run.config[key] for key in ("world_size", "global_batch")}
-    summary = {**evaluation, "train_loss": meter.last.get("loss"), "steps": steps, "skipped_steps": skipped, **shape}
-    summary |= {**extra, "weights": str(weights)}
+    summary = {**evaluation, "train_loss": meter.last.get("loss"), "steps": steps, "skipped_steps": skipped}
+    summary |= {key: run.config[key] for key in ("world_size", "global_batch")} | extra | {"weights": str(weights)}
     if run.config.get("init_from"):  # a copy without the init_from feature has none
         summary["init_from"] = run.config["init_from"]
     summary.update(meter.clock.throughput())

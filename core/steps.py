@@ -35,10 +35,8 @@ def check_finite(grad_norm: float, *, step: int, on_nonfinite: str, clips: bool 
     if math.isfinite(grad_norm):
         return 0
     if on_nonfinite == "stop":
-        raise RecipeError(
-            f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); "
-            f"lower --lr{', set --clip' if clips else ''}, or pass --on-nonfinite skip"
-        )
+        fix = f"lower --lr{', set --clip' if clips else ''}, or pass --on-nonfinite skip"
+        raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
     return 1
 
 

@@ -165,6 +165,5 @@ def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:
     path = run.path / "model.safetensors"
     if run.writer:
         model = {"model": run.config["model"]} if "model" in run.config else {}  # a copy without --model: none
-        tensors, metadata = savable(state), {"recipe": run.recipe, **model}
-        atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+        atomic_write(path, lambda f: write_safetensors(f, savable(state), {"recipe": run.recipe, **model}))
     return path

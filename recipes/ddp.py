@@ -97,9 +97,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(clock):
-                    ckpt.save_checkpoint(
-                        run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
-                    )
+                    state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
+                    ckpt.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):  # each rank evaluates its share of the validation set; the sums are all-reduced
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tools.features import builtin_defaults, features_of
+from tools.features import FEATURES, builtin_defaults, features_of
 from tools.registry import RECIPES
 from tools.standalone import standalone_source
 
@@ -38,6 +38,7 @@ def copy_source(name: str, dest: str, *, kept: set[str], formatted: bool = True)
         keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
         left_out=LEFT_OUT,
         without=tuple(f for f in features_of(config) if f not in kept),
+        absent=tuple(f for f in FEATURES if f not in features_of(config)),
         defaults=builtin_defaults(defaults),
         formatted=formatted,
     )

@@ -270,6 +270,7 @@ def standalone_source(
     first: tuple[str, ...] = STEP_MODULES,
     left_out: str = "",
     without: tuple[str, ...] = (),
+    absent: tuple[str, ...] = (),
     defaults: dict[str, tuple[str, str]] | None = None,
     formatted: bool = True,
 ) -> str:
@@ -279,12 +280,14 @@ def standalone_source(
     the process count a `./launch_single_node.sh` line started, now written out for torchrun; `first`: the
     modules placed right after the recipe's functions; `left_out`: what the package's runner has that the copy
     does not, for the header; `without`: the features (tools.features) the copy leaves out, `defaults` the
-    built-ins (option -> (module, function)) that replace the factories. The text is `ruff format`ted where ruff
-    is installed (`formatted=False`: left for one `ruff format` over many copies).
+    built-ins (option -> (module, function)) that replace the factories; `absent`: the features the recipe has none
+    of, whose code (`run.sinks` without trackers) no path of the copy reaches: it goes too, unnamed in the header.
+    The text is `ruff format`ted where ruff is installed (`formatted=False`: left for one `ruff format` over many
+    copies).
     """
 
     def drop(module: str, text: bytes) -> bytes:
-        return drop_features(text, module=module, off=set(without), defaults=defaults or {})
+        return drop_features(text, module=module, off={*without, *absent}, defaults=defaults or {})
 
     inliner = _Inliner(packages, keep_builtins=keep_builtins, drop=drop)
     recipe = inliner.load(RECIPE, drop(RECIPE, source.encode()))
