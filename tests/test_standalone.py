@@ -673,3 +673,20 @@ def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
     for name in FEATURES:
         have = [r for r in RECIPES if name in features_of(RECIPES[r].load().Config)]
         assert rows[name] == ("all" if len(have) == len(RECIPES) else ", ".join(have)), name
+
+
+def test_cp_says_the_copys_size_and_tools_copies_says_where_its_code_lines_come_from(project, tmp_path, capsys):
+    from tools.copies import breakdown, main
+
+    text = (project / "project" / "ddp.py").read_text()
+    parts = breakdown(text)
+    assert sum(parts.values()) == copy_size(text)[1]
+    assert {"header and imports", "the recipe", "core/ckpt.py", "core/loss.py", "core/config.py"} <= set(parts)
+    out = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "t.py"), "--standalone"]).output
+    lines, code = copy_size((tmp_path / "t.py").read_text())
+    assert f"({lines:,} lines, {code:,} of code; `python -m tools.copies ddp` says where they come from)" in out
+    capsys.readouterr()
+    main(["ddp"])  # the same parts, largest first
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"ddp's copy: {lines:,} lines, {code:,} code"
+    assert printed[1].split() == [f"{max(parts.values()):,}", max(parts, key=parts.get)]
