@@ -348,6 +348,18 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
         assert mine.keys() == theirs.keys()
         for key in theirs:
             assert torch.equal(mine[key], theirs[key]), f"{name} ({copied}) on {nproc} processes: {key} differs"
+        # and the same numbers: evaluation too (a copy that lost its evaluation loop trains the same weights)
+        said = [_summary(tmp_path / run / f"{name}-1") for run in (copied, packaged)]
+        assert {k: said[0].get(k) for k in NUMBERS} == {k: said[1].get(k) for k in NUMBERS}, (name, copied)
+        assert "val_loss" in said[0] and said[0]["val_loss"] > 0, (name, copied, said[0])
+
+
+NUMBERS = ("val_loss", "val_acc", "train_loss", "steps", "skipped_steps", "global_batch")
+
+
+def _summary(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in records if r["kind"] == "summary")
 
 
 def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path):

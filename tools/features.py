@@ -143,7 +143,8 @@ FEATURES = {
             "stream",
             "streaming data (an IterableDataset, read in order and dealt out by position: core/stream.py); the copy "
             "takes map-style data sets",
-            calls=("core.stream.",),
+            # what reads a stream; core.stream.in_step stays: the sharded recipes evaluate map-style data through it
+            calls=tuple(f"core.stream.{n}" for n in ("is_stream", "make_loader", "total_steps", "StreamLoader")),
             uses="core.stream",
         ),
         Feature(
