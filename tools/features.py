@@ -120,7 +120,7 @@ FEATURES = {
         Feature(
             "factories",
             "--model and --data (built-in names or module:function factories; the copy builds its default model and "
-            "data in two lines of train(): edit those for your own)",
+            "data where the lines marked `# your model` and `# your data` are: edit those for your own)",
             fields=("model", "data"),
             builds=(
                 ("core.models.build_model", "model", "{}()", "your model: any nn.Module"),
