@@ -107,15 +107,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    return meter.log_summary(
-        run,
-        clock,
-        evaluation,
-        steps=step,
-        skipped=skipped,
-        weights=saved,
-        **replicas.replicas_report(model.state_dict()),
-    )
+    same = replicas.replicas_report(model.state_dict())  # {"replicas_identical": ...}, in the summary
+    return meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **same)
 
 
 if __name__ == "__main__":
