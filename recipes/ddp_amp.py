@@ -38,6 +38,7 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation, Precision
 from core.config import Checkpointing, DDPOptions, RecipeError, Training, cli_main, with_default
 from core.loss import make_loss
 from core.loss_options import choose_loss
@@ -45,14 +46,7 @@ from core.loss_options import choose_loss
 
 @dataclass(frozen=True)
 class Config(
-    Training,
-    Checkpointing,
-    DDPOptions,
-    amp.Precision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
+    Training, Checkpointing, DDPOptions, Precision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport
 ):
     """ddp's options, and precision, accumulation, clipping and trackers."""
 
