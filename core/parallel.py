@@ -151,7 +151,7 @@ def fsdp_sync(model: nn.Module, *, enabled: bool):
 
 GPT_LAYOUT = (
     "model.blocks (an nn.Sequential, forward = model.blocks(x)) whose blocks have attn.q/k/v/proj and "
-    "mlp.fc/proj nn.Linear layers, like core.gpt.GPT"
+    "mlp.fc/proj nn.Linear layers, like the built-in GPT"
 )
 
 
@@ -164,7 +164,8 @@ def check_tp_model(model: nn.Module) -> list[nn.Module]:
         found = find_blocks(model)
         seen = f" (its repeated blocks are {found[0]})" if found else ""
         raise RecipeError(
-            f"--model {type(model).__name__}: tensor parallelism needs {GPT_LAYOUT}{seen}; use fsdp for this model"
+            f"the model ({type(model).__name__}): tensor parallelism needs {GPT_LAYOUT}{seen}, or a transformers "
+            f"model's own plan (which a standalone copy reads when made `--with model_plans`); use fsdp for this model"
         )
     for block in blocks:
         names = [getattr(block.attn, n, None) for n in ("q", "k", "v", "proj")]

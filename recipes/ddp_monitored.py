@@ -85,7 +85,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
         weights.load_weights(model, cfg.init_from)
-    if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only; the pre-check says so on CPU)
+    if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.channels_last:  # conv weights in NHWC, the layout tensor cores read fastest (in place)
         to_channels_last(model)

@@ -137,7 +137,7 @@ def test_copy_is_one_whole_file(project, name, variant):
 # other. The README's recipe table prints each lean copy's size and each feature's cost: tests hold it exact, and
 # `TDR_SIZES=rewrite pytest tests/test_standalone.py -k readme` rewrites it after a change of the code.
 BUDGET = {"ddp": (650, 450)}  # every other recipe: (no limit, 750)
-OVER_BUDGET = set(NAMES)  # the copies still over theirs (docs/copying-and-checking.md says by how much)
+OVER_BUDGET = set(NAMES)  # the copies still over theirs (the README says by how much)
 SIZE_COLUMNS = ("its lean standalone copy: lines (code)", "code lines each `--with FEATURE` adds")
 
 
@@ -348,6 +348,18 @@ def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
         assert mine.keys() == theirs.keys()
         for key in theirs:
             assert torch.equal(mine[key], theirs[key]), f"{name} ({copied}) on {nproc} processes: {key} differs"
+        # and the same numbers: evaluation too (a copy that lost its evaluation loop trains the same weights)
+        said = [_summary(tmp_path / run / f"{name}-1") for run in (copied, packaged)]
+        assert {k: said[0].get(k) for k in NUMBERS} == {k: said[1].get(k) for k in NUMBERS}, (name, copied)
+        assert "val_loss" in said[0] and said[0]["val_loss"] > 0, (name, copied, said[0])
+
+
+NUMBERS = ("val_loss", "val_acc", "train_loss", "steps", "skipped_steps", "global_batch")
+
+
+def _summary(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in records if r["kind"] == "summary")
 
 
 def test_cp_standalone_refuses_to_overwrite_and_names_the_launcher_line(tmp_path):
@@ -697,3 +709,20 @@ def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
     for name in FEATURES:
         have = [r for r in RECIPES if name in features_of(RECIPES[r].load().Config)]
         assert rows[name] == ("all" if len(have) == len(RECIPES) else ", ".join(have)), name
+
+
+def test_cp_says_the_copys_size_and_tools_copies_says_where_its_code_lines_come_from(project, tmp_path, capsys):
+    from tools.copies import breakdown, main
+
+    text = (project / "project" / "ddp.py").read_text()
+    parts = breakdown(text)
+    assert sum(parts.values()) == copy_size(text)[1]
+    assert {"header and imports", "the recipe", "core/ckpt.py", "core/loss.py", "core/config.py"} <= set(parts)
+    out = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "t.py"), "--standalone"]).output
+    lines, code = copy_size((tmp_path / "t.py").read_text())
+    assert f"({lines:,} lines, {code:,} of code; `python -m tools.copies ddp` says where they come from)" in out
+    capsys.readouterr()
+    main(["ddp"])  # the same parts, largest first
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"ddp's copy: {lines:,} lines, {code:,} code"
+    assert printed[1].split() == [f"{max(parts.values()):,}", max(parts, key=parts.get)]

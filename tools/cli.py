@@ -141,7 +141,12 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, fea
         text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
-    click.echo(f"copied {name} to {dest}; run it with: {launch}")
+    if standalone:  # what the owner takes on: its size, and where its lines come from
+        from tools.standalone import copy_size
+
+        lines, code = copy_size(text)
+        size = f" ({lines:,} lines, {code:,} of code; `python -m tools.copies {name}` says where they come from)"
+    click.echo(f"copied {name} to {dest}{size if standalone else ''}; run it with: {launch}")
 
 
 @cli.command("check", context_settings={"ignore_unknown_options": True})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tools.features import builtin_defaults, features_of
 from tools.registry import RECIPES
-from tools.standalone import standalone_source
+from tools.standalone import copy_size, standalone_source
 
 # What the package's runner has and a standalone copy does not (its header says so, in one line).
 LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
@@ -54,3 +54,37 @@ def size_cells(sizes: dict[str, tuple[int, int]]) -> tuple[str, str]:
     lines, code = sizes[""]
     added = [f"{variant} +{sizes[variant][1] - code:,}" for variant in sizes if variant]
     return f"{lines:,} ({code:,})", ", ".join(added) or "-"
+
+
+def breakdown(text: str) -> dict[str, int]:
+    """A copy's code lines by where they come from: its header and imports, the recipe, each inlined core module."""
+    parts: dict[str, list[str]] = {"header and imports": []}
+    part = "header and imports"
+    for line in text.splitlines():
+        if line.startswith("# inlined from ") or re.fullmatch(r"# the \w+ recipe('s Config and start)?", line):
+            part = line.removeprefix("# inlined from ").removeprefix("# ").replace("'s Config and start", "")
+            part = part if part.startswith("core/") else "the recipe"
+        parts.setdefault(part, []).append(line)
+    return {name: copy_size("\n".join(lines))[1] for name, lines in parts.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tools.copies NAME [FEATURE,...]`: where the code lines of a standalone copy come from."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tools.copies", description=main.__doc__)
+    parser.add_argument("name", choices=sorted(RECIPES))
+    parser.add_argument("features", nargs="?", default="", help="as cp's --with (all, or names separated by commas)")
+    args = parser.parse_args(argv)
+    from tools.features import parse_with
+
+    kept = parse_with(args.features, config=RECIPES[args.name].load().Config)
+    text = copy_source(args.name, "train.py", kept=kept)
+    lines, code = copy_size(text)
+    print(f"{args.name}'s copy{' with ' + args.features if args.features else ''}: {lines:,} lines, {code:,} code")
+    for part, count in sorted(breakdown(text).items(), key=lambda item: -item[1]):
+        print(f"{count:6,}  {part}")
+
+
+if __name__ == "__main__":
+    main()

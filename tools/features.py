@@ -120,7 +120,7 @@ FEATURES = {
         Feature(
             "factories",
             "--model and --data (built-in names or module:function factories; the copy builds its default model and "
-            "data in two lines of train(): edit those for your own)",
+            "data where the lines marked `# your model` and `# your data` are: edit those for your own)",
             fields=("model", "data"),
             builds=(
                 ("core.models.build_model", "model", "{}()", "your model: any nn.Module"),
@@ -143,7 +143,8 @@ FEATURES = {
             "stream",
             "streaming data (an IterableDataset, read in order and dealt out by position: core/stream.py); the copy "
             "takes map-style data sets",
-            calls=("core.stream.",),
+            # what reads a stream; core.stream.in_step stays: the sharded recipes evaluate map-style data through it
+            calls=tuple(f"core.stream.{n}" for n in ("is_stream", "make_loader", "total_steps", "StreamLoader")),
             uses="core.stream",
         ),
         Feature(
