@@ -670,6 +670,30 @@ def test_a_copy_without_stream_takes_map_style_data_and_refuses_a_stream_in_one_
             make_loader(Numbers(), topo, batch_size=2)
 
 
+def test_a_ddp_amp_copy_without_loss_counts_takes_the_models_own_loss_as_a_mean_per_micro_batch(project):
+    """`loss_counts` left out, the copy's make_exact_loss reads no traits of the model's own loss; the package and
+    the `--with all` copy hand a forward that names num_items_in_batch the global batch's count."""
+    import runpy
+
+    from core.exact_loss import make_exact_loss
+    from core.loss import make_loss
+
+    class Counts(torch.nn.Module):  # a user model that divides its own summed loss by num_items_in_batch
+        def forward(self, x, targets=None, num_items_in_batch=None):
+            return x
+
+    lean_text = (project / "project" / "ddp_amp.py").read_text()
+    assert "_model_loss_traits" not in lean_text and "--with loss_counts" in lean_text
+    lean = runpy.run_path(str(project / "project" / "ddp_amp.py"), run_name="lean_copy")
+    full = runpy.run_path(str(project / "project" / "ddp_amp_all.py"), run_name="lean_copy")
+    for (exact, loss), takes in (
+        ((make_exact_loss, make_loss), True),
+        ((full["make_exact_loss"], full["make_loss"]), True),
+        ((lean["make_exact_loss"], lean["make_loss"]), False),
+    ):
+        assert exact(loss(model=Counts()), model=Counts()).takes_count is takes
+
+
 @pytest.mark.fast
 def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
     """docs/copying-and-checking.md's feature table: one row per feature of tools/features.py, its recipes right."""
