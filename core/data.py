@@ -65,9 +65,8 @@ def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = 
         return None
     if isinstance(dataset, IterableDataset):  # a stream has no length for a sampler to deal out
         raise RecipeError(
-            f"the data set is a stream ({type(dataset).__name__}, an IterableDataset) and this code deals out "
-            f"map-style data sets: give one with __len__ and __getitem__, or take a recipe that reads streams "
-            f"(ddp_amp, fsdp, fsdp_tp, tensor_parallel; a standalone copy of one made `--with stream`)"
+            f"the data set is a stream ({type(dataset).__name__}, an IterableDataset): give a map-style one (__len__, "
+            f"__getitem__), or take ddp_amp, fsdp, fsdp_tp or tensor_parallel (a copy of one made `--with stream`)"
         )
     on_gpu = topo.device.type == "cuda"
     workers = 2 if on_gpu else 0

@@ -36,8 +36,10 @@ class ExactLoss:
 
 def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
     """`loss` (core.loss.make_loss's, or core.loss_options') for `model` (the plain one), with how the model's own
-    loss treats the targets when that loss is used."""
-    return ExactLoss(loss, *_model_loss_traits(model)) if loss.spec in ("auto", "model") else ExactLoss(loss)
+    loss counts its targets where that is not a mean over them (a copy's `loss_counts` feature)."""
+    if loss.spec in ("auto", "model") and any(traits := _model_loss_traits(model)):  # its own loss counts its own way
+        return ExactLoss(loss, *traits)
+    return ExactLoss(loss)
 
 
 @functools.cache
@@ -47,9 +49,7 @@ def _forward_traits(cls: type) -> tuple[bool, bool, bool]:
     CrossEntropyLoss itself, so it would silently ignore num_items_in_batch."""
     params = inspect.signature(cls.forward).parameters
     found = "num_items_in_batch" in params, any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-    with contextlib.suppress(
-        OSError, TypeError
-    ):  # no source to read (a compiled or generated class): not transformers'
+    with contextlib.suppress(OSError, TypeError):  # no source: a compiled or generated class, not transformers'
         return *found, "self.loss_function(" in inspect.getsource(cls.forward)
     return *found, False
 

@@ -87,7 +87,10 @@ def cross_entropy(logits, targets, *, spec: str, labels: bool = False) -> torch.
     """Mean cross-entropy of logits[..., t, :] against targets[..., t] over the counted targets (not -100).
     labels: the targets are a dict sample's `labels`, which only the model knows whether to shift."""
     if logits is None or targets is None or targets.is_floating_point():
-        raise RecipeError(f"--loss {spec}: cross-entropy needs logits and int64 targets; use --loss model or mse")
+        raise RecipeError(
+            f"--loss {spec}: cross-entropy needs logits and int64 targets; use --loss model or mse (a standalone "
+            f"copy: made `--with loss`)"
+        )
     if labels and logits.dim() > 2:  # a causal LM compares logits[t] with labels[t + 1]: this would not
         raise RecipeError(
             f"--loss {spec} on a dict's `labels`, which a causal LM shifts: use --loss auto or (input, target) samples"

@@ -99,13 +99,11 @@ def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
         raise RecipeError(
-            f"--model {name}: pipelining needs every parameter in `model.blocks`, an nn.Sequential "
-            f"that forward() runs in order (forward = model.blocks(x), like core.gpt.GPT); "
-            f"use ddp or fsdp for this model"
+            f"--model {name}: pipelining needs every parameter in `model.blocks`, an nn.Sequential that forward() "
+            f"runs in order (forward = model.blocks(x), like core.gpt.GPT); use ddp or fsdp for this model"
         )
-    outside = [
-        n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers()) if not n.startswith("blocks.")
-    ]
+    names = [n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())]
+    outside = [n for n in names if not n.startswith("blocks.")]
     if outside:
         raise RecipeError(
             f"--model {name}: {outside[0]} is outside model.blocks; "

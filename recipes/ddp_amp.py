@@ -22,23 +22,31 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import amp, ckpt, data, dist, folder, hf, meter, models, replicas, steps, stream, trackers, weights
+from core import (
+    amp,
+    ckpt,
+    data,
+    dist,
+    exact_loss,
+    folder,
+    hf,
+    meter,
+    models,
+    replicas,
+    steps,
+    stream,
+    trackers,
+    weights,
+)
+from core.amp import Accumulation, Precision
 from core.config import Checkpointing, DDPOptions, RecipeError, Training, cli_main, with_default
-from core.exact_loss import forward_sums, make_exact_loss
 from core.loss import make_loss
 from core.loss_options import choose_loss
 
 
 @dataclass(frozen=True)
 class Config(
-    Training,
-    Checkpointing,
-    DDPOptions,
-    amp.Precision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
+    Training, Checkpointing, DDPOptions, Precision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport
 ):
     """ddp's options, and precision, accumulation, clipping and trackers."""
 
@@ -95,7 +103,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     scaler = amp.make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
     loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
     loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
-    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
+    # Every counted target of the global batch weighs the same, across ranks and micro-batches.
+    loss_fn = exact_loss.make_exact_loss(loss_fn, model=model)
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
     # checkpoint's state, and the trackers --log-to names, which continue from the checkpoint's step.
@@ -108,6 +117,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Train. K micro-batches a step; DDP all-reduces in the last one's backward only (no_sync before).
     step, skipped, evaluation = start["step"], start["skipped"], {}
+    step_options = dict(optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, scaler=scaler, clip=cfg.clip)
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
@@ -115,15 +125,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         data.set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = amp.step_amp(
-                ddp_model,
-                micro_batches,
-                optimizer=optimizer,
-                loss_fn=loss_fn,
-                precision=cfg.precision,
-                scaler=scaler,
-                clip=cfg.clip,
-            )
+            metrics, stats = amp.step_amp(ddp_model, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
@@ -139,22 +141,17 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
                     ckpt.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):  # each rank evaluates its share of the validation set; the sums are all-reduced
-            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums)
+            evaluation = steps.evaluate(
+                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
+            )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
     # Rank 0 alone writes the weights (and a Hugging Face folder for a transformers model); every rank vouches that
     # it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(
-        run,
-        clock,
-        evaluation,
-        steps=step,
-        skipped=skipped,
-        weights=saved,
-        **replicas.replicas_report(model.state_dict()),
-    )
+    report = replicas.replicas_report(model.state_dict())  # whether every rank holds the same weights
+    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **report)
     trackers.close(run)
     return summary
 

@@ -46,8 +46,8 @@ class PipelineParallelModel(nn.Module):
         count = pipeline.check_pipeline_model(module, num_stages=1)
         weights = [float(sum(p.numel() for p in b.parameters())) for b in module.blocks]
         sizes = pipeline.plan_split(weights, min(len(devices), count))
-        starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        self.placement = [(devices[k], range(s, s + n)) for k, (s, n) in enumerate(zip(starts, sizes))]
+        ends = itertools.accumulate(sizes)
+        self.placement = [(device, range(end - n, end)) for device, n, end in zip(devices, sizes, ends)]
         for device, indices in self.placement:
             for i in indices:
                 module.blocks[i].to(device)
@@ -64,9 +64,8 @@ def check(cfg: Config) -> None:
     """Everything refusable, before any process starts: one process, and a model of blocks."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError(
-            f"pipeline_naive runs in one process but was started with WORLD_SIZE="
-            f"{os.environ['WORLD_SIZE']}; run `python -m recipes run pipeline_naive`, or use "
-            f"the pipeline recipe for several processes"
+            f"pipeline_naive runs in one process, not WORLD_SIZE={os.environ['WORLD_SIZE']}: run "
+            f"`python -m recipes run pipeline_naive`, or use the pipeline recipe for several processes"
         )
     with torch.device("meta"):
         pipeline.check_pipeline_model(models.build_model(cfg.model), num_stages=1)
@@ -105,14 +104,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     loss_fn = choose_loss(cfg.loss, loss_fn, model=plain)  # --loss ce, mse, model or module:function
 
     # The run folder, new or resumed, and the checkpoint's state (of the plain model: its own names).
-    run = folder.open_run(
-        cfg,
-        topo,
-        recipe="pipeline_naive",
-        global_batch=global_batch,
-        newest=ckpt.newest_good,
-        header=ckpt.read_metadata,
-    )
+    checkpoints = dict(newest=ckpt.newest_good, header=ckpt.read_metadata)  # how a resume finds and reads one
+    run = folder.open_run(cfg, topo, recipe="pipeline_naive", global_batch=global_batch, **checkpoints)
     start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     placed = [(str(d), len(ix)) for d, ix in model.placement]

@@ -86,6 +86,16 @@ def test_split_pipeline_refuses_fewer_blocks_than_stages():
         split_pipeline(gpt.gpt(), num_stages=8, stage_index=0)
 
 
+@pytest.mark.fast
+def test_pipeline_naive_refuses_several_processes_in_one_line(monkeypatch):
+    """Its check (the pre-check's, and a copy's main's) names the world size and the two ways out."""
+    from recipes import pipeline_naive
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=r"runs in one process, not WORLD_SIZE=2: run .*or use the pipeline recipe"):
+        pipeline_naive.check(pipeline_naive.Config())
+
+
 def test_text_data_and_tokenizer():
     train, val = gpt.text()
     assert len(train) > 1000 and len(val) > 100

@@ -170,6 +170,14 @@ FEATURES = {
             "stays, holding train.log, and --resume auto takes it as the newest run (and says it starts a new one)",
             calls=("core.records.release_new", "core.records.take_back"),
         ),
+        Feature(
+            "loss_counts",
+            "how a model's own loss counts its targets (a forward taking num_items_in_batch is handed the global "
+            "batch's count; a transformers causal LM's labels are counted after its shift): the copy weighs the "
+            "model's own loss as a mean over each micro-batch's targets, exact for a loss that does not shift them",
+            calls=("core.exact_loss._model_loss_traits", "core.exact_loss._forward_traits"),
+            uses="core.exact_loss",
+        ),
     )
 }
 
