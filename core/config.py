@@ -141,10 +141,9 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
 
 def cli_main(main: Callable, config: type) -> None:
     """`if __name__ == "__main__": cli_main(main, Config)`: parse, run; a user's error as one line."""
-    doc = sys.modules[main.__module__].__doc__ or ""  # a copy may have lost its docstring
 
-    def parse_and_run() -> None:
-        cfg, dry_run = parse_args(config, description=doc.split("\n")[0])
+    def parse_and_run() -> None:  # the description: the docstring's first line (a copy may have lost its docstring)
+        cfg, dry_run = parse_args(config, description=(sys.modules[main.__module__].__doc__ or "").split("\n")[0])
         print(f"ok: {cfg.to_dict()}") if dry_run else main(cfg)
 
     leave(parse_and_run)

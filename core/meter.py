@@ -51,8 +51,7 @@ class Meter:
     """The logging window's sums and the training clock; `read` is a collective (every rank, the same step)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.window = device, Tally(device)
-        self.last: dict[str, float] = {}
+        self.device, self.window, self.last = device, Tally(device), {}  # last: the last window's loss (and acc)
         self.clock = Clock()  # the rates and the start-up: a standalone copy's `meter` feature
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
