@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, verify, write_safetensors
 from core.config import RecipeError
 from core.dist import all_gather_object, broadcast_object
-from core.records import RunFolder, release_new, say, write_record
+from core.records import RunFolder, release_new, say, show, write_record
 from core.weights import check_model_matches, model_part, savable
 
 # The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).
@@ -118,13 +117,15 @@ def refuse_pickle(path: Path) -> None:
 
 def newest_good(run_dir: Path) -> Path | None:
     """The newest checkpoint of RUN/ckpt that reads back whole and undamaged; a newer one is passed over in a line."""
-    for path in reversed(list_checkpoints(run_dir / "ckpt")):
+    checkpoints = list_checkpoints(run_dir / "ckpt")
+    for path in reversed(checkpoints):
         try:
             read_checkpoint(path)
             return path
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; resume from")[0]
-            print(f"warning: --resume auto: skipping {path}, damaged ({why}); taking the one before", file=sys.stderr)
+            then = "taking the one before" if path != checkpoints[0] else "it is the oldest"
+            show(f"warning: --resume auto: skipping {path}, damaged ({why}); {then}", level="WARNING")
     return None
 
 

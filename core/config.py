@@ -122,11 +122,14 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
 
     Each group's options get a --help section. `--help` prints and exits 0."""
     parser = _Parser(prog=prog, usage=f"{prog or '%(prog)s'} [OPTIONS]", description=description, allow_abbrev=False)
-    sections = {}  # one per group title, in the Config's order; a field goes to the group that declares it
-    for group in (c for c in config.__mro__ if c.__dict__.get("__annotations__")):
-        title = group.__dict__.get("title", f"{group.__name__} options")
-        section = sections.get(title) or sections.setdefault(title, parser.add_argument_group(title))
-        sections.update({name: section for name in group.__dict__["__annotations__"] if name not in sections})
+    groups = [c for c in config.__mro__ if c.__dict__.get("__annotations__")]
+    titles = {g: g.__dict__.get("title", f"{g.__name__} options") for g in groups}  # one section each, in order
+    made = {title: parser.add_argument_group(title) for title in titles.values()}  # an empty one is not shown
+    sections = {}  # a field goes to the group that declares it first (a recipe's new default keeps it there)
+    for group in reversed(groups):
+        sections.update(
+            {name: made[titles[group]] for name in group.__dict__["__annotations__"] if name not in sections}
+        )
     for f in dataclasses.fields(config):
         choices, kind = f.metadata.get("choices"), type(f.default)
         how = {"type": kind, "choices": choices, "metavar": None if choices else kind.__name__.upper()}

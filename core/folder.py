@@ -17,13 +17,12 @@ import json
 import os
 import re
 import socket
-import sys
 from pathlib import Path
 
 from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object
-from core.records import RunFolder, open_log, repair_records
+from core.records import RunFolder, keeping_lines, open_log, repair_records, show
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
@@ -41,7 +40,8 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     choice, lock = None, None
     if topo.is_rank0:
         try:
-            choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
+            with keeping_lines():  # the resume's lines, said before train.log exists, go into it
+                choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
             lock = choice.pop("lock", None)  # an open file: it stays with rank 0, the others get the folder
         except RecipeError as err:
             choice = str(err)  # every rank raises it: none waits for a folder that never comes
@@ -50,8 +50,8 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
         raise RecipeError(choice)
     run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.is_rank0, lock)
     open_log(run)  # rank 0: from here every line it prints also goes to RUN/train.log
-    if run.writer:  # on stderr: the launcher's supervisor reads it to say which checkpoint a stopped job kept
-        print(f"run folder {run.path}", file=sys.stderr, flush=True)
+    if run.writer:  # DEBUG goes to stderr, where the launcher's supervisor reads which checkpoint a stopped job kept
+        show(f"run folder {run.path}", level="DEBUG")
     return run
 
 
@@ -95,7 +95,7 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
         resume_from = newest(runs[-1]) if runs else None
         if resume_from is None:  # not silently a new run
             where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
-            print(f"--resume auto: {where} in {cfg.out}; starting a new run", flush=True)
+            show(f"--resume auto: {where} in {cfg.out}; starting a new run")
     else:
         resume_from = Path(resume) if resume else None
     if resume_from is not None:
@@ -132,7 +132,8 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
         per_rank, rest = divmod(saved_batch, dp * accum)  # --accum as it is: the line shows it
         fix = f"a number of ranks that divides {saved_batch}" if rest else f"--batch-size {per_rank} at {dp} rank(s)"
         was = f"saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks)"
-        now = f"{global_batch} (--batch-size {batch} x {dp} ranks x --accum {accum})"
+        accumulated = f" x --accum {accum}" if "accum" in config else ""  # ddp takes no --accum
+        now = f"{global_batch} (--batch-size {batch} x {dp} ranks{accumulated})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
     check_options(path, meta, config)
 

@@ -166,7 +166,9 @@ def log_train(run: RunFolder, meter: Meter, *, step: int, total: int, epoch: int
 
 
 def log_eval(run: RunFolder, evaluation: dict, *, step: int, epoch: int) -> None:
-    """After each epoch's evaluation: an `eval` record and a line."""
+    """After each epoch's evaluation: an `eval` record and a line (none without a validation set)."""
+    if not evaluation:
+        return
     write_record(run, {"kind": "eval", "step": step, "epoch": epoch, **evaluation})
     say(run, f"epoch {epoch} " + " ".join(f"{k} {v:.4f}" for k, v in evaluation.items()))
 

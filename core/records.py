@@ -29,6 +29,7 @@ LOG_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | rank {extra[rank]} 
 LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing
 GRACE_S = 5.0  # how long a rank other than 0 lets rank 0 say an error every rank meets before it says it itself
 _RUN_LOG: dict = {}  # this process's train.log sink: {"id": loguru handler id, "path": run folder}
+_EARLY: dict = {}  # while rank 0 chooses its run folder: {"lines": [(time, level, message)]}, train.log's first
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,24 @@ def open_log(run: RunFolder) -> None:
         logger.remove(0)
     ours = lambda record: "rank" in record["extra"]  # noqa: E731 - the lines said here, not a user's own loguru lines
     _RUN_LOG.update(path=run.path, id=logger.add(run.path / "train.log", format=LOG_FORMAT, filter=ours, catch=False))
+    for when, level, message in _EARLY.pop("lines", []):  # the resume's lines, said while the folder was chosen
+
+        def said_at(record, when=when):  # the time the line was said, in loguru's own datetime type
+            record["time"] = record["time"].fromtimestamp(when, record["time"].tzinfo)
+
+        logger.patch(said_at).bind(rank=0).log(level, message)
+
+
+@contextlib.contextmanager
+def keeping_lines():
+    """The lines rank 0 says inside (while its run folder is chosen) go into train.log first, once open_log opens
+    it; a choice that fails keeps none."""
+    _EARLY["lines"] = []
+    try:
+        yield
+    except BaseException:
+        _EARLY.clear()
+        raise
 
 
 def close_log() -> None:
@@ -95,6 +114,8 @@ def show(message: str, *, level: str = "INFO", rank: int = 0) -> None:
     if _RUN_LOG:
         with contextlib.suppress(OSError):  # train.log on a full disk: the terminal has the line; the run's writes fail
             logger.bind(rank=rank).log(level, message)
+    elif "lines" in _EARLY:  # the run's folder is being chosen: open_log writes it first
+        _EARLY["lines"].append((time.time(), level, message))
 
 
 def say(run: RunFolder, message: str, *, level: str = "INFO") -> None:

@@ -117,6 +117,11 @@ def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before
     assert ckpt.newest_good(folder) == good
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and f"skipping {newest}" in lines[0] and "taking the one before" in lines[0]
+    good.write_bytes(good.read_bytes()[:100])  # the only one left is damaged too: the line says so
+    assert ckpt.newest_good(folder) is None
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"warning: --resume auto: skipping {good}, damaged")
+    assert lines[1].endswith("; it is the oldest")
 
 
 @pytest.mark.fast

@@ -53,6 +53,31 @@ def test_every_line_printed_goes_to_train_log_with_time_level_and_rank(run, caps
     assert logged(run)[-1][2] == "error: step 3: the loss is not finite"
 
 
+def test_lines_said_while_the_folder_is_chosen_open_train_log_with_their_own_times(run, tmp_path, capsys):
+    """--resume auto's lines (a damaged checkpoint passed over, a new run started) come before the folder is known:
+    train.log starts with them; lines said outside the choice (a run before that ended) are not kept for it."""
+    show("said before this run, by another that ended", level="WARNING")
+    with records.keeping_lines():
+        show("warning: --resume auto: skipping ckpt/step-000020.safetensors, damaged", level="WARNING")
+        show("--resume auto: no ddp run in runs; starting a new run")
+    assert capsys.readouterr().out == "--resume auto: no ddp run in runs; starting a new run\n"  # as before
+    open_log(run)
+    say(run, "step 1/1 epoch 0 loss 1.0000")
+    assert [m for _, _, m in logged(run)] == [
+        "warning: --resume auto: skipping ckpt/step-000020.safetensors, damaged",
+        "--resume auto: no ddp run in runs; starting a new run",
+        "step 1/1 epoch 0 loss 1.0000",
+    ]
+    with pytest.raises(RuntimeError), records.keeping_lines():  # a choice that fails keeps nothing for later
+        show("--resume auto: starting a new run")
+        raise RuntimeError
+    other = RunFolder(tmp_path / "ddp-2", None, "ddp", {}, True)
+    other.path.mkdir()
+    open_log(other)
+    say(other, "second")
+    assert [m for _, _, m in logged(other)] == ["second"]
+
+
 def test_a_second_run_in_one_process_logs_to_its_own_folder_only(run, tmp_path):
     other = RunFolder(tmp_path / "ddp-2", None, "ddp", {}, True)
     other.path.mkdir()

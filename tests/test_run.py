@@ -61,8 +61,10 @@ def test_train_log_holds_every_line_the_run_printed_with_time_level_and_rank(fin
     printed = (finished / "stdout.txt").read_text().splitlines()
     assert printed[0].startswith("step 7/7 epoch 0 loss ") and printed[-1].startswith("summary val_loss=")
     log = (finished / "runs" / "ddp-1" / "train.log").read_text().splitlines()
-    line = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| INFO    \| rank 0 \| (.*)")
-    assert [line.fullmatch(entry)[1] for entry in log] == printed
+    line = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| (\w+) *\| rank 0 \| (.*)")
+    said = [line.fullmatch(entry).groups() for entry in log]
+    assert [message for level, message in said if level == "INFO"] == printed
+    assert said[0] == ("DEBUG", f"run folder {finished / 'runs' / 'ddp-1'}")  # stderr's line, for the launcher
 
 
 CKPTS = ("ckpt/step-000003.safetensors", "ckpt/step-000006.safetensors")

@@ -604,9 +604,10 @@ def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bi
         verify(path, read_header(path), load_file(path))
 
 
-def test_a_lean_copy_refuses_another_global_batch_and_only_checks_takes_the_rest(project):
-    """Without `checks` a copy still refuses another global batch (it would silently train another run); another
-    --lr is refused by the copy with `checks` and the package, not by the lean copy, whose header says so."""
+def test_a_lean_copy_refuses_another_global_batch_and_other_options_and_only_checks_takes_the_rest(project):
+    """Every copy refuses another global batch and another option that shapes training (--lr, --seed, --epochs:
+    resumed, they would be silently ignored or train another run); a checkpoint of a sharded recipe is refused by the
+    copy with `checks` and the package, not by the lean copy, whose header says so."""
     import runpy
 
     from core.folder import check_continues
@@ -614,18 +615,21 @@ def test_a_lean_copy_refuses_another_global_batch_and_only_checks_takes_the_rest
     lean = runpy.run_path(str(project / "project" / "ddp.py"), run_name="lean_copy")
     checked = runpy.run_path(str(project / "project" / "ddp_with_checks.py"), run_name="checks_copy")
     config = {"recipe": "ddp", "world_size": 2, "global_batch": 64, "batch_size": 32, "lr": 0.001, "seed": 0}
-    saved = {**config, "lr": 0.002}
-    meta = {"recipe": "ddp", "global_batch": "64", "world_size": "2", "config": json.dumps(saved)}
-    for copy in (lean, checked):
-        with pytest.raises(copy["RecipeError"], match="saved with global batch 32 .* use --batch-size 16 at 2"):
-            copy["check_continues"](Path("c"), {**meta, "global_batch": "32"}, config, dp=2)
-    lean["check_continues"](Path("c"), meta, config, dp=2)  # another --lr: the lean copy takes it
-    with pytest.raises(checked["RecipeError"], match="--lr 0.002 -> 0.001"):
-        checked["check_continues"](Path("c"), meta, config, dp=2)
-    with pytest.raises(Exception, match="--lr 0.002 -> 0.001"):
-        check_continues(Path("c"), meta, config, dp=2)
+    meta = {"recipe": "ddp", "global_batch": "64", "world_size": "2", "config": json.dumps(config)}
+    for check in (lean["check_continues"], checked["check_continues"], check_continues):
+        with pytest.raises(Exception, match="saved with global batch 32 .* use --batch-size 16 at 2"):
+            check(Path("c"), {**meta, "global_batch": "32"}, config, dp=2)
+        for option, value in (("lr", 0.002), ("seed", 7), ("epochs", 9)):
+            changed = {**meta, "config": json.dumps({**config, option: value})}
+            with pytest.raises(Exception, match=f"--{option} {value} -> .*would train another run"):
+                check(Path("c"), changed, {**config, "epochs": config.get("epochs", 5)}, dp=2)
+    sharded = {**meta, "recipe": "fsdp", "config": json.dumps({**config, "recipe": "fsdp"})}
+    lean["check_continues"](Path("c"), sharded, config, dp=2)  # another recipe's layout: the lean copy takes it
+    for check in (checked["check_continues"], check_continues):
+        with pytest.raises(Exception, match="a checkpoint of recipe fsdp"):
+            check(Path("c"), sharded, config, dp=2)
     header = (project / "project" / "ddp.py").read_text().replace("\n# ", " ")
-    assert "another --lr, --seed, --epochs or --max-steps (options that shape training)" in header
+    assert "a checkpoint of a sharded recipe, or with fp16's loss scaler on one side only" in header
 
 
 def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a_llama_in_one_line(project):

@@ -96,13 +96,11 @@ FEATURES = {
         ),
         Feature(
             "checks",
-            "the resume checks past the global batch and the checksums: a checkpoint of another recipe, precision or "
-            "model, resumed with another --lr, --seed, --epochs or --max-steps (options that shape training), or "
-            "holding NaN, inf or a negative average of squares, is not refused in one line; a torch.save file is "
-            "said to be unreadable",
+            "the resume checks past the global batch, the options that shape training and the checksums: a "
+            "checkpoint of a sharded recipe, or with fp16's loss scaler on one side only, or holding NaN, inf or a "
+            "negative average of squares, is not refused in one line; a torch.save file is said to be unreadable",
             calls=(
                 "core.folder.check_layout",
-                "core.folder.check_options",
                 "core.ckpt.check_shapes",
                 "core.dcp.check_shapes",
                 "core.dcp._check_saved",
