@@ -258,3 +258,16 @@ def test_startup_counts_from_the_process_start_to_the_end_of_the_first_step():
     )
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout) >= 0.5
+
+
+@pytest.mark.fast
+def test_no_validation_set_writes_no_eval_record_and_prints_no_eval_line(tmp_path, capsys):
+    from core import meter
+    from core.records import RunFolder
+
+    run = RunFolder(tmp_path, None, "ddp", {}, True)
+    meter.log_eval(run, {}, step=3, epoch=0)  # evaluate() of no loader
+    assert capsys.readouterr().out == "" and not (tmp_path / "metrics.jsonl").exists()
+    meter.log_eval(run, {"val_loss": 0.5}, step=3, epoch=0)
+    assert capsys.readouterr().out == "epoch 0 val_loss 0.5000\n"
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["kind"] == "eval"

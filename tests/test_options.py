@@ -155,3 +155,17 @@ def test_recipes_import_nothing_heavy_until_run():
     import subprocess
 
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", recipe_params(sorted(RECIPES)))
+def test_help_puts_each_option_in_its_groups_section_even_with_the_recipes_own_default(name, capsys):
+    """A recipe that gives --epochs its own default (ddp_amp's 10) still lists it under `training`, and no section
+    is a leftover `Config options` holding one such option."""
+    config = RECIPES[name].load().Config
+    with pytest.raises(SystemExit):
+        parse_args(config, ["--help"], prog=name)
+    text = capsys.readouterr().out
+    sections = re.split(r"\n(?=\S[^\n]*:\n)", text)
+    training = next(s for s in sections if s.startswith("training:"))
+    assert "--epochs" in training and "--lr" in training and "Config options" not in text
