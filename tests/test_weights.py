@@ -340,7 +340,6 @@ def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeyp
         write_hf_folder(_run(tmp_path), model, state)
     assert caught.value.errno == 28 and os_error_line(caught.value).startswith(f"{tmp_path}: the disk is full (")
     assert not list(tmp_path.iterdir())
-<<<<<<< Updated upstream
 
 
 def test_init_from_is_an_option_group_of_its_own(capsys):
@@ -358,5 +357,3 @@ def test_init_from_is_an_option_group_of_its_own(capsys):
     with pytest.raises(SystemExit):
         parse_args(RECIPES["ddp"].load().Config, ["--help"])
     assert "\ninitial weights:\n  --init-from STR " in capsys.readouterr().out
-=======
->>>>>>> Stashed changes
