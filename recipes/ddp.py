@@ -26,7 +26,7 @@ from core.loss_options import choose_loss
 
 @dataclass(frozen=True)
 class Config(Training, Checkpointing, DDPOptions, weights.InitFrom, hf.HFExport):
-    """The shared training and checkpoint options, DDP's own, and where a transformers model's weights go."""
+    """The shared training and checkpoint options, and DDP's own."""
 
 
 def main(cfg: Config) -> dict:
@@ -38,7 +38,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="ddp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size
@@ -103,8 +103,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Rank 0 alone writes the weights (and a Hugging Face folder for a transformers model); every rank vouches that
-    # it holds the same ones.
+    # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     same = replicas.replicas_report(model.state_dict())  # {"replicas_identical": ...}, in the summary

@@ -70,7 +70,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="ddp_amp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
@@ -146,8 +146,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Rank 0 alone writes the weights (and a Hugging Face folder for a transformers model); every rank vouches that
-    # it holds the same ones.
+    # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     report = replicas.replicas_report(model.state_dict())  # whether every rank holds the same weights

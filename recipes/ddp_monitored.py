@@ -73,7 +73,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="ddp_monitored"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size
@@ -167,8 +167,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     watch.stop()
     saver.close()  # the last background write lands before the final weights (or its failure is one line)
 
-    # Rank 0 alone writes the weights (and a Hugging Face folder for a transformers model); every rank vouches that
-    # it holds the same ones.
+    # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     summary = meter.log_summary(

@@ -24,7 +24,7 @@ from core.loss_options import choose_loss
 
 @dataclass(frozen=True)
 class Config(Training, Checkpointing, weights.InitFrom, hf.HFExport):
-    """The shared training and checkpoint options, and where a transformers model's weights go."""
+    """The shared training and checkpoint options."""
 
 
 def main(cfg: Config) -> dict:
@@ -38,7 +38,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="dp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size  # one process: DataParallel splits each batch over the GPUs
@@ -105,7 +105,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # The weights, and a Hugging Face folder for a transformers model.
+    # Rank 0 writes the weights.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     return meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, devices=max(gpus, 1))

@@ -102,7 +102,7 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
-    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="fsdp_tp"):  # resumed, finished: nothing is touched
         return done
     plan_dims = mesh(cfg, topo.world_size)
@@ -187,8 +187,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Every rank sends its shards; rank 0 writes the whole model (and a Hugging Face folder for a transformers
-    # model). The buffers are not sharded: every rank vouches that it holds the same ones.
+    # Every rank sends its shards; rank 0 writes the whole model. The buffers are not sharded: every rank
+    # vouches that it holds the same ones.
     full = parallel.full_state_dict(model)
     saved = weights.write_weights(run, full)
     hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)

@@ -114,7 +114,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="pipeline"):  # resumed, finished: nothing is touched
         return done
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))

@@ -81,7 +81,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # start-up: from the process's start to the end of the first step
+    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="pipeline_naive"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size  # one process
@@ -141,7 +141,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # The plain model's weights, and a Hugging Face folder for a transformers model.
+    # The plain model's weights.
     saved = weights.write_weights(run, plain.state_dict())
     hf.write_hf_folder(run, plain, plain.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     return meter.log_summary(
