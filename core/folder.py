@@ -22,7 +22,7 @@ from pathlib import Path
 from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError
 from core.dist import Topology, broadcast_object
-from core.records import RunFolder, keeping_lines, open_log, repair_records, show
+from core.records import RunFolder, keep_lines, open_log, repair_records, show
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
@@ -40,8 +40,8 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     choice, lock = None, None
     if topo.is_rank0:
         try:
-            with keeping_lines():  # the resume's lines, said before train.log exists, go into it
-                choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
+            keep_lines()  # the resume's lines, said before train.log exists, go into it
+            choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
             lock = choice.pop("lock", None)  # an open file: it stays with rank 0, the others get the folder
         except RecipeError as err:
             choice = str(err)  # every rank raises it: none waits for a folder that never comes

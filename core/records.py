@@ -89,16 +89,9 @@ def open_log(run: RunFolder) -> None:
         logger.patch(said_at).bind(rank=0).log(level, message)
 
 
-@contextlib.contextmanager
-def keeping_lines():
-    """The lines rank 0 says inside (while its run folder is chosen) go into train.log first, once open_log opens
-    it; a choice that fails keeps none."""
-    _EARLY["lines"] = []
-    try:
-        yield
-    except BaseException:
-        _EARLY.clear()
-        raise
+def keep_lines() -> None:
+    """From here to open_log (rank 0 choosing its run folder), the lines said are kept: train.log starts with them."""
+    _EARLY["lines"] = []  # a choice before this one that failed: its lines go
 
 
 def close_log() -> None:
