@@ -16,6 +16,7 @@ naming the line): the split is the code's to make, never the generator's to gues
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import sys
 import types
@@ -209,10 +210,25 @@ def parse_with(spec: str, *, config: type) -> set[str]:
 def drop_features(source: bytes, *, module: str, off: set[str], defaults: dict[str, tuple[str, str]]) -> bytes:
     """`source` (module `module`) without the features in `off`; `defaults`: option -> (module, function) of the
     built-in a replaced build call names. A statement mixing features is a StandaloneError."""
+    off = {f for f in off if any(token.encode() in source for token in _tokens(f))}  # the others cannot touch it
     if not off:
         return source
+    return _drop(source, module, frozenset(off), tuple(sorted(defaults.items())))
+
+
+def _tokens(name: str) -> set[str]:
+    """Every name through which feature `name` can touch a module's source (a conservative test: a feature none of
+    whose names occurs in a source leaves it as it is)."""
+    f = FEATURES[name]
+    dotted = [*f.calls, *f.groups, *(old for old, _ in f.swaps), *(call for call, *_ in f.builds)]
+    return {*f.options(), *f.attrs, *(d.rstrip(".").rpartition(".")[2] for d in dotted)}
+
+
+@functools.lru_cache(maxsize=512)  # the copies of one run of the tests share most modules' results
+def _drop(source: bytes, module: str, off: frozenset[str], defaults: tuple) -> bytes:
     tree = ast.parse(source)
-    pass_ = _Drop(source, module=module, tree=tree, off=off, defaults=defaults)
+    defaults = dict(defaults)
+    pass_ = _Drop(source, module=module, tree=tree, off=set(off), defaults=defaults)
     for node in tree.body:
         own = any(_matches(f"{module}.{getattr(node, 'name', '')}", FEATURES[f].calls) for f in off)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not own:
