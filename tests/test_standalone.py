@@ -53,7 +53,9 @@ TRAIN_ARGS = ["--max-steps", "3", "--batch-size", "8", "--epochs", "1", "--timeo
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """A folder without this package, holding `NAME.py` standalone copies of every recipe."""
+    """A folder without this package, holding standalone copies of every recipe: `NAME.py` (lean), `NAME_all.py`
+    and `NAME_with_FEATURE.py`, each as `cp NAME PATH --standalone [--with ...]` writes it (tools.copies.copy_source,
+    what cp calls), all formatted by one `ruff format` (one process, not 130)."""
     root = tmp_path_factory.mktemp("standalone")
     for package in ("core", "recipes"):  # found before the installed package, and refusing to load
         (root / "blocked" / package).mkdir(parents=True)
@@ -61,10 +63,13 @@ def project(tmp_path_factory) -> Path:
             f'raise ImportError("a standalone copy imported {package!r} from torch-dist-recipes")\n'
         )
     (root / "project").mkdir()
-    for name, variant in VARIANTS:
-        dest = str(root / "project" / f"{_stem(name, variant)}.py")
-        result = CliRunner().invoke(cli, ["cp", name, dest, "--standalone", *(["--with", variant] if variant else [])])
-        assert result.exit_code == 0, result.output
+    for name in READY:
+        for variant in size_variants(name):
+            kept = set(features_of(RECIPES[name].load().Config)) if variant == "all" else {variant} - {""}
+            path = root / "project" / f"{_stem(name, variant)}.py"
+            path.write_text(copy_source(name, str(path), kept=kept, formatted=False))
+    if ruff := shutil.which("ruff"):
+        run([ruff, "format", "--isolated", "--line-length", "120", str(root / "project")], timeout=120)
     return root
 
 
@@ -143,28 +148,13 @@ SIZE_COLUMNS = ("its lean standalone copy: lines (code)", "code lines each `--wi
 
 
 @pytest.fixture(scope="module")
-def sizes(tmp_path_factory) -> dict[str, dict[str, tuple[int, int]]]:
-    """{recipe: {variant: (lines, code lines)}} of every copy the README sizes: each made as `cp NAME train.py
-    --standalone [--with VARIANT]` makes it, then all formatted by one `ruff format` (one process, not 100)."""
-    root = tmp_path_factory.mktemp("sizes")
-    paths = {}
-    for name in READY:
-        for variant in size_variants(name):
-            kept = set(features_of(RECIPES[name].load().Config)) if variant == "all" else {variant} - {""}
-            paths[name, variant] = root / f"{_stem(name, variant)}.py"
-            paths[name, variant].write_text(copy_source(name, "train.py", kept=kept, formatted=False))
-    ruff = shutil.which("ruff")
-    if ruff:
-        subprocess.run(
-            [ruff, "format", "--isolated", "--line-length", "120", str(root)],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-    found: dict = {}
-    for (name, variant), path in paths.items():
-        found.setdefault(name, {})[variant] = copy_size(path.read_text())
-    return found
+def sizes(project) -> dict[str, dict[str, tuple[int, int]]]:
+    """{recipe: {variant: (lines, code lines)}} of every copy the README sizes (a copy's path is in its docstring
+    only, so its size is the same at any path: test_cp_says_the_copys_size checks one made by `cp` elsewhere)."""
+    return {
+        name: {v: copy_size((project / "project" / f"{_stem(name, v)}.py").read_text()) for v in size_variants(name)}
+        for name in READY
+    }
 
 
 def _readme_size_rows() -> tuple[list[str], int, dict[str, tuple[int, list[str]]]]:
@@ -717,7 +707,7 @@ def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
         assert rows[name] == ("all" if len(have) == len(RECIPES) else ", ".join(have)), name
 
 
-def test_cp_says_the_copys_size_and_tools_copies_says_where_its_code_lines_come_from(project, tmp_path, capsys):
+def test_cp_says_the_copys_size_and_tools_copies_says_where_its_code_lines_come_from(project, sizes, tmp_path, capsys):
     from tools.copies import breakdown, main
 
     text = (project / "project" / "ddp.py").read_text()
@@ -727,6 +717,7 @@ def test_cp_says_the_copys_size_and_tools_copies_says_where_its_code_lines_come_
     out = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "t.py"), "--standalone"]).output
     lines, code = copy_size((tmp_path / "t.py").read_text())
     assert f"({lines:,} lines, {code:,} of code; `python -m tools.copies ddp` says where they come from)" in out
+    assert (lines, code) == sizes["ddp"][""]  # the size the README says, at another path
     capsys.readouterr()
     main(["ddp"])  # the same parts, largest first
     printed = capsys.readouterr().out.splitlines()
