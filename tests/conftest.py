@@ -20,11 +20,11 @@ LAYERS = ("fast", "world", "e2e")
 # files start first, so that under `-n 2 --dist loadfile` the short ones fill the end and neither worker
 # waits alone for a long file at the end (longest-first scheduling). A stale number only schedules worse.
 SECONDS = {
-    "test_multinode": 157, "test_standalone": 131, "test_launchers": 120, "test_run": 104, "test_check": 95,
-    "test_ckpt": 57, "test_cli": 55, "test_real_models": 52, "test_amp_accum_clip": 50, "test_plan": 44,
-    "test_model_parallel": 43, "test_right": 32, "test_dcp": 32, "test_monitoring": 27, "test_finetune": 25,
-    "test_precheck": 23, "test_golden": 18, "test_options": 16, "test_model_parallel_2d": 15,
-    "test_model_parallel_e2e": 14, "test_dist": 11, "test_ckpt_integrity": 11, "test_comm_tuning": 10,
+    "test_standalone": 167, "test_multinode": 145, "test_launchers": 126, "test_check": 100, "test_run": 98,
+    "test_ckpt": 56, "test_real_models": 52, "test_cli": 49, "test_amp_accum_clip": 45, "test_plan": 43,
+    "test_model_parallel": 39, "test_finetune": 31, "test_dcp": 30, "test_right": 30, "test_monitoring": 25,
+    "test_precheck": 23, "test_model_parallel_2d": 16, "test_dist": 14, "test_model_parallel_e2e": 13,
+    "test_ckpt_integrity": 12, "test_options": 12, "test_comm_tuning": 10, "test_golden": 10,
 }  # fmt: skip
 
 
