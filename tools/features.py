@@ -373,7 +373,7 @@ class _Drop:
                 self.block(block, tainted)
             return False
         if isinstance(stmt, (ast.With, ast.AsyncWith)):  # its body stays, one level out (a yield in it too)
-            self._unwrap(stmt)
+            self._unwrap(stmt, stmt.body)
             self.block(stmt.body, tainted)
             return False
         if isinstance(stmt, (ast.Return, ast.Raise)) or any(
@@ -383,7 +383,7 @@ class _Drop:
         if isinstance(stmt, ast.If) and _plain_else(stmt, self.source, self.starts):  # the other branch stays
             if self.touches(stmt.body, tainted) - {feature} - self.off:
                 raise StandaloneError(f"{self.where(stmt)}: the branch of feature {feature} holds another one's code")
-            self._keep_else(stmt)
+            self._unwrap(stmt, stmt.orelse)
             self.block(stmt.orelse, tainted)
             return False
         if getattr(stmt, "orelse", None) or getattr(stmt, "handlers", None):
@@ -424,18 +424,10 @@ class _Drop:
                 whole = isinstance(outer, (ast.With, ast.AsyncWith)) and len(outer.body) == 1
                 self.cut(outer if whole else stmt)
 
-    def _unwrap(self, stmt: ast.With) -> None:
-        first = stmt.body[0]
-        self.edits.append((self.starts[stmt.lineno - 1], self.starts[first.lineno - 1], ""))
-        indent = first.col_offset - stmt.col_offset
-        for line in range(first.lineno, stmt.end_lineno + 1):
-            text = self.source[self.starts[line - 1] : self.starts[line]]
-            if text[:indent] == b" " * indent:
-                self.edits.append((self.starts[line - 1], self.starts[line - 1] + indent, ""))
-
-    def _keep_else(self, stmt: ast.If) -> None:
-        """`if FEATURE: a else: b` -> `b`, one level out (the feature's branch and the `else:` line go)."""
-        first = stmt.orelse[0]
+    def _unwrap(self, stmt: ast.stmt, body: list[ast.stmt]) -> None:
+        """`stmt` -> its `body` alone, one level out: a feature's `with` keeps its body, a feature's `if` its `else`
+        branch (everything from the `if` line to that branch's first statement goes)."""
+        first = body[0]
         self.edits.append((self.starts[stmt.lineno - 1], self.starts[first.lineno - 1], ""))
         indent = first.col_offset - stmt.col_offset
         for line in range(first.lineno, stmt.end_lineno + 1):
