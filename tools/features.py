@@ -216,12 +216,13 @@ def drop_features(source: bytes, *, module: str, off: set[str], defaults: dict[s
     return _drop(source, module, frozenset(off), tuple(sorted(defaults.items())))
 
 
-def _tokens(name: str) -> set[str]:
+@functools.cache  # FEATURES is a constant: one set per feature, not one per module of every copy
+def _tokens(name: str) -> frozenset[str]:
     """Every name through which feature `name` can touch a module's source (a conservative test: a feature none of
     whose names occurs in a source leaves it as it is)."""
     f = FEATURES[name]
     dotted = [*f.calls, *f.groups, *(old for old, _ in f.swaps), *(call for call, *_ in f.builds)]
-    return {*f.options(), *f.attrs, *(d.rstrip(".").rpartition(".")[2] for d in dotted)}
+    return frozenset({*f.options(), *f.attrs, *(d.rstrip(".").rpartition(".")[2] for d in dotted)})
 
 
 @functools.lru_cache(maxsize=512)  # the copies of one run of the tests share most modules' results
