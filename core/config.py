@@ -125,11 +125,8 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
     groups = [c for c in config.__mro__ if c.__dict__.get("__annotations__")]
     titles = {g: g.__dict__.get("title", f"{g.__name__} options") for g in groups}  # one section each, in order
     made = {title: parser.add_argument_group(title) for title in titles.values()}  # an empty one is not shown
-    sections = {}  # a field goes to the group that declares it first (a recipe's new default keeps it there)
-    for group in reversed(groups):
-        sections.update(
-            {name: made[titles[group]] for name in group.__dict__["__annotations__"] if name not in sections}
-        )
+    # a field's section: the group that declares it first, the last in the MRO (a recipe's new default stays there)
+    sections = {name: made[titles[group]] for group in groups for name in group.__dict__["__annotations__"]}
     for f in dataclasses.fields(config):
         choices, kind = f.metadata.get("choices"), type(f.default)
         how = {"type": kind, "choices": choices, "metavar": None if choices else kind.__name__.upper()}
