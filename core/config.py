@@ -46,9 +46,9 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-@dataclass(frozen=True)
 class Options:
-    """The checks every group shares: choices, finite numbers, and each field's own check."""
+    """The checks every group (a frozen dataclass) shares, run when it is built: choices, finite numbers, and each
+    field's own check."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -133,7 +133,19 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
         accum = f" x --accum {config['accum']}" if "accum" in config else ""  # ddp takes no --accum
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
-    check_options(path, meta, config)
+    saved = json.loads(meta.get("config", "{}"))  # the options that shape training (TRAJECTORY), on both sides
+    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
+    old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
+    if differ := [k for k in both if old[k] != new[k]]:
+        recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
+        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
+        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
+        fix = " ".join(f"{flag(k)} {old[k]}" for k in differ)
+        fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
+        raise RecipeError(
+            f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
+            f"options it was started with), or start a new run without --resume"
+        )
 
 
 def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
@@ -151,23 +163,6 @@ def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
         raise RecipeError(
             f"{path}: a checkpoint trained in {was} and this run asks for --precision {precision}: fp16's loss-scaler "
             f"state does not carry across; resume with --precision {was}, or start a new run"
-        )
-
-
-def check_options(path: Path, meta: dict[str, str], config: dict) -> None:
-    """Other options that shape training (TRAJECTORY): resumed, they would train another run."""
-    saved = json.loads(meta.get("config", "{}"))
-    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
-    was, now = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
-    if differ := [k for k in both if was[k] != now[k]]:
-        recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
-        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
-        changed = ", ".join(f"{flag(k)} {was[k]} -> {now[k]}" for k in differ)
-        fix = " ".join(f"{flag(k)} {was[k]}" for k in differ)
-        fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
-        raise RecipeError(
-            f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
-            f"options it was started with), or start a new run without --resume"
         )
 
 

@@ -29,7 +29,7 @@ from loguru import logger
 LOG_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | rank {extra[rank]} | {message}"
 LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing
 GRACE_S = 5.0  # how long a rank other than 0 lets rank 0 say an error every rank meets before it says it itself
-_RUN_LOG: dict = {}  # this process's log: {"id": loguru handler id, "path": run folder} or, early, {"id", "early"}
+_RUN_LOG: dict = {}  # this process's log sink: {"id": loguru's handler id, "path": run folder} or {"id", "early"}
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,9 @@ def keep_lines() -> None:
 
 def _log_to(sink, **state) -> None:
     """The lines said go to `sink` (a file, or a list that keeps them), formatted; one run's log at a time in a
-    process (the one before, of a run that ended, is closed). loguru's default handler goes: it would print each line
-    a second time, in its own form."""
+    process (the one before, of a run that ended, is closed)."""
     close_log()
-    with contextlib.suppress(ValueError):  # gone already
+    with contextlib.suppress(ValueError):  # loguru's own handler (if not gone already) would print each line again
         logger.remove(0)
     ours = lambda record: "rank" in record["extra"]  # noqa: E731 - the lines said here, not a user's own loguru lines
     _RUN_LOG.update(state, id=logger.add(sink, format=LOG_FORMAT, filter=ours, catch=False))
