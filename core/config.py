@@ -161,23 +161,15 @@ def leave(run: Callable[[], int | None]) -> None:
     try:
         code = run() or 0
     except RecipeError as err:
-        code = fail(str(err), 2 if isinstance(err, UsageError) else 1)
+        code = records.fail(str(err), 2 if isinstance(err, UsageError) else 1)
     except OSError as err:  # a full disk, a folder that can't be written: this rank's own
-        code = fail(records.os_error_line(err), 1, everyone=False)
+        code = records.fail(records.os_error_line(err), 1, everyone=False)
     except KeyboardInterrupt:
-        code = fail(f"interrupted; {KEPT}", 130)
+        code = records.fail(f"interrupted; {KEPT}", 130)
     except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
         traceback.print_exc()
-        code = fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
+        code = records.fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
     records.close_log()  # the run's train.log ends with the process
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def fail(message: str, code: int, *, everyone: bool = True) -> int:
-    """Print `error: message` as one line on stderr (and in train.log); returns `code`. `everyone`: an error every
-    rank meets, printed by rank 0 alone under torchrun (core.records.error_line); a refused run leaves no empty run."""
-    records.error_line(message, everyone=everyone)
-    records.take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt: a restart meets it again
-    return code

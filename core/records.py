@@ -8,7 +8,7 @@ takes, its lock and the checks a resume must pass are core.folder's; checkpoints
 A line is printed as it is (progress and the summary on stdout, `warning:` and `error:` on stderr) and handed to
 loguru, whose sink (open_log, rank 0) writes it to train.log; while rank 0 chooses the folder, a sink that keeps the
 lines (keep_lines) holds them for train.log's start. A process logs to one run at a time: _RUN_LOG holds that sink,
-the one piece of state here, so that the error a run ends with (error_line) reaches its log.
+the one piece of state here, so that the error a run ends with (fail) reaches its log.
 """
 
 from __future__ import annotations
@@ -115,12 +115,14 @@ def say(run: RunFolder, message: str, *, level: str = "INFO") -> None:
         show(message, level=level)
 
 
-def error_line(message: str, *, everyone: bool) -> None:
-    """`error: message` as one line on stderr (and in train.log), as a job prints it.
+def fail(message: str, code: int, *, everyone: bool = True) -> int:
+    """Print `error: message` as one line on stderr (and in train.log), as a job prints it; returns `code`, the exit
+    status.
 
     Under torchrun an error every rank meets (`everyone`: a RecipeError, raised alike on every rank, an interrupt) is
     printed by rank 0: another rank waits GRACE_S for rank 0 to end the job, and says it, with its number, only if the
-    job still runs. An error of this rank's own (an OSError, a crash) carries its number."""
+    job still runs. An error of this rank's own (an OSError, a crash) carries its number. A refused run (a restart
+    would meet the error again) leaves no empty run folder."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     text = " ".join(str(message).split())
     if everyone and rank != 0:
@@ -128,6 +130,8 @@ def error_line(message: str, *, everyone: bool) -> None:
     if world > 1 and (rank != 0 or not everyone) and not re.match(r"rank \d+: ", text):
         text = f"rank {rank}: {text}"
     show("error: " + text, level="ERROR", rank=rank)
+    take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt or a usage error
+    return code
 
 
 def os_error_line(err: OSError) -> str:
