@@ -397,16 +397,47 @@ def ruff_format(text: str) -> str:
 
 def copy_size(text: str) -> tuple[int, int]:
     """(lines, code lines): a code line holds a token other than a comment or a docstring (the budgets' count)."""
-    docstrings = set()
-    for node in ast.walk(ast.parse(text)):
+    docstrings, strings = _strings(ast.parse(text))
+    lines = text.split("\n")
+    if _ODD_LINES.search(text):  # line breaks or continuations the line test below does not know: the tokenizer
+        code = _token_lines(text)
+    else:  # a line holds a token if it starts with one, or lies in a string that spans lines
+        code = {i for i, line in enumerate(lines, 1) if line.lstrip(" \t") and not line.lstrip(" \t").startswith("#")}
+        for node in strings:
+            # the literal's tokens (one, or several joined: comment lines may stand between them)
+            segment = "\n".join(lines[node.lineno - 1 : node.end_lineno]).encode()
+            end = len(segment) - len(lines[node.end_lineno - 1].encode()) + node.end_col_offset
+            code |= {
+                line + node.lineno - 1 for line in _token_lines("(" + segment[node.col_offset : end].decode() + ")")
+            }
+    return len(text.splitlines()), len(code - docstrings)
+
+
+# a carriage return, a form feed or another line break of str.splitlines, a backslash that continues a line
+_ODD_LINES = re.compile(r"[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]|\\\n")
+
+
+def _strings(tree: ast.AST) -> tuple[set[int], list[ast.expr]]:
+    """The lines of docstrings (a string alone as a statement), and the other string literals that span lines (an
+    f-string as a whole)."""
+    docstrings, found, todo = set(), [], [tree]
+    while todo:
+        node = todo.pop()
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             docstrings |= set(range(node.lineno, node.end_lineno + 1))
+        elif isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+            found += [node] if node.end_lineno > node.lineno else []
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return docstrings, found
+
+
+def _token_lines(text: str) -> set[int]:
+    """The lines a token other than a comment or layout touches."""
     layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
-    code = {
+    return {
         line
         for token in tokenize.generate_tokens(io.StringIO(text).readline)
         if token.type not in layout
         for line in range(token.start[0], token.end[0] + 1)
-        if line not in docstrings
     }
-    return len(text.splitlines()), len(code)
