@@ -57,6 +57,11 @@ def _build(kind: str, world: int, *, lr: float = 1e-2, context: int = CONTEXT):
     return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
 
 
+def _root(model):
+    """What a checkpoint takes: the model, or one module over a rank's stages (as the pipeline recipe passes it)."""
+    return dcp_tensors.root_module(model) if isinstance(model, list) else model
+
+
 def _step(kind: str, model, optimizer, scheduler, step: int, *, shares: slice) -> None:
     """One step on the global batch; each data-parallel rank (fsdp, fsdp_tp's dp) takes its rows of it."""
     g = torch.Generator().manual_seed(step)
@@ -79,9 +84,7 @@ def _stages(model) -> list:
 
 def _full(model, optimizer) -> dict:
     """Weights and optimizer state, gathered whole (a collective), on CPU."""
-    model_sd, optim_sd = get_state_dict(
-        dcp_tensors.root_module(model), optimizer, options=StateDictOptions(full_state_dict=True)
-    )
+    model_sd, optim_sd = get_state_dict(_root(model), optimizer, options=StateDictOptions(full_state_dict=True))
     out = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
     out |= {f"optim/{k}/{n}": v.clone() for k, s in optim_sd["state"].items() for n, v in s.items()}
     return out
@@ -109,7 +112,7 @@ def train_save_resume(topo, kind: str, ckpt_dir: str, *, stop: int, total: int) 
             rng = torch.get_rng_state()
             path = dcp.save_sharded(
                 ckpt_dir,
-                model=model,
+                model=_root(model),
                 optimizer=optimizer,
                 scheduler=scheduler,
                 scaler=scaler,
@@ -124,7 +127,7 @@ def train_save_resume(topo, kind: str, ckpt_dir: str, *, stop: int, total: int) 
     never_stopped = _full(model, optimizer)
     model, optimizer, scheduler = _build(kind, topo.world_size)
     scaler = torch.amp.GradScaler("cpu")
-    progress = dcp.load_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    progress = dcp.load_sharded(path, model=_root(model), optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     assert torch.equal(torch.get_rng_state(), rng) and scaler.get_scale() == 96.0
     for step in range(progress["step"], total):
         _step(kind, model, optimizer, scheduler, step, shares=shares)
