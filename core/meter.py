@@ -168,7 +168,7 @@ def log_train(run: RunFolder, meter: Meter, *, step: int, total: int, epoch: int
     numbers = meter.read()
     write_record(run, {"kind": "train", "step": step, "epoch": epoch, **fields, **numbers})
     parts = [f"{key} {numbers[key]:.4f}" for key in ("loss", "acc") if key in numbers]
-    parts += meter.clock.shown(numbers)  # 1234 samples/s
+    parts.extend(meter.clock.shown(numbers))  # 1234 samples/s
     say(run, " ".join([f"step {step}/{total} epoch {epoch}", *parts]))
 
 
