@@ -26,7 +26,7 @@ from torch import nn
 from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, verify, write_safetensors
 from core.config import RecipeError
 from core.dist import all_gather_object, broadcast_object
-from core.records import RunFolder, release_new, say, show, write_record
+from core.records import RunFolder, say, show, write_record
 from core.weights import check_model_matches, model_part, savable
 
 # The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).
@@ -146,7 +146,6 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, **stateful) 
             payload = str(err)  # every rank raises it
     payload = broadcast_object(payload)  # our own tensors between our own processes, not the file
     if isinstance(payload, str):
-        release_new(run)  # a new folder made for this resume: nothing of it is left
         raise RecipeError(payload)
     tensors, meta = payload
     model.load_state_dict(model_part(tensors))

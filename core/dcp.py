@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,7 +50,7 @@ from core.dcp_folder import (
 )
 from core.dcp_tensors import rng_tensors, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
-from core.records import RunFolder, release_new, say, show, write_record
+from core.records import RunFolder, say, show, write_record
 from core.weights import check_model_matches, model_part
 
 # --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
@@ -96,7 +95,7 @@ def check_shapes(path: str | os.PathLike, model: nn.Module) -> None:
     check_model_matches(path, {k: tuple(v) for k, v in info["shapes"].items()}, expected, fix=fix)
 
 
-# --- writing and reading the shards (collectives) ----------------------------------------------------------------
+# --- writing and reading the shards (collectives): core.ckpt's calls, for a recipe -------------------------------
 
 
 def _first_os_error(err: BaseException, where: Path) -> BaseException:
@@ -108,14 +107,15 @@ def _first_os_error(err: BaseException, where: Path) -> BaseException:
     return RuntimeError(str(err))
 
 
-def save_sharded(ckpt_dir: str | os.PathLike, *, model, optimizer, progress: dict, keep=2, metadata=None, **stateful):
-    """Write ckpt_dir/step-N/ (N = progress["step"]), every rank its own shard; keep the newest `keep`.
+def save_checkpoint(run: RunFolder, *, model, optimizer, progress: dict, keep: int, **stateful) -> Path:
+    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard; keep the newest `keep` (a collective).
 
-    A collective. `model`: the (sharded) model, or dcp_tensors.root_module of a pipeline rank's stages; `metadata`:
-    strings for checkpoint.json; `stateful`: the scheduler (and the scaler), their state_dict() kept there too."""
+    `model`: the (sharded) model, or dcp_tensors.root_module of a pipeline rank's stages; `stateful`: the scheduler
+    (and the scaler), their state_dict() kept in checkpoint.json, with the run's metadata as core.ckpt's header has
+    it."""
     import torch.distributed.checkpoint as dcp  # here: only sharded recipes load DCP
 
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = run.path / "ckpt"
     final, tmp = ckpt_dir / f"step-{progress['step']:06d}", ckpt_dir / f".step-{progress['step']:06d}.tmp"
     if dist.get_rank() == 0:
         for stale in ckpt_dir.glob(".step-*.tmp"):  # left by a killed save: saves never overlap
@@ -130,9 +130,11 @@ def save_sharded(ckpt_dir: str | os.PathLike, *, model, optimizer, progress: dic
         raise _first_os_error(err, tmp) from None
     mine = (file_checksums(tmp, rank=dist.get_rank()), optim)  # read back once every file is closed
     everyone, shapes = all_gather_object(mine), whole_shapes(tensors)
+    metadata = {"recipe": run.recipe, "config": json.dumps(run.config), "global_batch": str(run.config["global_batch"])}
+    metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
     if dist.get_rank() == 0:
         info = {"format": FORMAT, "world_size": dist.get_world_size(), "torch": torch.__version__, "progress": progress}
-        info |= {"metadata": dict(metadata or {}), "shapes": shapes}
+        info |= {"metadata": metadata, "shapes": shapes}
         info |= {key: holder.state_dict() or None for key, holder in stateful.items()}  # a disabled GradScaler's: null
         info["optimizer"] = {k: v for _, values in everyone for k, v in values.items()}  # a pipeline's stages differ
         info["checksums"] = {name: sums for files, _ in everyone for name, sums in files.items()}
@@ -166,15 +168,17 @@ def _check_saved(path: Path, info: dict, tensors: dict) -> None:
     check_model_matches(path, info["shapes"], whole_shapes(tensors), fix="resume with the --model it was trained with")
 
 
-def load_sharded(path: str | os.PathLike, *, model, optimizer, **stateful) -> dict:
-    """Restore the train state saved by save_sharded on every rank, and return the progress dict.
+def load_checkpoint(run: RunFolder, *, model, optimizer, **stateful) -> dict:
+    """The train state of the checkpoint the run continues from, every rank its own part; returns the progress.
 
-    It reshards where the world size changed (DTensor models). A collective; `model` and `stateful` as save_sharded
-    takes them."""
+    Resharded to this job's mesh (DTensor models), its generators too; START for a new run. A collective; `model` and
+    `stateful` as save_checkpoint takes them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict  # here: only sharded recipes load DCP
 
-    path = Path(path)
+    if run.resume_from is None:
+        return dict(START)
+    path = Path(run.resume_from)
     info = read_info(path)
     tensors, _ = train_tensors(model, optimizer)  # this rank's shapes and shards, for DCP to fill
     _check_saved(path, info, tensors)
@@ -189,43 +193,9 @@ def load_sharded(path: str | os.PathLike, *, model, optimizer, **stateful) -> di
         holder.load_state_dict(info.get(key) or {})
     for key, value in rng.items():
         torch.set_rng_state(value) if key.endswith("/cpu") else torch.cuda.set_rng_state(value)
-    return info["progress"]
-
-
-# --- core.ckpt's calls, for a recipe ----------------------------------------------------------------------------
-
-
-def save_checkpoint(run: RunFolder, *, model, optimizer, progress: dict, keep: int, **stateful) -> Path:
-    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard (a collective).
-
-    With the run's metadata as core.ckpt's header has it. `model`, `stateful`: as save_sharded takes them."""
-    metadata = {"recipe": run.recipe, "config": json.dumps(run.config), "global_batch": str(run.config["global_batch"])}
-    metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
-    state = {"keep": keep, "metadata": metadata, **stateful}
-    return save_sharded(run.path / "ckpt", model=model, optimizer=optimizer, progress=progress, **state)
-
-
-@contextmanager
-def releasing(run: RunFolder):
-    """A checkpoint refused in the body takes back the new folder made for this resume: nothing of it is left."""
-    try:
-        yield
-    except RecipeError:
-        release_new(run)
-        raise
-
-
-def load_checkpoint(run: RunFolder, *, model, optimizer, **stateful) -> dict:
-    """The train state of the checkpoint the run continues from, every rank its own part; returns the progress.
-
-    Resharded to this job's mesh, its generators too; START for a new run. A collective."""
-    if run.resume_from is None:
-        return dict(START)
-    with releasing(run):
-        found = load_sharded(run.resume_from, model=model, optimizer=optimizer, **stateful)
-    progress = {**START, **{k: v for k, v in found.items() if k in START}}
+    progress = {**START, **{k: v for k, v in info["progress"].items() if k in START}}
     shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
-    say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    write_record(run, {"kind": "resume", "checkpoint": str(path), **where, **shape})
+    say(run, f"resumed from {path} at step {progress['step']}")
     return progress
