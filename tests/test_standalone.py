@@ -374,6 +374,7 @@ def test_copies_train_exactly_like_the_recipe(trained, name):
     if name == "ddp":
         records = runs / "records" / f"{name}-1" / "config.json"
         assert not {"model", "data"} & set(json.loads(records.read_text()))
+    printed = _progress(proc.stdout)
     for copied, packaged in pairs:
         mine = load_file(runs / copied / f"{name}-1" / "model.safetensors")
         theirs = load_file(runs / packaged / f"{name}-1" / "model.safetensors")
@@ -383,9 +384,22 @@ def test_copies_train_exactly_like_the_recipe(trained, name):
         # and the same numbers: evaluation too (a copy that lost its evaluation loop trains the same weights)
         said = [_summary(runs / run / f"{name}-1") for run in (copied, packaged)]
         assert {k: said[0].get(k) for k in NUMBERS} == {k: said[1].get(k) for k in NUMBERS}, (name, copied)
+        # and the same progress lines (a copy without the clock prints no rates)
+        assert printed[copied] == printed[packaged] and printed[copied], (name, copied, printed[copied])
 
 
 NUMBERS = ("val_loss", "val_acc", "train_loss", "steps", "skipped_steps", "global_batch")
+
+
+def _progress(stdout: str) -> dict[str, list[str]]:
+    """Each job's progress lines (rank 0 prints them, then `job LABEL exit`), without the training clock's rates."""
+    jobs, lines = {}, []
+    for line in stdout.splitlines():
+        if ended := re.match(r"job (\S+) exit \d+ rank 0", line):
+            jobs[ended[1]], lines = lines, []
+        elif re.match(r"step \d+/\d+ epoch", line):
+            lines.append(re.sub(r" \d+ (samples|tokens)/s", "", line))
+    return jobs
 
 
 def _summary(run_dir: Path) -> dict:
