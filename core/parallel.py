@@ -51,20 +51,15 @@ class ShardedPrecision(Options):
 # --- the device mesh ---------------------------------------------------------------------------------------------
 
 
-def check_mesh(world_size: int, dims: dict[str, int]) -> None:
-    """Refuse, before any process group exists, a mesh whose sizes don't multiply to the world size."""
-    shape = " x ".join(f"{name}={size}" for name, size in dims.items())
-    total = math.prod(dims.values())
-    if min(dims.values()) < 1 or total != world_size:
-        raise RecipeError(
-            f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
-            f"launch {total} processes (NPROC_PER_NODE) or pick sizes that multiply to {world_size}"
-        )
-
-
 def build_mesh(topo, dims: dict[str, int]):
-    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2}: rank = dp_index * tp + tp_index."""
-    check_mesh(topo.world_size, dims)
+    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2}: rank = dp_index * tp + tp_index. Sizes that do not
+    multiply to the world size are one RecipeError line (each recipe's own check refuses them before launch)."""
+    if (total := math.prod(dims.values())) != topo.world_size or min(dims.values()) < 1:
+        shape = " x ".join(f"{name}={size}" for name, size in dims.items())
+        raise RecipeError(
+            f"a {shape} mesh needs {total} processes but the world size is {topo.world_size}; launch {total} "
+            f"processes (NPROC_PER_NODE) or pick sizes that multiply to {topo.world_size}"
+        )
     return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 

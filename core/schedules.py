@@ -144,15 +144,14 @@ def step_pipeline(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     average_gradients(params, group=dp_group)
     norm = float(clip_grad_norm(params, clip, group=pp_group))  # the step's one host sync
-    if finite := math.isfinite(norm):
+    stats = StepStats(norm, skipped=not math.isfinite(norm))
+    if not stats.skipped:
         optimizer.step()
     if not holds_last:  # nothing to add to the job's sums, under the keys core.meter reads
         zero = torch.zeros((), dtype=torch.float64, device=inputs.device)
-        return {"loss_sum": zero, "count": zero, "samples": zero}, StepStats(norm, not finite)
+        return {"loss_sum": zero, "count": zero, "samples": zero}, stats
     loss_sum = torch.stack(losses).detach().double().sum() * loss_fn.normalizer.double()  # back to a plain sum
-    return metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum}, StepStats(
-        norm, not finite
-    )
+    return metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum}, stats
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ class PipelineParallelModel(nn.Module):
     def __init__(self, module: nn.Module, devices: list[torch.device]):
         super().__init__()
         self.module = module
-        count = pipeline.check_pipeline_model(module, num_stages=1)
+        count = pipeline.check_pipeline_model(module)
         weights = [float(sum(p.numel() for p in b.parameters())) for b in module.blocks]
         sizes = pipeline.plan_split(weights, min(len(devices), count))
         ends = itertools.accumulate(sizes)
@@ -68,7 +68,7 @@ def check(cfg: Config) -> None:
             f"`python -m recipes run pipeline_naive`, or use the pipeline recipe for several processes"
         )
     with torch.device("meta"):
-        pipeline.check_pipeline_model(models.build_model(cfg.model), num_stages=1)
+        pipeline.check_pipeline_model(models.build_model(cfg.model))
 
 
 def main(cfg: Config) -> dict:

@@ -177,6 +177,12 @@ FEATURES = {
             calls=("core.exact_loss._model_loss_traits", "core.exact_loss._forward_traits"),
             uses="core.exact_loss",
         ),
+        Feature(
+            "balance",
+            "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
+            fields=("balance",),
+            calls=("core.pipeline.block_times",),
+        ),
     )
 }
 
