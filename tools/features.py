@@ -183,6 +183,13 @@ FEATURES = {
             fields=("balance",),
             calls=("core.pipeline.block_times",),
         ),
+        Feature(
+            "digits_file",
+            "reading the built-in digits straight from scikit-learn's file, without importing sklearn (a copy that "
+            "trains on them calls sklearn's load_digits: about a second more at each start)",
+            swaps=(("core.datasets._digits_table", "core.datasets.sklearn_digits"),),
+            uses="core.steps",  # the recipes whose default data is digits import it (and pipeline_naive)
+        ),
     )
 }
 
