@@ -26,14 +26,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 def check_pipeline(
     *, world_size: int, pp: int, schedule: str, num_blocks: int, batch_size: int, microbatches: int
 ) -> None:
-    """Everything about a pipeline job that can be refused before any process group exists."""
+    """Everything about a pipeline job that can be refused before any process group exists (`schedule`: one of
+    SCHEDULES, as the option's choices hold it)."""
     if pp < 1 or world_size % pp:
         raise RecipeError(
             f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
             f"use --pp {world_size} (or a divisor of it)"
         )
-    if schedule not in SCHEDULES:
-        raise RecipeError(f"--schedule {schedule}: choose one of {', '.join(SCHEDULES)}")
     stages = pp * (2 if schedule == "interleaved1f1b" else 1)
     if num_blocks < stages:
         raise RecipeError(

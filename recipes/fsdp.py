@@ -41,21 +41,15 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
     title = "fully sharded data parallel"
@@ -77,8 +71,10 @@ def check(cfg: Config) -> None:
     """Everything refusable, before any process starts: offload, the blocks on a meta-device model."""
     if cfg.offload and not torch.cuda.is_available():
         raise RecipeError("--offload: there is no GPU, so the shards are in CPU memory already; drop --offload")
-    with torch.device("meta"):  # shapes only: the model's blocks are found (or --blocks refused) without memory
-        parallel.find_blocks(models.build_model(cfg.model), name=cfg.blocks or None)
+    with torch.device("meta"):  # shapes only: no memory
+        model = models.build_model(cfg.model)
+    if cfg.blocks:  # --blocks NAME must name a container of the model
+        parallel.named_blocks(model, cfg.blocks)
 
 
 def main(cfg: Config) -> dict:
@@ -105,7 +101,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         weights.load_weights(model, cfg.init_from)
     dp_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     policy = parallel.fsdp_policy(cfg.precision, offload=cfg.offload)  # bf16 compute, fp32 gradient reduction
-    for block in parallel.shard_units(model, blocks=cfg.blocks):  # each gathered only while it runs
+    if cfg.blocks:  # --blocks NAME: that nn.ModuleList's blocks
+        found = parallel.named_blocks(model, cfg.blocks)
+    else:  # the model's repeated blocks (GPT-2's transformer.h, Llama's model.layers, the GPT's blocks)
+        found = parallel.find_blocks(model)
+    for block in parallel.shard_units(model, found):  # each gathered only while it runs
         fully_shard(block, mesh=dp_mesh, **policy)
     fully_shard(model, mesh=dp_mesh, **policy)
     torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would

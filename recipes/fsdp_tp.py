@@ -40,21 +40,15 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"
@@ -88,7 +82,8 @@ def check(cfg: Config) -> None:
     with torch.device("meta"):  # shapes only: the plan splits into tp whole shards, and the blocks are found
         model = models.build_model(cfg.model)
     tp_plan.check_tp_plan(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
-    parallel.find_blocks(model, name=cfg.blocks or None)
+    if cfg.blocks:  # --blocks NAME must name a container of the model
+        parallel.named_blocks(model, cfg.blocks)
 
 
 def main(cfg: Config) -> dict:
@@ -120,7 +115,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
     policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
-    for block in parallel.shard_units(model, blocks=cfg.blocks):
+    if cfg.blocks:  # --blocks NAME: that nn.ModuleList's blocks
+        found = parallel.named_blocks(model, cfg.blocks)
+    else:  # the model's repeated blocks (GPT-2's transformer.h, Llama's model.layers, the GPT's blocks)
+        found = parallel.find_blocks(model)
+    for block in parallel.shard_units(model, found):
         fully_shard(block, mesh=dp_mesh, **policy)
     fully_shard(model, mesh=dp_mesh, **policy)
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()

@@ -44,19 +44,13 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
     title = "pipeline parallelism"

@@ -43,21 +43,15 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation
 from core.config import Checkpointing, Training, cli_main, option, with_default
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """The shared options and sequence parallelism; the tiny GPT on the embedded text by default."""
 
     title = "tensor parallelism"

@@ -70,9 +70,9 @@ def test_find_blocks_finds_the_repeated_layers(build, path):
 @pytest.mark.fast
 def test_find_blocks_by_name_and_a_bad_name():
     model = gpt2()
-    assert parallel.find_blocks(model, name="transformer.h")[0] == "transformer.h"
+    assert parallel.named_blocks(model, "transformer.h")[0] == "transformer.h"
     with pytest.raises(RecipeError, match=r"--blocks transformer\.blocks: .*candidates: transformer\.h") as err:
-        parallel.find_blocks(model, name="transformer.blocks")
+        parallel.named_blocks(model, "transformer.blocks")
     assert "\n" not in str(err.value)
     assert parallel.find_blocks(NoBlocks()) is None
 
