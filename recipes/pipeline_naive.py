@@ -126,17 +126,14 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             clock.add(metrics)
             if step % cfg.log_every == 0 or step == total:
-                lr = scheduler.get_last_lr()[0]
-                meter.log_train(
-                    run, clock, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped
-                )
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(clock):
-                    ckpt.save_checkpoint(
-                        run, model=plain, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
-                    )
+                    state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
+                    ckpt.save_checkpoint(run, model=plain, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
