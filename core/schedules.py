@@ -63,8 +63,7 @@ class TokenLoss:
     a mean per micro-batch would weigh a micro-batch with fewer counted targets more, and one with none is 0/0.
     evaluate_pipeline sets 1: the losses are then plain sums. logits (..., classes)."""
 
-    def __init__(self) -> None:
-        self.normalizer = torch.ones(())
+    normalizer = torch.ones(())  # each instance's own once step_pipeline or evaluate_pipeline sets it
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         check_aligned(logits, targets)  # output[..., t] against target[..., t], as core.loss compares them
