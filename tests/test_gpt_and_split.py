@@ -1,6 +1,7 @@
 """Layer 1, no process group: the tiny GPT and its data, split_pipeline's cut, and the errors the
 model-parallel recipes raise before any process group or training exists."""
 
+import functools
 import itertools
 from pathlib import Path
 
@@ -200,3 +201,29 @@ def test_gpt_trains_under_the_ddp_recipe(tmp_path, monkeypatch, capsys):
     )
     assert code == 0, err
     assert list(tmp_path.glob("*/model.safetensors"))
+
+
+def test_lean_copies_leave_balance_blocks_digits_file_and_loss_counts_to_their_features():
+    """A lean copy cuts the stages by parameter count (no --balance, no block_times), shards the blocks it finds (no
+    --blocks), calls sklearn's load_digits, and weighs the model's own loss as a mean; each `--with` brings its code
+    back, and the header names what is left out."""
+    from tools.copies import copy_source
+
+    @functools.cache
+    def copy(name: str, *kept: str) -> str:
+        return copy_source(name, f"{name}.py", kept=set(kept), formatted=False)
+
+    cases = [
+        ("pipeline", "balance", "def block_times("),
+        ("fsdp", "blocks", "def named_blocks("),
+        ("fsdp_tp", "blocks", "def named_blocks("),
+        ("ddp", "digits_file", "def _digits_table("),
+        ("fsdp", "loss_counts", "def _forward_own("),
+        ("tensor_parallel", "loss_counts", "def _own_counts("),
+    ]
+    for name, feature, code in cases:
+        lean, kept = copy(name), copy(name, feature)
+        assert code not in lean and f"`--with {feature}` adds it" in lean, (name, feature)
+        assert code in kept and f"`--with {feature}` adds it" not in kept, (name, feature)
+    assert "--balance" not in copy("pipeline").split('"""', 2)[2].split("# the pipeline recipe")[1]
+    assert "def sklearn_digits(" in copy("ddp") and "load_digits(return_X_y=True)" in copy("ddp")
