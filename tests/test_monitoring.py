@@ -73,7 +73,7 @@ def monitored_training(topo, out, steps):
     mine = timer.take()
     timing = monitor.breakdown(mine, device=topo.device, global_batch=sum(sizes), flops_per_sample=1e6, peak_flops=1e12)
     meter.log_train(run_folder, clock, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
-    if not topo.is_rank0:  # rank 0 writes the records; every rank returns what it trained on and timed
+    if topo.rank != 0:  # rank 0 writes the records; every rank returns what it trained on and timed
         return [], local, mine
     records = [json.loads(line) for line in (run_folder.path / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == "train"], local, mine
