@@ -174,8 +174,29 @@ FEATURES = {
             "how a model's own loss counts its targets (a forward taking num_items_in_batch is handed the global "
             "batch's count; a transformers causal LM's labels are counted after its shift): the copy weighs the "
             "model's own loss as a mean over each micro-batch's targets, exact for a loss that does not shift them",
-            calls=("core.exact_loss._model_loss_traits", "core.exact_loss._forward_traits"),
+            calls=tuple(
+                f"core.exact_loss.{n}" for n in ("_model_loss_traits", "_forward_traits", "_own_counts", "_forward_own")
+            ),
             uses="core.exact_loss",
+        ),
+        Feature(
+            "balance",
+            "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
+            fields=("balance",),
+            calls=("core.pipeline.block_times",),
+        ),
+        Feature(
+            "digits_file",
+            "reading the built-in digits straight from scikit-learn's file, without importing sklearn (a copy that "
+            "trains on them calls sklearn's load_digits: about a second more at each start)",
+            swaps=(("core.datasets._digits_table", "core.datasets.sklearn_digits"),),
+            uses="core.steps",  # the recipes whose default data is digits import it (and pipeline_naive)
+        ),
+        Feature(
+            "blocks",
+            "--blocks (the nn.ModuleList to shard block by block, named; the copy shards the repeated blocks it finds)",
+            fields=("blocks",),
+            calls=("core.parallel.named_blocks",),
         ),
     )
 }
