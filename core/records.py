@@ -45,16 +45,10 @@ class RunFolder:
     sinks: tuple = ()  # more places every record goes (core.trackers): write(record), state() for checkpoints
 
 
-def release_new(run: RunFolder) -> None:
-    """Rank 0 removes the folder this run made when it holds nothing but config.json, the lock and its log: a
-    checkpoint refused at load (a damaged file) leaves no empty run behind for `--resume auto` to take as the newest."""
-    if run.writer:
-        _take_back(run.path)
-
-
 def take_back(*, refused: bool) -> None:
     """`refused`: the run ends in an error every rank meets (a restart would meet it again: a non-finite loss at step
-    1, a refused load); rank 0 takes back the new folder it made, as release_new does."""
+    1, a refused load); rank 0 takes back the new folder it made when it holds nothing but its log (and config.json
+    and the lock): no empty run is left for `--resume auto` to take as the newest."""
     if refused and "path" in _RUN_LOG:
         _take_back(_RUN_LOG["path"])
 

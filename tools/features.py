@@ -167,7 +167,7 @@ FEATURES = {
             "take_back",
             "taking back the folder of a run refused at its start (a damaged checkpoint, a non-finite first loss): it "
             "stays, holding train.log, and --resume auto takes it as the newest run (and says it starts a new one)",
-            calls=("core.records.release_new", "core.records.take_back"),
+            calls=("core.records.take_back",),
         ),
         Feature(
             "loss_counts",
