@@ -195,13 +195,32 @@ def finished_run(tmp_path_factory):
     return out / "ddp-1"
 
 
-@pytest.mark.parametrize("stop", [1, 22, 29])  # the first step, an epoch's last, and inside the last log window
-def test_resume_from_any_step_is_bitwise_exact(finished_run, tmp_path, stop):
-    moved = tmp_path / f"step-{stop:06d}.safetensors"  # outside the run: the resumed run gets its own folder
-    moved.write_bytes((finished_run / "ckpt" / moved.name).read_bytes())
-    _recipe(
-        "ddp", "--model", "tiny:mlp", "--max-steps", "30", "--resume", str(moved), "--out", str(tmp_path), cwd=tmp_path
-    )
+STOPS = [1, 22, 29]  # the first step, an epoch's last, and inside the last log window
+
+
+@pytest.fixture(scope="module")
+def resumed(finished_run, tmp_path_factory):
+    """stop -> the folder of `python -m recipes run ddp --resume CKPT` from step `stop`'s checkpoint, moved out of the
+    run (the resumed run gets its own folder), and the launch's output: the three resumes, one after another in one
+    launch (tests/copy_jobs.py: one process group, the imports paid once)."""
+    out = tmp_path_factory.mktemp("resumed")
+    jobs = []
+    for stop in STOPS:
+        moved = out / f"step-{stop:06d}.safetensors"
+        moved.write_bytes((finished_run / "ckpt" / moved.name).read_bytes())
+        args = ["--model", "tiny:mlp", "--max-steps", "30", "--resume", str(moved), "--out", str(out / str(stop))]
+        jobs.append({"label": str(stop), "recipe": "ddp", "args": args})
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    launch = torchrun(str(REPO / "tests" / "copy_jobs.py"), str(out / "jobs.json"))
+    proc = run(launch, cwd=out, timeout=300, check=False, env=user_env(PYTHONPATH=PATHS))
+    return {stop: out / str(stop) for stop in STOPS}, f"--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr[-5000:]}"
+
+
+@pytest.mark.parametrize("stop", STOPS)
+def test_resume_from_any_step_is_bitwise_exact(finished_run, resumed, stop):
+    folders, output = resumed
+    assert f"job {stop} exit 0 rank 0" in output and f"job {stop} exit 0 rank 1" in output, output
+    tmp_path = folders[stop]
     assert _same(_weights(tmp_path / "ddp-1" / "model.safetensors"), _weights(finished_run / "model.safetensors"))
     # A review find: the log window open at the checkpoint was lost, so the first record after a resume (and the
     # summary's train_loss, when the last window was the split one) averaged fewer steps. The checkpoint keeps it.

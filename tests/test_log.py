@@ -163,7 +163,7 @@ def test_a_full_disk_names_the_folder_written_to_never_the_working_directory(run
 
 def test_a_sharded_checkpoint_on_a_full_disk_is_the_ranks_oserror_not_a_checkpointexception(tmp_path):
     """DCP's CheckpointException is a BaseException: past every handler, a traceback and 'rank 1 exited with code 1
-    without an error message'. save_sharded raises the OSError it holds."""
+    without an error message'. dcp.save_checkpoint raises the OSError it holds."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from core.dcp import _first_os_error

@@ -492,13 +492,27 @@ runpy.run_path(sys.argv[0] if False else "{recipe}", run_name="__main__")
 """
 
 
+KILLED_ARGS = [*TINY, "--max-steps", "9", "--epochs", "1", "--ckpt-every", "3", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run the killed ones are resumed to match, made once for every kill point: `python recipes/ddp.py`."""
+    out = tmp_path_factory.mktemp("whole")
+    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    run = [sys.executable, str(REPO / "recipes" / "ddp.py"), *KILLED_ARGS, "--resume", "auto", "--out", str(out)]
+    whole = subprocess.run(run, env=env, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    return out / "ddp-1" / "model.safetensors"
+
+
 @pytest.mark.parametrize("point", ["before the write", "mid-file", "before the rename", "after the rename"])
-def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(tmp_path, point):
+def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(tmp_path, point, uninterrupted):
     """Issue 20 item 9: SIGKILL before, during and after a checkpoint's write and rename; --resume auto then
     continues from the newest whole checkpoint and ends bit for bit where the uninterrupted run ends."""
     from safetensors.torch import load_file
 
-    args = [*TINY, "--max-steps", "9", "--epochs", "1", "--ckpt-every", "3", "--log-every", "1"]
+    args = KILLED_ARGS
     recipe = str(REPO / "recipes" / "ddp.py")
     env = user_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     script = KILLED_SAVE.replace("{recipe}", recipe)
@@ -513,8 +527,6 @@ def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(tmp_pat
     run = [sys.executable, recipe, *args, "--resume", "auto"]
     resumed = subprocess.run([*run, "--out", str(tmp_path / "cut")], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
-    whole = subprocess.run([*run, "--out", str(tmp_path / "whole")], env=env, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr
-    cut, expected = (load_file(tmp_path / f / "ddp-1" / "model.safetensors") for f in ("cut", "whole"))
+    cut, expected = load_file(tmp_path / "cut" / "ddp-1" / "model.safetensors"), load_file(uninterrupted)
     assert cut.keys() == expected.keys() and all(torch.equal(cut[k], expected[k]) for k in cut)
     assert not list((tmp_path / "cut" / "ddp-1" / "ckpt").glob(".*.tmp-*")), "the interrupted write is cleaned up"

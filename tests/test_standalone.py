@@ -98,8 +98,30 @@ def test_the_package_cannot_be_imported_there(project):
     assert proc.returncode != 0 and "imported 'core'" in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def linted(project) -> dict[str, list[str]]:
+    """path -> what `ruff check --select F` and `ruff format --check` say of it, for every copy of VARIANTS: one run
+    of each over all of them (each names the file of what it finds), not two processes per copy."""
+    files = [str(project / "project" / f"{_stem(name, variant)}.py") for name, variant in VARIANTS]
+    said: dict[str, list[str]] = {path: [] for path in files}
+    if not shutil.which("ruff"):
+        return said
+    for command in (["check", "--select", "F"], ["format", "--check", "--line-length", "120"]):
+        proc = subprocess.run(
+            ["ruff", *command, "--no-cache", "--isolated", "--output-format", "json", *files],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        found = json.loads(proc.stdout or "[]")
+        assert found or proc.returncode == 0, proc.stdout + proc.stderr  # a failure that names no file
+        for entry in found:
+            said[entry["filename"]].append(f"{command[0]}: {entry['code']} {entry['message']} line {entry['location']}")
+    return said
+
+
 @pytest.mark.parametrize("name,variant", VARIANTS)
-def test_copy_is_one_whole_file(project, name, variant):
+def test_copy_is_one_whole_file(project, linted, name, variant):
     path = project / "project" / f"{_stem(name, variant)}.py"
     text = path.read_text()
     tree = ast.parse(text)
@@ -114,21 +136,8 @@ def test_copy_is_one_whole_file(project, name, variant):
     first = next(line.strip() for line in doc.splitlines()[1:] if line.strip())
     assert first.startswith(("torchrun ", "python ")) and str(path) in first, first
     assert "-m recipes" not in doc and "launch_single_node.sh" not in doc
-    if shutil.which("ruff"):  # no undefined, unused or redefined names after the merge
-        lint = subprocess.run(
-            ["ruff", "check", "--no-cache", "--isolated", "--select", "F", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert lint.returncode == 0, lint.stdout
-        formatted = subprocess.run(
-            ["ruff", "format", "--check", "--no-cache", "--isolated", "--line-length", "120", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert formatted.returncode == 0, formatted.stdout + formatted.stderr
+    if shutil.which("ruff"):  # no undefined, unused or redefined names after the merge, and formatted
+        assert not linted[str(path)], linted[str(path)]
     header = text[: text.index("\nfrom __future__")]
     assert f"`python -m recipes run {name}` has them" in header and "# Left out: the pre-launch checks" in header
     have = features_of(RECIPES[name].load().Config)
@@ -142,8 +151,7 @@ def test_copy_is_one_whole_file(project, name, variant):
 # other. The README's recipe table prints each lean copy's size and each feature's cost: tests hold it exact, and
 # `TDR_SIZES=rewrite pytest tests/test_standalone.py -k readme` rewrites it after a change of the code.
 BUDGET = {"ddp": (650, 450)}  # every other recipe: (no limit, 750)
-OVER_BUDGET = set(NAMES) - {"dp"}  # the copies still over theirs (the README says by how much); dp: 750
-# every copy took the options check on resume and the resume lines in train.log (a review found both missing)
+OVER_BUDGET = set(NAMES) - {"dp"}  # the copies still over theirs (the README says by how much)
 SIZE_COLUMNS = ("its lean standalone copy: lines (code)", "code lines each `--with FEATURE` adds")
 
 
@@ -305,48 +313,93 @@ def _jobs(name: str, out: Path, copies: Path) -> tuple[list[dict], list[tuple[st
     return jobs, pairs
 
 
-@pytest.mark.parametrize("name", recipe_params(NAMES))
-def test_copies_train_exactly_like_the_recipe(project, name, tmp_path):
-    """One launch per recipe: its lean copy, its --with all copy (and ddp's single-feature copies), then the
-    packaged recipe, each pair ending with the same weights bit for bit; every copy's run reads every option it
-    takes (the walk rides on the run: tests/copy_jobs.py)."""
+@pytest.fixture(scope="module")
+def trained(project, tmp_path_factory):
+    """trained(name) -> (the launch's output, the recipe's jobs, its pairs, the process count, its runs' folder).
+    The recipes on one process count share one launch (tests/copy_jobs.py): every copy of every one of them, then
+    the packaged runs, so that no copy runs after the package was imported; the launch and its imports (seconds of
+    CPU on each rank) are paid twice, not once per recipe. A launch starts when the first of its recipes asks."""
     copies = project / "project"
-    nproc = min(_world_size((copies / f"{name}.py").read_text()), MAX_PROCS)
-    jobs, pairs = _jobs(name, tmp_path, copies)
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    user_module = str(REPO / "tests")  # check_user: the user's own module; the copies import nothing of ours
-    proc = run(
-        [*torchrun(str(REPO / "tests" / "copy_jobs.py"), str(tmp_path / "jobs.json"), nproc=nproc)],
-        cwd=tmp_path,
-        env=user_env(PYTHONPATH=os.pathsep.join([user_module, str(REPO)]), TDR_PRECHECKED="1"),
-        timeout=400,
-    )
+    nprocs = {n: min(_world_size((copies / f"{n}.py").read_text()), MAX_PROCS) for n in READY}
+    done: dict[int, tuple] = {}
+
+    def launch(nproc: int) -> str:
+        out = tmp_path_factory.mktemp(f"trained{nproc}")
+        jobs = []
+        for name in (n for n in READY if nprocs[n] == nproc):
+            for job in _jobs(name, out / name, copies)[0]:
+                jobs.append({**job, "label": f"{name}/{job['label']}"})  # the runs' folders stay those of _jobs
+        jobs.sort(key=lambda job: "copy" not in job)  # stable: every copy first, each recipe's in its order
+        (out / "jobs.json").write_text(json.dumps(jobs))
+        user_module = str(REPO / "tests")  # check_user: the user's own module; the copies import nothing of ours
+        proc = run(
+            [*torchrun(str(REPO / "tests" / "copy_jobs.py"), str(out / "jobs.json"), nproc=nproc)],
+            cwd=out,
+            env=user_env(PYTHONPATH=os.pathsep.join([user_module, str(REPO)]), TDR_PRECHECKED="1"),
+            timeout=400,
+            check=False,
+        )
+        return proc, len(jobs), out
+
+    def trained_one(name: str) -> tuple[str, list[dict], list[tuple[str, str]], int, Path]:
+        nproc = nprocs[name]
+        if nproc not in done:
+            done[nproc] = launch(nproc)
+        proc, count, out = done[nproc]
+        said = f"--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0 and proc.stdout.count("summary ") == count, said  # every run its summary
+        jobs, pairs = _jobs(name, out / name, copies)
+        return said, jobs, pairs, nproc, out / name
+
+    return trained_one
+
+
+@pytest.mark.parametrize("name", recipe_params(NAMES))
+def test_copies_train_exactly_like_the_recipe(trained, name):
+    """Its lean copy, its --with all copy (and ddp's single-feature copies), then the packaged recipe, in one launch
+    with the other recipes on its process count: each pair ends with the same weights bit for bit; every copy's
+    run reads every option it takes (the walk rides on the run: tests/copy_jobs.py)."""
+    stdout, jobs, pairs, nproc, runs = trained(name)
     for job in jobs:
-        assert f"job {job['label']} exit 0 rank 0" in proc.stdout, proc.stdout + proc.stderr
+        assert f"job {name}/{job['label']} exit 0 rank 0" in stdout, stdout
         if "copy" in job:  # the options walk on every copy variant: an option its run never reads is ignored
-            assert f"unread {job['label']} []" in proc.stdout, f"{name} {job['label']}: " + proc.stdout
-    assert proc.stdout.count("summary ") == len(jobs)
+            assert f"unread {name}/{job['label']} []" in stdout, f"{name} {job['label']}: " + stdout
     # a copy records what it built: one without --model names no model (not the default the owner may have
     # replaced in its build lines), in the weights' header and in config.json (`records`: the lean copy writes none)
-    lean = tmp_path / "lean" / f"{name}-1"
+    lean = runs / "lean" / f"{name}-1"
     with safe_open(lean / "model.safetensors", "pt") as weights:
         assert "model" not in weights.metadata()
     assert not (lean / "config.json").exists() and not (lean / ".lock").exists()
     if name == "ddp":
-        records = tmp_path / "records" / f"{name}-1" / "config.json"
+        records = runs / "records" / f"{name}-1" / "config.json"
         assert not {"model", "data"} & set(json.loads(records.read_text()))
+    printed = _progress(stdout.split("--stderr--")[0])  # the launch's jobs run one after another
     for copied, packaged in pairs:
-        mine = load_file(tmp_path / copied / f"{name}-1" / "model.safetensors")
-        theirs = load_file(tmp_path / packaged / f"{name}-1" / "model.safetensors")
+        mine = load_file(runs / copied / f"{name}-1" / "model.safetensors")
+        theirs = load_file(runs / packaged / f"{name}-1" / "model.safetensors")
         assert mine.keys() == theirs.keys()
         for key in theirs:
             assert torch.equal(mine[key], theirs[key]), f"{name} ({copied}) on {nproc} processes: {key} differs"
         # and the same numbers: evaluation too (a copy that lost its evaluation loop trains the same weights)
-        said = [_summary(tmp_path / run / f"{name}-1") for run in (copied, packaged)]
+        said = [_summary(runs / run / f"{name}-1") for run in (copied, packaged)]
         assert {k: said[0].get(k) for k in NUMBERS} == {k: said[1].get(k) for k in NUMBERS}, (name, copied)
+        # and the same progress lines (a copy without the clock prints no rates)
+        mine, theirs = printed[f"{name}/{copied}"], printed[f"{name}/{packaged}"]
+        assert mine == theirs and mine, (name, copied, mine)
 
 
 NUMBERS = ("val_loss", "val_acc", "train_loss", "steps", "skipped_steps", "global_batch")
+
+
+def _progress(stdout: str) -> dict[str, list[str]]:
+    """Each job's progress lines (rank 0 prints them, then `job LABEL exit`), without the training clock's rates."""
+    jobs, lines = {}, []
+    for line in stdout.splitlines():
+        if ended := re.match(r"job (\S+) exit \d+ rank 0", line):
+            jobs[ended[1]], lines = lines, []
+        elif re.match(r"step \d+/\d+ epoch", line):
+            lines.append(re.sub(r" \d+ (samples|tokens)/s", "", line))
+    return jobs
 
 
 def _summary(run_dir: Path) -> dict:

@@ -4,8 +4,10 @@ the definitions it needs (see tools/standalone.py for the whole story)."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.inline_refs import (
@@ -44,6 +46,7 @@ class _Inliner:
         self.refs_by_key: dict[tuple, list[Ref]] = {}
         self.contributing: list[str] = []  # inlined modules, in the order they were first needed
         self.submodules: dict[tuple, set[str]] = {}  # ("ext", "import", "a") -> {"a.b.c"}: `import a.b.c`
+        self.analyses: dict[str, _Analysis] = {}  # module -> what its source says (shared by every copy)
 
     # --- reading modules -------------------------------------------------------------------
 
@@ -57,57 +60,22 @@ class _Inliner:
                 raise StandaloneError(f"cannot find the Python source of {name} to inline it")
             source, is_package = Path(spec.origin).read_bytes(), spec.origin.endswith("__init__.py")
             source = self.drop(name, _keep_builtins(name, source, self.keep_builtins))  # features left out
-        module = Module(name, source, ast.parse(source))
-        self.modules[name], self.package_of[name] = module, is_package
-        previous_end = 0
-        for index, node in enumerate(module.tree.body):
-            gap, previous_end = previous_end + 1, node.end_lineno
-            if index == 0 and isinstance(node, ast.Expr) and isinstance(getattr(node.value, "value", None), str):
-                module.header_end = node.end_lineno
-            elif isinstance(node, ast.ImportFrom) and node.module == "__future__":
-                module.future |= any(a.name == "annotations" for a in node.names)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                self._index_import(module, node)
-            elif not (_is_main_guard(node) and name != RECIPE):
-                chunk = Chunk(name, len(module.chunks), node, _scope_bindings([node], self.packages)[0], gap=gap)
-                module.chunks.append(chunk)
-                for bound in chunk.binds:
-                    module.globals[bound] = ("def", name, bound)
-                    module.defines.setdefault(bound, []).append(chunk.index)
+        analysis = _analyse(name, source, self.packages, is_package)
+        module = Module(
+            name,
+            source,
+            analysis.tree,
+            globals=dict(analysis.globals),
+            chunks=[Chunk(name, i, node, set(binds), gap=gap) for i, (node, binds, gap) in enumerate(analysis.chunks)],
+            defines={bound: list(at) for bound, at in analysis.defines.items()},
+            imports=set(analysis.imports),
+            future=analysis.future,
+            header_end=analysis.header_end,
+        )
+        self.modules[name], self.package_of[name], self.analyses[name] = module, is_package, analysis
+        for key, submodule in analysis.submodules:
+            self.submodules.setdefault(key, set()).add(submodule)
         return module
-
-    def _absolute(self, module: Module, node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module
-        if module.name == RECIPE:
-            raise StandaloneError(f"line {node.lineno}: a relative import; a copied recipe cannot use one")
-        parts = module.name.split(".")[: len(module.name.split(".")) - node.level + self.package_of[module.name]]
-        return ".".join(parts + ([node.module] if node.module else []))
-
-    def _index_import(self, module: Module, node: ast.Import | ast.ImportFrom) -> None:
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                top = alias.name.split(".")[0]
-                if _inlined(alias.name, self.packages):
-                    module.globals[alias.asname or top] = ("mod", alias.name if alias.asname else top)
-                    module.imports.add(alias.name)
-                elif alias.asname:
-                    module.globals[alias.asname] = ("ext", ("import", alias.name), alias.asname)
-                else:  # `import a.b.c` binds `a` and makes sure a.b.c is loaded
-                    module.globals[top] = ("ext", ("import", top), top)
-                    if alias.name != top:
-                        self.submodules.setdefault(("ext", "import", top), set()).add(alias.name)
-            return
-        source = self._absolute(module, node)
-        for alias in node.names:
-            if alias.name == "*":
-                raise StandaloneError(f"{module.name} line {node.lineno}: `from {source} import *` cannot be inlined")
-            bound = alias.asname or alias.name
-            if _inlined(source, self.packages):
-                module.globals[bound] = ("ref", source, alias.name)
-                module.imports |= {source, f"{source}.{alias.name}"}  # the second when it names a module
-            else:
-                module.globals[bound] = ("ext", ("from", source, alias.name), bound)
 
     def resolve(self, target: tuple) -> tuple:
         """Follow `from core.x import y` (and re-exports) to a definition, an outside import or a module."""
@@ -141,9 +109,7 @@ class _Inliner:
         if (chunk.module, chunk.index) in self.included:
             return []
         self.included[(chunk.module, chunk.index)] = chunk
-        collector = _RefCollector(self.modules[chunk.module], self.resolve, self.packages)
-        collector.visit(chunk.node)
-        chunk.refs, chunk.removals = collector.refs, list({id(s): s for s in collector.removals}.values())
+        chunk.refs, chunk.removals = self._collect(chunk)
         new = []
         for ref in chunk.refs:
             key = _key(ref.target)
@@ -153,6 +119,28 @@ class _Inliner:
                 if key[0] == "def":
                     new.append(key)
         return new
+
+    def _collect(self, chunk: Chunk) -> tuple[list[Ref], list[ast.stmt]]:
+        """The statement's references and its lazy core imports. The walk is most of a copy's time, and copies walk
+        the same statements of the same sources again and again: a walk is kept with its module's analysis, with
+        every answer of `resolve` it was found under, and taken again where `resolve` gives each of those answers
+        (asked in the walk's order, so that modules load in the same order): what a new walk would find."""
+        collected = self.analyses[chunk.module].collected
+        if chunk.index in collected:
+            asked, refs, removals = collected[chunk.index]
+            if all(self.resolve(target) == answer for target, answer in asked.items()):
+                return [Ref(r.node, r.target, r.shadow, r.at_import) for r in refs], list(removals)
+        asked = {}
+
+        def resolve(target: tuple) -> tuple:
+            asked[target] = answer = self.resolve(target)
+            return answer
+
+        collector = _RefCollector(self.modules[chunk.module], resolve, self.packages)
+        collector.visit(chunk.node)
+        removals = list({id(s): s for s in collector.removals}.values())
+        collected[chunk.index] = (asked, collector.refs, removals)
+        return [Ref(r.node, r.target, r.shadow, r.at_import) for r in collector.refs], list(removals)
 
     # --- naming and ordering -----------------------------------------------------------------
 
@@ -244,12 +232,118 @@ class _Inliner:
         return order
 
 
+# --- what a module's source says, kept for every copy that inlines the same source ------------------------------
+
+
+@dataclass
+class _Analysis:
+    """A module's tree and top-level statements, as its source alone gives them (no other module is read), and the
+    per-statement walks of _Inliner._collect, each with the answers of `resolve` it was found under."""
+
+    tree: ast.Module
+    globals: dict[str, tuple]
+    chunks: list[tuple[ast.stmt, frozenset[str], int]]  # (node, the names it binds, gap) of each Chunk
+    defines: dict[str, list[int]]
+    imports: frozenset[str]
+    future: bool
+    header_end: int
+    submodules: list[tuple[tuple, str]]  # (("ext", "import", "a"), "a.b.c") for each `import a.b.c`
+    collected: dict[int, tuple[dict, list[Ref], list[ast.stmt]]] = field(default_factory=dict)
+
+
+# (name, source, packages, is_package) -> its analysis. The copies a run of the tests makes (130 and more) inline
+# the same few dozen sources again and again; keyed on the source, an entry is right for every copy that has it.
+_ANALYSES: dict[tuple, _Analysis] = {}
+
+
+def _analyse(name: str, source: bytes, packages: tuple[str, ...], is_package: bool) -> _Analysis:
+    key = (name, source, packages, is_package)
+    if key in _ANALYSES:
+        return _ANALYSES[key]
+    module, submodules = Module(name, source, ast.parse(source)), []
+    previous_end = 0
+    for index, node in enumerate(module.tree.body):
+        gap, previous_end = previous_end + 1, node.end_lineno
+        if index == 0 and isinstance(node, ast.Expr) and isinstance(getattr(node.value, "value", None), str):
+            module.header_end = node.end_lineno
+        elif isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            module.future |= any(a.name == "annotations" for a in node.names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            _index_import(module, node, packages, is_package, submodules)
+        elif not (_is_main_guard(node) and name != RECIPE):
+            chunk = Chunk(name, len(module.chunks), node, _scope_bindings([node], packages)[0], gap=gap)
+            module.chunks.append(chunk)
+            for bound in chunk.binds:
+                module.globals[bound] = ("def", name, bound)
+                module.defines.setdefault(bound, []).append(chunk.index)
+    _ANALYSES[key] = _Analysis(
+        module.tree,
+        module.globals,
+        [(c.node, frozenset(c.binds), c.gap) for c in module.chunks],
+        module.defines,
+        frozenset(module.imports),
+        module.future,
+        module.header_end,
+        submodules,
+    )
+    return _ANALYSES[key]
+
+
+def _absolute(module: Module, node: ast.ImportFrom, is_package: bool) -> str:
+    if not node.level:
+        return node.module
+    if module.name == RECIPE:
+        raise StandaloneError(f"line {node.lineno}: a relative import; a copied recipe cannot use one")
+    parts = module.name.split(".")[: len(module.name.split(".")) - node.level + is_package]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def _index_import(
+    module: Module,
+    node: ast.Import | ast.ImportFrom,
+    packages: tuple[str, ...],
+    is_package: bool,
+    submodules: list[tuple[tuple, str]],
+) -> None:
+    """What an import binds in `module`'s globals; `import a.b.c` adds (("ext", "import", "a"), "a.b.c") to
+    `submodules`."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            top = alias.name.split(".")[0]
+            if _inlined(alias.name, packages):
+                module.globals[alias.asname or top] = ("mod", alias.name if alias.asname else top)
+                module.imports.add(alias.name)
+            elif alias.asname:
+                module.globals[alias.asname] = ("ext", ("import", alias.name), alias.asname)
+            else:  # `import a.b.c` binds `a` and makes sure a.b.c is loaded
+                module.globals[top] = ("ext", ("import", top), top)
+                if alias.name != top:
+                    submodules.append((("ext", "import", top), alias.name))
+        return
+    source = _absolute(module, node, is_package)
+    for alias in node.names:
+        if alias.name == "*":
+            raise StandaloneError(f"{module.name} line {node.lineno}: `from {source} import *` cannot be inlined")
+        bound = alias.asname or alias.name
+        if _inlined(source, packages):
+            module.globals[bound] = ("ref", source, alias.name)
+            module.imports |= {source, f"{source}.{alias.name}"}  # the second when it names a module
+        else:
+            module.globals[bound] = ("ext", ("from", source, alias.name), bound)
+
+
 # --- emitting the file ----------------------------------------------------------------------------
 
 
 def _keep_builtins(module: str, source: bytes, keep: dict[str, str]) -> bytes:
     """A table of built-ins (`MODELS = {"mlp": "core.models:mlp", ...}`) cut to the recipe's default entry,
     imported directly, so that a copy carries the one model and data set it runs by default, not all of them."""
+    return _kept_builtins(module, source, tuple(sorted(keep.items())))
+
+
+@functools.lru_cache(maxsize=256)  # a parse of every module for every copy, where most copies ask the same
+def _kept_builtins(module: str, source: bytes, keep_items: tuple[tuple[str, str], ...]) -> bytes:
+    keep = dict(keep_items)
     lines = source.decode().splitlines(keepends=True)
     for node in reversed(ast.parse(source).body):
         target = node.targets[0].id if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) else None

@@ -105,6 +105,11 @@ def _realign(node: ast.stmt, source: bytes, starts: list[int], edits: list) -> l
     ]
 
 
+# (module, its source, statement, what is renamed or removed in it) -> the statement's text: the same statement
+# with the same renames is the same text in every copy that has it (most of them do)
+_TEXTS: dict[tuple, str] = {}
+
+
 def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
     starts, source = line_offsets(module.source), module.source
 
@@ -118,7 +123,23 @@ def _chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str]) -> str:
             edits.append(
                 (at(ref.node.lineno, ref.node.col_offset), at(ref.node.end_lineno, ref.node.end_col_offset), new)
             )
-    edits += _binding_edits(module, chunk, names, at)
+    renamed = tuple(sorted((n, names[("def", chunk.module, n)]) for n in chunk.binds))
+    removals = tuple((s.lineno, s.col_offset, s.end_lineno, s.end_col_offset) for s in chunk.removals)
+    key = (module.name, source, chunk.index, tuple(edits), renamed, removals)
+    if key not in _TEXTS:
+        if len(_TEXTS) > 50_000:  # a bound on memory, far above what one run of the tests asks
+            _TEXTS.clear()
+        _TEXTS[key] = _new_chunk_text(module, chunk, names, starts, edits)
+    return _TEXTS[key]
+
+
+def _new_chunk_text(module: Module, chunk: Chunk, names: dict[tuple, str], starts: list[int], edits: list) -> str:
+    source = module.source
+
+    def at(line: int, col: int) -> int:
+        return starts[line - 1] + col
+
+    edits = edits + _binding_edits(module, chunk, names, at)
     parents, removed = _parents(chunk.node), {id(s) for s in chunk.removals}
     for stmt in chunk.removals:
         before = source[starts[stmt.lineno - 1] : at(stmt.lineno, stmt.col_offset)]
@@ -241,16 +262,26 @@ def _launch_lines(docstring: str, dest: str, nproc: int) -> str:
 def _requirements(inliner: _Inliner, keys: Iterable[tuple]) -> tuple[list[str], list[str]]:
     """Third-party packages the file imports at the top, and those imported only inside a function."""
     top = {k[2].split(".")[0] for k in keys}
-    lazy = {
-        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-        for chunk in inliner.included.values()
-        for n in ast.walk(chunk.node)
-        if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0)
-        for a in n.names
-        if not _inlined(n.module if isinstance(n, ast.ImportFrom) else a.name, inliner.packages)
-    }
+    lazy = set().union(*(_lazy_imports(inliner, chunk) for chunk in inliner.included.values()))
     third_party = {m for m in top | lazy if m not in sys.stdlib_module_names}
     return sorted(third_party & top), sorted(third_party - top)
+
+
+_LAZY: dict[tuple, frozenset[str]] = {}  # (module, its source, statement, packages) -> its lazy imports
+
+
+def _lazy_imports(inliner: _Inliner, chunk: Chunk) -> frozenset[str]:
+    """The top-level packages a statement imports inside a function (or anywhere below the top), not inlined."""
+    key = (chunk.module, inliner.modules[chunk.module].source, chunk.index, inliner.packages)
+    if key not in _LAZY:
+        _LAZY[key] = frozenset(
+            (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+            for n in ast.walk(chunk.node)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0)
+            for a in n.names
+            if not _inlined(n.module if isinstance(n, ast.ImportFrom) else a.name, inliner.packages)
+        )
+    return _LAZY[key]
 
 
 # The modules that hold the step (and the loss it takes): right after the recipe's functions, so that the step a
@@ -366,16 +397,47 @@ def ruff_format(text: str) -> str:
 
 def copy_size(text: str) -> tuple[int, int]:
     """(lines, code lines): a code line holds a token other than a comment or a docstring (the budgets' count)."""
-    docstrings = set()
-    for node in ast.walk(ast.parse(text)):
+    docstrings, strings = _strings(ast.parse(text))
+    lines = text.split("\n")
+    if _ODD_LINES.search(text):  # line breaks or continuations the line test below does not know: the tokenizer
+        code = _token_lines(text)
+    else:  # a line holds a token if it starts with one, or lies in a string that spans lines
+        code = {i for i, line in enumerate(lines, 1) if line.lstrip(" \t") and not line.lstrip(" \t").startswith("#")}
+        for node in strings:
+            # the literal's tokens (one, or several joined: comment lines may stand between them)
+            segment = "\n".join(lines[node.lineno - 1 : node.end_lineno]).encode()
+            end = len(segment) - len(lines[node.end_lineno - 1].encode()) + node.end_col_offset
+            code |= {
+                line + node.lineno - 1 for line in _token_lines("(" + segment[node.col_offset : end].decode() + ")")
+            }
+    return len(text.splitlines()), len(code - docstrings)
+
+
+# a carriage return, a form feed or another line break of str.splitlines, a backslash that continues a line
+_ODD_LINES = re.compile(r"[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]|\\\n")
+
+
+def _strings(tree: ast.AST) -> tuple[set[int], list[ast.expr]]:
+    """The lines of docstrings (a string alone as a statement), and the other string literals that span lines (an
+    f-string as a whole)."""
+    docstrings, found, todo = set(), [], [tree]
+    while todo:
+        node = todo.pop()
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             docstrings |= set(range(node.lineno, node.end_lineno + 1))
+        elif isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+            found += [node] if node.end_lineno > node.lineno else []
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return docstrings, found
+
+
+def _token_lines(text: str) -> set[int]:
+    """The lines a token other than a comment or layout touches."""
     layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
-    code = {
+    return {
         line
         for token in tokenize.generate_tokens(io.StringIO(text).readline)
         if token.type not in layout
         for line in range(token.start[0], token.end[0] + 1)
-        if line not in docstrings
     }
-    return len(text.splitlines()), len(code)
