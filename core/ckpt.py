@@ -47,12 +47,11 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, **s
     scalars = {key: value for key, value in flat.items() if not torch.is_tensor(value)}
     # who wrote it and the job's shape (what a resume checks), then the train state that is not tensors, as JSON
     metadata = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__}
-    state = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(rng)}
-    state |= {"optimizer": {"param_groups": optim["param_groups"], "scalars": scalars}, "progress": progress}
-    state |= {key: holder.state_dict() or None for key, holder in stateful.items()}  # a disabled GradScaler's: null
-    metadata |= {key: json.dumps(value) for key, value in state.items()}
-    metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
-    return tensors, metadata
+    rest = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(rng)}
+    rest |= {"optimizer": {"param_groups": optim["param_groups"], "scalars": scalars}, "progress": progress}
+    rest |= {key: holder.state_dict() or None for key, holder in stateful.items()}  # a disabled GradScaler's: null
+    rest["trackers"] = {k: v for sink in run.sinks for k, v in sink.state().items()}  # W&B's run id
+    return tensors, metadata | {key: json.dumps(value) for key, value in rest.items()}
 
 
 def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) -> None:

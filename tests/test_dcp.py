@@ -6,6 +6,7 @@ the weights and optimizer state of the run that never stopped, bit for bit, at t
 size; at another world size within float rounding (the gradient sums run in another order).
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -250,7 +251,8 @@ def test_corrupted_shard_is_refused_on_every_rank_and_passed_over_by_auto(world2
     assert errors[0] == errors[1] and "does not match its checksum" in errors[0], errors
     assert shard.name in errors[0] and "tensor " in errors[0] and "\n" not in errors[0]
     assert dcp.newest_good(tmp_path) is None  # 20.8: --resume auto passes over it, and says why
-    assert f"skipping {path}, damaged (tensor " in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"skipping {path}, damaged (tensor " in said and "; it is the oldest" in said  # none before it to take
     shard.write_bytes(bytes(data[:100]))  # truncated
     assert f"shard file {shard.name} is unreadable" in world2.run(load_only, path)[0]
     assert (
@@ -305,6 +307,13 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
         dcp.read_metadata(ckpt / "step-000011")
     with pytest.raises(RecipeError, match="a folder of checkpoints, not one"):
         dcp.read_metadata(tmp_path / "run")
+    older = ckpt / "step-000003"  # an older version's folder: its optimizer state is laid out otherwise
+    shutil.copytree(good, older)
+    info = json.loads((good / dcp_folder.DONE).read_text())
+    info.pop("self_checksum")
+    dcp_folder.write_json(older / dcp_folder.DONE, {**info, "format": "torch-dist-recipes/dcp/1"})
+    with pytest.raises(RecipeError, match="format 'torch-dist-recipes/dcp/1', not .*; use the version that wrote it"):
+        dcp.read_metadata(older)
 
 
 def save_steps(topo, run_dir: str, steps: list[int]) -> list[str]:

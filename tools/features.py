@@ -458,7 +458,8 @@ class _Drop:
                 self.edits.append((self.starts[line - 1], self.starts[line - 1] + indent, ""))
 
     def klass(self, node: ast.ClassDef) -> None:
-        """A left-out group among the bases goes, and the fields of a left-out feature a class declares."""
+        """A left-out group among the bases goes, and the fields of a left-out feature a class declares: its options,
+        and a field with a default that only the feature reads (its `attrs`)."""
         kept = [b for b in node.bases if not any(self.qualname(b) in FEATURES[f].groups for f in self.off)]
         if len(kept) < len(node.bases):  # the bases written again without those
             first, last = node.bases[0], node.bases[-1]
@@ -469,8 +470,12 @@ class _Drop:
             target = getattr(stmt, "target", None)
             name = target.id if isinstance(target, ast.Name) else None
             declared = isinstance(getattr(stmt, "value", None), ast.Call) and self.qualname(stmt.value.func) in _DECLARE
-            if isinstance(stmt, ast.AnnAssign) and declared and any(name in self.options[f] for f in self.off):
-                self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))
+            option = declared and any(name in self.options[f] for f in self.off)
+            held = stmt.value is not None if isinstance(stmt, ast.AnnAssign) else False  # a field with a default
+            if isinstance(stmt, ast.AnnAssign) and (
+                option or held and any(name in FEATURES[f].attrs for f in self.off)
+            ):
+                self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))  # (`sinks`)
             elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.function(stmt)
 
