@@ -40,11 +40,9 @@ from core.stream import in_step
 @dataclass(frozen=True)
 class ShardedPrecision(Options):
     title = "mixed precision"
+    # no fp16: its loss scaler would have to skip a step on every shard alike
     precision: str = option(
-        "fp32",
-        "compute precision (bf16: fully_shard's MixedPrecisionPolicy, or autocast); fp16 is not offered: its loss "
-        "scaler would have to skip a step on every shard alike",
-        choices=("fp32", "bf16"),
+        "fp32", "compute precision (bf16: fully_shard's MixedPrecisionPolicy, or autocast)", choices=("fp32", "bf16")
     )
 
 

@@ -66,10 +66,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    if gpus >= 2:
-        records.say(run, f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)")
-    else:
-        records.say(run, f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training")
+    single = f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training"
+    records.say(
+        run, f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)" if gpus >= 2 else single
+    )
 
     # Train. DataParallel scatters each batch from the first GPU and gathers the outputs back on it.
     step, skipped, evaluation = start["step"], start["skipped"], {}

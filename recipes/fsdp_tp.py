@@ -41,7 +41,7 @@ from core import (
     weights,
 )
 from core.amp import Accumulation
-from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.config import Checkpointing, RecipeError, Training, at_least, cli_main, option, with_default
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.parallel import ShardedPrecision
@@ -57,12 +57,7 @@ class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.T
     data: str = with_default(Training, "data", "text")
     epochs: int = with_default(Training, "epochs", 1)
     lr: float = with_default(Training, "lr", 3e-3)
-    tp: int = option(
-        2,
-        "tensor-parallel group size (ranks per group); dp = world size / tp",
-        check=lambda v: 1 <= v <= 2**16,
-        fix="use 1 or more ranks per group",
-    )
+    tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", **at_least(1))
     blocks: str = option("", "the nn.ModuleList of blocks to shard one by one, e.g. transformer.h (default: found)")
 
 

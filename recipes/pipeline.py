@@ -46,7 +46,7 @@ from core import (
     weights,
 )
 from core.amp import Accumulation
-from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.config import Checkpointing, RecipeError, Training, at_least, cli_main, option, with_default
 from core.parallel import ShardedPrecision
 
 
@@ -60,16 +60,9 @@ class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.T
     data: str = with_default(Training, "data", "text")
     epochs: int = with_default(Training, "epochs", 1)
     lr: float = with_default(Training, "lr", 3e-3)
-    pp: int = option(
-        0,
-        "ranks per pipeline (0: all of them); the rest is data parallel",
-        check=lambda v: 0 <= v <= 2**16,
-        fix="use 0 (all ranks) or a divisor of the world size",
-    )
+    pp: int = option(0, "ranks per pipeline (0: all of them); the rest is data parallel", **at_least(0))
     schedule: str = option("1f1b", "pipeline schedule", choices=schedules.SCHEDULES)
-    microbatches: int = option(
-        4, "micro-batches per batch (must divide the batch size)", check=lambda v: v >= 1, fix="use 1 or more"
-    )
+    microbatches: int = option(4, "micro-batches per batch (must divide the batch size)", **at_least(1))
     balance: str = option(
         "params", "balance the stages by parameter count or measured time", choices=("params", "time")
     )
