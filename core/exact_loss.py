@@ -108,7 +108,7 @@ def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) ->
     if _own_counts(loss_fn, batch):  # the model's own loss, which counts its targets its own way
         loss, total, metrics = _forward_own(model, batch, loss_fn, count=count, norm=norm)
     else:  # a mean over the counted targets, weighed by their count (0/0 = nan where none counts: 0)
-        mean, metrics = forward(model, batch, loss_fn.loss, shift=False)
+        mean, metrics = forward(model, batch, loss_fn.loss)  # a dict's labels may be shifted: no accuracy then
         total = torch.where(count > 0, mean * count, torch.zeros_like(count))
         loss = total / norm
     metrics |= {"loss_sum": total.detach().double(), "count": count}

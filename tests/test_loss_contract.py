@@ -1,6 +1,7 @@
 """The loss contract (core.loss): model outputs, tuple and dict batches, -100, --loss; the exact normalisation over
 ranks and micro-batches (core.exact_loss, core.amp); throughput from the steps' own counts (core.meter)."""
 
+import dataclasses
 import inspect
 import math
 
@@ -287,6 +288,8 @@ def test_transformers_causal_lm_dict_batch():
     assert metrics["correct"].item() == correct.item()
     _, plain = forward(model, batch, loss_for("auto", model))  # the base does not know the shift:
     assert "correct" not in plain  # no accuracy rather than a wrong one
+    lean = dataclasses.replace(loss_fn, takes_count=False, shifts=False)  # a copy without loss_counts knows no shift
+    assert "correct" not in forward_exact(model, batch, lean, normalizer=4.0)[1]  # (it compared logits[t], labels[t])
     model.accepts_loss_kwargs = False  # the other path: the model's mean, weighted by its (shifted) count
     loss2, _ = forward_exact(model, batch, make_exact_loss(loss_for("auto", model), model=model), normalizer=4.0)
     torch.testing.assert_close(loss2.double(), total.double() / 4)
