@@ -124,7 +124,7 @@ def worker(rank, world_size, store_path, variants, args, result_dir):
         world_size=world_size,
         timeout=timedelta(seconds=120),
     )
-    topo = Topology(rank, rank, world_size, torch.device("cpu"), "gloo")
+    topo = Topology(rank, world_size, torch.device("cpu"), "gloo")
     try:
         for i in variants:
             _, _, runner, changes = VARIANTS[i]

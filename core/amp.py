@@ -100,14 +100,12 @@ def step_amp(
     clip: float = 0.0,
     sync=grad_sync,
     dp_group=None,
-    clip_group=None,
 ) -> tuple[dict[str, torch.Tensor], StepStats]:
     """One optimizer step over K micro-batches: autocast forward, exact loss, (scaled) backward, unscale, clip, step.
 
     dp_group: the ranks whose gradients are averaged (None: a DDP model's own group, else this process alone, as for
-    tensor parallelism, where every rank holds the same batch; pass fully_shard's mesh group); clip_group:
-    where the gradients are disjoint (pipeline stages). Never steps on inf/nan gradients; every rank decides alike,
-    from the norm of all-reduced gradients."""
+    tensor parallelism, where every rank holds the same batch; pass fully_shard's mesh group). Never steps on inf/nan
+    gradients; every rank decides alike, from the norm of all-reduced gradients."""
     optimizer.zero_grad(set_to_none=True)
     group = dp_group if dp_group is not None else getattr(model, "process_group", None)
     world = dist.get_world_size(group) if group is not None else 1
@@ -124,7 +122,7 @@ def step_amp(
         scaler.unscale_(optimizer)  # true gradients before the norm is read or clipped
     scale = scaler.get_scale() if scaling else 1.0
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    norm = float(clip_grad_norm(params, clip, group=clip_group))  # the step's one host sync
+    norm = float(clip_grad_norm(params, clip))  # the step's one host sync
     if scaling:
         scaler.step(optimizer)  # skipped by the scaler itself when unscale_ found inf/nan
         scaler.update()

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 import xxhash
 
-_PREFIX = "xxh3:"
 _OLD_PREFIX = "blocksum64-crc32:"  # written before the xxh3 one; read only, so old checkpoints still load
 _OLD_BLOCK = 4096  # bytes the old format summed into one 64-bit word
 
@@ -28,7 +27,7 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 def checksum(t: torch.Tensor) -> str:
     """XXH3-64 of the tensor's bytes, "xxh3:16 hex digits" (fixed width); dtype and shape are the header's."""
-    return _PREFIX + xxhash.xxh3_64_hexdigest(_bytes(t))  # hashes the buffer in place, no copy
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(_bytes(t))  # hashes the buffer in place, no copy
 
 
 def blocksum64_crc32(t: torch.Tensor) -> str:
@@ -49,4 +48,4 @@ def checksum_matches(t: torch.Tensor, recorded: str) -> bool:
     """
     if recorded.startswith(_OLD_PREFIX):
         return blocksum64_crc32(t) == recorded
-    return recorded.startswith(_PREFIX) and checksum(t) == recorded
+    return checksum(t) == recorded

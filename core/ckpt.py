@@ -26,15 +26,17 @@ from torch import nn
 from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, verify, write_safetensors
 from core.config import RecipeError
 from core.dist import all_gather_object, broadcast_object
-from core.records import RunFolder, release_new, say, show, write_record
+from core.records import RunFolder, say, show, write_record
 from core.weights import check_model_matches, model_part, savable
 
 # The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}
 
 
-def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, scheduler=None, scaler=None):
-    """(tensors, metadata) of the whole train state: every rank's generators are gathered (a collective)."""
+def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, **stateful):
+    """(tensors, metadata) of the whole train state: every rank's generators are gathered (a collective).
+
+    `stateful`: the scheduler (and the scaler): anything with state_dict(), kept as JSON under its keyword."""
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
     rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
     optim = optimizer.state_dict()  # its state by parameter index: tensors to the file, other values to JSON
@@ -44,12 +46,11 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, sch
     tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
     scalars = {key: value for key, value in flat.items() if not torch.is_tensor(value)}
     # who wrote it and the job's shape (what a resume checks), then the train state that is not tensors, as JSON
-    metadata = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__, "config": json.dumps(run.config)}
-    metadata |= {"global_batch": str(run.config["global_batch"]), "world_size": str(len(rng))}
-    metadata["optimizer"] = json.dumps({"param_groups": optim["param_groups"], "scalars": scalars})
-    metadata["progress"] = json.dumps(progress)
-    metadata["scheduler"] = json.dumps(scheduler.state_dict() if scheduler else None)
-    metadata["scaler"] = json.dumps(scaler.state_dict() if scaler and scaler.is_enabled() else None)
+    metadata = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__}
+    state = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(rng)}
+    state |= {"optimizer": {"param_groups": optim["param_groups"], "scalars": scalars}, "progress": progress}
+    state |= {key: holder.state_dict() or None for key, holder in stateful.items()}  # a disabled GradScaler's: null
+    metadata |= {key: json.dumps(value) for key, value in state.items()}
     metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
     return tensors, metadata
 
@@ -65,7 +66,7 @@ def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) ->
 def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, keep: int, **state) -> Path:
     """Every --ckpt-every steps: RUN/ckpt/step-N.safetensors with the whole train state (a collective).
 
-    Rank 0 writes, the others wait for it, so a kill after this finds the checkpoint. `state`: scheduler, scaler."""
+    Rank 0 writes, the others wait for it, so a kill after this finds the checkpoint. `state`: snapshot's `stateful`."""
     tensors, metadata = snapshot(run, model=model, optimizer=optimizer, progress=progress, **state)
     path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
     if run.writer:  # a full disk raises OSError here, and the checkpoints before stay whole
@@ -129,11 +130,11 @@ def newest_good(run_dir: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=None, scaler=None) -> dict:
+def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, **stateful) -> dict:
     """The train state of the checkpoint the run continues from, into every rank; returns the progress.
 
-    START for a new run. A collective: rank 0 reads and verifies the file and sends it (other nodes need not see
-    it)."""
+    START for a new run; `stateful` as snapshot takes it. A collective: rank 0 reads and verifies the file and sends
+    it (other nodes need not see it)."""
     if run.resume_from is None:
         return dict(START)
     payload = None
@@ -145,19 +146,15 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler=No
             payload = str(err)  # every rank raises it
     payload = broadcast_object(payload)  # our own tensors between our own processes, not the file
     if isinstance(payload, str):
-        release_new(run)  # a new folder made for this resume: nothing of it is left
         raise RecipeError(payload)
     tensors, meta = payload
     model.load_state_dict(model_part(tensors))
     optimizer.load_state_dict(_optimizer_state(tensors, json.loads(meta["optimizer"])))
-    for holder, key in ((scheduler, "scheduler"), (scaler, "scaler")):
-        if holder is not None and json.loads(meta.get(key, "null")) is not None:
-            holder.load_state_dict(json.loads(meta[key]))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if f"rng/{rank}/cpu" in tensors:  # a rank the saving job did not have keeps its seeded generator
-        torch.set_rng_state(tensors[f"rng/{rank}/cpu"])
-    if torch.cuda.is_available() and f"rng/{rank}/cuda" in tensors:
-        torch.cuda.set_rng_state(tensors[f"rng/{rank}/cuda"])
+    for key, holder in stateful.items():  # a checkpoint without one (null: a disabled GradScaler) leaves it as it is
+        holder.load_state_dict(json.loads(meta.get(key, "null")) or {})
+    mine = f"rng/{dist.get_rank() if dist.is_initialized() else 0}/"  # a rank the saving job lacked keeps its own
+    for key in (k for k in tensors if k.startswith(mine)):  # cuda's: set when CUDA is first used (none on a CPU)
+        torch.set_rng_state(tensors[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(tensors[key])
     progress = {**START, **json.loads(meta["progress"])}
     shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's

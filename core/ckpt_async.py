@@ -61,10 +61,9 @@ class CheckpointSaver:
         self.error: BaseException | None = None
         self.writing: tuple[Path, int] | None = None  # the file in flight and its step: what an error names
 
-    def save(self, run: RunFolder, *, model, optimizer, progress: dict, keep: int, scheduler=None, scaler=None) -> Path:
+    def save(self, run: RunFolder, *, model, optimizer, progress: dict, keep: int, **state) -> Path:
         """Every --ckpt-every steps, on every rank (the RNG gather is a collective): RUN/ckpt/step-N.safetensors.
-        Waits for the previous write first."""
-        state = {"scheduler": scheduler, "scaler": scaler}
+        Waits for the previous write first. `state`: the scheduler (core.ckpt.snapshot's `stateful`)."""
         if not self.background:
             return ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=progress, keep=keep, **state)
         self.wait()

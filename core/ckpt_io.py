@@ -49,11 +49,14 @@ def atomic_write(path: str | os.PathLike, write) -> None:
         raise err if err.filename else OSError(err.errno, err.strerror, str(tmp)) from None
     finally:
         tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself survive a power cut
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` survive a power cut (a failure raises OSError: the run ends, the descriptor too)."""
+    fd = os.open(folder, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:

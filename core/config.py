@@ -46,9 +46,9 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-@dataclass(frozen=True)
 class Options:
-    """The checks every group shares: choices, finite numbers, and each field's own check."""
+    """The checks every group (a frozen dataclass) shares, run when it is built: choices, finite numbers, and each
+    field's own check."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -125,11 +125,8 @@ def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None 
     groups = [c for c in config.__mro__ if c.__dict__.get("__annotations__")]
     titles = {g: g.__dict__.get("title", f"{g.__name__} options") for g in groups}  # one section each, in order
     made = {title: parser.add_argument_group(title) for title in titles.values()}  # an empty one is not shown
-    sections = {}  # a field goes to the group that declares it first (a recipe's new default keeps it there)
-    for group in reversed(groups):
-        sections.update(
-            {name: made[titles[group]] for name in group.__dict__["__annotations__"] if name not in sections}
-        )
+    # a field's section: the group that declares it first, the last in the MRO (a recipe's new default stays there)
+    sections = {name: made[titles[group]] for group in groups for name in group.__dict__["__annotations__"]}
     for f in dataclasses.fields(config):
         choices, kind = f.metadata.get("choices"), type(f.default)
         how = {"type": kind, "choices": choices, "metavar": None if choices else kind.__name__.upper()}
@@ -164,23 +161,15 @@ def leave(run: Callable[[], int | None]) -> None:
     try:
         code = run() or 0
     except RecipeError as err:
-        code = fail(str(err), 2 if isinstance(err, UsageError) else 1)
+        code = records.fail(str(err), 2 if isinstance(err, UsageError) else 1)
     except OSError as err:  # a full disk, a folder that can't be written: this rank's own
-        code = fail(records.os_error_line(err), 1, everyone=False)
+        code = records.fail(records.os_error_line(err), 1, everyone=False)
     except KeyboardInterrupt:
-        code = fail(f"interrupted; {KEPT}", 130)
+        code = records.fail(f"interrupted; {KEPT}", 130)
     except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
         traceback.print_exc()
-        code = fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
+        code = records.fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
     records.close_log()  # the run's train.log ends with the process
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def fail(message: str, code: int, *, everyone: bool = True) -> int:
-    """Print `error: message` as one line on stderr (and in train.log); returns `code`. `everyone`: an error every
-    rank meets, printed by rank 0 alone under torchrun (core.records.error_line); a refused run leaves no empty run."""
-    records.error_line(message, everyone=everyone)
-    records.take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt: a restart meets it again
-    return code

@@ -22,15 +22,20 @@ def digits(*, val_fraction: float = 0.2, split_seed: int = 0) -> tuple[Dataset, 
 
 
 def _digits_table():
-    """load_digits(return_X_y=True) from the file sklearn ships: importing sklearn costs ~1 s a process."""
+    """sklearn_digits() read from the file sklearn ships, without importing sklearn (~1 s a process)."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     table = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
     if table is None or not table.is_file():  # another layout (or no sklearn): its own loader says what is wrong
-        from sklearn.datasets import load_digits
-
-        return load_digits(return_X_y=True)
+        return sklearn_digits()
     rows = np.loadtxt(table, delimiter=",")
     return rows[:, :-1], rows[:, -1].astype(int)
+
+
+def sklearn_digits():
+    """(images, labels): scikit-learn's own loader of its digits table."""
+    from sklearn.datasets import load_digits
+
+    return load_digits(return_X_y=True)
 
 
 def synthetic(*, n: int = 8192, dim: int = 64, classes: int = 10, seed: int = 0) -> tuple[Dataset, Dataset]:

@@ -9,10 +9,11 @@ of core.ckpt, so a sharded recipe differs from ddp_amp by `ckpt.` -> `dcp.`:
       shard-0000R-model-00001-of-00001.safetensors   rank R-1's tensors (DCP's HuggingFaceStorageWriter)
       checkpoint.json                                  everything else, and what makes the folder complete
 
-Tensors (keyed model/<fqn>, optim/<fqn>/<name>, rng/<rank>/<kind>): DTensor shards (fully_shard, TP, both) and
-plain tensors (pipeline stages); one held by several ranks is written once. checkpoint.json: the run's metadata
-(recipe, config, global batch, world size, trackers), progress, scheduler, scaler, optimizer hyper-parameters,
-the model's whole shapes, a checksum per tensor of every file (core.checksum) and one over itself. Non-tensor
+Tensors (keyed model/<fqn>, optim/state.<fqn>.<name> as torch's get_state_dict flattens the optimizer state,
+rng/<rank>/<kind>): DTensor shards (fully_shard, TP, both) and plain tensors (pipeline stages); one held by several
+ranks is written once. checkpoint.json: the run's metadata (recipe, config, global batch, world size, trackers),
+progress, scheduler, scaler, the optimizer's hyper-parameters per parameter (param_groups.<fqn>.<name>), the
+model's whole shapes, a checksum per tensor of every file (core.checksum) and one over itself. Non-tensor
 values go there because DCP's safetensors writer would put them as raw bytes before the header.
 
 Atomic: all ranks write into .step-N.tmp/, rank 0 adds checkpoint.json once every rank is done, then renames the
@@ -27,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.ckpt import START
+from core.ckpt_io import fsync_dir
 from core.config import RecipeError
 from core.dcp_folder import (
     DONE,
@@ -47,9 +48,9 @@ from core.dcp_folder import (
     read_info,
     write_json,
 )
-from core.dcp_tensors import rng_tensors, root_module, train_tensors, untied, whole_shapes
+from core.dcp_tensors import rng_tensors, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
-from core.records import RunFolder, release_new, say, write_record
+from core.records import RunFolder, say, show, write_record
 from core.weights import check_model_matches, model_part
 
 # --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
@@ -68,13 +69,14 @@ def newest_good(run_dir: Path) -> Path | None:
     """The newest checkpoint of RUN/ckpt whose checkpoint.json and every shard read back whole and undamaged.
 
     Rank 0 reads them all; a newer one is passed over in a warning line that names what is wrong."""
-    for path in reversed(list_sharded(Path(run_dir) / "ckpt")):
+    checkpoints = list_sharded(Path(run_dir) / "ckpt")
+    for path in reversed(checkpoints):
         info = read_info(path)
         problems = extra_files(path, info) + file_problems(path, info, sorted(info["checksums"]), values=True)
         if not problems:
             return path
-        why = f"damaged ({problems[0]})"
-        print(f"warning: --resume auto: skipping {path}, {why}; taking the one before", file=sys.stderr)
+        then = "taking the one before" if path != checkpoints[0] else "it is the oldest"
+        show(f"warning: --resume auto: skipping {path}, damaged ({problems[0]}); {then}", level="WARNING")
     return None
 
 
@@ -93,7 +95,7 @@ def check_shapes(path: str | os.PathLike, model: nn.Module) -> None:
     check_model_matches(path, {k: tuple(v) for k, v in info["shapes"].items()}, expected, fix=fix)
 
 
-# --- writing and reading the shards (collectives) ----------------------------------------------------------------
+# --- writing and reading the shards (collectives): core.ckpt's calls, for a recipe -------------------------------
 
 
 def _first_os_error(err: BaseException, where: Path) -> BaseException:
@@ -105,58 +107,43 @@ def _first_os_error(err: BaseException, where: Path) -> BaseException:
     return RuntimeError(str(err))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a power cut
-    finally:
-        os.close(fd)
+def save_checkpoint(run: RunFolder, *, model, optimizer, progress: dict, keep: int, **stateful) -> Path:
+    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard; keep the newest `keep` (a collective).
 
-
-def save_sharded(
-    ckpt_dir: str | os.PathLike, *, model, optimizer, progress: dict, scheduler=None, scaler=None, keep=2, metadata=None
-) -> Path:
-    """Write ckpt_dir/step-N/ (N = progress["step"]), every rank its own shard; keep the newest `keep`.
-
-    A collective. `model`: the (sharded) model, or a list of this rank's pipeline stages; `metadata`: strings for
-    checkpoint.json."""
+    `model`: the (sharded) model, or dcp_tensors.root_module of a pipeline rank's stages; `stateful`: the scheduler
+    (and the scaler), their state_dict() kept in checkpoint.json, with the run's metadata as core.ckpt's header has
+    it."""
     import torch.distributed.checkpoint as dcp  # here: only sharded recipes load DCP
 
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = run.path / "ckpt"
     final, tmp = ckpt_dir / f"step-{progress['step']:06d}", ckpt_dir / f".step-{progress['step']:06d}.tmp"
     if dist.get_rank() == 0:
         for stale in ckpt_dir.glob(".step-*.tmp"):  # left by a killed save: saves never overlap
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
     dist.barrier()
-    tensors, groups, scalars = train_tensors(model, optimizer)
+    tensors, optim = train_tensors(model, optimizer)
     tensors |= rng_tensors()  # each rank its own generator: bitwise resume
     try:
         dcp.save(untied(tensors), storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     except dcp.api.CheckpointException as err:  # a BaseException holding every rank's: a full disk, as its OSError
         raise _first_os_error(err, tmp) from None
-    mine = (file_checksums(tmp, rank=dist.get_rank()), scalars)  # read back once every file is closed
+    mine = (file_checksums(tmp, rank=dist.get_rank()), optim)  # read back once every file is closed
     everyone, shapes = all_gather_object(mine), whole_shapes(tensors)
+    metadata = {"recipe": run.recipe, "config": json.dumps(run.config), "global_batch": str(run.config["global_batch"])}
+    metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
     if dist.get_rank() == 0:
-        info = {
-            "format": FORMAT,
-            "world_size": dist.get_world_size(),
-            "torch": torch.__version__,
-            "progress": progress,
-            "metadata": dict(metadata or {}),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
-            "optim_scalars": {k: v for _, s in everyone for k, v in s.items()},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-            "checksums": {name: sums for files, _ in everyone for name, sums in files.items()},
-            "shapes": shapes,
-        }
+        info = {"format": FORMAT, "world_size": dist.get_world_size(), "torch": torch.__version__, "progress": progress}
+        info |= {"metadata": metadata, "shapes": shapes}
+        info |= {key: holder.state_dict() or None for key, holder in stateful.items()}  # a disabled GradScaler's: null
+        info["optimizer"] = {k: v for _, values in everyone for k, v in values.items()}  # a pipeline's stages differ
+        info["checksums"] = {name: sums for files, _ in everyone for name, sums in files.items()}
         write_json(tmp / DONE, info)
         aside = ckpt_dir / f".step-{progress['step']:06d}.old.tmp"
         if final.exists():  # the same step saved again (a run resumed from before it): swap it out first
             os.replace(final, aside)
         os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
+        fsync_dir(ckpt_dir)
         shutil.rmtree(aside, ignore_errors=True)
         for old in list_sharded(ckpt_dir)[:-keep]:  # only once the new one is in place
             shutil.rmtree(old)
@@ -175,95 +162,40 @@ def _verify_files(path: Path, info: dict) -> None:
         raise RecipeError(damage(path, problems))
 
 
-def _check_saved(path: Path, info: dict, tensors: dict, groups: list[dict]) -> None:
-    """One RecipeError line when the checkpoint holds another model or optimizer setup than this job's (a collective:
-    the whole shapes are gathered). The `checks` feature: without it DCP's own error says what does not fit."""
+def _check_saved(path: Path, info: dict, tensors: dict) -> None:
+    """One RecipeError line when the checkpoint holds another model than this job's (a collective: the whole shapes
+    are gathered). The `checks` feature: without it DCP's own error says what does not fit."""
     check_model_matches(path, info["shapes"], whole_shapes(tensors), fix="resume with the --model it was trained with")
-    if len(groups) != len(info["param_groups"]):
-        raise RecipeError(
-            f"{path}: the optimizer had {len(info['param_groups'])} param groups, this one has "
-            f"{len(groups)}; resume with the optimizer setup it was saved with"
-        )
 
 
-def _optimizer_state(tensors: dict, groups: list[dict], info: dict) -> dict:
-    """The optimizer state dict for set_state_dict over this rank's own param groups.
+def load_checkpoint(run: RunFolder, *, model, optimizer, **stateful) -> dict:
+    """The train state of the checkpoint the run continues from, every rank its own part; returns the progress.
 
-    Loaded tensors, saved scalars and hyper-parameters; the groups' "params" differ between pipeline stages."""
-    state: dict[str, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim/"):
-            fqn, name = key.removeprefix("optim/").rsplit("/", 1)
-            state.setdefault(fqn, {})[name] = value
-    for key, value in info["optim_scalars"].items():  # every rank's: those of the parameters this one holds
-        fqn, name = key.rsplit("/", 1)
-        state.get(fqn, {})[name] = value
-    groups = [
-        {**mine, **{k: tuple(v) if isinstance(v, list) else v for k, v in was.items()}}
-        for mine, was in zip(groups, info["param_groups"])
-    ]  # JSON made tuples (betas) lists
-    return {"state": state, "param_groups": groups}
-
-
-def load_sharded(path: str | os.PathLike, *, model, optimizer, scheduler=None, scaler=None) -> dict:
-    """Restore the train state saved by save_sharded on every rank, and return the progress dict.
-
-    It reshards where the world size changed (DTensor models). A collective; `model` as save_sharded takes it."""
+    Resharded to this job's mesh (DTensor models), its generators too; START for a new run. A collective; `model` and
+    `stateful` as save_checkpoint takes them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict  # here: only sharded recipes load DCP
 
-    path = Path(path)
+    if run.resume_from is None:
+        return dict(START)
+    path = Path(run.resume_from)
     info = read_info(path)
-    tensors, groups, _ = train_tensors(model, optimizer)
-    _check_saved(path, info, tensors, groups)
+    tensors, _ = train_tensors(model, optimizer)  # this rank's shapes and shards, for DCP to fill
+    _check_saved(path, info, tensors)
     _verify_files(path, info)
     saved = {key for sums in info["checksums"].values() for key in sums}
     rng = {k: v for k, v in rng_tensors().items() if k in saved}  # none for a rank the saving job lacked
-    optim_sd = _optimizer_state(tensors, groups, info)  # DCP fills its tensors
     dcp.load(untied(tensors) | rng, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    set_state_dict(root_module(model), optimizer, model_state_dict=model_part(tensors), optim_state_dict=optim_sd)
-    for holder, key in ((scheduler, "scheduler"), (scaler, "scaler")):
-        if holder is not None and info[key] is not None:
-            holder.load_state_dict(info[key])
+    optim = {k.removeprefix("optim/"): v for k, v in tensors.items() if k.startswith("optim/")}
+    optim |= {k: tuple(v) if isinstance(v, list) else v for k, v in info["optimizer"].items()}  # JSON made betas lists
+    set_state_dict(model, optimizer, model_state_dict=model_part(tensors), optim_state_dict=optim)  # unflattens it
+    for key, holder in stateful.items():  # a checkpoint without one (null: a disabled GradScaler) leaves it as it is
+        holder.load_state_dict(info.get(key) or {})
     for key, value in rng.items():
         torch.set_rng_state(value) if key.endswith("/cpu") else torch.cuda.set_rng_state(value)
-    return info["progress"]
-
-
-# --- core.ckpt's calls, for a recipe ----------------------------------------------------------------------------
-
-
-def save_checkpoint(
-    run: RunFolder, *, model, optimizer, progress: dict, keep: int, scheduler=None, scaler=None
-) -> Path:
-    """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard (a collective).
-
-    With the run's metadata as core.ckpt's header has it. `model`: the sharded model, or a list of this rank's
-    pipeline stages."""
-    metadata = {
-        "recipe": run.recipe,
-        "config": json.dumps(run.config),
-        "global_batch": str(run.config["global_batch"]),
-    }
-    metadata["trackers"] = json.dumps({k: v for sink in run.sinks for k, v in sink.state().items()})  # W&B's run id
-    state = {"scheduler": scheduler, "scaler": scaler, "keep": keep, "metadata": metadata}
-    return save_sharded(run.path / "ckpt", model=model, optimizer=optimizer, progress=progress, **state)
-
-
-def load_checkpoint(run: RunFolder, *, model, optimizer, scheduler=None, scaler=None) -> dict:
-    """The train state of the checkpoint the run continues from, every rank its own part; returns the progress.
-
-    Resharded to this job's mesh, its generators too; START for a new run. A collective."""
-    if run.resume_from is None:
-        return dict(START)
-    try:
-        found = load_sharded(run.resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    except RecipeError:
-        release_new(run)  # a new folder made for this resume: nothing of it is left
-        raise
-    progress = {**START, **{k: v for k, v in found.items() if k in START}}
+    progress = {**START, **{k: v for k, v in info["progress"].items() if k in START}}
     shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
-    say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    write_record(run, {"kind": "resume", "checkpoint": str(path), **where, **shape})
+    say(run, f"resumed from {path} at step {progress['step']}")
     return progress

@@ -22,7 +22,7 @@ from core.checksum import checksum, checksum_matches
 from core.ckpt_io import atomic_write
 from core.config import RecipeError
 
-FORMAT = "torch-dist-recipes/dcp/1"  # xxh3 checksums now; the older block sums are still read (core.checksum)
+FORMAT = "torch-dist-recipes/dcp/2"  # /2: the optimizer state flattened by parameter name, as torch flattens it
 DONE = "checkpoint.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -46,21 +46,21 @@ def read_info(path: Path) -> dict:
     if digest(info) != sealed:
         raise RecipeError(f"{path / DONE}: its checksum does not match its contents (edited or corrupted); {fix}")
     if info.get("format") != FORMAT:
-        raise RecipeError(f"{path}: format {info.get('format')!r}, not {FORMAT!r}; resume from one of this project's")
+        raise RecipeError(f"{path}: format {info.get('format')!r}, not {FORMAT!r}; use the version that wrote it")
     return info
 
 
 def list_sharded(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints (step-N folders with a valid checkpoint.json) in ckpt_dir, oldest first."""
-    found = []
-    for path in Path(ckpt_dir).glob("step-*"):
-        if (m := STEP_DIR.fullmatch(path.name)) and path.is_dir():
-            try:
-                read_info(path)
-            except RecipeError:
-                continue  # incomplete or damaged: never picked
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
+    found = {int(m[1]): p for p in Path(ckpt_dir).glob("step-*") if (m := STEP_DIR.fullmatch(p.name)) and _complete(p)}
+    return [found[step] for step in sorted(found)]
+
+
+def _complete(path: Path) -> bool:
+    try:
+        return bool(read_info(path))
+    except RecipeError:
+        return False  # incomplete or damaged: never picked
 
 
 def file_problems(path: Path, info: dict, names: list[str], *, values: bool) -> list[str]:

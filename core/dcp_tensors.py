@@ -11,12 +11,10 @@ from core.dist import all_gather_object
 from core.weights import model_part
 
 
-def root_module(model: nn.Module | list[nn.Module]) -> nn.Module:
-    """One module for several pipeline stages of a rank, their blocks under their own names."""
-    if isinstance(model, nn.Module):
-        return model
+def root_module(stages: list[nn.Module]) -> nn.Module:
+    """One module for a pipeline rank's stages, their blocks under their own names: what its checkpoints take."""
     root, blocks = nn.Module(), nn.Module()
-    for stage in model:
+    for stage in stages:
         for name, block in stage.blocks.named_children():
             blocks.add_module(name, block)
     root.add_module("blocks", blocks)
@@ -29,15 +27,15 @@ def whole_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {k: v for shapes in all_gather_object(mine) for k, v in shapes.items()}
 
 
-def train_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """Flat tensors for DCP, the optimizer's param groups and its non-tensor per-parameter state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict  # here: only sharded recipes load DCP
+def train_tensors(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Flat tensors for DCP, and the optimizer's other values: torch's flattening of the optimizer state by parameter
+    name (state.<fqn>.<name>, param_groups.<fqn>.<name>), which set_state_dict undoes on any rank's parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # only sharded recipes: DCP
 
-    model_sd, optim_sd = get_state_dict(root_module(model), optimizer)
-    flat = {f"{fqn}/{name}": value for fqn, state in optim_sd["state"].items() for name, value in state.items()}
+    model_sd, optim = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     tensors = {f"model/{k}": v for k, v in model_sd.items()}
-    tensors |= {f"optim/{key}": value for key, value in flat.items() if torch.is_tensor(value)}
-    return tensors, optim_sd["param_groups"], {key: value for key, value in flat.items() if not torch.is_tensor(value)}
+    tensors |= {f"optim/{k}": v for k, v in optim.items() if torch.is_tensor(v)}
+    return tensors, {k: v for k, v in optim.items() if not torch.is_tensor(v)}
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -48,9 +46,7 @@ def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out, seen = {}, set()
     for key, value in tensors.items():
         local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
-        where = (
-            (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) if local.numel() else key
-        )
+        where = (local.untyped_storage().data_ptr(), local.storage_offset(), local.shape) if local.numel() else key
         if where not in seen:
             out[key] = value
         seen.add(where)

@@ -22,15 +22,10 @@ from core.config import RecipeError
 class Topology:
     """Where this process sits in the job. Built once by `init_pg`, then passed around."""
 
-    rank: int
-    local_rank: int
+    rank: int  # rank 0 decides what only one process can (the run folder), writes and prints
     world_size: int
-    device: torch.device
+    device: torch.device  # cuda:LOCAL_RANK, or the CPU
     backend: str
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.rank == 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,7 +77,7 @@ def init_pg(*, timeout_s: float = 300.0, store: dist.Store | None = None) -> Top
         where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
         why = f"within {timeout_s:g}s ({first}); check MASTER_ADDR/MASTER_PORT and that node 0 is up"
         raise RecipeError(f"rank {rank} could not join the job at {where} {why}") from None
-    return Topology(rank, local_rank, world_size, device, backend)
+    return Topology(rank, world_size, device, backend)
 
 
 def cleanup_pg(*, timeout_s: float = 60.0) -> None:

@@ -66,10 +66,11 @@ def _model_loss_traits(model: nn.Module) -> tuple[bool, bool]:
     return bool(takes), model.loss_function is loss_utils.ForCausalLMLoss and not encoder_decoder
 
 
-def _own_loss_used(loss_fn: ExactLoss, batch) -> bool:
-    """Whether this batch's loss is the model's own (it is then called with the targets).
-
-    That is: a dict with labels, or a model whose forward takes the targets."""
+def _own_counts(loss_fn: ExactLoss, batch) -> bool:
+    """Whether this batch's loss is the model's own (it is then called with the targets: a dict with labels, or a
+    forward that takes them) and counts its targets its own way (takes_count, shifts)."""
+    if not (loss_fn.takes_count or loss_fn.shifts):
+        return False
     if loss_fn.loss.spec == "model":
         return True
     labeled = batch.get("labels") is not None if isinstance(batch, Mapping) else loss_fn.loss.targets_as is not None
@@ -84,8 +85,9 @@ def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
     tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
     if targets is None or targets.is_floating_point():
         return torch.tensor(float(len(tensors[0])), dtype=torch.float64, device=tensors[0].device)
-    shift = loss_fn.shifts and _own_loss_used(loss_fn, batch)
-    return (targets[..., 1:] if shift else targets).ne(IGNORE).sum().double()
+    if _own_counts(loss_fn, batch) and loss_fn.shifts:  # a causal LM's own loss counts labels[..., 1:]
+        targets = targets[..., 1:]
+    return targets.ne(IGNORE).sum().double()
 
 
 def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:
@@ -101,15 +103,28 @@ def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torc
 def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) -> tuple[torch.Tensor, dict]:
     """One micro-batch: (its summed loss / normalizer, to backward; its metric sums, counted as the loss counts).
     normalizer = global_count(...) / W, W the data-parallel ranks whose gradients are averaged (1 alone)."""
-    own, count = _own_loss_used(loss_fn, batch), count_targets(batch, loss_fn)
+    count = count_targets(batch, loss_fn)
     norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count.device)
-    takes = own and loss_fn.takes_count
-    extra = {"num_items_in_batch": norm} if takes else {}
-    mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts and own, **extra)
-    # takes: the model divided its sum by `norm` itself; else a mean over the counted targets (0/0 = nan: none counts)
-    total = mean * norm if takes else torch.where(count > 0, mean * count, torch.zeros_like(count))
+    if _own_counts(loss_fn, batch):  # the model's own loss, which counts its targets its own way
+        loss, total, metrics = _forward_own(model, batch, loss_fn, count=count, norm=norm)
+    else:  # a mean over the counted targets, weighed by their count (0/0 = nan where none counts: 0)
+        mean, metrics = forward(model, batch, loss_fn.loss, shift=False)
+        total = torch.where(count > 0, mean * count, torch.zeros_like(count))
+        loss = total / norm
     metrics |= {"loss_sum": total.detach().double(), "count": count}
-    return (mean if takes else total / norm), metrics
+    return loss, metrics
+
+
+def _forward_own(model: nn.Module, batch, loss_fn: ExactLoss, *, count, norm) -> tuple:
+    """forward_exact for a model's own loss that counts its own way: (loss, summed loss, metric sums). A forward that
+    takes num_items_in_batch is handed `norm` and divides its summed loss by it; a causal LM's mean is over the
+    labels after its shift, which count_targets counted."""
+    if loss_fn.takes_count:
+        mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts, num_items_in_batch=norm)
+        return mean, mean * norm, metrics
+    mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts)
+    total = torch.where(count > 0, mean * count, torch.zeros_like(count))
+    return total / norm, total, metrics
 
 
 def forward_sums(model: nn.Module, batch, loss_fn: ExactLoss) -> tuple[torch.Tensor, dict]:

@@ -20,9 +20,9 @@ import socket
 from pathlib import Path
 
 from core.ckpt_io import atomic_write, remove_stale_temporaries
-from core.config import RecipeError
+from core.config import RecipeError, flag
 from core.dist import Topology, broadcast_object
-from core.records import RunFolder, keep_lines, open_log, repair_records, show
+from core.records import RunFolder, keep_lines, open_log, repair_records, say, show
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
@@ -38,7 +38,7 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     `header(path)`: a checkpoint's metadata; `dp`: the data-parallel ranks (default: all)."""
     config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
     choice, lock = None, None
-    if topo.is_rank0:
+    if topo.rank == 0:
         try:
             keep_lines()  # the resume's lines, said before train.log exists, go into it
             choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
@@ -48,10 +48,9 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     choice = broadcast_object(choice)
     if isinstance(choice, str):
         raise RecipeError(choice)
-    run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.is_rank0, lock)
+    run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.rank == 0, lock)
     open_log(run)  # rank 0: from here every line it prints also goes to RUN/train.log
-    if run.writer:  # DEBUG goes to stderr, where the launcher's supervisor reads which checkpoint a stopped job kept
-        show(f"run folder {run.path}", level="DEBUG")
+    say(run, f"run folder {run.path}", level="DEBUG")  # on stderr, where the launcher's supervisor reads it
     return run
 
 
@@ -60,8 +59,8 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     line; None when there is something to train. Decided from the folder alone, before anything is built, checked,
     locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
     # rank 0 reads the folder: other nodes need not see it
-    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.is_rank0 else None)
-    if found and topo.is_rank0:
+    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.rank == 0 else None)
+    if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
 
@@ -123,19 +122,30 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
 
     It must come from a recipe whose state means the same, have fp16's loss scaler on both sides or neither, the
     same global batch (`dp`: this job's data-parallel ranks), and the same options that shape training. The line
-    names both sides and the fix. Only the global batch is checked in a copy without `checks`: another one would
+    names both sides and the fix. A copy without `checks` checks the global batch and the options: another one would
     silently train another run."""
     check_layout(path, meta, config)
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
-        batch, accum = config["batch_size"], config.get("accum", 1)
-        per_rank, rest = divmod(saved_batch, dp * accum)  # --accum as it is: the line shows it
+        per_rank, rest = divmod(saved_batch, dp * config.get("accum", 1))  # --accum as it is: the line shows it
         fix = f"a number of ranks that divides {saved_batch}" if rest else f"--batch-size {per_rank} at {dp} rank(s)"
         was = f"saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks)"
-        accumulated = f" x --accum {accum}" if "accum" in config else ""  # ddp takes no --accum
-        now = f"{global_batch} (--batch-size {batch} x {dp} ranks{accumulated})"
+        accum = f" x --accum {config['accum']}" if "accum" in config else ""  # ddp takes no --accum
+        now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
-    check_options(path, meta, config)
+    saved = json.loads(meta.get("config", "{}"))  # the options that shape training (TRAJECTORY), on both sides
+    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
+    old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
+    if differ := [k for k in both if old[k] != new[k]]:
+        recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
+        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
+        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
+        fix = " ".join(f"{flag(k)} {old[k]}" for k in differ)
+        fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
+        raise RecipeError(
+            f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
+            f"options it was started with), or start a new run without --resume"
+        )
 
 
 def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
@@ -153,24 +163,6 @@ def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
         raise RecipeError(
             f"{path}: a checkpoint trained in {was} and this run asks for --precision {precision}: fp16's loss-scaler "
             f"state does not carry across; resume with --precision {was}, or start a new run"
-        )
-
-
-def check_options(path: Path, meta: dict[str, str], config: dict) -> None:
-    """Other options that shape training (TRAJECTORY): resumed, they would train another run."""
-    saved, recipe = json.loads(meta.get("config", "{}")), config["recipe"]
-    saved_recipe = meta.get("recipe") or saved.get("recipe")
-    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
-    was, now = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
-    differ = [k for k in both if was[k] != now[k]]
-    if differ:
-        changed = ", ".join(f"--{k.replace('_', '-')} {was[k]} -> {now[k]}" for k in differ)
-        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
-        fix = ", ".join(f"--{k.replace('_', '-')} {was[k]}" for k in differ)
-        fix = f"resume with {saved_recipe} {fix}" if any(k not in config for k in differ) else f"resume with {fix}"
-        raise RecipeError(
-            f"{path}: {across}resuming with other options ({changed}) would train another run; {fix} (the options "
-            f"it was started with), or start a new run without --resume"
         )
 
 

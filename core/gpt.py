@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 VOCAB = 128  # 7-bit ASCII: the model's shape never depends on which corpus was read
 CORPUS_MODULES = "textwrap string heapq bisect fractions shlex calendar difflib argparse dataclasses functools".split()
@@ -43,25 +43,18 @@ def corpus(*, max_chars: int = 400_000) -> str:
     return "\n".join(parts)[:max_chars]
 
 
-class TokenWindows(Dataset):
-    """Non-overlapping windows of `context` tokens; the target is the input shifted by one."""
-
-    def __init__(self, tokens: torch.Tensor, context: int):
-        self.tokens, self.context = tokens, context
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.context
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.context
-        return self.tokens[start : start + self.context], self.tokens[start + 1 : start + self.context + 1]
-
-
 def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Dataset]:
     """The `text` data factory: (train, val) next-character windows over the embedded corpus."""
     tokens = encode(corpus())
     split = int(len(tokens) * (1 - val_fraction))
-    return TokenWindows(tokens[:split], context), TokenWindows(tokens[split:], context)
+    return windows(tokens[:split], context), windows(tokens[split:], context)
+
+
+def windows(tokens: torch.Tensor, context: int) -> Dataset:
+    """Non-overlapping windows of `context` tokens, each a sample (input, target): the target is the input shifted
+    by one."""
+    n = (len(tokens) - 1) // context
+    return TensorDataset(tokens[: n * context].view(n, context), tokens[1 : n * context + 1].view(n, context))
 
 
 class Embed(nn.Module):

@@ -14,7 +14,7 @@ global batch alike). `--loss` beyond auto and ce, the rarer forwards and outputs
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +44,14 @@ class Loss:
 
     spec: str = "auto"
     targets_as: str | None = None  # the forward's parameter that takes a pair's target, when the model computes a loss
-    fn: Callable | None = None  # core.loss_options': fn(outputs, targets, batch) -> the micro-batch's mean loss
-    split: Callable = split_outputs  # outputs -> (logits, loss)
+
+    def logits_and_loss(self, outputs, targets, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the logits, the micro-batch's mean loss): auto takes the model's own loss where it computed one (a dict
+        with labels, a `targets` forward), else cross-entropy on the logits; Loss("ce") always cross-entropy."""
+        logits, mean = split_outputs(outputs)
+        if mean is None or self.spec != "auto":
+            mean = cross_entropy(logits, targets, spec=self.spec, labels=isinstance(batch, Mapping))
+        return logits, mean
 
 
 def make_loss(*, model: nn.Module) -> Loss:
@@ -71,13 +77,7 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
     shift: the model's loss predicts target t+1 at position t (None: not known, so a dict batch's sequence
     logits get no accuracy); `extra` goes to the model."""
     outputs, targets = call_model(model, batch, loss, **extra)
-    logits, own = loss.split(outputs)
-    if loss.fn is not None:  # core.loss_options: mse, model, module:function, auto's float targets
-        mean = loss.fn(outputs, targets, batch)
-    elif own is not None and loss.spec == "auto":  # the model's own: a dict with labels, a `targets` forward
-        mean = own
-    else:
-        mean = cross_entropy(logits, targets, spec=loss.spec, labels=isinstance(batch, Mapping))
+    logits, mean = loss.logits_and_loss(outputs, targets, batch)
     known = shift is not None or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)
     samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))

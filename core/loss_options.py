@@ -12,10 +12,10 @@ What a sample means stays core.loss's: a pair's target is never handed to a forw
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,29 +34,43 @@ def split_any(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return split_outputs(outputs)
 
 
+@dataclass(frozen=True)
+class ChosenLoss(Loss):
+    """A --loss beyond core.loss's: `fn(outputs, targets, batch)` gives the micro-batch's mean loss; the logits are
+    split_any's (a transformers `(loss, logits, ...)` tuple too)."""
+
+    fn: Callable | None = None
+
+    def logits_and_loss(self, outputs, targets, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        logits = split_any(outputs)[0]
+        if self.fn is None:  # ce
+            return logits, cross_entropy(logits, targets, spec=self.spec, labels=isinstance(batch, Mapping))
+        return logits, self.fn(outputs, targets, batch)
+
+
 def choose_loss(spec: str, loss: Loss, *, model: nn.Module) -> Loss:
     """`--loss spec` for `model` (the plain one), in place of core.loss.make_loss's `loss` (auto). A choice that cannot
     work is one RecipeError line."""
     if spec not in CHOICES:
         custom = resolve_factory(spec, dict.fromkeys(CHOICES), option="--loss")
-        return Loss(spec, fn=functools.partial(_custom, custom), split=split_any)
+        return ChosenLoss(spec, fn=functools.partial(_custom, custom))
     if spec == "ce":
-        return Loss(spec, split=split_any)
+        return ChosenLoss(spec)
     if spec == "auto":
-        return dataclasses.replace(loss, fn=_auto, split=split_any)
+        return ChosenLoss(spec, targets_as=loss.targets_as, fn=_auto)
     if spec == "mse":
-        return Loss(spec, fn=functools.partial(_mse, spec=spec), split=split_any)
+        return ChosenLoss(spec, fn=functools.partial(_mse, spec=spec))
     params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
     names = [p.name for p in params]
     if TARGETS not in names and "labels" in names:  # transformers': it shifts; a pair's target must not be shifted
-        return Loss(spec, fn=functools.partial(_own, name=type(model).__name__, labels_only=True), split=split_any)
+        return ChosenLoss(spec, fn=functools.partial(_own, name=type(model).__name__, labels_only=True))
     second = params[1].name if len(params) > 1 and params[1].kind != inspect.Parameter.VAR_POSITIONAL else None
     if TARGETS not in names and not second:
         raise RecipeError(
             f"--loss model: {type(model).__name__}.forward{inspect.signature(model.forward)} takes no targets; "
             f"give it a `targets` parameter that makes it return a loss (as nanoGPT), or use --loss ce or mse"
         )
-    return Loss(spec, targets_as=TARGETS if TARGETS in names else second, fn=_own, split=split_any)
+    return ChosenLoss(spec, targets_as=TARGETS if TARGETS in names else second, fn=_own)
 
 
 def _custom(custom: Callable, outputs, targets, batch) -> torch.Tensor:

@@ -105,6 +105,13 @@ class Clock:
             self.trained[key] += value
         return _rates(samples, tokens, seconds)
 
+    @staticmethod
+    def shown(numbers: dict[str, float]) -> list[str]:
+        """The rates of a log window, as its progress line shows them: `1234 samples/s`."""
+        return [
+            f"{numbers[k]:.0f} {k.removesuffix('_per_s')}/s" for k in ("samples_per_s", "tokens_per_s") if k in numbers
+        ]
+
     def throughput(self) -> dict[str, float]:
         """Over every window read so far: the job's training throughput, the start-up, and the time trained."""
         elapsed = time.perf_counter() - self.started if self.started else 0.0
@@ -160,8 +167,8 @@ def log_train(run: RunFolder, meter: Meter, *, step: int, total: int, epoch: int
     A collective: every rank calls it at the same step."""
     numbers = meter.read()
     write_record(run, {"kind": "train", "step": step, "epoch": epoch, **fields, **numbers})
-    shown = {"loss": "loss {:.4f}", "acc": "acc {:.4f}", "samples_per_s": "{:.0f} samples/s"}
-    parts = [f.format(numbers[k]) for k, f in (shown | {"tokens_per_s": "{:.0f} tokens/s"}).items() if k in numbers]
+    parts = [f"{key} {numbers[key]:.4f}" for key in ("loss", "acc") if key in numbers]
+    parts.extend(meter.clock.shown(numbers))  # 1234 samples/s
     say(run, " ".join([f"step {step}/{total} epoch {epoch}", *parts]))
 
 
@@ -179,9 +186,9 @@ def log_summary(run: RunFolder, meter: Meter, evaluation: dict, *, steps: int, s
     The last evaluation, the last train loss, the job's shape, `extra` (the recipe's own: replicas, mesh sizes),
     where the weights are, and the throughput of the training clock."""
     summary = {**evaluation, "train_loss": meter.last.get("loss"), "steps": steps, "skipped_steps": skipped}
-    summary |= {key: run.config[key] for key in ("world_size", "global_batch")} | extra | {"weights": str(weights)}
-    if run.config.get("init_from"):  # a copy without the init_from feature has none
-        summary["init_from"] = run.config["init_from"]
+    # the job's shape, and the weights it started from (--init-from: none in a new run, nor in a copy without it)
+    summary |= {key: run.config[key] for key in ("world_size", "global_batch", "init_from") if run.config.get(key)}
+    summary |= extra | {"weights": str(weights)}
     summary.update(meter.clock.throughput())
     write_record(run, {"kind": "summary", **summary})
     shown = {k: (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}") if isinstance(v, float) else v for k, v in summary.items()}

@@ -4,7 +4,7 @@ every forward is a collective. The recipes call torch's fully_shard and parallel
 
     dp_mesh = parallel.build_mesh(topo, {"dp": topo.world_size})
     policy = parallel.fsdp_policy(cfg.precision, offload=cfg.offload)
-    for block in parallel.shard_units(model, blocks=cfg.blocks):
+    for block in parallel.shard_units(model, parallel.find_blocks(model)):
         fully_shard(block, mesh=dp_mesh, **policy)
     fully_shard(model, mesh=dp_mesh, **policy)
 """
@@ -51,58 +51,55 @@ class ShardedPrecision(Options):
 # --- the device mesh ---------------------------------------------------------------------------------------------
 
 
-def check_mesh(world_size: int, dims: dict[str, int]) -> None:
-    """Refuse, before any process group exists, a mesh whose sizes don't multiply to the world size."""
-    shape = " x ".join(f"{name}={size}" for name, size in dims.items())
-    total = math.prod(dims.values())
-    if min(dims.values()) < 1 or total != world_size:
-        raise RecipeError(
-            f"a {shape} mesh needs {total} processes but the world size is {world_size}; "
-            f"launch {total} processes (NPROC_PER_NODE) or pick sizes that multiply to {world_size}"
-        )
-
-
 def build_mesh(topo, dims: dict[str, int]):
-    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2}: rank = dp_index * tp + tp_index."""
-    check_mesh(topo.world_size, dims)
+    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2}: rank = dp_index * tp + tp_index. Sizes that do not
+    multiply to the world size are one RecipeError line (each recipe's own check refuses them before launch)."""
+    if (total := math.prod(dims.values())) != topo.world_size or min(dims.values()) < 1:
+        shape = " x ".join(f"{name}={size}" for name, size in dims.items())
+        raise RecipeError(
+            f"a {shape} mesh needs {total} processes but the world size is {topo.world_size}; launch {total} "
+            f"processes (NPROC_PER_NODE) or pick sizes that multiply to {topo.world_size}"
+        )
     return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
 # --- fully_shard -------------------------------------------------------------------------------------------------
 
 
-def find_blocks(model: nn.Module, *, name: str | None = None) -> tuple[str, nn.Module] | None:
+def find_blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
     """The model's repeated blocks: (path, container), or None when it has none.
 
-    With `name` (e.g. "transformer.h"), that nn.ModuleList / nn.Sequential, or a RecipeError listing the
-    candidates. Without, the ModuleList / Sequential whose children repeat one class (GPT-2's and
-    nanoGPT's `transformer.h`, Llama's `model.layers`, `blocks` here) holding the most parameters,
-    the outermost on a tie."""
+    The ModuleList / Sequential whose children repeat one class (GPT-2's and nanoGPT's `transformer.h`, Llama's
+    `model.layers`, `blocks` here) holding the most parameters, the outermost on a tie."""
     containers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
-    if name is not None:
-        found = dict(containers).get(name)
-        if found is None:
-            listed = ", ".join(n or "(the model itself)" for n, _ in containers) or "none"
-            raise RecipeError(
-                f"--blocks {name}: {type(model).__name__} has no nn.ModuleList or nn.Sequential "
-                f"there; candidates: {listed}"
-            )
-        return name, found
     repeated = [(n, m) for n, m in containers if max(Counter(type(c) for c in m).values()) >= 2]
     if not repeated:
         return None
     return max(repeated, key=lambda item: (sum(p.numel() for p in item[1].parameters()), -item[0].count(".")))
 
 
-def shard_units(model: nn.Module, *, blocks: str = "") -> list[nn.Module]:
-    """The blocks to fully_shard one by one before the root (find_blocks; `blocks`: --blocks). Each is gathered
-    just before it runs and freed after, so a rank holds 1/N of the model plus one block. None found: a warning,
-    and the root alone is one unit (the whole model gathered for each forward)."""
-    found = find_blocks(model, name=blocks or None)
+def named_blocks(model: nn.Module, name: str) -> tuple[str, nn.Module]:
+    """--blocks NAME: (NAME, that nn.ModuleList / nn.Sequential), e.g. "transformer.h", or a RecipeError listing the
+    candidates."""
+    containers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
+    found = dict(containers).get(name)
+    if found is None:
+        listed = ", ".join(n or "(the model itself)" for n, _ in containers) or "none"
+        raise RecipeError(
+            f"--blocks {name}: {type(model).__name__} has no nn.ModuleList or nn.Sequential there; candidates: {listed}"
+        )
+    return name, found
+
+
+def shard_units(model: nn.Module, found: tuple[str, nn.Module] | None) -> list[nn.Module]:
+    """The blocks to fully_shard one by one before the root: `found`'s (find_blocks', or named_blocks' for --blocks).
+    Each is gathered just before it runs and freed after, so a rank holds 1/N of the model plus one block. None: a
+    warning, and the root alone is one unit (the whole model gathered for each forward)."""
     if found is None:
         warnings.warn(
             f"fsdp: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one class); "
-            f"sharding it as one unit, which gathers the whole model for each forward; name them with --blocks",
+            f"sharding it as one unit, which gathers the whole model for each forward; name them with --blocks (a "
+            f"standalone copy: made `--with blocks`)",
             stacklevel=2,
         )
         return []
@@ -126,7 +123,7 @@ def apply_fsdp(
 ) -> nn.Module:
     """fully_shard each block (shard_units), then the root: the recipes' lines, for tests and bench/."""
     policy = fsdp_policy(precision, offload=offload)
-    for block in shard_units(model, blocks=blocks):
+    for block in shard_units(model, named_blocks(model, blocks) if blocks else find_blocks(model)):
         fully_shard(block, mesh=mesh, **policy)
     return fully_shard(model, mesh=mesh, **policy)
 
@@ -161,10 +158,8 @@ def check_tp_model(model: nn.Module) -> list[nn.Module]:
     Reads only attributes and shapes, so it runs on a meta-device model before any process starts."""
     blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
     if not blocks:
-        found = find_blocks(model)
-        seen = f" (its repeated blocks are {found[0]})" if found else ""
         raise RecipeError(
-            f"the model ({type(model).__name__}): tensor parallelism needs {GPT_LAYOUT}{seen}, or a transformers "
+            f"the model ({type(model).__name__}): tensor parallelism needs {GPT_LAYOUT}, or a transformers "
             f"model's own plan (which a standalone copy reads when made `--with model_plans`); use fsdp for this model"
         )
     for block in blocks:

@@ -40,7 +40,7 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
     """
     n = len(weights)
     if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
+        raise RecipeError(f"cannot cut the model's {n} blocks into {num_stages} pipeline stages; use 1 to {n} stages")
     prefix = [0.0, *itertools.accumulate(weights)]
     # best[s][i]: lightest possible heaviest stage when the first i blocks form s stages
     best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
@@ -59,10 +59,11 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def block_times(blocks: Sequence[nn.Module], sample: torch.Tensor) -> list[float]:
-    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it)."""
+def block_times(model: nn.Module, sample: torch.Tensor) -> list[float]:
+    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it), rank 0's on every
+    rank so that all cut alike: split_pipeline's weights for --balance time."""
     times, x = [], sample
-    for block in blocks:
+    for block in model.blocks:
         x_in = x.detach().requires_grad_(x.is_floating_point())
         fastest = float("inf")
         for _ in range(3):  # the fastest of three: the least disturbed by other work
@@ -75,26 +76,14 @@ def block_times(blocks: Sequence[nn.Module], sample: torch.Tensor) -> list[float
         block.zero_grad(set_to_none=True)
         times.append(fastest)
         x = out.detach()
-    return times
+    return broadcast_object(times)
 
 
-def block_weights(model: nn.Module, *, balance: str | Sequence[int], sample: torch.Tensor | None = None) -> list[float]:
-    """What to balance: parameter counts, measured times (rank 0's, so all ranks agree), or given sizes."""
-    blocks = list(model.blocks)
-    if balance == "params":
-        return [float(sum(p.numel() for p in b.parameters())) for b in blocks]
-    if balance == "time":
-        if sample is None:
-            raise ValueError("balance='time' needs a sample input to time the blocks on")
-        return broadcast_object(block_times(blocks, sample))
-    raise ValueError(f"balance must be 'params', 'time' or a list of stage sizes, not {balance!r}")
-
-
-def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
+def check_pipeline_model(model: nn.Module) -> int:
     """The number of blocks; a RecipeError naming the structure pipelining needs when the model lacks it.
 
-    That is, when the model can't be cut into `num_stages` stages. Reads only attributes, so it runs on a
-    meta-device model in the pre-check."""
+    Reads only attributes, so it runs on a meta-device model in the pre-check. Too few blocks for the stages:
+    plan_split's line (core.schedules.check_pipeline names the recipe's options before launch)."""
     name = type(model).__name__
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
@@ -109,11 +98,6 @@ def check_pipeline_model(model: nn.Module, *, num_stages: int) -> int:
             f"--model {name}: {outside[0]} is outside model.blocks; "
             f"a pipeline stage must hold every parameter, so move it into a block"
         )
-    if len(blocks) < num_stages:
-        raise RecipeError(
-            f"--model {name} has {len(blocks)} blocks, fewer than the "
-            f"{num_stages} pipeline stages; use at most {len(blocks)} stages or a deeper model"
-        )
     return len(blocks)
 
 
@@ -122,20 +106,18 @@ def split_pipeline(
     *,
     num_stages: int,
     stage_index: int,
-    balance: str | Sequence[int] = "params",
-    sample: torch.Tensor | None = None,
+    weights: Sequence[float] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> Stage:
     """Cut `model.blocks` into `num_stages` contiguous stages and return stage `stage_index`.
 
-    balance: "params" (parameter counts), "time" (forward+backward time on `sample`, measured
-    on every rank, rank 0's numbers used) or a list of blocks per stage, e.g. [2, 4].
+    The cut is plan_split's of `weights`, one a block: their parameter counts by default, or block_times' seconds;
+    or `sizes`, the blocks of each stage given, e.g. [2, 4].
     """
-    count = check_pipeline_model(model, num_stages=num_stages)
-    if isinstance(balance, str):
-        sizes = plan_split(block_weights(model, balance=balance, sample=sample), num_stages)
-    else:
-        sizes = list(balance)
-        if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
-            raise RecipeError(f"--balance {sizes}: give {num_stages} positive stage sizes adding up to {count} blocks")
+    count = check_pipeline_model(model)
+    weights = weights or [float(sum(p.numel() for p in block.parameters())) for block in model.blocks]
+    sizes = list(sizes or plan_split(weights, num_stages))
+    if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
+        raise RecipeError(f"stage sizes {sizes}: give {num_stages} positive sizes adding up to {count} blocks")
     lo = sum(sizes[:stage_index])
     return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})

@@ -6,8 +6,9 @@
 Only rank 0 writes or prints; every number it writes has been reduced over the ranks first. Which folder a run
 takes, its lock and the checks a resume must pass are core.folder's; checkpoints and metrics need only this.
 A line is printed as it is (progress and the summary on stdout, `warning:` and `error:` on stderr) and handed to
-loguru, whose sink (open_log, rank 0) writes it to train.log. A process logs to one run at a time: _RUN_LOG holds
-that sink, the one piece of state here, so that the error a run ends with (error_line) reaches its log.
+loguru, whose sink (open_log, rank 0) writes it to train.log; while rank 0 chooses the folder, a sink that keeps the
+lines (keep_lines) holds them for train.log's start. A process logs to one run at a time: _RUN_LOG holds that sink,
+the one piece of state here, so that the error a run ends with (fail) reaches its log.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from loguru import logger
 LOG_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | rank {extra[rank]} | {message}"
 LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing
 GRACE_S = 5.0  # how long a rank other than 0 lets rank 0 say an error every rank meets before it says it itself
-_RUN_LOG: dict = {}  # this process's train.log sink: {"id": loguru handler id, "path": run folder}
-_EARLY: dict = {}  # while rank 0 chooses its run folder: {"lines": [(time, level, message)]}, train.log's first
+_RUN_LOG: dict = {}  # this process's log sink: {"id": loguru's handler id, "path": run folder} or {"id", "early"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def release_new(run: RunFolder) -> None:
 def take_back(*, refused: bool) -> None:
     """`refused`: the run ends in an error every rank meets (a restart would meet it again: a non-finite loss at step
     1, a refused load); rank 0 takes back the new folder it made, as release_new does."""
-    if refused and _RUN_LOG:
+    if refused and "path" in _RUN_LOG:
         _take_back(_RUN_LOG["path"])
 
 
@@ -70,28 +70,28 @@ def _take_back(path: Path) -> None:
 
 
 def open_log(run: RunFolder) -> None:
-    """Rank 0, once the run folder is known: every line the run prints from here on also goes to RUN/train.log.
-
-    One run's log at a time in a process (the one before, of a run that ended, is closed). loguru's default handler
-    goes: it would print each line a second time, in its own form."""
-    if not run.writer:
-        return
-    close_log()
-    with contextlib.suppress(ValueError):  # gone already
-        logger.remove(0)
-    ours = lambda record: "rank" in record["extra"]  # noqa: E731 - the lines said here, not a user's own loguru lines
-    _RUN_LOG.update(path=run.path, id=logger.add(run.path / "train.log", format=LOG_FORMAT, filter=ours, catch=False))
-    for when, level, message in _EARLY.pop("lines", []):  # the resume's lines, said while the folder was chosen
-
-        def said_at(record, when=when):  # the time the line was said, in loguru's own datetime type
-            record["time"] = record["time"].fromtimestamp(when, record["time"].tzinfo)
-
-        logger.patch(said_at).bind(rank=0).log(level, message)
+    """Rank 0, once the run folder is known: every line the run prints from here on also goes to RUN/train.log,
+    which starts with the lines said while the folder was chosen (keep_lines)."""
+    if run.writer:
+        with open(run.path / "train.log", "a") as log:
+            log.writelines(_RUN_LOG.get("early", []))  # as loguru formatted them when they were said
+        _log_to(run.path / "train.log", path=run.path)
 
 
 def keep_lines() -> None:
     """From here to open_log (rank 0 choosing its run folder), the lines said are kept: train.log starts with them."""
-    _EARLY["lines"] = []  # a choice before this one that failed: its lines go
+    early = []  # a choice before this one that failed: its lines go
+    _log_to(early.append, early=early)
+
+
+def _log_to(sink, **state) -> None:
+    """The lines said go to `sink` (a file, or a list that keeps them), formatted; one run's log at a time in a
+    process (the one before, of a run that ended, is closed)."""
+    close_log()
+    with contextlib.suppress(ValueError):  # loguru's own handler (if not gone already) would print each line again
+        logger.remove(0)
+    ours = lambda record: "rank" in record["extra"]  # noqa: E731 - the lines said here, not a user's own loguru lines
+    _RUN_LOG.update(state, id=logger.add(sink, format=LOG_FORMAT, filter=ours, catch=False))
 
 
 def close_log() -> None:
@@ -107,8 +107,6 @@ def show(message: str, *, level: str = "INFO", rank: int = 0) -> None:
     if _RUN_LOG:
         with contextlib.suppress(OSError):  # train.log on a full disk: the terminal has the line; the run's writes fail
             logger.bind(rank=rank).log(level, message)
-    elif "lines" in _EARLY:  # the run's folder is being chosen: open_log writes it first
-        _EARLY["lines"].append((time.time(), level, message))
 
 
 def say(run: RunFolder, message: str, *, level: str = "INFO") -> None:
@@ -117,12 +115,14 @@ def say(run: RunFolder, message: str, *, level: str = "INFO") -> None:
         show(message, level=level)
 
 
-def error_line(message: str, *, everyone: bool) -> None:
-    """`error: message` as one line on stderr (and in train.log), as a job prints it.
+def fail(message: str, code: int, *, everyone: bool = True) -> int:
+    """Print `error: message` as one line on stderr (and in train.log), as a job prints it; returns `code`, the exit
+    status.
 
     Under torchrun an error every rank meets (`everyone`: a RecipeError, raised alike on every rank, an interrupt) is
     printed by rank 0: another rank waits GRACE_S for rank 0 to end the job, and says it, with its number, only if the
-    job still runs. An error of this rank's own (an OSError, a crash) carries its number."""
+    job still runs. An error of this rank's own (an OSError, a crash) carries its number. A refused run (a restart
+    would meet the error again) leaves no empty run folder."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     text = " ".join(str(message).split())
     if everyone and rank != 0:
@@ -130,6 +130,8 @@ def error_line(message: str, *, everyone: bool) -> None:
     if world > 1 and (rank != 0 or not everyone) and not re.match(r"rank \d+: ", text):
         text = f"rank {rank}: {text}"
     show("error: " + text, level="ERROR", rank=rank)
+    take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt or a usage error
+    return code
 
 
 def os_error_line(err: OSError) -> str:

@@ -26,14 +26,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 def check_pipeline(
     *, world_size: int, pp: int, schedule: str, num_blocks: int, batch_size: int, microbatches: int
 ) -> None:
-    """Everything about a pipeline job that can be refused before any process group exists."""
+    """Everything about a pipeline job that can be refused before any process group exists (`schedule`: one of
+    SCHEDULES, as the option's choices hold it)."""
     if pp < 1 or world_size % pp:
         raise RecipeError(
             f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
             f"use --pp {world_size} (or a divisor of it)"
         )
-    if schedule not in SCHEDULES:
-        raise RecipeError(f"--schedule {schedule}: choose one of {', '.join(SCHEDULES)}")
     stages = pp * (2 if schedule == "interleaved1f1b" else 1)
     if num_blocks < stages:
         raise RecipeError(
@@ -64,8 +63,7 @@ class TokenLoss:
     a mean per micro-batch would weigh a micro-batch with fewer counted targets more, and one with none is 0/0.
     evaluate_pipeline sets 1: the losses are then plain sums. logits (..., classes)."""
 
-    def __init__(self) -> None:
-        self.normalizer = torch.ones(())
+    normalizer = torch.ones(())  # each instance's own once step_pipeline or evaluate_pipeline sets it
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         check_aligned(logits, targets)  # output[..., t] against target[..., t], as core.loss compares them
@@ -144,15 +142,14 @@ def step_pipeline(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     average_gradients(params, group=dp_group)
     norm = float(clip_grad_norm(params, clip, group=pp_group))  # the step's one host sync
-    if finite := math.isfinite(norm):
+    stats = StepStats(norm, skipped=not math.isfinite(norm))
+    if not stats.skipped:
         optimizer.step()
     if not holds_last:  # nothing to add to the job's sums, under the keys core.meter reads
         zero = torch.zeros((), dtype=torch.float64, device=inputs.device)
-        return {"loss_sum": zero, "count": zero, "samples": zero}, StepStats(norm, not finite)
+        return {"loss_sum": zero, "count": zero, "samples": zero}, stats
     loss_sum = torch.stack(losses).detach().double().sum() * loss_fn.normalizer.double()  # back to a plain sum
-    return metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum}, StepStats(
-        norm, not finite
-    )
+    return metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum}, stats
 
 
 @torch.no_grad()

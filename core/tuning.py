@@ -33,9 +33,9 @@ def checkpoint_blocks(model: nn.Module, *, blocks: str | None = None) -> int:
     block's at a time, for one more forward per block in backward. The composable API adds hooks, not a
     wrapper, so state-dict keys stay the same.
     """
-    from core.parallel import find_blocks  # here: core.parallel pulls in the distributed APIs
+    from core.parallel import find_blocks, named_blocks  # here: core.parallel pulls in the distributed APIs
 
-    found = find_blocks(model, name=blocks)
+    found = named_blocks(model, blocks) if blocks else find_blocks(model)
     if found is None:
         raise RecipeError(
             f"--activation-checkpointing: the model ({type(model).__name__}) has no repeated blocks "

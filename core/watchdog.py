@@ -162,7 +162,7 @@ class Watchdog:
             rank=self.topo.rank,
         )
         self.store.set(f"rank{self.topo.rank}", json.dumps(info))
-        if self.topo.is_rank0:
+        if self.topo.rank == 0:
             self._report(info)
 
     def _report(self, mine: dict) -> None:

@@ -117,9 +117,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # The run folder: a new one, or the one of the checkpoint --resume names, refused before it is touched when
     # the checkpoint cannot continue in this job. Then that checkpoint's state, every rank's own generator too,
     # and the trackers --log-to names, which continue from the checkpoint's step.
-    run = folder.open_run(
-        cfg, topo, recipe="ddp_monitored", global_batch=global_batch, newest=ckpt.newest_good, header=ckpt.read_metadata
-    )
+    checkpoints = dict(newest=ckpt.newest_good, header=ckpt.read_metadata)  # how a resume finds and reads one
+    run = folder.open_run(cfg, topo, recipe="ddp_monitored", global_batch=global_batch, **checkpoints)
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
@@ -156,9 +155,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(clock):
                     with monitor.paused(timer, watch):
-                        saver.save(
-                            run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
-                        )
+                        state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
+                        saver.save(run, model=model, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):  # each rank evaluates its share; the sums are all-reduced
             with monitor.paused(timer, watch):
                 evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
@@ -170,15 +168,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(
-        run,
-        clock,
-        evaluation,
-        steps=step,
-        skipped=skipped,
-        weights=saved,
-        **replicas.replicas_report(model.state_dict()),
-    )
+    same = replicas.replicas_report(model.state_dict())  # {"replicas_identical": ...}, in the summary
+    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **same)
     trackers.close(run)
     return summary
 

@@ -50,10 +50,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
         weights.load_weights(model, cfg.init_from)
     gpus = torch.cuda.device_count()
-    if gpus >= 2:  # the batch is split over the GPUs inside forward; replicas are re-made every step
-        dp_model = nn.DataParallel(model)
-    else:
-        dp_model = model
+    dp_model = nn.DataParallel(model) if gpus >= 2 else model  # the batch split over the GPUs inside forward
     train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
     val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
     optimizer = torch.optim.AdamW(dp_model.parameters(), lr=cfg.lr)
@@ -69,12 +66,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    records.say(
-        run,
-        f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)"
-        if gpus >= 2
-        else f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training",
-    )
+    if gpus >= 2:
+        records.say(run, f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)")
+    else:
+        records.say(run, f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training")
 
     # Train. DataParallel scatters each batch from the first GPU and gathers the outputs back on it.
     step, skipped, evaluation = start["step"], start["skipped"], {}

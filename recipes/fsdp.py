@@ -25,23 +25,31 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from core import amp, data, dcp, dist, folder, hf, meter, models, parallel, replicas, stream, trackers, weights
+from core import (
+    amp,
+    data,
+    dcp,
+    dist,
+    exact_loss,
+    folder,
+    hf,
+    meter,
+    models,
+    parallel,
+    replicas,
+    stream,
+    trackers,
+    weights,
+)
+from core.amp import Accumulation
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
-from core.exact_loss import forward_sums, make_exact_loss
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
     title = "fully sharded data parallel"
@@ -63,8 +71,10 @@ def check(cfg: Config) -> None:
     """Everything refusable, before any process starts: offload, the blocks on a meta-device model."""
     if cfg.offload and not torch.cuda.is_available():
         raise RecipeError("--offload: there is no GPU, so the shards are in CPU memory already; drop --offload")
-    with torch.device("meta"):  # shapes only: the model's blocks are found (or --blocks refused) without memory
-        parallel.find_blocks(models.build_model(cfg.model), name=cfg.blocks or None)
+    with torch.device("meta"):  # shapes only: no memory
+        model = models.build_model(cfg.model)
+    if cfg.blocks:  # --blocks NAME must name a container of the model
+        parallel.named_blocks(model, cfg.blocks)
 
 
 def main(cfg: Config) -> dict:
@@ -91,7 +101,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         weights.load_weights(model, cfg.init_from)
     dp_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     policy = parallel.fsdp_policy(cfg.precision, offload=cfg.offload)  # bf16 compute, fp32 gradient reduction
-    for block in parallel.shard_units(model, blocks=cfg.blocks):  # each gathered only while it runs
+    if cfg.blocks:  # --blocks NAME: that nn.ModuleList's blocks
+        found = parallel.named_blocks(model, cfg.blocks)
+    else:  # the model's repeated blocks (GPT-2's transformer.h, Llama's model.layers, the GPT's blocks)
+        found = parallel.find_blocks(model)
+    for block in parallel.shard_units(model, found):  # each gathered only while it runs
         fully_shard(block, mesh=dp_mesh, **policy)
     fully_shard(model, mesh=dp_mesh, **policy)
     torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
@@ -107,7 +121,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
     loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
-    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
+    # Every counted target of the global batch weighs the same, across ranks and micro-batches.
+    loss_fn = exact_loss.make_exact_loss(loss_fn, model=model)
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
     # checkpoint's state (every rank reads its own shard, resharded to this world size), and the trackers.
@@ -120,6 +135,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Train. K micro-batches a step; the gradients are reduce-scattered in the last one's backward only.
     step, skipped, evaluation = start["step"], start["skipped"], {}
+    step_options = dict(
+        optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, sync=parallel.fsdp_sync, dp_group=dp_mesh.get_group()
+    )
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
@@ -127,15 +145,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         data.set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = amp.step_amp(  # bf16 lives in fully_shard's MixedPrecisionPolicy: no autocast here
-                model,
-                micro_batches,
-                optimizer=optimizer,
-                loss_fn=loss_fn,
-                clip=cfg.clip,
-                sync=parallel.fsdp_sync,
-                dp_group=dp_mesh.get_group(),
-            )
+            # bf16 lives in fully_shard's MixedPrecisionPolicy: no autocast here
+            metrics, stats = amp.step_amp(model, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
@@ -152,7 +163,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         # every forward is a collective: a rank whose share ran out repeats its last, uncounted
         with meter.paused(clock):
             evaluation = parallel.evaluate_sharded(
-                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
+                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
@@ -161,15 +172,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     full = parallel.full_state_dict(model)
     saved = weights.write_weights(run, full)
     hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(
-        run,
-        clock,
-        evaluation,
-        steps=step,
-        skipped=skipped,
-        weights=saved,
-        **replicas.replicas_report(dict(model.named_buffers())),
-    )
+    same = replicas.replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
+    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **same)
     trackers.close(run)
     return summary
 

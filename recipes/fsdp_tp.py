@@ -28,6 +28,7 @@ from core import (
     data,
     dcp,
     dist,
+    exact_loss,
     folder,
     hf,
     meter,
@@ -39,22 +40,15 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
-from core.exact_loss import forward_sums, make_exact_loss
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"
@@ -88,7 +82,8 @@ def check(cfg: Config) -> None:
     with torch.device("meta"):  # shapes only: the plan splits into tp whole shards, and the blocks are found
         model = models.build_model(cfg.model)
     tp_plan.check_tp_plan(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
-    parallel.find_blocks(model, name=cfg.blocks or None)
+    if cfg.blocks:  # --blocks NAME must name a container of the model
+        parallel.named_blocks(model, cfg.blocks)
 
 
 def main(cfg: Config) -> dict:
@@ -120,7 +115,11 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
     policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
-    for block in parallel.shard_units(model, blocks=cfg.blocks):
+    if cfg.blocks:  # --blocks NAME: that nn.ModuleList's blocks
+        found = parallel.named_blocks(model, cfg.blocks)
+    else:  # the model's repeated blocks (GPT-2's transformer.h, Llama's model.layers, the GPT's blocks)
+        found = parallel.find_blocks(model)
+    for block in parallel.shard_units(model, found):
         fully_shard(block, mesh=dp_mesh, **policy)
     fully_shard(model, mesh=dp_mesh, **policy)
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
@@ -139,19 +138,22 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
     loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
-    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
+    # Every counted target of the global batch weighs the same, across ranks and micro-batches.
+    loss_fn = exact_loss.make_exact_loss(loss_fn, model=model)
     counts = tp_mesh.get_local_rank() == 0  # one rank per tp group counts the group's batch
 
     # The run folder, new or resumed, the checkpoint's state (every rank reads its shards), and the trackers.
-    run = folder.open_run(
-        cfg, topo, recipe="fsdp_tp", global_batch=global_batch, newest=dcp.newest_good, header=dcp.read_metadata, dp=dp
-    )
+    checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
+    run = folder.open_run(cfg, topo, recipe="fsdp_tp", global_batch=global_batch, dp=dp, **checkpoints)
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
     step, skipped, evaluation = start["step"], start["skipped"], {}
+    step_options = dict(
+        optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, sync=parallel.fsdp_sync, dp_group=dp_mesh.get_group()
+    )
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
@@ -159,15 +161,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         data.set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = amp.step_amp(  # bf16 lives in fully_shard's MixedPrecisionPolicy: no autocast here
-                model,
-                micro_batches,
-                optimizer=optimizer,
-                loss_fn=loss_fn,
-                clip=cfg.clip,
-                sync=parallel.fsdp_sync,
-                dp_group=dp_mesh.get_group(),
-            )
+            # bf16 lives in fully_shard's MixedPrecisionPolicy: no autocast here
+            metrics, stats = amp.step_amp(model, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
@@ -183,7 +178,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):  # a tp group's ranks count alike, each forward a collective: the means are right
             evaluation = parallel.evaluate_sharded(
-                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
+                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
@@ -192,17 +187,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     full = parallel.full_state_dict(model)
     saved = weights.write_weights(run, full)
     hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(
-        run,
-        clock,
-        evaluation,
-        steps=step,
-        skipped=skipped,
-        weights=saved,
-        tp=tp_mesh.size(),
-        dp=dp,
-        **replicas.replicas_report(dict(model.named_buffers())),
-    )
+    same = replicas.replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
+    shape = {"tp": tp_mesh.size(), "dp": dp}
+    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **shape, **same)
     trackers.close(run)
     return summary
 

@@ -32,6 +32,7 @@ from core import (
     amp,
     data,
     dcp,
+    dcp_tensors,
     dist,
     folder,
     hf,
@@ -44,19 +45,13 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation
 from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
     title = "pipeline parallelism"
@@ -92,16 +87,10 @@ def check(cfg: Config) -> None:
         raise RecipeError(f"--loss {cfg.loss}: pipeline computes cross-entropy on the last stage; use --loss ce")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with torch.device("meta"):  # shapes only: every parameter must be in model.blocks
-        blocks = pipeline.check_pipeline_model(models.build_model(cfg.model), num_stages=1)
+        blocks = pipeline.check_pipeline_model(models.build_model(cfg.model))
+    shape = dict(world_size=world, pp=cfg.pp or world, schedule=cfg.schedule, num_blocks=blocks)
     for k in sorted({1, cfg.accum}):  # --accum K runs a schedule of K x --microbatches micro-batches
-        schedules.check_pipeline(
-            world_size=world,
-            pp=cfg.pp or world,
-            schedule=cfg.schedule,
-            num_blocks=blocks,
-            batch_size=cfg.batch_size * k,
-            microbatches=cfg.microbatches * k,
-        )
+        schedules.check_pipeline(**shape, batch_size=cfg.batch_size * k, microbatches=cfg.microbatches * k)
 
 
 def main(cfg: Config) -> dict:
@@ -130,9 +119,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         weights.load_weights(model, cfg.init_from)
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
-    timed = cfg.balance == "time"  # --balance time measures the blocks on one micro-batch of inputs
-    sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)]) if timed else None
-    split = dict(num_stages=num_stages, balance=cfg.balance, sample=sample)
+    split = dict(num_stages=num_stages)  # stages of about equal parameter count
+    if cfg.balance == "time":  # of equal measured time instead: the blocks timed on one micro-batch of inputs
+        sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)])
+        split["weights"] = pipeline.block_times(model, sample)
     stages = [pipeline.split_pipeline(model, stage_index=i, **split).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
     runners = [PipelineStage(m, i, num_stages, topo.device, group=pp_group) for m, i in zip(stages, stage_ids)]
@@ -151,16 +141,18 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
 
     # The run folder, new or resumed, the checkpoint's state (every rank reads its stages), and the trackers.
-    run = folder.open_run(
-        cfg, topo, recipe="pipeline", global_batch=global_batch, newest=dcp.newest_good, header=dcp.read_metadata, dp=dp
-    )
-    start = dcp.load_checkpoint(run, model=stages, optimizer=optimizer, scheduler=scheduler)
+    checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
+    run = folder.open_run(cfg, topo, recipe="pipeline", global_batch=global_batch, dp=dp, **checkpoints)
+    start = dcp.load_checkpoint(run, model=dcp_tensors.root_module(stages), optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
     records.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
     # Train. Every rank calls the schedule with the whole batch; the first stage reads the inputs, the last the targets.
     step, skipped, evaluation = start["step"], start["skipped"], {}
+    step_options = dict(loss_fn=loss_fn, optimizer=optimizer, holds_last=holds_last, precision=cfg.precision)
+    step_options |= dict(clip=cfg.clip, dp_group=dp_group, pp_group=pp_group)
+    eval_options = dict(stages=stages, loss_fn=loss_fn, accum=cfg.accum, holds_last=holds_last, device=topo.device)
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
@@ -168,17 +160,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         data.set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = schedules.step_pipeline(  # schedule.step: forwards and backwards, stage to stage
-                schedule,
-                micro_batches,
-                loss_fn=loss_fn,
-                optimizer=optimizer,
-                holds_last=holds_last,
-                precision=cfg.precision,
-                clip=cfg.clip,
-                dp_group=dp_group,
-                pp_group=pp_group,
-            )
+            # schedule.step: forwards and backwards, stage to stage
+            metrics, stats = schedules.step_pipeline(schedule, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
@@ -190,18 +173,10 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(clock):  # every rank writes its own stages
-                    state = {"optimizer": optimizer, "scheduler": scheduler}
-                    dcp.save_checkpoint(run, model=stages, **state, progress=progress, keep=cfg.keep)
+                    state = {"model": dcp_tensors.root_module(stages), "optimizer": optimizer, "scheduler": scheduler}
+                    dcp.save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):  # forward only, through the same schedule: K batches a run, the smaller last one too
-            evaluation = schedules.evaluate_pipeline(
-                schedule,
-                val_loader,
-                stages=stages,
-                loss_fn=loss_fn,
-                accum=cfg.accum,
-                holds_last=holds_last,
-                device=topo.device,
-            )
+            evaluation = schedules.evaluate_pipeline(schedule, val_loader, **eval_options)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
     # The stages' tensors, merged on rank 0 into the plain model's state dict and written as one file (and a

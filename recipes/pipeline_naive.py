@@ -43,7 +43,7 @@ class PipelineParallelModel(nn.Module):
     def __init__(self, module: nn.Module, devices: list[torch.device]):
         super().__init__()
         self.module = module
-        count = pipeline.check_pipeline_model(module, num_stages=1)
+        count = pipeline.check_pipeline_model(module)
         weights = [float(sum(p.numel() for p in b.parameters())) for b in module.blocks]
         sizes = pipeline.plan_split(weights, min(len(devices), count))
         ends = itertools.accumulate(sizes)
@@ -68,7 +68,7 @@ def check(cfg: Config) -> None:
             f"`python -m recipes run pipeline_naive`, or use the pipeline recipe for several processes"
         )
     with torch.device("meta"):
-        pipeline.check_pipeline_model(models.build_model(cfg.model), num_stages=1)
+        pipeline.check_pipeline_model(models.build_model(cfg.model))
 
 
 def main(cfg: Config) -> dict:
@@ -126,17 +126,14 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             clock.add(metrics)
             if step % cfg.log_every == 0 or step == total:
-                lr = scheduler.get_last_lr()[0]
-                meter.log_train(
-                    run, clock, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped
-                )
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
+                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(clock):
-                    ckpt.save_checkpoint(
-                        run, model=plain, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
-                    )
+                    state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
+                    ckpt.save_checkpoint(run, model=plain, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)

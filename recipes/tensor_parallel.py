@@ -31,6 +31,7 @@ from core import (
     data,
     dcp,
     dist,
+    exact_loss,
     folder,
     hf,
     meter,
@@ -42,22 +43,15 @@ from core import (
     trackers,
     weights,
 )
+from core.amp import Accumulation
 from core.config import Checkpointing, Training, cli_main, option, with_default
-from core.exact_loss import forward_sums, make_exact_loss
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.parallel import ShardedPrecision
 
 
 @dataclass(frozen=True)
-class Config(
-    Training,
-    Checkpointing,
-    parallel.ShardedPrecision,
-    amp.Accumulation,
-    trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
-):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
     """The shared options and sequence parallelism; the tiny GPT on the embedded text by default."""
 
     title = "tensor parallelism"
@@ -105,7 +99,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         weights.load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     plan = tp_plan.plan_of(model, sequence_parallel=cfg.sequence_parallel)  # Linear layers split by column or by row
-    with tp_plan.ties_and_heads_kept(model, plan, tp=device_mesh["tp"].size()):  # a tied lm_head stays tied
+    tp = device_mesh["tp"].size()
+    with tp_plan.ties_and_heads_kept(model, plan, tp=tp):  # a tied lm_head stays tied
         parallelize_module(model, device_mesh["tp"], plan)
     torch.manual_seed(cfg.seed + device_mesh["dp"].get_local_rank())  # one group, one stream: DTensor needs it
     one_group = dataclasses.replace(topo, rank=0, world_size=1)  # every rank loads the group's whole batch
@@ -122,25 +117,21 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
     loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
-    loss_fn = make_exact_loss(loss_fn, model=model)  # every counted target of the global batch weighs the same
+    # Every counted target of the global batch weighs the same, across ranks and micro-batches.
+    loss_fn = exact_loss.make_exact_loss(loss_fn, model=model)
     counts = device_mesh["tp"].get_local_rank() == 0  # the ranks hold one batch: one of them counts it
 
     # The run folder, new or resumed, the checkpoint's state (every rank reads its slices), and the trackers.
-    run = folder.open_run(
-        cfg,
-        topo,
-        recipe="tensor_parallel",
-        global_batch=global_batch,
-        newest=dcp.newest_good,
-        header=dcp.read_metadata,
-        dp=1,
-    )
+    checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
+    run = folder.open_run(cfg, topo, recipe="tensor_parallel", global_batch=global_batch, dp=1, **checkpoints)
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. Each Linear's forward and backward all-reduce inside the tp group; AdamW steps each rank's slices.
     step, skipped, evaluation = start["step"], start["skipped"], {}
+    dp_group = device_mesh["dp"].get_group()  # a group of one: every rank holds the same batch, nothing is averaged
+    step_options = dict(optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, clip=cfg.clip, dp_group=dp_group)
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
@@ -148,15 +139,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         data.set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = amp.step_amp(
-                model,
-                micro_batches,
-                optimizer=optimizer,
-                loss_fn=loss_fn,
-                precision=cfg.precision,
-                clip=cfg.clip,
-                dp_group=device_mesh["dp"].get_group(),
-            )
+            metrics, stats = amp.step_amp(model, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
@@ -172,7 +155,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):  # every rank the same batches, each forward a collective: the means are right
             evaluation = parallel.evaluate_sharded(
-                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums
+                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
@@ -181,16 +164,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     full = parallel.full_state_dict(model)
     saved = weights.write_weights(run, full)
     hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(
-        run,
-        clock,
-        evaluation,
-        steps=step,
-        skipped=skipped,
-        weights=saved,
-        tp=device_mesh["tp"].size(),
-        **replicas.replicas_report(dict(model.named_buffers())),
-    )
+    same = replicas.replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
+    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, tp=tp, **same)
     trackers.close(run)
     return summary
 

@@ -48,7 +48,7 @@ def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
     loaders = [
         data.make_loader(
             train_set,
-            Topology(r, r, replicas, torch.device("cpu"), "gloo"),
+            Topology(r, replicas, torch.device("cpu"), "gloo"),
             batch_size=cfg.batch_size,
             seed=cfg.seed,
         )

@@ -70,9 +70,9 @@ def test_find_blocks_finds_the_repeated_layers(build, path):
 @pytest.mark.fast
 def test_find_blocks_by_name_and_a_bad_name():
     model = gpt2()
-    assert parallel.find_blocks(model, name="transformer.h")[0] == "transformer.h"
+    assert parallel.named_blocks(model, "transformer.h")[0] == "transformer.h"
     with pytest.raises(RecipeError, match=r"--blocks transformer\.blocks: .*candidates: transformer\.h") as err:
-        parallel.find_blocks(model, name="transformer.blocks")
+        parallel.named_blocks(model, "transformer.blocks")
     assert "\n" not in str(err.value)
     assert parallel.find_blocks(NoBlocks()) is None
 
@@ -85,7 +85,7 @@ def test_tp_and_pipeline_pre_checks_refuse_other_structures_on_meta(build):
     with pytest.raises(RecipeError, match="tensor parallelism needs model.blocks .*use fsdp"):
         parallel.check_tp_model(model)
     with pytest.raises(RecipeError, match="pipelining needs every parameter in `model.blocks`"):
-        pipeline.check_pipeline_model(model, num_stages=2)
+        pipeline.check_pipeline_model(model)
 
 
 @pytest.mark.fast
@@ -93,7 +93,7 @@ def test_pre_checks_accept_the_gpt_on_meta():
     with torch.device("meta"):
         model = GPT()
     assert len(parallel.check_tp_model(model)) == 4
-    assert pipeline.check_pipeline_model(model, num_stages=2) == 6
+    assert pipeline.check_pipeline_model(model) == 6
 
 
 @pytest.mark.fast

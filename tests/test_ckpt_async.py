@@ -116,7 +116,7 @@ def test_a_failed_background_write_is_named_by_its_own_step(tmp_path):
 def _save_in_world(topo, folder, background):
     model, optimizer = _train_state(seed=0)
     torch.manual_seed(100 + topo.rank)  # each rank's generator differs: the checkpoint holds both
-    run = replace(_run(folder, writer=topo.is_rank0), config={**_run(folder).config, "world_size": 2})
+    run = replace(_run(folder, writer=topo.rank == 0), config={**_run(folder).config, "world_size": 2})
     if background:
         saver = ckpt_async.CheckpointSaver(background=True)
         saver.save(run, model=model, optimizer=optimizer, progress=_progress(7), keep=2)
@@ -130,7 +130,7 @@ def _fail_in_world(topo, path):
     """Rank 0's write fails (its run folder is a file); every rank hears it at the run's end, none waits."""
     model, optimizer = _train_state()
     saver = ckpt_async.CheckpointSaver(background=True)
-    saver.save(_run(path, writer=topo.is_rank0), model=model, optimizer=optimizer, progress=_progress(3), keep=2)
+    saver.save(_run(path, writer=topo.rank == 0), model=model, optimizer=optimizer, progress=_progress(3), keep=2)
     try:
         saver.close()
     except RecipeError as err:

@@ -174,7 +174,7 @@ def train_recipe(topo, name, cfg):
     """A recipe's own train on this world's ranks; rank 0 returns the final weights."""
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers left behind in the world's process
     summary = {"ddp": ddp, "ddp_monitored": ddp_monitored}[name].train(cfg, topo)
-    return load_file(summary["weights"]) if topo.is_rank0 else None
+    return load_file(summary["weights"]) if topo.rank == 0 else None
 
 
 @pytest.fixture(scope="module")

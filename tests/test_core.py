@@ -58,7 +58,7 @@ def test_sampler_partitions_the_data_set(world_size, length, seed, epoch, drop_l
 
 
 def _topo(rank: int, world_size: int) -> Topology:
-    return Topology(rank, rank, world_size, torch.device("cpu"), "gloo")
+    return Topology(rank, world_size, torch.device("cpu"), "gloo")
 
 
 @settings(max_examples=50, deadline=None)

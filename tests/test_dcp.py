@@ -6,8 +6,8 @@ the weights and optimizer state of the run that never stopped, bit for bit, at t
 size; at another world size within float rounding (the gradient sums run in another order).
 """
 
-import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from core import dcp, dcp_folder, dcp_tensors, parallel
 from core.config import RecipeError
 from core.gpt import GPT
 from core.pipeline import split_pipeline
+from core.records import RunFolder
 from world import GlooWorld
 
 pytestmark = pytest.mark.world
@@ -48,13 +49,24 @@ def _build(kind: str, world: int, *, lr: float = 1e-2, context: int = CONTEXT):
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallel.apply_fsdp(parallel.apply_tp(model, mesh["tp"]), mesh=mesh["dp"])
     elif kind == "pipeline":
-        model = split_pipeline(model, num_stages=world, stage_index=torch.distributed.get_rank(), balance=[2, 2])
+        model = split_pipeline(model, num_stages=world, stage_index=torch.distributed.get_rank(), sizes=[2, 2])
     elif kind == "interleaved":  # two stages per rank, as the interleaved schedules hold them: rank r has r and r+2
         rank = torch.distributed.get_rank()
-        model = [split_pipeline(model, num_stages=4, stage_index=i, balance=[1] * 4) for i in (rank, rank + 2)]
+        model = [split_pipeline(model, num_stages=4, stage_index=i, sizes=[1] * 4) for i in (rank, rank + 2)]
     params = [p for m in model for p in m.parameters()] if isinstance(model, list) else model.parameters()
     optimizer = torch.optim.AdamW(params, lr=lr)
     return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
+
+
+def _run(folder: str, resume_from=None, *, recipe: str = "fsdp") -> RunFolder:
+    """A run folder as open_run returns it: its checkpoints in folder/ckpt, rank 0 the writer."""
+    config = {"global_batch": GLOBAL_BATCH, "world_size": torch.distributed.get_world_size()}
+    return RunFolder(Path(folder), resume_from and Path(resume_from), recipe, config, torch.distributed.get_rank() == 0)
+
+
+def _root(model):
+    """What a checkpoint takes: the model, or one module over a rank's stages (as the pipeline recipe passes it)."""
+    return dcp_tensors.root_module(model) if isinstance(model, list) else model
 
 
 def _step(kind: str, model, optimizer, scheduler, step: int, *, shares: slice) -> None:
@@ -79,9 +91,7 @@ def _stages(model) -> list:
 
 def _full(model, optimizer) -> dict:
     """Weights and optimizer state, gathered whole (a collective), on CPU."""
-    model_sd, optim_sd = get_state_dict(
-        dcp_tensors.root_module(model), optimizer, options=StateDictOptions(full_state_dict=True)
-    )
+    model_sd, optim_sd = get_state_dict(_root(model), optimizer, options=StateDictOptions(full_state_dict=True))
     out = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
     out |= {f"optim/{k}/{n}": v.clone() for k, s in optim_sd["state"].items() for n, v in s.items()}
     return out
@@ -96,7 +106,7 @@ def _shares(kind: str, topo) -> slice:
     return slice(dp_rank * per, (dp_rank + 1) * per)
 
 
-def train_save_resume(topo, kind: str, ckpt_dir: str, *, stop: int, total: int) -> dict:
+def train_save_resume(topo, kind: str, run_dir: str, *, stop: int, total: int) -> dict:
     """The run that never stops, and one that saves at `stop` and continues in a new model."""
     shares = _shares(kind, topo)
     model, optimizer, scheduler = _build(kind, topo.world_size)
@@ -107,24 +117,21 @@ def train_save_resume(topo, kind: str, ckpt_dir: str, *, stop: int, total: int) 
         _step(kind, model, optimizer, scheduler, step, shares=shares)
         if step + 1 == stop:
             rng = torch.get_rng_state()
-            path = dcp.save_sharded(
-                ckpt_dir,
-                model=model,
+            path = dcp.save_checkpoint(
+                _run(run_dir, recipe=kind),
+                model=_root(model),
                 optimizer=optimizer,
                 scheduler=scheduler,
                 scaler=scaler,
-                progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH},
-                metadata={
-                    "recipe": kind,
-                    "global_batch": str(GLOBAL_BATCH),
-                    "mesh": json.dumps({"dp": topo.world_size}),
-                },
+                progress={"epoch": 0, "samples": stop * GLOBAL_BATCH, "step": stop},
+                keep=2,
             )
             torch.manual_seed(1234)  # the load must put the generator back
     never_stopped = _full(model, optimizer)
     model, optimizer, scheduler = _build(kind, topo.world_size)
     scaler = torch.amp.GradScaler("cpu")
-    progress = dcp.load_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    resumed = _run(run_dir, path, recipe=kind)
+    progress = dcp.load_checkpoint(resumed, model=_root(model), optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     assert torch.equal(torch.get_rng_state(), rng) and scaler.get_scale() == 96.0
     for step in range(progress["step"], total):
         _step(kind, model, optimizer, scheduler, step, shares=shares)
@@ -150,7 +157,7 @@ def test_resume_is_bitwise(world2, tmp_path, kind):
     assert results[0]["progress"]["step"] == 2 and results[0]["progress"]["samples"] == 16
     for result in results:
         _assert_bitwise(result["never_stopped"], result["resumed"])
-    assert [p.name for p in dcp_folder.list_sharded(tmp_path)] == ["step-000002"]
+    assert [p.name for p in dcp_folder.list_sharded(tmp_path / "ckpt")] == ["step-000002"]
 
 
 @pytest.mark.parametrize("kind", ["pipeline", "interleaved"])
@@ -163,19 +170,13 @@ def test_pipeline_stages_resume_bitwise(world2, tmp_path, kind):
     assert first["never_stopped"].keys().isdisjoint(second["never_stopped"].keys())
 
 
-def save_then_continue(topo, ckpt_dir: str, *, stop: int, total: int) -> dict:
+def save_then_continue(topo, run_dir: str, *, stop: int, total: int) -> dict:
     shares = _shares("fsdp", topo)
     model, optimizer, scheduler = _build("fsdp", topo.world_size, lr=1e-3)
     for step in range(stop):
         _step("fsdp", model, optimizer, scheduler, step, shares=shares)
-    dcp.save_sharded(
-        ckpt_dir,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        keep=1,
-        progress={"epoch": 0, "batch": stop, "step": stop, "samples": stop * GLOBAL_BATCH},
-    )
+    progress = {"epoch": 0, "samples": stop * GLOBAL_BATCH, "step": stop}
+    dcp.save_checkpoint(_run(run_dir), model=model, optimizer=optimizer, scheduler=scheduler, keep=1, progress=progress)
     at_save = _full(model, optimizer)
     for step in range(stop, total):
         _step("fsdp", model, optimizer, scheduler, step, shares=shares)
@@ -185,16 +186,17 @@ def save_then_continue(topo, ckpt_dir: str, *, stop: int, total: int) -> dict:
 def load_and_continue(topo, path: str, *, total: int) -> dict:
     shares = _shares("fsdp", topo)
     model, optimizer, scheduler = _build("fsdp", topo.world_size, lr=1e-3)
-    progress = dcp.load_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    run = _run(Path(path).parent.parent, path)
+    progress = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     loaded = _full(model, optimizer)
     for step in range(progress["step"], total):
         _step("fsdp", model, optimizer, scheduler, step, shares=shares)
     return {"loaded": loaded, "end": _full(model, optimizer)}
 
 
-def _reshard(saver, loader, ckpt_dir) -> None:
-    saved = saver.run(save_then_continue, str(ckpt_dir), stop=3, total=5)[0]
-    (path,) = dcp_folder.list_sharded(ckpt_dir)
+def _reshard(saver, loader, run_dir) -> None:
+    saved = saver.run(save_then_continue, str(run_dir), stop=3, total=5)[0]
+    (path,) = dcp_folder.list_sharded(run_dir / "ckpt")
     assert dcp.read_metadata(path)["world_size"] == str(saver.world_size)
     ends = loader.run(load_and_continue, str(path), total=5)
     _assert_bitwise(saved["at_save"], ends[0]["loaded"])  # resharding moves values, it does not compute
@@ -231,14 +233,14 @@ def test_fsdp_tp_two_by_two_resume_bitwise(world4, tmp_path):
 def load_only(topo, path: str, kind: str = "fsdp", **shape) -> str:
     model, optimizer, _ = _build(kind, topo.world_size, **shape)
     try:
-        dcp.load_sharded(path, model=model, optimizer=optimizer)
+        dcp.load_checkpoint(_run(Path(path).parent.parent, path), model=model, optimizer=optimizer)
     except RecipeError as err:
         return str(err)
     return "loaded"
 
 
 def test_corrupted_shard_is_refused_on_every_rank_and_passed_over_by_auto(world2, tmp_path, capsys):
-    path = world2.run(train_save_resume, "fsdp", str(tmp_path / "ckpt"), stop=1, total=1)[0]["path"]
+    path = world2.run(train_save_resume, "fsdp", str(tmp_path), stop=1, total=1)[0]["path"]
     assert dcp.newest_good(tmp_path) == tmp_path / "ckpt" / "step-000001"
     shard = sorted(p for p in (tmp_path / "ckpt" / "step-000001").glob("*.safetensors"))[1]
     data = bytearray(shard.read_bytes())
@@ -257,11 +259,11 @@ def test_corrupted_shard_is_refused_on_every_rank_and_passed_over_by_auto(world2
     )
 
 
-def save_nan(topo, ckpt_dir: str) -> str:
+def save_nan(topo, run_dir: str) -> str:
     model, optimizer, _ = _build("fsdp", topo.world_size)
     with torch.no_grad():
         next(model.parameters()).to_local().fill_(float("nan"))
-    return str(dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, progress={"step": 0}))
+    return str(dcp.save_checkpoint(_run(run_dir), model=model, optimizer=optimizer, progress={"step": 0}, keep=2))
 
 
 def test_non_finite_weight_is_refused(world2, tmp_path):
@@ -305,14 +307,15 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
         dcp.read_metadata(tmp_path / "run")
 
 
-def save_steps(topo, ckpt_dir: str, steps: list[int]) -> list[str]:
+def save_steps(topo, run_dir: str, steps: list[int]) -> list[str]:
     model, optimizer, _ = _build("tp", topo.world_size)
     for step in steps:
-        dcp.save_sharded(ckpt_dir, model=model, optimizer=optimizer, progress={"step": step}, keep=2)
-    return [p.name for p in dcp_folder.list_sharded(ckpt_dir)]
+        dcp.save_checkpoint(_run(run_dir), model=model, optimizer=optimizer, progress={"step": step}, keep=2)
+    return [p.name for p in dcp_folder.list_sharded(Path(run_dir) / "ckpt")]
 
 
 def test_keeps_the_newest_and_replaces_a_step_saved_again(world2, tmp_path):
-    (tmp_path / ".step-000007.tmp").mkdir()  # a save killed before its rename: cleaned by the next save
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".step-000007.tmp").mkdir()  # a save killed before its rename: cleaned by the next save
     assert world2.run(save_steps, str(tmp_path), [1, 2, 3, 3])[0] == ["step-000002", "step-000003"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002", "step-000003"]

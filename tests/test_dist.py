@@ -23,11 +23,9 @@ def _spawned(rank, world_size, port, results):
     try:
         total = cdist.reduce_sum(torch.tensor([rank + 1.0])).item()
         mean = cdist.reduce_sum(torch.tensor([float(rank)])).item() / topo.world_size
-        choice = cdist.broadcast_object(f"rank {rank} decided" if topo.is_rank0 else None)
+        choice = cdist.broadcast_object(f"rank {rank} decided" if topo.rank == 0 else None)
         everyone = cdist.all_gather_object(rank * 10)
-        results.put(
-            (rank, topo.world_size, topo.local_rank, topo.backend, topo.is_rank0, total, mean, choice, everyone)
-        )
+        results.put((rank, topo.world_size, topo.device.type, topo.backend, total, mean, choice, everyone))
     finally:
         cdist.cleanup_pg()
 
@@ -39,8 +37,8 @@ def test_init_pg_from_mp_spawn_on_a_free_port():
     mp.start_processes(_spawned, args=(2, cdist.free_port(), results), nprocs=2, join=True, start_method="spawn")
     rows = sorted(results.get(timeout=10) for _ in range(2))
     assert rows == [
-        (0, 2, 0, "gloo", True, 3.0, 0.5, "rank 0 decided", [0, 10]),
-        (1, 2, 1, "gloo", False, 3.0, 0.5, "rank 0 decided", [0, 10]),
+        (0, 2, "cpu", "gloo", 3.0, 0.5, "rank 0 decided", [0, 10]),
+        (1, 2, "cpu", "gloo", 3.0, 0.5, "rank 0 decided", [0, 10]),
     ]
 
 
@@ -49,7 +47,7 @@ def test_world_of_one_without_a_launcher(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     topo = cdist.init_pg(timeout_s=10)
     try:
-        assert (topo.rank, topo.world_size, topo.is_rank0, topo.device.type) == (0, 1, True, "cpu")
+        assert (topo.rank, topo.world_size, topo.device.type) == (0, 1, "cpu")
         assert cdist.reduce_sum(torch.tensor(2.0)).item() == 2.0
     finally:
         cdist.cleanup_pg()
@@ -69,7 +67,7 @@ def test_device_comes_from_local_rank_never_rank(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     topo = cdist.init_pg()
-    assert topo.device == torch.device("cuda", 1) and topo.rank == 5 and topo.local_rank == 1
+    assert topo.device == torch.device("cuda", 1) and topo.rank == 5
     assert topo.backend == "nccl"
 
 

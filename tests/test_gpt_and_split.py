@@ -1,6 +1,7 @@
 """Layer 1, no process group: the tiny GPT and its data, split_pipeline's cut, and the errors the
 model-parallel recipes raise before any process group or training exists."""
 
+import functools
 import itertools
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from torch import nn
 from core import gpt, schedules, steps
 from core.config import RecipeError
 from core.loss import make_loss
-from core.pipeline import plan_split, split_pipeline
+from core.pipeline import block_times, plan_split, split_pipeline
 from tools.cli import run_cli
 
 
@@ -74,15 +75,18 @@ def test_split_pipeline_every_block_once_in_order(case):
 def test_split_pipeline_balances_the_gpt_and_takes_explicit_sizes():
     model = gpt.gpt()  # Embed, 4 Blocks, Head: two stages of 3 blocks each by parameter count
     assert [split_pipeline(model, num_stages=2, stage_index=i).indices for i in range(2)] == [[0, 1, 2], [3, 4, 5]]
-    assert split_pipeline(model, num_stages=2, stage_index=1, balance=[1, 5]).indices == [1, 2, 3, 4, 5]
-    timed = split_pipeline(model, num_stages=3, stage_index=0, balance="time", sample=torch.randint(128, (2, 64)))
+    assert split_pipeline(model, num_stages=2, stage_index=1, sizes=[1, 5]).indices == [1, 2, 3, 4, 5]
+    assert split_pipeline(model, num_stages=2, stage_index=1, weights=[5.0] + [1.0] * 5).indices == [1, 2, 3, 4, 5]
+    times = block_times(model, torch.randint(128, (2, 64)))
+    assert len(times) == 6 and min(times) > 0
+    timed = split_pipeline(model, num_stages=3, stage_index=0, weights=times)
     assert timed.indices[0] == 0 and len(timed.indices) >= 1
-    with pytest.raises(RecipeError, match=r"--balance \[2, 2\].*2 positive stage sizes adding up to 6"):
-        split_pipeline(model, num_stages=2, stage_index=0, balance=[2, 2])
+    with pytest.raises(RecipeError, match=r"stage sizes \[2, 2\]: give 2 positive sizes adding up to 6 blocks"):
+        split_pipeline(model, num_stages=2, stage_index=0, sizes=[2, 2])
 
 
 def test_split_pipeline_refuses_fewer_blocks_than_stages():
-    with pytest.raises(RecipeError, match="has 6 blocks, fewer than the 8 pipeline stages"):
+    with pytest.raises(RecipeError, match="cannot cut the model's 6 blocks into 8 pipeline stages; use 1 to 6 stages"):
         split_pipeline(gpt.gpt(), num_stages=8, stage_index=0)
 
 
@@ -169,11 +173,13 @@ def test_bad_configs_fail_before_any_process_group(monkeypatch, capsys, name, ar
 
 
 def test_mesh_sizes_must_multiply_to_the_world_size():
-    from core.parallel import check_mesh
+    from types import SimpleNamespace
 
-    with pytest.raises(RecipeError, match="a dp=2 x pp=2 mesh needs 4 processes but the world size is 6"):
-        check_mesh(6, {"dp": 2, "pp": 2})
-    check_mesh(4, {"dp": 2, "pp": 2})
+    from core.parallel import build_mesh
+
+    six = SimpleNamespace(world_size=6)  # refused before any process group is needed
+    with pytest.raises(RecipeError, match="a dp=2 x pp=2 mesh needs 4 processes but the world size is 6; launch 4"):
+        build_mesh(six, {"dp": 2, "pp": 2})
 
 
 def test_interleaved_micro_batch_rounds():
@@ -195,3 +201,29 @@ def test_gpt_trains_under_the_ddp_recipe(tmp_path, monkeypatch, capsys):
     )
     assert code == 0, err
     assert list(tmp_path.glob("*/model.safetensors"))
+
+
+def test_lean_copies_leave_balance_blocks_digits_file_and_loss_counts_to_their_features():
+    """A lean copy cuts the stages by parameter count (no --balance, no block_times), shards the blocks it finds (no
+    --blocks), calls sklearn's load_digits, and weighs the model's own loss as a mean; each `--with` brings its code
+    back, and the header names what is left out."""
+    from tools.copies import copy_source
+
+    @functools.cache
+    def copy(name: str, *kept: str) -> str:
+        return copy_source(name, f"{name}.py", kept=set(kept), formatted=False)
+
+    cases = [
+        ("pipeline", "balance", "def block_times("),
+        ("fsdp", "blocks", "def named_blocks("),
+        ("fsdp_tp", "blocks", "def named_blocks("),
+        ("ddp", "digits_file", "def _digits_table("),
+        ("fsdp", "loss_counts", "def _forward_own("),
+        ("tensor_parallel", "loss_counts", "def _own_counts("),
+    ]
+    for name, feature, code in cases:
+        lean, kept = copy(name), copy(name, feature)
+        assert code not in lean and f"`--with {feature}` adds it" in lean, (name, feature)
+        assert code in kept and f"`--with {feature}` adds it" not in kept, (name, feature)
+    assert "--balance" not in copy("pipeline").split('"""', 2)[2].split("# the pipeline recipe")[1]
+    assert "def sklearn_digits(" in copy("ddp") and "load_digits(return_X_y=True)" in copy("ddp")

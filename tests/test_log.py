@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from core import records
-from core.records import RunFolder, close_log, error_line, open_log, os_error_line, say, show, take_back, write_record
+from core.records import RunFolder, close_log, fail, open_log, os_error_line, say, show, take_back, write_record
 
 pytestmark = pytest.mark.fast
 LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \| (INFO|WARNING|ERROR) +\| rank (\d+) \| (.*)")
@@ -39,7 +39,8 @@ def test_every_line_printed_goes_to_train_log_with_time_level_and_rank(run, caps
     say(run, "step 10/20 epoch 0 loss 1.0000")
     say(run, "warning: something", level="WARNING")
     say(RunFolder(run.path, None, "ddp", {}, False), "rank 1 says nothing")  # not the writer: no line
-    error_line("step 3: the loss is not finite", everyone=True)
+    write_record(run, {"kind": "train", "step": 2})  # a run that trained keeps its folder
+    assert fail("step 3: the loss is not finite", 1) == 1
     out, err = capsys.readouterr()
     assert out == "step 10/20 epoch 0 loss 1.0000\n"  # the terminal keeps today's forms
     assert err == "warning: something\nerror: step 3: the loss is not finite\n"
@@ -120,7 +121,7 @@ def test_under_torchrun_an_error_every_rank_meets_is_said_once_and_a_ranks_own_w
     else:
         monkeypatch.setattr(records.time, "sleep", waited.append)
     try:
-        error_line("it  failed", everyone=bool(everyone))
+        fail("it  failed", 1, everyone=bool(everyone))
     except SystemExit:
         pass
     assert capsys.readouterr().err.strip() == says
@@ -129,8 +130,7 @@ def test_under_torchrun_an_error_every_rank_meets_is_said_once_and_a_ranks_own_w
 
 def test_a_refused_run_takes_back_a_folder_that_holds_nothing_but_its_config_lock_and_log(run, tmp_path):
     open_log(run)
-    error_line("step 1: the loss is not finite", everyone=True)
-    take_back(refused=True)
+    fail("step 1: the loss is not finite", 1)  # every rank's: a restart would meet it again
     assert not run.path.exists()
     kept = RunFolder(tmp_path / "ddp-2", None, "ddp", {}, True)
     kept.path.mkdir()
@@ -163,7 +163,7 @@ def test_a_full_disk_names_the_folder_written_to_never_the_working_directory(run
 
 def test_a_sharded_checkpoint_on_a_full_disk_is_the_ranks_oserror_not_a_checkpointexception(tmp_path):
     """DCP's CheckpointException is a BaseException: past every handler, a traceback and 'rank 1 exited with code 1
-    without an error message'. save_sharded raises the OSError it holds."""
+    without an error message'. dcp.save_checkpoint raises the OSError it holds."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from core.dcp import _first_os_error

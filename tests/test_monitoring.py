@@ -73,7 +73,7 @@ def monitored_training(topo, out, steps):
     mine = timer.take()
     timing = monitor.breakdown(mine, device=topo.device, global_batch=sum(sizes), flops_per_sample=1e6, peak_flops=1e12)
     meter.log_train(run_folder, clock, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
-    if not topo.is_rank0:  # rank 0 writes the records; every rank returns what it trained on and timed
+    if topo.rank != 0:  # rank 0 writes the records; every rank returns what it trained on and timed
         return [], local, mine
     records = [json.loads(line) for line in (run_folder.path / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == "train"], local, mine
@@ -101,9 +101,10 @@ def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_
 def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys):
     run_folder = records.RunFolder(tmp_path, None, "ddp_monitored", {}, True)
     numbers = {"loss": 0.41234, "acc": 0.5, "samples_per_s": 1875.4, "tokens_per_s": 9e4}
-    meter.log_train(run_folder, SimpleNamespace(read=lambda: numbers), step=40, total=115, epoch=1, step_ms=3.0)
+    job = SimpleNamespace(read=lambda: numbers, clock=meter.Clock)  # the rates' form is the clock's
+    meter.log_train(run_folder, job, step=40, total=115, epoch=1, step_ms=3.0)
     assert capsys.readouterr().out == "step 40/115 epoch 1 loss 0.4123 acc 0.5000 1875 samples/s 90000 tokens/s\n"
-    meter.log_train(run_folder, SimpleNamespace(read=lambda: {}), step=1, total=2, epoch=0)
+    meter.log_train(run_folder, SimpleNamespace(read=lambda: {}, clock=meter.Clock), step=1, total=2, epoch=0)
     assert capsys.readouterr().out == "step 1/2 epoch 0\n"  # nothing read yet
 
 

@@ -46,7 +46,7 @@ class SizedStream(Stream):
 
 
 def topology(rank: int, world_size: int) -> Topology:
-    return Topology(rank, rank, world_size, torch.device("cpu"), "gloo")
+    return Topology(rank, world_size, torch.device("cpu"), "gloo")
 
 
 # Layer 1: the data position, pure.

@@ -40,7 +40,7 @@ def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], ta
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    topo = Topology(rank, rank, world_size, torch.device("cpu"), "gloo")
+    topo = Topology(rank, world_size, torch.device("cpu"), "gloo")
     try:
         while (task := tasks.get()) is not None:
             fn, args, kwargs = task

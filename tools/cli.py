@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from core.config import KEPT, RecipeError, UsageError, fail, leave, parse_args
-from core.records import os_error_line
+from core.config import KEPT, RecipeError, UsageError, leave, parse_args
+from core.records import fail, os_error_line
 from tools.features import FEATURES
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 

@@ -174,8 +174,29 @@ FEATURES = {
             "how a model's own loss counts its targets (a forward taking num_items_in_batch is handed the global "
             "batch's count; a transformers causal LM's labels are counted after its shift): the copy weighs the "
             "model's own loss as a mean over each micro-batch's targets, exact for a loss that does not shift them",
-            calls=("core.exact_loss._model_loss_traits", "core.exact_loss._forward_traits"),
+            calls=tuple(
+                f"core.exact_loss.{n}" for n in ("_model_loss_traits", "_forward_traits", "_own_counts", "_forward_own")
+            ),
             uses="core.exact_loss",
+        ),
+        Feature(
+            "balance",
+            "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
+            fields=("balance",),
+            calls=("core.pipeline.block_times",),
+        ),
+        Feature(
+            "digits_file",
+            "reading the built-in digits straight from scikit-learn's file, without importing sklearn (a copy that "
+            "trains on them calls sklearn's load_digits: about a second more at each start)",
+            swaps=(("core.datasets._digits_table", "core.datasets.sklearn_digits"),),
+            uses="core.steps",  # the recipes whose default data is digits import it (and pipeline_naive)
+        ),
+        Feature(
+            "blocks",
+            "--blocks (the nn.ModuleList to shard block by block, named; the copy shards the repeated blocks it finds)",
+            fields=("blocks",),
+            calls=("core.parallel.named_blocks",),
         ),
     )
 }
@@ -437,7 +458,8 @@ class _Drop:
                 self.edits.append((self.starts[line - 1], self.starts[line - 1] + indent, ""))
 
     def klass(self, node: ast.ClassDef) -> None:
-        """A left-out group among the bases goes, and the fields of a left-out feature a class declares."""
+        """A left-out group among the bases goes, and the fields of a left-out feature a class declares: its options,
+        and a field with a default that only the feature reads (its `attrs`)."""
         kept = [b for b in node.bases if not any(self.qualname(b) in FEATURES[f].groups for f in self.off)]
         if len(kept) < len(node.bases):  # the bases written again without those
             first, last = node.bases[0], node.bases[-1]
@@ -448,8 +470,12 @@ class _Drop:
             target = getattr(stmt, "target", None)
             name = target.id if isinstance(target, ast.Name) else None
             declared = isinstance(getattr(stmt, "value", None), ast.Call) and self.qualname(stmt.value.func) in _DECLARE
-            if isinstance(stmt, ast.AnnAssign) and declared and any(name in self.options[f] for f in self.off):
-                self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))
+            option = declared and any(name in self.options[f] for f in self.off)
+            held = stmt.value is not None if isinstance(stmt, ast.AnnAssign) else False  # a field with a default
+            if isinstance(stmt, ast.AnnAssign) and (
+                option or held and any(name in FEATURES[f].attrs for f in self.off)
+            ):
+                self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))  # (`sinks`)
             elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.function(stmt)
 

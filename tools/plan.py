@@ -114,7 +114,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        topo = Topology(rank, rank, world_size, torch.device("cpu"), "fake")
+        topo = Topology(rank, world_size, torch.device("cpu"), "fake")
         mesh = None
         if dims:  # before fake mode: init_device_mesh reads the ranks' values
             from core import parallel

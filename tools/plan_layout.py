@@ -134,7 +134,9 @@ def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
 
     from core import parallel
 
-    for block in parallel.shard_units(model, blocks=blocks):
+    for block in parallel.shard_units(
+        model, parallel.named_blocks(model, blocks) if blocks else parallel.find_blocks(model)
+    ):
         fully_shard(block, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
 

@@ -141,7 +141,7 @@ def check_steps(found: dict, cfg, *, dp: int) -> None:
     """The run's length as the run reckons it (core.data / core.stream total_steps on this rank's loader): a batch
     larger than one rank's share of the data set, or a stream without a length and no --max-steps, is one line."""
     accum = getattr(cfg, "accum", 1)
-    topo = Topology(0, 0, dp, torch.device("cpu"), "gloo")  # rank 0's share; every rank's is as long
+    topo = Topology(0, dp, torch.device("cpu"), "gloo")  # rank 0's share; every rank's is as long
     if not found["stream"]:
         loader = data.make_loader(found["train"], topo, batch_size=cfg.batch_size, seed=cfg.seed)
         data.total_steps(loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=accum)
