@@ -22,7 +22,7 @@ from pathlib import Path
 from core.ckpt_io import atomic_write, remove_stale_temporaries
 from core.config import RecipeError, flag
 from core.dist import Topology, broadcast_object
-from core.records import RunFolder, keep_lines, open_log, repair_records, say, show
+from core.records import RunFolder, keep_lines, open_log, os_error_line, repair_records, say, show
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
@@ -43,8 +43,8 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
             keep_lines()  # the resume's lines, said before train.log exists, go into it
             choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
             lock = choice.pop("lock", None)  # an open file: it stays with rank 0, the others get the folder
-        except RecipeError as err:
-            choice = str(err)  # every rank raises it: none waits for a folder that never comes
+        except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
+            choice = os_error_line(err) if isinstance(err, OSError) else str(err)  # (an --out it cannot write)
     choice = broadcast_object(choice)
     if isinstance(choice, str):
         raise RecipeError(choice)
@@ -129,7 +129,7 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
     if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
         per_rank, rest = divmod(saved_batch, dp * config.get("accum", 1))  # --accum as it is: the line shows it
         fix = f"a number of ranks that divides {saved_batch}" if rest else f"--batch-size {per_rank} at {dp} rank(s)"
-        was = f"saved with global batch {saved_batch} ({meta.get('world_size', '?')} ranks)"
+        was = f"saved with global batch {saved_batch} ({meta.get('world_size', '?')} rank(s))"
         accum = f" x --accum {config['accum']}" if "accum" in config else ""  # ddp takes no --accum
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")

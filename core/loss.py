@@ -92,8 +92,9 @@ def cross_entropy(logits, targets, *, spec: str, labels: bool = False) -> torch.
             f"copy: made `--with loss`)"
         )
     if labels and logits.dim() > 2:  # a causal LM compares logits[t] with labels[t + 1]: this would not
+        own = "return the loss the model computes from them" + (" (--loss auto)" if spec != "auto" else "")
         raise RecipeError(
-            f"--loss {spec} on a dict's `labels`, which a causal LM shifts: use --loss auto or (input, target) samples"
+            f"--loss {spec} on a dict's `labels`, which a causal LM shifts: {own}, or give (input, target) samples"
         )
     check_aligned(logits, targets)  # the lines a copy without `--with loss` leaves to torch's own shape error
     return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)

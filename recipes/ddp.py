@@ -30,7 +30,7 @@ class Config(Training, Checkpointing, DDPOptions, weights.InitFrom, hf.HFExport)
 
 
 def main(cfg: Config) -> dict:
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
     try:
         return train(cfg, topo)
     finally:

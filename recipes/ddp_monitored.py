@@ -65,7 +65,7 @@ def meta_model(cfg: Config) -> torch.nn.Module:
 def main(cfg: Config) -> dict:
     check(cfg)
     prepare_env(debug=cfg.debug, out=cfg.out, watchdog=cfg.hang_factor > 0)  # read when the group is made
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
     try:
         return train(cfg, topo)
     finally:

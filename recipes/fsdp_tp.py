@@ -83,7 +83,7 @@ def check(cfg: Config) -> None:
 
 def main(cfg: Config) -> dict:
     check(cfg)  # a copy has no pre-check: the same refusals here
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; a world of one without
+    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
     try:
         return train(cfg, topo)
     finally:

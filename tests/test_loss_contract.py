@@ -583,6 +583,17 @@ def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
     with pytest.raises(RecipeError, match=r"--loss ce on a dict's `labels`, which a causal LM shifts") as e:
         forward(model, batch, loss_for("ce", model))
     assert "--loss auto" in str(e.value) and "(input, target) samples" in str(e.value) and "\n" not in str(e.value)
+
+    class LogitsOnly(nn.Module):  # under auto: a model that returns no loss; the fix is not auto, which it has
+        def __init__(self):
+            super().__init__()
+            self.lm = model
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    with pytest.raises(RecipeError, match=r"--loss auto on a dict's `labels`, which a causal LM shifts: return the"):
+        forward(LogitsOnly(), batch, loss_for("auto", LogitsOnly()))
     classifier = bert()
     ids = torch.randint(V, (4, T))
     labelled = {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 1])}

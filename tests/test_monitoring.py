@@ -79,6 +79,26 @@ def monitored_training(topo, out, steps):
     return [r for r in records if r["kind"] == "train"], local, mine
 
 
+def open_where_rank_0_cannot_write(topo, out):
+    """open_run with an --out rank 0 cannot make (a file on its path): what each rank raised."""
+    cfg = ddp_monitored.Config(out=out)
+    try:
+        folder.open_run(cfg, topo, recipe="ddp", global_batch=2, newest=ckpt.newest_good, header=ckpt.read_metadata)
+    except Exception as err:  # noqa: BLE001 - the test wants to see what each rank raised
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.world
+def test_an_out_rank_0_cannot_write_is_one_line_on_every_rank_none_left_waiting(world2, tmp_path):
+    """Bare torchrun (no pre-check) with a bad --out: rank 0's OSError reaches every rank as one RecipeError line
+    naming the folder; before, rank 0 raised alone and rank 1 died in the broadcast with a traceback."""
+    (tmp_path / "a-file").write_text("not a folder")
+    said = world2.run(open_where_rank_0_cannot_write, str(tmp_path / "a-file" / "runs"))
+    assert said[0] == said[1] and said[0][0] == "RecipeError", said
+    assert "a-file" in said[0][1] and "check the folder" in said[0][1] and "\n" not in said[0][1]
+
+
 @pytest.mark.world
 def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_path):
     (records, local0, mine0), (_, local1, mine1) = world2.run(monitored_training, str(tmp_path), 6)

@@ -97,9 +97,10 @@ FEATURES = {
         ),
         Feature(
             "checks",
-            "the resume checks past the global batch, the options that shape training and the checksums: a "
-            "checkpoint of a sharded recipe, or with fp16's loss scaler on one side only, or holding NaN, inf or a "
-            "negative average of squares, is not refused in one line; a torch.save file is said to be unreadable",
+            "the resume checks beyond those every copy makes (the global batch, the options that shape training, "
+            "the checksums): a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss scaler on "
+            "one side only, or holding NaN, inf or a negative average of squares, is not refused in one line (torch's "
+            "own error, or none); a torch.save file is said to be unreadable",
             calls=(
                 "core.folder.check_layout",
                 "core.ckpt.check_shapes",
