@@ -7,7 +7,8 @@ the jobs in order, in one process group made once (a run's init_pg finds it join
 for the next run), so the launch and the imports are paid once for many runs. While the copies run, importing
 `core` or `recipes` raises: a copy that still needs the package fails loudly. A copy runs its own parser and
 main() with a Config that records which options the run reads (the options walk of tests/test_options.py);
-rank 0 prints `unread LABEL [names]`. Each job ends with a line `job LABEL exit CODE rank R` on stdout.
+rank 0 prints `unread LABEL [names]`. Each job ends with a line `job LABEL exit CODE rank R` on stdout, after every
+rank's lines of that job (a barrier between jobs).
 """
 
 import importlib.abc
@@ -65,15 +66,21 @@ def _exit(code: int = 0):
     raise _Exit(code)
 
 
-def _copy(job: dict, rank: int) -> None:
-    """The copy's parser, then its main() on a recording Config: the walk rides on the training run."""
+def _copy(job: dict) -> list[str]:
+    """The copy's parser, then its main() on a recording Config: the walk rides on the training run. What it never
+    read is returned."""
     copy = runpy.run_path(job["copy"], run_name="standalone_copy")
     parsed, _ = copy["parse_args"](copy["Config"], job["args"])
     fields = set(copy["Config"].__dataclass_fields__)
     cfg = recording(copy["Config"])(**{f: getattr(parsed, f) for f in fields})
     copy["main"](cfg)
-    if rank == 0:
-        print(f"unread {job['label']} {sorted(fields - cfg._read)}", flush=True)
+    return sorted(fields - cfg._read)
+
+
+def _say(line: str) -> None:
+    """A whole line in one write: the ranks print into one pipe, and print() writes a text and its newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -87,10 +94,10 @@ def main() -> None:
     for job in jobs:
         if "recipe" in job and blocked in sys.meta_path:
             sys.meta_path.remove(blocked)
-        code = 0
+        code, unread = 0, None
         try:
             if "copy" in job:
-                _copy(job, rank)
+                unread = _copy(job)
             else:
                 from tools.cli import main as package
 
@@ -103,7 +110,11 @@ def main() -> None:
         except Exception:  # the job's traceback; the next job goes on
             traceback.print_exc()
             code = 1
-        print(f"job {job['label']} exit {code} rank {rank}", flush=True)
+        sys.stdout.flush()
+        dist.barrier()  # every rank's lines of this job (a pipeline's last stage prints them) come before its end
+        if unread is not None and rank == 0:
+            _say(f"unread {job['label']} {unread}")
+        _say(f"job {job['label']} exit {code} rank {rank}")
     dist.barrier()
     destroy()
     sys.stdout.flush()
