@@ -11,16 +11,6 @@ from core.dist import all_gather_object
 from core.weights import model_part
 
 
-def root_module(stages: list[nn.Module]) -> nn.Module:
-    """One module for a pipeline rank's stages, their blocks under their own names: what its checkpoints take."""
-    root, blocks = nn.Module(), nn.Module()
-    for stage in stages:
-        for name, block in stage.blocks.named_children():
-            blocks.add_module(name, block)
-    root.add_module("blocks", blocks)
-    return root
-
-
 def whole_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     """The model's whole shapes (DTensor.shape is the whole tensor's), merged over ranks: a collective."""
     mine = {k: list(v.shape) for k, v in model_part(tensors).items()}

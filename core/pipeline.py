@@ -121,3 +121,13 @@ def split_pipeline(
         raise RecipeError(f"stage sizes {sizes}: give {num_stages} positive sizes adding up to {count} blocks")
     lo = sum(sizes[:stage_index])
     return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
+
+
+def root_module(stages: list[nn.Module]) -> nn.Module:
+    """One module for a pipeline rank's stages, their blocks under their own names: what its checkpoints take."""
+    root, blocks = nn.Module(), nn.Module()
+    for stage in stages:
+        for name, block in stage.blocks.named_children():
+            blocks.add_module(name, block)
+    root.add_module("blocks", blocks)
+    return root

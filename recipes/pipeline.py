@@ -32,7 +32,6 @@ from core import (
     amp,
     data,
     dcp,
-    dcp_tensors,
     dist,
     folder,
     hf,
@@ -136,7 +135,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # The run folder, new or resumed, the checkpoint's state (every rank reads its stages), and the trackers.
     checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
     run = folder.open_run(cfg, topo, recipe="pipeline", global_batch=global_batch, dp=dp, **checkpoints)
-    start = dcp.load_checkpoint(run, model=dcp_tensors.root_module(stages), optimizer=optimizer, scheduler=scheduler)
+    start = dcp.load_checkpoint(run, model=pipeline.root_module(stages), optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
     records.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
@@ -166,7 +165,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 window = meter.open_window(clock)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(clock):  # every rank writes its own stages
-                    state = {"model": dcp_tensors.root_module(stages), "optimizer": optimizer, "scheduler": scheduler}
+                    state = {"model": pipeline.root_module(stages), "optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
         with meter.paused(clock):  # forward only, through the same schedule: K batches a run, the smaller last one too
             evaluation = schedules.evaluate_pipeline(schedule, val_loader, **eval_options)

@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from core import dcp, dcp_folder, dcp_tensors, parallel
+from core import dcp, dcp_folder, parallel
 from core.config import RecipeError
 from core.gpt import GPT
-from core.pipeline import split_pipeline
+from core.pipeline import root_module, split_pipeline
 from core.records import RunFolder
 from world import GlooWorld
 
@@ -67,7 +67,7 @@ def _run(folder: str, resume_from=None, *, recipe: str = "fsdp") -> RunFolder:
 
 def _root(model):
     """What a checkpoint takes: the model, or one module over a rank's stages (as the pipeline recipe passes it)."""
-    return dcp_tensors.root_module(model) if isinstance(model, list) else model
+    return root_module(model) if isinstance(model, list) else model
 
 
 def _step(kind: str, model, optimizer, scheduler, step: int, *, shares: slice) -> None:

@@ -673,7 +673,10 @@ def test_a_lean_copy_refuses_another_global_batch_and_other_options_and_only_che
         with pytest.raises(Exception, match="a checkpoint of recipe fsdp"):
             check(Path("c"), sharded, config, dp=2)
     header = (project / "project" / "ddp.py").read_text().replace("\n# ", " ")
-    assert "a checkpoint of a sharded recipe, or with fp16's loss scaler on one side only" in header
+    assert (
+        "a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss scaler on one side only"
+        in header
+    )
 
 
 def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a_llama_in_one_line(project):
