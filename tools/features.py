@@ -468,15 +468,12 @@ class _Drop:
             begin, end = self.at(first.lineno, first.col_offset), self.at(last.end_lineno, last.end_col_offset)
             self.edits.append((begin, end, text))
         for stmt in node.body:
-            target = getattr(stmt, "target", None)
-            name = target.id if isinstance(target, ast.Name) else None
-            declared = isinstance(getattr(stmt, "value", None), ast.Call) and self.qualname(stmt.value.func) in _DECLARE
-            option = declared and any(name in self.options[f] for f in self.off)
-            held = stmt.value is not None if isinstance(stmt, ast.AnnAssign) else False  # a field with a default
-            if isinstance(stmt, ast.AnnAssign) and (
-                option or held and any(name in FEATURES[f].attrs for f in self.off)
-            ):
-                self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))  # (`sinks`)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+                name, value = stmt.target.id, stmt.value
+                option = isinstance(value, ast.Call) and self.qualname(value.func) in _DECLARE
+                owners = [self.options[f] if option else FEATURES[f].attrs for f in self.off]
+                if any(name in names for names in owners):  # an option of a left-out group, or `sinks`
+                    self.edits.append((self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno], ""))
             elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.function(stmt)
 

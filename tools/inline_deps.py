@@ -126,21 +126,23 @@ class _Inliner:
         every answer of `resolve` it was found under, and taken again where `resolve` gives each of those answers
         (asked in the walk's order, so that modules load in the same order): what a new walk would find."""
         collected = self.analyses[chunk.module].collected
-        if chunk.index in collected:
-            asked, refs, removals = collected[chunk.index]
-            if all(self.resolve(target) == answer for target, answer in asked.items()):
-                return [Ref(r.node, r.target, r.shadow, r.at_import) for r in refs], list(removals)
-        asked = {}
+        walk = collected.get(chunk.index)
+        if walk is None or any(self.resolve(target) != answer for target, answer in walk[0].items()):
+            asked = {}
 
-        def resolve(target: tuple) -> tuple:
-            asked[target] = answer = self.resolve(target)
-            return answer
+            def resolve(target: tuple) -> tuple:
+                asked[target] = answer = self.resolve(target)
+                return answer
 
-        collector = _RefCollector(self.modules[chunk.module], resolve, self.packages)
-        collector.visit(chunk.node)
-        removals = list({id(s): s for s in collector.removals}.values())
-        collected[chunk.index] = (asked, collector.refs, removals)
-        return [Ref(r.node, r.target, r.shadow, r.at_import) for r in collector.refs], list(removals)
+            collector = _RefCollector(self.modules[chunk.module], resolve, self.packages)
+            collector.visit(chunk.node)
+            walk = collected[chunk.index] = (
+                asked,
+                collector.refs,
+                list({id(s): s for s in collector.removals}.values()),
+            )
+        _, refs, removals = walk
+        return [Ref(r.node, r.target, r.shadow, r.at_import) for r in refs], list(removals)
 
     # --- naming and ordering -----------------------------------------------------------------
 
