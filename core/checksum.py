@@ -42,7 +42,7 @@ def blocksum64_crc32(t: torch.Tensor) -> str:
 
 
 def checksum_matches(t: torch.Tensor, recorded: str) -> bool:
-    """Whether `recorded`, a checksum in the current format or the old blocksum64-crc32 one, is the tensor's.
+    """Whether `recorded` is the tensor's checksum: XXH3, or the old blocksum64-crc32 (a copy: `--with old_checksums`).
 
     Any other string (an unknown algorithm, an empty one for a tensor the header has no checksum for) does not match.
     """

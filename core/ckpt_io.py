@@ -142,7 +142,7 @@ def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: s
         raise RecipeError(f"{path}: the header does not match its checksum (edited or damaged); {fix}")
     sums = json.loads(meta["checksums"])
     for key, tensor in tensors.items():
-        if not checksum_matches(tensor, sums.get(key, "")):  # old checkpoints' format too
+        if not checksum_matches(tensor, sums.get(key, "")):  # the old checksums too (a copy: --with old_checksums)
             raise RecipeError(f"{path}: tensor {key} does not match its checksum (the file is damaged); {fix}")
         check_values(path, key, tensor, fix=fix)
 

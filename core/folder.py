@@ -31,7 +31,8 @@ IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that do
 
 
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, header, dp: int = 0) -> RunFolder:
-    """Rank 0 picks the run folder, checks the checkpoint it resumes, locks it; every rank gets the same folder.
+    """Rank 0 picks the run folder, checks the checkpoint it resumes, locks it (a copy: `--with lock`); every rank
+    gets the same folder.
 
     The folder is a new out/NAME-N, or the resumed checkpoint's; rank 0 checks that the checkpoint can continue in
     this job, takes the folder's lock and writes config.json. `newest(run_dir)`: the newest good checkpoint there;

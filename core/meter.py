@@ -48,7 +48,7 @@ def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
 
 
 class Meter:
-    """The logging window's sums and the training clock; `read` is a collective (every rank, the same step)."""
+    """The logging window's sums, and the training clock (a copy: `--with meter`); `read` is a collective."""
 
     def __init__(self, device: torch.device):
         self.device, self.window, self.last = device, Tally(device), {}  # last: the last window's loss (and acc)
@@ -60,7 +60,7 @@ class Meter:
         self.window.add(metrics)
 
     def read(self) -> dict[str, float]:
-        """The window's loss (and accuracy) and rates for the whole job, and a new window."""
+        """The window's loss (and accuracy) for the whole job, the clock's rates, and a new window."""
         sums, self.window = self.window.reduce(), Tally(self.device)
         rates = self.clock.lap(sums)
         if sums["count"] > 0:  # else the last window's numbers stand
@@ -120,7 +120,7 @@ class Clock:
 
 @contextmanager
 def paused(meter: Meter):
-    """`with meter.paused(clock):` evaluation and checkpoints, not training time. A copy without the `meter` feature
+    """`with meter.paused(totals):` evaluation and checkpoints, not training time. A copy without the `meter` feature
     runs the body as it is."""
     with meter.clock.paused():
         yield

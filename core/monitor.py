@@ -4,8 +4,8 @@
     timer = monitor.StepClock(topo.device)
     timer.attach(train_model, optimizer)                          # hooks: no code in the step, no host sync
     ... every --log-every steps (a collective):
-    meter.log_train(run, clock, ..., **monitor.breakdown(timer.take(), device=..., global_batch=...))
-    with meter.paused(clock):                                     # evaluation, checkpoints: not a step
+    meter.log_train(run, totals, ..., **monitor.breakdown(timer.take(), device=..., global_batch=...))
+    with meter.paused(totals):                                    # evaluation, checkpoints: not a step
         with monitor.paused(timer, watch):
             ...
 

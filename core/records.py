@@ -143,7 +143,7 @@ def os_error_line(err: OSError) -> str:
 
 
 def write_record(run: RunFolder, record: dict) -> None:
-    """Rank 0 appends one JSON line to metrics.jsonl in one write(), and hands it to the run's sinks.
+    """Rank 0 appends one JSON line to metrics.jsonl in one write(), and hands it to the run's sinks if it has any.
 
     One write (a line is far below the buffer's size): a crash never leaves half a record. A number that is not
     finite is written as null, as strict JSON readers need. A full disk raises an OSError that names no file:

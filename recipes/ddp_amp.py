@@ -70,7 +70,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
+    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="ddp_amp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
@@ -112,7 +112,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         cfg, topo, recipe="ddp_amp", global_batch=global_batch, newest=ckpt.newest_good, header=ckpt.read_metadata
     )
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
+    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
 
     # Train. K micro-batches a step; DDP all-reduces in the last one's backward only (no_sync before).
@@ -129,18 +129,18 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            clock.add(metrics)
+            totals.add(metrics)
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
                 scale = {"loss_scale": stats.scale} if stats.scaled else {}  # fp16: the scaler's current scale
-                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers, **scale)
+                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **scale)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(clock):
+                with meter.paused(totals):
                     state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
                     ckpt.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(clock):  # each rank evaluates its share of the validation set; the sums are all-reduced
+        with meter.paused(totals):  # each rank evaluates its share of the validation set; the sums are all-reduced
             evaluation = steps.evaluate(
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
@@ -150,7 +150,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     report = replicas.replicas_report(model.state_dict())  # whether every rank holds the same weights
-    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **report)
+    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **report)
     trackers.close(run)
     return summary
 

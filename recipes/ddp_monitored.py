@@ -73,7 +73,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
+    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="ddp_monitored"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size
@@ -120,7 +120,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     checkpoints = dict(newest=ckpt.newest_good, header=ckpt.read_metadata)  # how a resume finds and reads one
     run = folder.open_run(cfg, topo, recipe="ddp_monitored", global_batch=global_batch, **checkpoints)
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
+    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
     saver = CheckpointSaver(background=cfg.ckpt_async)  # --ckpt-async: a thread writes the file
     watch = Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
@@ -141,7 +141,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             step, consumed = step + 1, consumed + global_batch
             skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            clock.add(metrics)
+            totals.add(metrics)
             watch.beat(step)
             profiler.step()
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
@@ -149,15 +149,15 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 timing = monitor.breakdown(  # the phases of every rank's steps since the last record (a collective)
                     timer.take(), device=topo.device, global_batch=global_batch, flops_per_sample=flops, peak_flops=peak
                 )
-                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers, **timing)
+                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(clock):
+                with meter.paused(totals):
                     with monitor.paused(timer, watch):
                         state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
                         saver.save(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(clock):  # each rank evaluates its share; the sums are all-reduced
+        with meter.paused(totals):  # each rank evaluates its share; the sums are all-reduced
             with monitor.paused(timer, watch):
                 evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
@@ -169,7 +169,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     saved = weights.write_weights(run, model.state_dict())
     hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     same = replicas.replicas_report(model.state_dict())  # {"replicas_identical": ...}, in the summary
-    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **same)
+    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **same)
     trackers.close(run)
     return summary
 

@@ -88,7 +88,7 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
-    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
+    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="fsdp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
@@ -130,7 +130,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         cfg, topo, recipe="fsdp", global_batch=global_batch, newest=dcp.newest_good, header=dcp.read_metadata
     )
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
+    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered in the last one's backward only.
@@ -150,18 +150,18 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            clock.add(metrics)
+            totals.add(metrics)
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
-                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(clock):  # every rank writes its own shard
+                with meter.paused(totals):  # every rank writes its own shard
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
         # every forward is a collective: a rank whose share ran out repeats its last, uncounted
-        with meter.paused(clock):
+        with meter.paused(totals):
             evaluation = parallel.evaluate_sharded(
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
@@ -173,7 +173,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     saved = weights.write_weights(run, full)
     hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     same = replicas.replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
-    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **same)
+    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **same)
     trackers.close(run)
     return summary
 

@@ -92,7 +92,7 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
-    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
+    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="fsdp_tp"):  # resumed, finished: nothing is touched
         return done
     plan_dims = mesh(cfg, topo.world_size)
@@ -141,7 +141,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
     run = folder.open_run(cfg, topo, recipe="fsdp_tp", global_batch=global_batch, dp=dp, **checkpoints)
     start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
+    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
@@ -161,17 +161,17 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            clock.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
+            totals.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
-                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(clock):  # every rank writes its own shard
+                with meter.paused(totals):  # every rank writes its own shard
                     state = {"optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(clock):  # a tp group's ranks count alike, each forward a collective: the means are right
+        with meter.paused(totals):  # a tp group's ranks count alike, each forward a collective: the means are right
             evaluation = parallel.evaluate_sharded(
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
@@ -184,7 +184,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     same = replicas.replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
     shape = {"tp": tp_mesh.size(), "dp": dp}
-    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, **shape, **same)
+    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **shape, **same)
     trackers.close(run)
     return summary
 

@@ -95,7 +95,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
+    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="pipeline"):  # resumed, finished: nothing is touched
         return done
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
@@ -136,7 +136,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
     run = folder.open_run(cfg, topo, recipe="pipeline", global_batch=global_batch, dp=dp, **checkpoints)
     start = dcp.load_checkpoint(run, model=pipeline.root_module(stages), optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
+    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
     records.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
@@ -157,17 +157,17 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             step, consumed = step + 1, consumed + global_batch
             skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            clock.add(metrics)  # the last stage's; the other stages add zeros
+            totals.add(metrics)  # the last stage's; the other stages add zeros
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
-                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(clock):  # every rank writes its own stages
+                with meter.paused(totals):  # every rank writes its own stages
                     state = {"model": pipeline.root_module(stages), "optimizer": optimizer, "scheduler": scheduler}
                     dcp.save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(clock):  # forward only, through the same schedule: K batches a run, the smaller last one too
+        with meter.paused(totals):  # forward only, through the same schedule: K batches a run, the smaller last one too
             evaluation = schedules.evaluate_pipeline(schedule, val_loader, **eval_options)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
@@ -178,7 +178,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     with torch.device("meta"):
         lender = models.build_model(cfg.model)
     hf.write_hf_folder(run, lender, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(run, clock, evaluation, steps=step, skipped=skipped, weights=saved, pp=pp, dp=dp)
+    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, pp=pp, dp=dp)
     trackers.close(run)
     return summary
 

@@ -81,7 +81,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
-    clock = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
+    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
     if done := folder.finished(cfg, topo, recipe="pipeline_naive"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size  # one process
@@ -107,7 +107,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     checkpoints = dict(newest=ckpt.newest_good, header=ckpt.read_metadata)  # how a resume finds and reads one
     run = folder.open_run(cfg, topo, recipe="pipeline_naive", global_batch=global_batch, **checkpoints)
     start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(clock, start["window"], writer=run.writer)  # the log window open at the checkpoint
+    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     placed = [(str(d), len(ix)) for d, ix in model.placement]
     records.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
 
@@ -124,17 +124,17 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             step, consumed = step + 1, consumed + global_batch
             skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            clock.add(metrics)
+            totals.add(metrics)
             if step % cfg.log_every == 0 or step == total:
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
-                meter.log_train(run, clock, step=step, total=total, epoch=epoch, **numbers)
+                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                window = meter.open_window(clock)  # its sums so far: a resume goes on with them
+                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(clock):
+                with meter.paused(totals):
                     state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
                     ckpt.save_checkpoint(run, model=plain, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(clock):
+        with meter.paused(totals):
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
 
@@ -142,7 +142,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     saved = weights.write_weights(run, plain.state_dict())
     hf.write_hf_folder(run, plain, plain.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     return meter.log_summary(
-        run, clock, evaluation, steps=step, skipped=skipped, weights=saved, devices=len(model.placement)
+        run, totals, evaluation, steps=step, skipped=skipped, weights=saved, devices=len(model.placement)
     )
 
 
