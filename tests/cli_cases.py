@@ -1,12 +1,13 @@
-"""Several `python -m recipes ARGS` in one interpreter: each one's exit status, stdout and stderr.
+"""Several `python -m recipes ARGS` or `python FILE ARGS` in one interpreter: each one's exit status and output.
 
-    python tests/cli_cases.py CASES.json      # [{"args": [...], "cwd": FOLDER}, ...]
+    python tests/cli_cases.py CASES.json      # [{"args": [...], "cwd": FOLDER, "file": PATH (optional)}, ...]
 
-prints a JSON list of {"code", "stdout", "stderr"}, one per case. Each case runs recipes/__main__.py as
-`python -m recipes` does (runpy, as __main__) in its own working folder, its file descriptors 1 and 2 on files of
-its own (so that every writer lands there: print, click, the run's logger); the os._exit that ends a command
-(core.config.leave) ends the case instead, with its status. The interpreter and its imports are paid once for all
-the cases, not once each: for commands that end before any process group (bad input, --help).
+prints a JSON list of {"code", "stdout", "stderr"}, one per case, in order. Each case runs recipes/__main__.py as
+`python -m recipes` does, or FILE as `python FILE` does (runpy, as __main__), in its own working folder, its file
+descriptors 1 and 2 on files of its own (so that every writer lands there: print, click, the run's logger); the
+os._exit that ends a command (core.config.leave) ends the case instead, with its status. The interpreter and its
+imports are paid once for all the cases, not once each: for commands that end before any process group (bad input,
+--help) or that make and end their own (a recipe run as a file, on one process).
 """
 
 import json
@@ -27,7 +28,7 @@ def _exit(code: int = 0):
     raise _Exit(code)
 
 
-def run_case(args: list[str], cwd: str) -> dict:
+def run_case(args: list[str], cwd: str, file: str | None = None) -> dict:
     saved, here = (os.dup(1), os.dup(2)), os.getcwd()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
@@ -35,10 +36,13 @@ def run_case(args: list[str], cwd: str) -> dict:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         os.chdir(cwd)
-        sys.argv = ["recipes", *args]
+        sys.argv = [file or "recipes", *args]
         code = 0
         try:
-            runpy.run_module("recipes", run_name="__main__", alter_sys=True)
+            if file:
+                runpy.run_path(file, run_name="__main__")
+            else:
+                runpy.run_module("recipes", run_name="__main__", alter_sys=True)
         except _Exit as done:
             code = done.code
         except SystemExit as done:
@@ -62,7 +66,7 @@ def run_case(args: list[str], cwd: str) -> dict:
 def main() -> None:
     cases = json.loads(open(sys.argv[1]).read())
     leave, os._exit = os._exit, _exit
-    results = [run_case(case["args"], case["cwd"]) for case in cases]
+    results = [run_case(case["args"], case["cwd"], case.get("file")) for case in cases]
     sys.stdout.write(json.dumps(results))
     sys.stdout.flush()
     leave(0)  # past the interpreter's teardown, as core.config.leave does

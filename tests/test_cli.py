@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from core.models import MLP
-from helpers import REPO, recipe_params, recipes_cli, run, torchrun, user_env
+from helpers import REPO, in_one_interpreter, recipe_params, recipes_cli, run, torchrun, user_env
 from tools.cli import cli
 from tools.registry import RECIPES
 
@@ -100,14 +100,8 @@ def commands(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
     blocker = tmp_path_factory.mktemp("unwritable") / "a-file"
     blocker.write_text("not a folder")
     cases["unwritable"] = (["run", "ddp", "--out", str(blocker / "runs")], blocker.parent)
-    listed = tmp_path_factory.mktemp("cases") / "cases.json"
-    listed.write_text(json.dumps([{"args": args, "cwd": str(folder)} for args, folder in cases.values()]))
-    proc = run([sys.executable, str(REPO / "tests" / "cli_cases.py"), str(listed)], timeout=240)
-    said = json.loads(proc.stdout)
-    return {
-        case: (subprocess.CompletedProcess(args, one["code"], one["stdout"], one["stderr"]), folder)
-        for (case, (args, folder)), one in zip(cases.items(), said, strict=True)
-    }
+    said = in_one_interpreter([{"args": args, "cwd": str(folder)} for args, folder in cases.values()])
+    return {case: (proc, folder) for (case, (_, folder)), proc in zip(cases.items(), said, strict=True)}
 
 
 def test_help_works(commands):

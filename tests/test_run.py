@@ -15,7 +15,7 @@ import torch
 
 from core.config import KEPT
 from core.records import RunFolder, repair_records, write_record
-from helpers import REPO, recipes_cli, run, torchrun, user_env
+from helpers import REPO, in_one_interpreter, recipes_cli, run, torchrun, user_env
 
 pytestmark = pytest.mark.e2e
 TINY = ["--model", "tiny:mlp", "--batch-size", "16", "--timeout-s", "60"]
@@ -169,15 +169,19 @@ def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_le
     body = bytearray(next((runs / "ddp-1" / "ckpt").glob("*.safetensors")).read_bytes())
     body[-9] ^= 0x10  # one bit of tensor data: its header passes, its checksum does not
     damaged.write_bytes(bytes(body))
-    recipe = [sys.executable, str(REPO / "recipes" / "ddp.py"), *TINY, "--out", str(runs), "--max-steps", "7"]
-    for args, words in [
+    recipe = [*TINY, "--out", str(runs), "--max-steps", "7"]
+    cases = [
         (["--resume", str(damaged)], "does not match its checksum"),  # a review find: it left an empty runs/ddp-2
         (["--resume", "auto", "--lr", "0.01"], "--lr 0.001 -> 0.01"),
         (["--resume", "auto", "--batch-size", "8"], "saved with global batch 16"),
         (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
         (["--out", str(runs / "ddp-1" / "config.json")], "Not a directory"),
-    ]:
-        proc = subprocess.run([*recipe, *args], capture_output=True, text=True, env=_env(), cwd=finished, timeout=120)
+    ]
+    file = str(REPO / "recipes" / "ddp.py")  # `python recipes/ddp.py ARGS`, the five in one interpreter, in turn
+    said = in_one_interpreter(
+        [{"file": file, "args": [*recipe, *a], "cwd": str(finished)} for a, _ in cases], env=_env()
+    )
+    for proc, (_, words) in zip(said, cases, strict=True):
         assert proc.returncode == 1 and proc.stderr.count("error: ") == 1 and words in proc.stderr, proc.stderr
     assert _snapshot(runs) == before and sorted(p.name for p in runs.iterdir()) == ["ddp-1"]
 
@@ -496,37 +500,51 @@ KILLED_ARGS = [*TINY, "--max-steps", "9", "--epochs", "1", "--ckpt-every", "3", 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The run the killed ones are resumed to match, made once for every kill point: `python recipes/ddp.py`."""
-    out = tmp_path_factory.mktemp("whole")
+def killed_and_resumed(tmp_path_factory) -> dict:
+    """Each kill point's job, SIGKILLed during its step-6 checkpoint (the four side by side), then `python
+    recipes/ddp.py --resume auto` of each, and the uninterrupted run they must match, these five one after another in
+    one interpreter (tests/cli_cases.py): {point: (killed, resumed, its out folder)}, and "uninterrupted": weights."""
+    recipe = str(REPO / "recipes" / "ddp.py")
     env = user_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    run = [sys.executable, str(REPO / "recipes" / "ddp.py"), *KILLED_ARGS, "--resume", "auto", "--out", str(out)]
-    whole = subprocess.run(run, env=env, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr
-    return out / "ddp-1" / "model.safetensors"
+    script = KILLED_SAVE.replace("{recipe}", recipe)
+    outs = {point: tmp_path_factory.mktemp("cut") for point in POINTS}
+    started = {
+        point: subprocess.Popen(
+            [sys.executable, "-c", script, point, "6", *KILLED_ARGS, "--out", str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for point, out in outs.items()
+    }
+    killed = {}
+    for point, proc in started.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        killed[point] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    whole = tmp_path_factory.mktemp("whole")
+    runs = [whole, *outs.values()]  # the uninterrupted run first: the same command, a new folder
+    cases = [
+        {"file": recipe, "args": [*KILLED_ARGS, "--resume", "auto", "--out", str(out)], "cwd": str(out)} for out in runs
+    ]
+    uninterrupted, *resumed = in_one_interpreter(cases, env=env)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    done = {point: (killed[point], resumed[i], outs[point]) for i, point in enumerate(POINTS)}
+    return done | {"uninterrupted": whole / "ddp-1" / "model.safetensors"}
 
 
-@pytest.mark.parametrize("point", ["before the write", "mid-file", "before the rename", "after the rename"])
-def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(tmp_path, point, uninterrupted):
+POINTS = ["before the write", "mid-file", "before the rename", "after the rename"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(point, killed_and_resumed):
     """Issue 20 item 9: SIGKILL before, during and after a checkpoint's write and rename; --resume auto then
     continues from the newest whole checkpoint and ends bit for bit where the uninterrupted run ends."""
     from safetensors.torch import load_file
 
-    args = KILLED_ARGS
-    recipe = str(REPO / "recipes" / "ddp.py")
-    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    script = KILLED_SAVE.replace("{recipe}", recipe)
-    killed = subprocess.run(
-        [sys.executable, "-c", script, point, "6", *args, "--out", str(tmp_path / "cut")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    killed, resumed, out = killed_and_resumed[point]
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    run = [sys.executable, recipe, *args, "--resume", "auto"]
-    resumed = subprocess.run([*run, "--out", str(tmp_path / "cut")], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
-    cut, expected = load_file(tmp_path / "cut" / "ddp-1" / "model.safetensors"), load_file(uninterrupted)
+    cut, expected = load_file(out / "ddp-1" / "model.safetensors"), load_file(killed_and_resumed["uninterrupted"])
     assert cut.keys() == expected.keys() and all(torch.equal(cut[k], expected[k]) for k in cut)
-    assert not list((tmp_path / "cut" / "ddp-1" / "ckpt").glob(".*.tmp-*")), "the interrupted write is cleaned up"
+    assert not list((out / "ddp-1" / "ckpt").glob(".*.tmp-*")), "the interrupted write is cleaned up"
