@@ -35,8 +35,9 @@ def run(
 
 
 def in_one_interpreter(cases: list[dict], *, env: dict | None = None, timeout: float = 240) -> list:
-    """tests/cli_cases.py: `cases` ({"args", "cwd"} for `python -m recipes ARGS`, with "file" for `python FILE ARGS`)
-    one after another in one interpreter: each one's exit status, stdout and stderr, as `run` returns them."""
+    """tests/cli_cases.py: `cases` ({"args", "cwd"} for `python -m recipes ARGS`, with "file" for `python FILE ARGS`,
+    "env" for variables of its own) one after another in one interpreter: each one's exit status, stdout and stderr,
+    as `run` returns them."""
     with tempfile.TemporaryDirectory(prefix="tdr-cases-") as folder:
         listed = Path(folder) / "cases.json"
         listed.write_text(json.dumps(cases))
