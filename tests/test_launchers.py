@@ -63,7 +63,9 @@ def hangs() -> nn.Module:
 
 
 def slow() -> nn.Module:
-    """A factory that takes its time: the pre-check is still building the model when it is stopped."""
+    """A factory that takes its time: the pre-check is still building the model when it is stopped. It touches the
+    file TDR_TEST_IN_FACTORY names first, so the test knows when it is there."""
+    Path(os.environ["TDR_TEST_IN_FACTORY"]).touch()
     time.sleep(120)
     return FailsOnRank1("raise")
 
@@ -226,13 +228,17 @@ def test_a_rank_hangs_one_line_says_a_collective_timed_out(failed):
 @pytest.mark.e2e
 def test_a_sigterm_during_the_pre_check_ends_it_with_the_launcher_in_one_line(tmp_path):
     """A review find: the launcher died of a SIGTERM sent while its pre-check ran, and left the pre-check running."""
-    args = [SINGLE, "ddp", *TINY, "--model", "test_launchers:slow", "--out", str(tmp_path)]
-    proc = subprocess.Popen(args, env=env(NPROC_PER_NODE="2"), stderr=subprocess.PIPE, text=True)
+    args = [SINGLE, "ddp", *TINY, "--model", "test_launchers:slow", "--out", str(tmp_path / "runs")]
+    in_factory = tmp_path / "in-factory"
+    environ = env(NPROC_PER_NODE="2", TDR_TEST_IN_FACTORY=str(in_factory))
+    proc = subprocess.Popen(args, env=environ, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not (checks := [pid for pid in children(proc.pid) if b"--dry-run" in cmdline(pid)]):
+    while (
+        not (checks := [pid for pid in children(proc.pid) if b"--dry-run" in cmdline(pid)]) or not in_factory.exists()
+    ):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    time.sleep(1.0)  # the pre-check is in the factory's sleep now
+    # the pre-check is in the factory's sleep now (not merely started: on a busy machine its imports take seconds)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=BOUND_S)
     for _ in range(BOUND_S * 4):  # the pre-check follows its launcher
