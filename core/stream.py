@@ -95,7 +95,7 @@ def all_ranks(flag: bool, *, device: torch.device) -> bool:
 
 def in_step(loader, *, device: torch.device) -> Iterator[tuple[object, bool]]:
     """(batch, counted), the same number on every rank, for evaluating a sharded model (each forward a collective):
-    a rank whose share ran out repeats its last batch with counted=False until every rank's share is done; a rank
+    a rank whose share ran out repeats its last batch with counted=False until every rank's share is done. A rank
     with no batch at all (fewer samples than ranks) runs rank 0's first one, never counted."""
     batches, last = iter(loader), None
     while True:
