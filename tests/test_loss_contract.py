@@ -408,6 +408,7 @@ def test_meter_samples_tokens_and_nonfinite():
     """The clock starts when the first step ends: the rates count the steps after it (issue 20 item 10)."""
     meter = Meter(CPU)
     meter.add(_sums(loss_sum=30, count=60, samples=4))  # the first step: start-up, not in the rates
+    assert "samples_per_s" not in meter.read()  # --log-every 1: no rate yet (review4: it said 0 samples/s)
     meter.add(_sums(loss_sum=30, count=60, samples=4))
     record = meter.read()
     assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(15.0)

@@ -69,7 +69,8 @@ FEATURES = {
         Feature(
             "loss",
             "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy), "
-            "and the line naming logits that do not line up with the targets (torch's shape error instead)",
+            "a transformers `(loss, logits, ...)` tuple (return_dict=False), and the line naming logits that do not "
+            "line up with the targets (torch's shape error instead)",
             fields=("loss",),
             calls=("core.loss_options.", "core.loss.check_aligned"),
         ),
