@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 tests/copy_jobs.py JOBS.json
 
-JOBS.json is a list of {"label", "copy": PATH} or {"label", "recipe": NAME}, each with "args". Every rank runs
+JOBS.json is a list of {"label", "copy": PATH} or {"label", "recipe": NAME}, each with "args" (and "env", variables
+set for that job alone, as the environment of a run of its own: `check`'s runs take one). Every rank runs
 the jobs in order, in one process group made once (a run's init_pg finds it joined and its cleanup leaves it
 for the next run), so the launch and the imports are paid once for many runs. While the copies run, importing
 `core` or `recipes` raises: a copy that still needs the package fails loudly. A copy runs its own parser and
@@ -95,6 +96,8 @@ def main() -> None:
         if "recipe" in job and blocked in sys.meta_path:
             sys.meta_path.remove(blocked)
         code, unread = 0, None
+        before = {k: os.environ.get(k) for k in job.get("env", {})}
+        os.environ.update(job.get("env", {}))
         try:
             if "copy" in job:
                 unread = _copy(job)
@@ -110,6 +113,12 @@ def main() -> None:
         except Exception:  # the job's traceback; the next job goes on
             traceback.print_exc()
             code = 1
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
         sys.stdout.flush()
         dist.barrier()  # every rank's lines of this job (a pipeline's last stage prints them) come before its end
         if unread is not None and rank == 0:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +32,23 @@ def run(
         output = f"--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr}"
         assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{output}"
     return proc
+
+
+def in_one_interpreter(cases: list[dict], *, env: dict | None = None, timeout: float = 240) -> list:
+    """tests/cli_cases.py: `cases` ({"args", "cwd"} for `python -m recipes ARGS`, with "file" for `python FILE ARGS`,
+    "env" for variables of its own) one after another in one interpreter: each one's exit status, stdout and stderr,
+    as `run` returns them."""
+    with tempfile.TemporaryDirectory(prefix="tdr-cases-") as folder:
+        listed = Path(folder) / "cases.json"
+        listed.write_text(json.dumps(cases))
+        proc = run([sys.executable, str(REPO / "tests" / "cli_cases.py"), str(listed)], env=env, timeout=timeout)
+    said = json.loads(proc.stdout)
+    return [
+        subprocess.CompletedProcess(
+            [case.get("file", "recipes"), *case["args"]], one["code"], one["stdout"], one["stderr"]
+        )
+        for case, one in zip(cases, said, strict=True)
+    ]
 
 
 def torchrun(*args: str, nproc: int = 2) -> list[str]:

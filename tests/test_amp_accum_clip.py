@@ -6,6 +6,8 @@ Layer 2 checks run in one gloo world of 4 ranks; a world of N <= 4 is a subgroup
 
 import json
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -30,7 +32,7 @@ from core.grads import clip_grad_norm
 from core.loss import Loss
 from core.records import RunFolder
 from core.steps import step_plain
-from helpers import REPO, recipes_cli, run, user_env
+from helpers import REPO, in_one_interpreter, recipes_cli, run, user_env
 from world import GlooWorld
 
 CPU = torch.device("cpu")
@@ -381,22 +383,36 @@ def test_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
     assert 0 < summary["skipped_steps"] < summary["steps"] == math.ceil(len(digits()[0]) / 32), summary
 
 
-def test_fp16_on_cpu_names_bf16():
-    proc = recipes_cli(
-        "run", "ddp_amp", "--precision", "fp16", "--dry-run", check=False, env=user_env(CUDA_VISIBLE_DEVICES="")
-    )
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """`python -m recipes run ddp_amp ...` of the refusals below, each in a folder of its own (its --out), one after
+    another in one interpreter (tests/cli_cases.py): {case: what it returned}."""
+    cases = {
+        "fp16": (["--precision", "fp16", "--dry-run"], {"CUDA_VISIBLE_DEVICES": ""}),
+        "static graph": (["--accum", "2", "--static-graph"], {}),
+        "accum": (["--accum", "100", "--batch-size", "64"], {}),
+        "one sample": (["--data", "test_amp_accum_clip:one_sample", "--accum", "2"], {}),
+    }
+    listed = []
+    for key, (args, env) in cases.items():
+        out = tmp_path_factory.mktemp(key.replace(" ", "-"))
+        listed.append({"args": ["run", "ddp_amp", *args, "--out", str(out)], "cwd": str(out), "env": env})
+    said = in_one_interpreter(listed, env=user_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)])))
+    return dict(zip(cases, said, strict=True))
+
+
+def test_fp16_on_cpu_names_bf16(refused):
+    proc = refused["fp16"]
     assert proc.returncode != 0 and "--precision bf16" in proc.stderr.strip().splitlines()[-1]
 
 
-def test_static_graph_with_accumulation_is_refused(tmp_path):
-    proc = recipes_cli("run", "ddp_amp", "--accum", "2", "--static-graph", "--out", str(tmp_path), check=False)
+def test_static_graph_with_accumulation_is_refused(refused):
+    proc = refused["static graph"]
     assert proc.returncode != 0 and "--static-graph with --accum 2" in proc.stderr.strip().splitlines()[-1]
 
 
-def test_accum_larger_than_an_epoch_is_refused(tmp_path):
-    proc = recipes_cli(
-        "run", "ddp_amp", "--accum", "100", "--batch-size", "64", "--out", str(tmp_path), check=False, timeout=120
-    )
+def test_accum_larger_than_an_epoch_is_refused(refused):
+    proc = refused["accum"]
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "--accum 100: an epoch has only 22 whole micro-batches per rank" in line, (
         proc.stderr
@@ -404,20 +420,8 @@ def test_accum_larger_than_an_epoch_is_refused(tmp_path):
     assert "use --accum 22 or less" in line
 
 
-def test_a_data_set_smaller_than_one_batch_advises_what_fits(tmp_path):
-    proc = recipes_cli(
-        "run",
-        "ddp_amp",
-        "--data",
-        "test_amp_accum_clip:one_sample",
-        "--accum",
-        "2",
-        "--out",
-        str(tmp_path),
-        check=False,
-        timeout=120,
-        env=user_env(PYTHONPATH=str(REPO / "tests")),
-    )
+def test_a_data_set_smaller_than_one_batch_advises_what_fits(refused):
+    proc = refused["one sample"]
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "(1 samples) gives each of 1 rank(s) 1, not one whole batch" in line, proc.stderr
     assert line.endswith("use --batch-size 1 or less")

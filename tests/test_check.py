@@ -4,11 +4,14 @@ Fast: the probes, in this process, on the built-in models and on a user's own as
 transformers causal LM and classifier from tiny configs, a nanoGPT-style model, dict batches, streams with and
 without a length), with the loss the recipe takes; each cause found and named with a fix in options that exist;
 the weight comparison; the verdict on a crashed run; every problem before a launch one RecipeError line.
-End to end: the command itself, which runs the recipe under torchrun and as one process: it agrees on the
-built-in models and the user's own, fails naming the cause on an unused parameter and on BatchNorm, and says
-"the run crashed" with the run's error line when a run crashes. tests/check_user.py is the user's module.
-"""
+End to end: the command itself, which runs the recipe under torchrun and as one process: it agrees on a user's own
+model and stream from the working folder, compares dropout's runs with the masks off, fails naming the cause on an
+unused parameter, and says "the run crashed" with the run's error line when a run crashes. Then the same check
+(prepared, run and judged as the command does) on a built-in model and on the models people really have under the
+recipes that take them, on BatchNorm and on the advised option, its runs shared by two launches.
+tests/check_user.py is the user's module."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,9 +25,24 @@ import check_user
 from core.config import RecipeError
 from core.data import build_data
 from core.models import build_model
-from helpers import REPO, recipe_params, recipes_cli, user_env
+from helpers import REPO, recipes_cli, run, torchrun, user_env
 from tools import probes
-from tools.check import REL_TOL, Comparison, Crash, Report, _error_line, _verdict, check_recipe, compare_weights, judge
+from tools.check import (
+    REL_TOL,
+    Comparison,
+    Crash,
+    Report,
+    _error_line,
+    _verdict,
+    check_recipe,
+    compare_weights,
+    conclude,
+    distributed_args,
+    judge,
+    one_process_args,
+    prepare,
+    run_summary,
+)
 from tools.probes import RANDOMNESS, Finding, probe
 from tools.registry import RECIPES
 
@@ -268,14 +286,6 @@ def _agrees(proc):
     assert "largest parameter difference" in proc.stdout and "training loss difference" in proc.stdout
 
 
-# The command on a built-in model and on a user's own module from the working folder. More models and data
-# (transformers GPT-2 and BERT, dicts, streams) go through the same check: tests/test_real_models.py.
-@pytest.mark.e2e
-@pytest.mark.parametrize("name", recipe_params(["fsdp"]))
-def test_check_passes_on_a_built_in_model(tmp_path, name):
-    _agrees(_check(name, tmp_path=tmp_path))
-
-
 @pytest.mark.e2e
 def test_check_agrees_on_a_users_model_and_stream(tmp_path):
     _agrees(_check("ddp_amp", "--model", "usermodels:nano", "--data", "usermodels:pair_stream", tmp_path=tmp_path))
@@ -307,28 +317,6 @@ def test_check_fails_on_an_unused_parameter_and_names_the_option(tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_advised_option_fixes_the_unused_parameter(tmp_path, monkeypatch):
-    shutil.copy(Path(check_user.__file__), tmp_path / "usermodels.py")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(tmp_path)  # the probes import it here, the runs through PYTHONPATH
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO)]))
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    report = check_recipe(RECIPES["ddp"], model="usermodels:unused", data="digits", options=["--static-graph"])
-    assert report.equivalent, report.text
-    assert "warning: unused parameters" in report.text  # still said: they never train
-
-
-@pytest.mark.e2e
-def test_check_fails_on_batchnorm_and_names_it(tmp_path):
-    proc = _check("ddp", "--model", "usermodels:batchnorm", tmp_path=tmp_path)
-    assert proc.returncode == 1
-    assert "weights apart / moved by training" in proc.stdout and "OUTSIDE" in proc.stdout
-    assert "likely cause: BatchNorm without SyncBatchNorm: 1 (BatchNorm1d)" in proc.stdout
-    expected = "pass --sync-batchnorm" if torch.cuda.is_available() else "needs CUDA"
-    assert expected in proc.stdout
-
-
-@pytest.mark.e2e
 def test_a_run_that_crashes_is_named_as_a_crash_with_its_error(tmp_path):
     proc = _check("ddp", "--model", "usermodels:crashing", tmp_path=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
@@ -345,3 +333,105 @@ def test_the_command_prints_one_error_line_not_a_traceback(tmp_path):
         "error: --data usermodels:failing_stream: reading the training set raised ConnectionError: "
         "stream closed by the server"
     ]
+
+
+# --- the same check on more models and recipes, their runs in two shared launches --------------------------------
+#
+# The models and data people really have (a transformers GPT-2 and BERT from tiny configs, no download, a nanoGPT-style
+# model; dict and pair batches, streams with and without a length: tests/check_user.py), a built-in one, and the
+# verdicts that need a real run (BatchNorm's weights apart; --static-graph fixing an unused parameter). Each check is
+# prepared (probed) as `check` prepares it and judged as `check` judges it (tools.check.prepare, conclude), and its
+# runs are the command lines `check` starts (distributed_args, one_process_args): every distributed run in one torchrun
+# launch of tests/copy_jobs.py, then every single-process and initial run in one launch on one process. The launches
+# and their imports are paid twice, not three times per check. (The check command's own launches: the tests above.)
+
+SHARED = {  # id: recipe, prepare's options
+    "fsdp-builtin": ("fsdp", {}),
+    "batchnorm": ("ddp", {"model": "check_user:batchnorm"}),
+    "unused-static-graph": ("ddp", {"model": "check_user:unused", "options": ("--static-graph",)}),
+    "ddp_amp-gpt2": (  # its own loss, dicts, a sized stream
+        "ddp_amp",
+        {"model": "check_user:gpt2", "data": "check_user:lm_stream", "options": ("--accum", "2")},
+    ),
+    "ddp_amp-nano": (  # an unsized stream
+        "ddp_amp",
+        {
+            "model": "check_user:nano",
+            "data": "check_user:pair_stream",
+            "options": ("--accum", "2", "--precision", "bf16"),
+        },
+    ),
+    "fsdp-nano": ("fsdp", {"model": "check_user:nano", "data": "check_user:pair_stream"}),
+    "fsdp-bert": ("fsdp", {"model": "check_user:bert", "data": "check_user:classify"}),  # the root keeps parameters
+    "fsdp-gpt2": (
+        "fsdp",
+        {"model": "check_user:gpt2", "data": "check_user:lm_stream", "options": ("--accum", "2", "--clip", "1.0")},
+    ),
+}
+REAL_MODEL = {"ddp_amp-gpt2", "ddp_amp-nano", "fsdp-nano", "fsdp-bert", "fsdp-gpt2"}  # steps 3, batch 4 per rank
+
+
+def _launch(jobs: list[dict], folder: Path, nproc: int) -> str:
+    """tests/copy_jobs.py's launch of `jobs` on `nproc` processes: its output, each job's `job LABEL exit` lines."""
+    (folder / "jobs.json").write_text(json.dumps(jobs))
+    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))  # check_user: the user's module
+    proc = run(torchrun(str(REPO / "tests" / "copy_jobs.py"), str(folder / "jobs.json"), nproc=nproc), cwd=folder,
+               env=env, timeout=400, check=False)  # fmt: skip
+    return f"--stdout--\n{proc.stdout}\n--stderr--\n{proc.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def shared_checks(tmp_path_factory) -> dict[str, tuple[Report | None, str]]:
+    """id -> (the check's report, or None where a run has no summary; the launches' output)."""
+    out = tmp_path_factory.mktemp("checks")
+    plans = {}
+    for key, (name, options) in SHARED.items():
+        sizes = {"steps": 3, "batch_size": 4} if key in REAL_MODEL else {}
+        plans[key] = prepare(RECIPES[name], **sizes, **options)
+
+    def job(key: str, run_args: list[str], kind: str) -> dict:
+        plan = plans[key]
+        args = [*run_args[3:], *plan.quiet, "--out", str(out / key / kind)]  # after `recipes run NAME`
+        return {"label": f"{key}/{kind}", "recipe": plan.args[2], "args": args, "env": plan.env}
+
+    said = _launch([job(k, distributed_args(p), "distributed") for k, p in plans.items()], out, nproc=2)
+    distributed = {key: run_summary(out / key / "distributed") for key in plans}
+    single = [job(k, a, kind) for k, d in distributed.items() if d for kind, a in one_process_args(plans[k], d).items()]
+    (out / "one").mkdir()
+    said += _launch(single, out / "one", nproc=1)
+    reports = {}
+    for key, plan in plans.items():
+        runs = [run_summary(out / key / kind) for kind in ("distributed", "single", "initial")]
+        reports[key] = (conclude(plan, runs, None) if None not in runs else None, said)
+    return reports
+
+
+def _shared(shared_checks, key: str) -> Report:
+    report, said = shared_checks[key]
+    assert f"job {key}/distributed exit 0 rank 0" in said and report is not None, said
+    return report
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("key", ["fsdp-builtin", *sorted(REAL_MODEL)])
+def test_two_ranks_train_like_one_process(shared_checks, key):
+    """A built-in model under fsdp, and the models people really have under the recipes that take them."""
+    report = _shared(shared_checks, key)
+    assert report.equivalent and "equivalent: yes" in report.text, report.text
+    assert "largest parameter difference" in report.text and "training loss difference" in report.text
+
+
+@pytest.mark.e2e
+def test_check_fails_on_batchnorm_and_names_it(shared_checks):
+    report = _shared(shared_checks, "batchnorm")
+    assert not report.equivalent and "weights apart / moved by training" in report.text and "OUTSIDE" in report.text
+    assert "likely cause: BatchNorm without SyncBatchNorm: 1 (BatchNorm1d)" in report.text
+    expected = "pass --sync-batchnorm" if torch.cuda.is_available() else "needs CUDA"
+    assert expected in report.text
+
+
+@pytest.mark.e2e
+def test_the_advised_option_fixes_the_unused_parameter(shared_checks):
+    report = _shared(shared_checks, "unused-static-graph")
+    assert report.equivalent, report.text
+    assert "warning: unused parameters" in report.text  # still said: they never train

@@ -3,6 +3,7 @@
 import ast
 import itertools
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from core.models import MLP
-from helpers import REPO, recipe_params, recipes_cli, run, torchrun, user_env
+from helpers import REPO, in_one_interpreter, recipe_params, recipes_cli, run, torchrun, user_env
 from tools.cli import cli
 from tools.registry import RECIPES
 
@@ -72,40 +73,53 @@ def test_the_registry_names_exactly_the_opt_ins_a_recipe_imports(name):
     assert sorted(RECIPES[name].opt_ins) == sorted(_core_imports(name) - base)
 
 
-def test_help_works():
-    assert "run" in recipes_cli("--help").stdout
-    assert "--batch-size" in recipes_cli("run", "ddp", "--help").stdout
+BAD_INPUT = [
+    (["run", "resnet"], "unknown recipe 'resnet'; choose one of: "),
+    (["run", "ddp", "--batch-size", "0"], "--batch-size 0"),
+    (["run", "ddp", "--epochs", "-1"], "--epochs -1"),
+    (["run", "ddp_amp", "--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["run", "ddp", "--batch-size", "many"], "invalid int value: 'many'"),
+    (["run", "ddp", "--model", "nosuchpkg.models:build"], "cannot import 'nosuchpkg.models'"),
+    (["run", "ddp", "--data", "core.data:nothing"], "has no function 'nothing'"),
+    (["run", "ddp", "--no-such-option"], "--no-such-option: ddp does not take it; no recipe does"),
+    (["cp", "nope", "x.py"], "unknown recipe 'nope'"),
+]
 
 
-@pytest.mark.parametrize(
-    "args,words",
-    [
-        (["run", "resnet"], "unknown recipe 'resnet'; choose one of: "),
-        (["run", "ddp", "--batch-size", "0"], "--batch-size 0"),
-        (["run", "ddp", "--epochs", "-1"], "--epochs -1"),
-        (["run", "ddp_amp", "--precision", "fp8"], "invalid choice: 'fp8'"),
-        (["run", "ddp", "--batch-size", "many"], "invalid int value: 'many'"),
-        (["run", "ddp", "--model", "nosuchpkg.models:build"], "cannot import 'nosuchpkg.models'"),
-        (["run", "ddp", "--data", "core.data:nothing"], "has no function 'nothing'"),
-        (["run", "ddp", "--no-such-option"], "--no-such-option: ddp does not take it; no recipe does"),
-        (["cp", "nope", "x.py"], "unknown recipe 'nope'"),
-    ],
-)
-def test_bad_input_is_one_line(args, words, tmp_path):
-    line = _one_error_line(
-        recipes_cli(*args, "--out", str(tmp_path), check=False, cwd=tmp_path)
-        if args[0] == "run"
-        else recipes_cli(*args, check=False, cwd=tmp_path)
-    )
-    assert words in line
-    assert not list(tmp_path.glob("ddp-*")), "nothing is created by a run that never started"
-
-
-def test_unwritable_out_is_one_line(tmp_path):
-    blocker = tmp_path / "a-file"
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """`python -m recipes ARGS` of this module's cases that end before any process group (BAD_INPUT, --help, an
+    unwritable --out), all in one interpreter (tests/cli_cases.py: the same __main__, each case in a working folder
+    of its own, its own stdout and stderr, its exit status): {case: (what it returned, its folder)}."""
+    cases = {}
+    for i, (args, _) in enumerate(BAD_INPUT):
+        folder = tmp_path_factory.mktemp(f"bad{i}")
+        cases[f"bad{i}"] = (args + ["--out", str(folder)] if args[0] == "run" else args, folder)
+    cases["help"] = (["--help"], tmp_path_factory.mktemp("help"))
+    cases["run help"] = (["run", "ddp", "--help"], tmp_path_factory.mktemp("run-help"))
+    blocker = tmp_path_factory.mktemp("unwritable") / "a-file"
     blocker.write_text("not a folder")
-    line = _one_error_line(recipes_cli("run", "ddp", "--out", str(blocker / "runs"), check=False))
-    assert f"--out {blocker / 'runs'}: cannot write there" in line
+    cases["unwritable"] = (["run", "ddp", "--out", str(blocker / "runs")], blocker.parent)
+    said = in_one_interpreter([{"args": args, "cwd": str(folder)} for args, folder in cases.values()])
+    return {case: (proc, folder) for (case, (_, folder)), proc in zip(cases.items(), said, strict=True)}
+
+
+def test_help_works(commands):
+    assert "run" in commands["help"][0].stdout
+    assert "--batch-size" in commands["run help"][0].stdout
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(args) for args, _ in BAD_INPUT])
+def test_bad_input_is_one_line(commands, case):
+    proc, folder = commands[f"bad{case}"]
+    assert BAD_INPUT[case][1] in _one_error_line(proc)
+    assert not list(folder.glob("ddp-*")), "nothing is created by a run that never started"
+
+
+def test_unwritable_out_is_one_line(commands):
+    proc, folder = commands["unwritable"]
+    line = _one_error_line(proc)
+    assert f"--out {folder / 'a-file' / 'runs'}: cannot write there" in line
 
 
 @pytest.mark.parametrize("recipe", [["ddp"], []], ids=["named", "default"])

@@ -156,25 +156,50 @@ def test_environment_problem_one_line_before_torchrun(launcher, problem, tmp_pat
 # --- items 11.6 and 11.11, issue 20 item 1: a rank that raises or hangs ends with one line that says so ------
 
 TINY = ["--epochs", "1", "--max-steps", "20", "--batch-size", "8", "--log-every", "1"]
+FAILING = {  # the jobs that fail on purpose: (launcher, the factory of their model, more recipe options)
+    "single-every-rank": (SINGLE, "raises_everywhere", []),
+    "multi-rank1": (MULTI, "raises", []),
+    "hangs": (SINGLE, "hangs", ["--timeout-s", "10"]),
+}
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """FAILING's jobs, started side by side (the hang's wait for --timeout-s overlaps the others' work): each one's
+    exit status and stderr, as `run` returns them. Their output goes to files (pipes could fill and block them)."""
+    started = {}
+    for key, (launcher, model, extra) in FAILING.items():
+        folder = tmp_path_factory.mktemp(key)
+        more = {"NNODES": "1", "MASTER_PORT": str(free_port())} if launcher == MULTI else {}
+        args = [launcher, "ddp", *TINY, "--model", f"test_launchers:{model}", *extra, "--out", str(folder / "runs")]
+        with open(folder / "stderr", "w") as err:
+            proc = subprocess.Popen(args, cwd=REPO, env=env(NPROC_PER_NODE="2", **more), stdout=subprocess.DEVNULL,
+                                    stderr=err)  # fmt: skip
+        started[key] = (args, proc, folder / "stderr")
+    done = {}
+    for key, (args, proc, stderr) in started.items():
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        done[key] = subprocess.CompletedProcess(args, proc.returncode, "", stderr.read_text(errors="replace"))
+    return done
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    "launcher, model", [("single", "raises_everywhere"), ("multi", "raises")], ids=["single-every-rank", "multi-rank1"]
-)
-def test_a_rank_raises_its_traceback_once_and_one_line_names_the_exception(tmp_path, launcher, model):
+@pytest.mark.parametrize("launcher", ["single-every-rank", "multi-rank1"])
+def test_a_rank_raises_its_traceback_once_and_one_line_names_the_exception(failed, launcher):
     """Single: every rank raises (a loss that fails, say); multi: rank 1 raises and rank 0 loses its connection.
     Either way one traceback, with the user's frame, and one line naming the rank and the exception."""
-    extra = {"NNODES": "1", "MASTER_PORT": str(free_port())} if launcher == "multi" else {}
-    args = [SINGLE if launcher == "single" else MULTI, "ddp", *TINY, "--model", f"test_launchers:{model}"]
-    proc = run([*args, "--out", str(tmp_path)], env=env(NPROC_PER_NODE="2", **extra), check=False, timeout=240)
+    proc = failed[launcher]
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert error_lines(proc.stderr) == [last], proc.stderr[-3000:]
     assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
     assert 'test_launchers.py", line' in proc.stderr and "in forward" in proc.stderr  # the user's own frame
     assert_no_torchrun_report(proc.stderr)
-    if model == "raises":
+    if launcher == "multi-rank1":
         assert last.startswith("error: this node (127.0.0.1) failed: rank 1 raised ValueError: rank 1 fails on purpose")
         assert "lost the connection" not in last
     else:  # whichever rank raised first; its message is longer than a closing line: cut between two words
@@ -188,9 +213,8 @@ def test_a_rank_raises_its_traceback_once_and_one_line_names_the_exception(tmp_p
 
 
 @pytest.mark.e2e
-def test_a_rank_hangs_one_line_says_a_collective_timed_out(tmp_path):
-    args = [SINGLE, "ddp", *TINY, "--model", "test_launchers:hangs", "--timeout-s", "10", "--out", str(tmp_path)]
-    proc = run(args, env=env(NPROC_PER_NODE="2"), check=False, timeout=240)
+def test_a_rank_hangs_one_line_says_a_collective_timed_out(failed):
+    proc = failed["hangs"]
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ddp failed") and "timed out" in last.lower(), proc.stderr[-3000:]

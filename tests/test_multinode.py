@@ -11,16 +11,20 @@ Stated bounds (never asserted as times, only as "did not hang"): a lost or unrea
 ends every node within --timeout-s (20 s here) plus torchrun's shut-down, well inside BOUND_S.
 
 Cost: every training run starts 2 launchers, 2 torchrun agents and their workers, so runs are
-few and short (6 steps): one run covers both a slow and a normal link, and the two fault
-scenarios share one test, run side by side (one waits out --timeout-s while the other finishes).
+few and short (6 steps), and what waits runs beside what works: one run covers both a slow and a
+normal link, while the single-node references train; a node killed, a cable cut and an elastic
+restart run side by side, each on hosts of its own (the cut job waits out --timeout-s meanwhile);
+so do the three start-ups that must fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import netns
@@ -111,26 +115,36 @@ def assert_same_weights(got: dict, want: dict) -> None:
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory):
     """reference(nproc): the same training as `nproc` processes on one node (loopback), through the
-    single-node launcher; each world size is trained once per module."""
+    single-node launcher; each world size is trained once per module. Both start at once, in the background, when
+    the first test asks: they train while that test's two hosts wait on their slow link."""
+    started = {}
+    for nproc in (4, 2):
+        out, logs = tmp_path_factory.mktemp(f"reference{nproc}"), tmp_path_factory.mktemp(f"reference{nproc}-logs")
+        with open(logs / "stdout", "w") as stdout, open(logs / "stderr", "w") as stderr:
+            proc = subprocess.Popen(
+                [str(REPO / "launch_single_node.sh"), "ddp", *OPTS, "--out", str(out)],
+                cwd=REPO, env=user_env(NPROC_PER_NODE=str(nproc)), stdout=stdout, stderr=stderr,
+            )  # fmt: skip
+        started[nproc] = (proc, out, logs)
     done: dict[int, dict[str, torch.Tensor]] = {}
 
     def reference(nproc: int) -> dict[str, torch.Tensor]:
         if nproc not in done:
-            out = tmp_path_factory.mktemp(f"reference{nproc}")
-            run(
-                [str(REPO / "launch_single_node.sh"), "ddp", *OPTS, "--out", str(out)],
-                env=user_env(NPROC_PER_NODE=str(nproc)),
-                timeout=BOUND_S,
-            )
+            proc, out, logs = started[nproc]
+            try:
+                code = proc.wait(timeout=BOUND_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            assert code == 0, (logs / "stderr").read_text()[-3000:]
             done[nproc] = weights_of(out)
         return done[nproc]
 
-    return reference
-
-
-@pytest.fixture
-def reference(single_node) -> dict[str, torch.Tensor]:
-    return single_node(4)  # 2 nodes x 2 processes
+    yield reference
+    for proc, _, _ in started.values():  # a test that failed before it asked: not left running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture
@@ -140,7 +154,7 @@ def net():
 
 
 @needs_netns
-def test_two_hosts_train_like_one_node_on_a_slow_then_normal_link(net, reference, tmp_path):
+def test_two_hosts_train_like_one_node_on_a_slow_then_normal_link(net, single_node, tmp_path):
     for host in net.hosts:  # rendezvous and the first steps over a 50 Mbit/s link, the rest at full speed
         net.shape(host, rate="50mbit")
     node0, node1 = start_pair(net, tmp_path, OPTS)
@@ -155,72 +169,100 @@ def test_two_hosts_train_like_one_node_on_a_slow_then_normal_link(net, reference
     assert summary["kind"] == "summary" and summary["world_size"] == 4
     assert summary["replicas_identical"], "node 1's ranks hold bit-for-bit the weights rank 0 wrote"
     # Rank 0 (node 0) wrote the weights; every rank compared a digest of its own (summary above).
-    assert_same_weights(weights_of(tmp_path / "runs"), reference)
+    assert_same_weights(weights_of(tmp_path / "runs"), single_node(4))  # 2 nodes x 2 processes
 
 
-@needs_netns
-def test_node_killed_or_link_cut_every_node_exits_saying_why(net, tmp_path):
-    # Two jobs side by side, one on each pair of hosts: in one a node dies, in the other the cable is cut.
-    with netns.TwoHosts() as other:
-        killed = start_pair(net, tmp_path / "killed", LONG)
-        cut = start_pair(other, tmp_path / "cut", LONG)
-        for node0, _ in (killed, cut):
-            node0.wait_for("step 3/")
-        net.kill_host(killed[1].host)  # the whole node: launcher, torchrun agent, workers
-        other.link_down(cut[1].host)
+def _killed_or_cut(net: netns.TwoHosts, other: netns.TwoHosts, tmp_path: Path) -> None:
+    """Two jobs side by side, one on each pair of hosts: in one a node dies, in the other the cable is cut."""
+    killed = start_pair(net, tmp_path / "killed", LONG)
+    cut = start_pair(other, tmp_path / "cut", LONG)
+    for node0, _ in (killed, cut):
+        node0.wait_for("step 3/")
+    net.kill_host(killed[1].host)  # the whole node: launcher, torchrun agent, workers
+    other.link_down(cut[1].host)
 
-        survivor = killed[0]  # sees a reset connection at once
-        assert survivor.wait() != 0
-        assert "lost the connection to peer" in survivor.last_error
-        assert killed[1].host.addr in survivor.last_error, survivor.stderr[-3000:]
+    survivor = killed[0]  # sees a reset connection at once
+    assert survivor.wait() != 0
+    assert "lost the connection to peer" in survivor.last_error
+    assert killed[1].host.addr in survivor.last_error, survivor.stderr[-3000:]
 
-        for node in cut:  # hear nothing until --timeout-s has passed
-            assert node.wait() != 0
-            assert "unreachable" in node.last_error, node.stderr[-3000:]
-        assert f"node 0 at {cut[0].host.addr}" in cut[1].last_error
-
-
-@needs_netns
-def test_nproc_per_node_differs(net, tmp_path):
-    a, b = net.hosts
-    nodes = [
-        Node(
-            net,
-            host,
-            ["ddp", *OPTS, "--out", str(tmp_path / "runs")],
-            node_env(a.addr, NODE_RANK=str(rank), NPROC_PER_NODE=str(2 - rank)),
-            tmp_path / host.name,
-        )
-        for rank, host in enumerate(net.hosts)
-    ]
-    for node in nodes:
+    for node in cut:  # hear nothing until --timeout-s has passed
         assert node.wait() != 0
+        assert "unreachable" in node.last_error, node.stderr[-3000:]
+    assert f"node 0 at {cut[0].host.addr}" in cut[1].last_error
+
+
+@pytest.fixture(scope="module")
+def long_faults(tmp_path_factory) -> dict[str, Future]:
+    """The long fault scenarios side by side, each in a thread on hosts of its own, so that the cut job's wait for
+    --timeout-s overlaps the elastic job's restart: {scenario: its future, whose result() raises what failed}."""
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        net, other, elastic = (stack.enter_context(netns.TwoHosts()) for _ in range(3))  # made here: unique names
+        return {
+            "killed or cut": pool.submit(_killed_or_cut, net, other, tmp_path_factory.mktemp("killed")),
+            "elastic": pool.submit(_elastic, elastic, tmp_path_factory.mktemp("elastic")),
+        }  # the pool's end waits for both, then the hosts go
+
+
+@needs_netns
+def test_node_killed_or_link_cut_every_node_exits_saying_why(long_faults):
+    long_faults["killed or cut"].result()
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The start-ups that must fail, side by side, each on two hosts of its own (their waits overlap): {case:
+    (its nodes, each one's exit status, MASTER_ADDR)}. nproc differs: node 0 with 2 processes, node 1 with 1;
+    unreachable: node 1 alone, node 0's cable out (SYNs to it go unanswered); port in use: node 0 alone, something
+    else listening on MASTER_PORT."""
+    tmp = tmp_path_factory.mktemp("refused")
+    with contextlib.ExitStack() as stack:
+        differs, unreachable, in_use = (stack.enter_context(netns.TwoHosts()) for _ in range(3))
+        master = differs.hosts[0].addr
+        started = {
+            "nproc differs": [
+                Node(
+                    differs,
+                    host,
+                    ["ddp", *OPTS, "--out", str(tmp / "differs" / "runs")],
+                    node_env(master, NODE_RANK=str(rank), NPROC_PER_NODE=str(2 - rank)),
+                    tmp / "differs" / host.name,
+                )
+                for rank, host in enumerate(differs.hosts)
+            ]
+        }
+        a, b = unreachable.hosts
+        unreachable.link_down(a)
+        env = node_env(a.addr, NODE_RANK="1", RDZV_TIMEOUT="4")
+        started["unreachable"] = [Node(unreachable, b, ["ddp", *OPTS], env, tmp / "unreachable")]
+        a, _ = in_use.hosts
+        squat = "import socket, time; s = socket.create_server(('', 29500)); print('up', flush=True); time.sleep(60)"
+        squatter = in_use.popen(a, ["python", "-c", squat])
+        assert squatter.stdout.readline().strip() == "up"
+        started["port in use"] = [Node(in_use, a, ["ddp", *OPTS], node_env(a.addr, NODE_RANK="0"), tmp / "in_use")]
+        masters = {"nproc differs": master, "unreachable": unreachable.hosts[0].addr, "port in use": a.addr}
+        return {case: (nodes, [node.wait() for node in nodes], masters[case]) for case, nodes in started.items()}
+
+
+@needs_netns
+def test_nproc_per_node_differs(refused):
+    nodes, codes, _ = refused["nproc differs"]
+    for node, code in zip(nodes, codes, strict=True):
+        assert code != 0
         assert "NPROC_PER_NODE differs between nodes" in node.last_error, node.stderr[-3000:]
 
 
 @needs_netns
-def test_master_unreachable(net, tmp_path):
-    a, b = net.hosts
-    net.link_down(a)  # node 0's cable is out: SYNs to it go unanswered
-    node1 = Node(net, b, ["ddp", *OPTS], node_env(a.addr, NODE_RANK="1", RDZV_TIMEOUT="4"), tmp_path / "b")
-    assert node1.wait() == 2
-    assert node1.last_error.startswith(f"error: cannot reach MASTER_ADDR:MASTER_PORT {a.addr}:29500")
+def test_master_unreachable(refused):
+    (node1,), (code,), master = refused["unreachable"]
+    assert code == 2
+    assert node1.last_error.startswith(f"error: cannot reach MASTER_ADDR:MASTER_PORT {master}:29500")
 
 
 @needs_netns
-def test_master_port_in_use(net, tmp_path):
-    a, _ = net.hosts
-    squatter = net.popen(
-        a,
-        [
-            "python",
-            "-c",
-            "import socket, time; s = socket.create_server(('', 29500)); print('up', flush=True); time.sleep(60)",
-        ],
-    )
-    assert squatter.stdout.readline().strip() == "up"
-    node0 = Node(net, a, ["ddp", *OPTS], node_env(a.addr, NODE_RANK="0"), tmp_path / "a")
-    assert node0.wait() == 2
+def test_master_port_in_use(refused):
+    (node0,), (code,), _ = refused["port in use"]
+    assert code == 2
     assert (
         node0.last_error == "error: MASTER_PORT=29500 is already in use on this node: "
         "pick another port (the same on every node)"
@@ -247,8 +289,8 @@ def test_bad_environment_one_line_before_torchrun(env, message):
     assert proc.stderr.strip() == message
 
 
-@needs_netns
-def test_elastic_restarted_node_resumes_from_checkpoint(net, single_node, tmp_path):
+def _elastic(net: netns.TwoHosts, tmp_path: Path) -> Path:
+    """A node killed and started again: the run folder of the job it rejoined, which went on from a checkpoint."""
     # One process per node: a resumed 2-rank job is bit for bit the uninterrupted one. (A resumed 4-rank
     # job, on one node as well, ends about 4e-8 off, float rounding: see docs/multinode.md.)
     for host in net.hosts:  # slow steps, so that the kill lands between two checkpoints
@@ -283,4 +325,9 @@ def test_elastic_restarted_node_resumes_from_checkpoint(net, single_node, tmp_pa
     summary = json.loads(next((tmp_path / "runs").glob("*/metrics.jsonl")).read_text().splitlines()[-1])
     assert summary["kind"] == "summary" and summary["world_size"] == 2 and summary["steps"] == 6
     assert summary["replicas_identical"], "the restarted node holds bit-for-bit the weights rank 0 wrote"
-    assert_same_weights(weights_of(tmp_path / "runs"), single_node(2))
+    return tmp_path / "runs"
+
+
+@needs_netns
+def test_elastic_restarted_node_resumes_from_checkpoint(long_faults, single_node):
+    assert_same_weights(weights_of(long_faults["elastic"].result()), single_node(2))

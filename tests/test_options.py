@@ -8,14 +8,16 @@ ignored one, and fails the test.
 
 import dataclasses
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from copy_jobs import recording
 
 from core import dist
 from core.config import RecipeError, UsageError, parse_args
-from helpers import recipe_params, recipes_cli, waiting
+from helpers import in_one_interpreter, recipe_params, waiting
 from tools.registry import RECIPES, takers
 
 NAMES = sorted(RECIPES)
@@ -49,9 +51,27 @@ def test_an_option_a_recipe_does_not_take_names_the_ones_that_do():
     assert expected <= set(takers("--accum")) and "ddp" not in takers("--accum")
 
 
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """`python -m recipes run ddp ...` of this module's two refusals, each in a folder of its own, one after the other
+    in one interpreter (tests/cli_cases.py): {case: (what it returned, its folder)}."""
+    folders = {key: tmp_path_factory.mktemp(key) for key in ("unknown", "escape")}
+    cases = [
+        {
+            "args": ["run", "ddp", "--precision", "bf16", "--out", str(folders["unknown"])],
+            "cwd": str(folders["unknown"]),
+        },
+        {
+            "args": ["run", "ddp", "--name", "../escape", "--out", str(folders["escape"] / "runs")],
+            "cwd": str(folders["escape"]),
+        },
+    ]
+    return {key: (proc, folders[key]) for key, proc in zip(folders, in_one_interpreter(cases), strict=True)}
+
+
 @pytest.mark.e2e
-def test_unknown_option_is_a_usage_error_naming_the_takers(tmp_path):
-    proc = recipes_cli("run", "ddp", "--precision", "bf16", "--out", str(tmp_path), check=False, cwd=tmp_path)
+def test_unknown_option_is_a_usage_error_naming_the_takers(refused):
+    proc, tmp_path = refused["unknown"]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: --precision: ddp does not take it; ") and "ddp_amp" in line
@@ -93,8 +113,8 @@ def test_bucket_size_is_checked_where_it_exists(value):
 
 
 @pytest.mark.e2e
-def test_a_bad_value_under_the_launcher_leaves_no_folder(tmp_path):
-    proc = recipes_cli("run", "ddp", "--name", "../escape", "--out", str(tmp_path / "runs"), check=False, cwd=tmp_path)
+def test_a_bad_value_under_the_launcher_leaves_no_folder(refused):
+    proc, tmp_path = refused["escape"]
     assert proc.returncode == 1 and proc.stderr.count("error: ") == 1
     assert not (tmp_path / "runs").exists() and not (tmp_path / "escape-1").exists()
 

@@ -9,13 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from core.config import KEPT
 from core.records import RunFolder, repair_records, write_record
-from helpers import REPO, recipes_cli, run, torchrun, user_env
+from helpers import REPO, in_one_interpreter, recipes_cli, run, torchrun, user_env
 
 pytestmark = pytest.mark.e2e
 TINY = ["--model", "tiny:mlp", "--batch-size", "16", "--timeout-s", "60"]
@@ -79,28 +80,75 @@ def _stopped(finished, tmp_path):
     return tmp_path
 
 
+REFUSED = [  # a resume of the stopped run with another option: (its options, words of its one line)
+    (["--model", "cnn"], "holds another model"),
+    (["--lr", "0.01"], "--lr 0.001 -> 0.01"),
+    (["--seed", "3"], "--seed 0 -> 3"),
+]
+
+
+@pytest.fixture(scope="module")
+def alone(finished, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path, dict]]:
+    """The runs of this module's tests that take one process and no signal (`python -m recipes run ddp ...`), each
+    in a working folder of its own (a copy of the finished run for its resumes, a stopped copy for each refused
+    resume), one after another in one interpreter (tests/cli_cases.py): {case: (what it returned, its folder, the
+    snapshot of its runs/ taken before)}."""
+    cases = {}
+
+    def case(key: str, args: list[str], *, runs=None, env=None) -> Path:
+        folder = tmp_path_factory.mktemp(key.replace(" ", "-"))
+        if runs == "finished":
+            shutil.copytree(finished / "runs", folder / "runs")
+        elif runs == "stopped":
+            _stopped(finished, folder)
+        elif runs == "empty":
+            (folder / "runs" / "ddp-1").mkdir(parents=True)
+        before = _snapshot(folder / "runs") if runs else {}
+        command = ["run", "ddp", *args, "--out", str(folder / "runs")]
+        cases[key] = ({"args": command, "cwd": str(folder), "env": env or {}}, folder, before)
+        return folder
+
+    finished_args = [*TINY, "--max-steps", "7"]
+    case("--resume auto", [*finished_args, "--resume", "auto"], runs="finished")
+    case("torchrun restart", finished_args, runs="finished", env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    for i, (args, _) in enumerate(REFUSED):
+        cli_args = [a for a in TINY if a not in ("--model", "tiny:mlp")] if "--model" in args else TINY
+        case(f"refused {i}", [*cli_args, "--max-steps", "7", "--resume", "auto", *args], runs="stopped")
+    case("no checkpoint", [*TINY, "--max-steps", "1", "--epochs", "1", "--resume", "auto"], runs="empty")
+    exploding = ["--model", "tiny:exploding", "--log-every", "1"]
+    case("non-finite", [*exploding, "--max-steps", "6"])
+    case("skip non-finite", [*exploding, "--max-steps", "5", "--on-nonfinite", "skip"])
+    case(
+        "child named module",
+        [*TINY, "--model", "tiny:wrapper", "--data", "tiny:named", "--max-steps", "3", "--epochs", "1"],
+    )
+    said = in_one_interpreter([c for c, _, _ in cases.values()], env=_env())
+    return {key: (proc, folder, before) for (key, (_, folder, before)), proc in zip(cases.items(), said, strict=True)}
+
+
 @pytest.mark.parametrize("how", ["--resume auto", "torchrun restart", "--resume step-3 at 2 ranks", "a copy"])
-def test_resuming_a_finished_run_trains_nothing_and_changes_no_byte(finished, how, tmp_path):
+def test_resuming_a_finished_run_trains_nothing_and_changes_no_byte(finished, alone, how, tmp_path):
     """27.2: the run's summary says it is finished: a resume of any of its checkpoints, at any world size (its
     global batch and options are not even checked), through the CLI, bare torchrun or a standalone copy, prints one
-    line and exits 0, and every file (the lock's contents, config.json, metrics.jsonl, weights) keeps its bytes."""
-    run_dir, out = finished / "runs" / "ddp-1", ["--out", str(finished / "runs"), "--max-steps", "7"]
-    before = _snapshot(run_dir)
-    if how == "--resume auto":
-        proc = recipes_cli("run", "ddp", *TINY, *out, "--resume", "auto", cwd=finished, env=_env())
-    elif how == "torchrun restart":
-        proc = recipes_cli("run", "ddp", *TINY, *out, cwd=finished, env=_env() | {"TORCHELASTIC_RESTART_COUNT": "1"})
+    line and exits 0, and every file (the lock's contents, config.json, metrics.jsonl, weights) keeps its bytes. (The
+    CLI's two: in `alone`, each on a copy of the finished run.)"""
+    runs, out = finished / "runs", ["--out", str(finished / "runs"), "--max-steps", "7"]
+    before = _snapshot(runs)
+    if how in ("--resume auto", "torchrun restart"):
+        proc, folder, before = alone[how]
+        runs = folder / "runs"
+        assert proc.returncode == 0, proc.stderr
     elif how == "a copy":
         copy = tmp_path / "ddp_copy.py"
         recipes_cli("cp", "ddp", str(copy), "--standalone", cwd=tmp_path, env=_env())
         lean = [a for a in TINY if a not in ("--model", "tiny:mlp")]  # a lean copy names its model in its code
         proc = run([sys.executable, str(copy), *lean, *out, "--resume", "auto"], cwd=tmp_path, env=_env())
     else:  # 2 ranks, global batch 32 (the run's was 16), under bare torchrun
-        step3 = str(run_dir / CKPTS[0])
+        step3 = str(runs / "ddp-1" / CKPTS[0])
         proc = run([*torchrun("-m", "recipes", "run", "ddp"), *TINY, *out, "--resume", step3], cwd=finished, env=_env())
     assert proc.stdout.strip().splitlines()[-1].endswith("already finished at step 7; nothing to train"), proc.stdout
-    assert _snapshot(run_dir) == before
-    assert sorted(p.name for p in (finished / "runs").iterdir()) == ["ddp-1"]
+    assert _snapshot(runs) == before
+    assert sorted(p.name for p in runs.iterdir()) == ["ddp-1"]
 
 
 def test_a_run_stopped_during_its_hf_write_writes_what_is_missing_and_trains_nothing(tmp_path):
@@ -126,36 +174,12 @@ def test_a_run_stopped_during_its_hf_write_writes_what_is_missing_and_trains_not
     assert after[-2] | {"epoch": None} == [r for r in records if r["kind"] == "eval"][-1] | {"epoch": None}
 
 
-@pytest.mark.parametrize(
-    "args,words",
-    [
-        (["--model", "cnn"], "holds another model"),
-        (["--lr", "0.01"], "--lr 0.001 -> 0.01"),
-        (["--seed", "3"], "--seed 0 -> 3"),
-    ],
-)
-def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(finished, args, words, tmp_path):
-    stopped = _stopped(finished, tmp_path)
-    before = _snapshot(stopped / "runs")
-    cli_args = [a for a in TINY if a not in ("--model", "tiny:mlp")] if "--model" in args else TINY
-    proc = recipes_cli(
-        "run",
-        "ddp",
-        *cli_args,
-        "--out",
-        str(stopped / "runs"),
-        "--max-steps",
-        "7",
-        "--resume",
-        "auto",
-        *args,
-        cwd=stopped,
-        env=_env(),
-        check=False,
-    )
+@pytest.mark.parametrize("refused", range(len(REFUSED)), ids=[" ".join(args) for args, _ in REFUSED])
+def test_a_refused_resume_is_refused_before_anything_starts_and_touches_nothing(alone, refused):
+    proc, folder, before = alone[f"refused {refused}"]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.count("error: ") == 1 and words in proc.stderr
-    assert _snapshot(stopped / "runs") == before
+    assert proc.stderr.count("error: ") == 1 and REFUSED[refused][1] in proc.stderr
+    assert _snapshot(folder / "runs") == before
 
 
 def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_leaves_no_folder(finished, tmp_path):
@@ -169,26 +193,31 @@ def test_a_recipe_run_as_a_file_refuses_a_resume_itself_and_a_refused_new_run_le
     body = bytearray(next((runs / "ddp-1" / "ckpt").glob("*.safetensors")).read_bytes())
     body[-9] ^= 0x10  # one bit of tensor data: its header passes, its checksum does not
     damaged.write_bytes(bytes(body))
-    recipe = [sys.executable, str(REPO / "recipes" / "ddp.py"), *TINY, "--out", str(runs), "--max-steps", "7"]
-    for args, words in [
+    recipe = [*TINY, "--out", str(runs), "--max-steps", "7"]
+    cases = [
         (["--resume", str(damaged)], "does not match its checksum"),  # a review find: it left an empty runs/ddp-2
         (["--resume", "auto", "--lr", "0.01"], "--lr 0.001 -> 0.01"),
         (["--resume", "auto", "--batch-size", "8"], "saved with global batch 16"),
         (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
         (["--out", str(runs / "ddp-1" / "config.json")], "Not a directory"),
-    ]:
-        proc = subprocess.run([*recipe, *args], capture_output=True, text=True, env=_env(), cwd=finished, timeout=120)
+    ]
+    file = str(REPO / "recipes" / "ddp.py")  # `python recipes/ddp.py ARGS`, the five in one interpreter, in turn
+    said = in_one_interpreter(
+        [{"file": file, "args": [*recipe, *a], "cwd": str(finished)} for a, _ in cases], env=_env()
+    )
+    for proc, (_, words) in zip(said, cases, strict=True):
         assert proc.returncode == 1 and proc.stderr.count("error: ") == 1 and words in proc.stderr, proc.stderr
     assert _snapshot(runs) == before and sorted(p.name for p in runs.iterdir()) == ["ddp-1"]
 
 
-def test_resume_auto_says_so_when_the_newest_run_has_no_checkpoint(tmp_path):
+def test_resume_auto_says_so_when_the_newest_run_has_no_checkpoint(alone):
     """A run that stopped before its first checkpoint (or took none) is the newest: --resume auto starts a new run,
     as a requeued job that never saved must, and says so rather than silently."""
-    (tmp_path / "runs" / "ddp-1").mkdir(parents=True)
-    proc = _run(tmp_path, "--max-steps", "1", "--epochs", "1", "--resume", "auto")
-    assert f"--resume auto: {tmp_path / 'runs' / 'ddp-1'}, the newest ddp run, has no usable checkpoint" in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ddp-1", "ddp-2"]
+    proc, folder, _ = alone["no checkpoint"]
+    assert proc.returncode == 0, proc.stderr
+    runs = folder / "runs"
+    assert f"--resume auto: {runs / 'ddp-1'}, the newest ddp run, has no usable checkpoint" in proc.stdout
+    assert sorted(p.name for p in runs.iterdir()) == ["ddp-1", "ddp-2"]
 
 
 def test_records_are_one_write_each_and_torn_lines_repair(tmp_path):
@@ -200,26 +229,12 @@ def test_records_are_one_write_each_and_torn_lines_repair(tmp_path):
     assert _strict(path) == [{"kind": "train", "loss": None, "grad_norm": None, "step": 1}]
 
 
-def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
-    proc = recipes_cli(
-        "run",
-        "ddp",
-        "--model",
-        "tiny:exploding",
-        "--max-steps",
-        "6",
-        "--log-every",
-        "1",
-        "--out",
-        str(tmp_path / "runs"),
-        cwd=tmp_path,
-        env=_env(),
-        check=False,
-    )
+def test_a_non_finite_loss_stops_the_run_naming_the_step(alone):
+    proc, folder, _ = alone["non-finite"]
     assert proc.returncode == 1 and "error: step 3: the loss or the gradients are not finite" in proc.stderr
     assert "Traceback" not in proc.stderr
-    _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
-    last = (tmp_path / "runs" / "ddp-1" / "train.log").read_text().splitlines()[-1]  # the error ends the log too
+    _strict(folder / "runs" / "ddp-1" / "metrics.jsonl")
+    last = (folder / "runs" / "ddp-1" / "train.log").read_text().splitlines()[-1]  # the error ends the log too
     assert re.fullmatch(r"\S+ \S+ \| ERROR   \| rank 0 \| error: step 3: the loss or the gradients are not .*", last)
 
 
@@ -239,25 +254,10 @@ def test_a_recipe_run_as_a_file_from_nan_weights_stops_in_one_line_naming_its_ow
     assert not list((tmp_path / "runs").iterdir())  # issue 27 item 7: it left config.json and .lock in a folder
 
 
-def test_skip_on_non_finite_skips_and_counts(tmp_path):
-    proc = recipes_cli(
-        "run",
-        "ddp",
-        "--model",
-        "tiny:exploding",
-        "--max-steps",
-        "5",
-        "--log-every",
-        "1",
-        "--on-nonfinite",
-        "skip",
-        "--out",
-        str(tmp_path / "runs"),
-        cwd=tmp_path,
-        env=_env(),
-    )
-    assert "skipped_steps=3" in proc.stdout
-    records = _strict(tmp_path / "runs" / "ddp-1" / "metrics.jsonl")
+def test_skip_on_non_finite_skips_and_counts(alone):
+    proc, folder, _ = alone["skip non-finite"]
+    assert proc.returncode == 0 and "skipped_steps=3" in proc.stdout, proc.stdout + proc.stderr
+    records = _strict(folder / "runs" / "ddp-1" / "metrics.jsonl")
     assert [r["loss"] for r in records if r["kind"] == "train"][-1] is None
 
 
@@ -372,15 +372,15 @@ def test_ctrl_c_or_sigterm_exits_in_one_line_and_keeps_the_run_and_its_checkpoin
     assert list((tmp_path / "runs" / "ddp-1" / "ckpt").glob("step-*.safetensors"))
 
 
-def test_a_model_with_a_child_named_module_and_namedtuple_samples_train_and_save_whole(tmp_path):
+def test_a_model_with_a_child_named_module_and_namedtuple_samples_train_and_save_whole(alone):
     """Issue 19 item 1: both defects of the helpers that existed twice, through the real CLI."""
     from safetensors.torch import load_file
 
     from tiny import Wrapper
 
-    proc = _run(tmp_path, "--model", "tiny:wrapper", "--data", "tiny:named", "--max-steps", "3", "--epochs", "1")
-    assert "val_acc=" in proc.stdout  # evaluation moved the namedtuple batches and ran
-    saved = load_file(tmp_path / "runs" / "ddp-1" / "model.safetensors")
+    proc, folder, _ = alone["child named module"]
+    assert proc.returncode == 0 and "val_acc=" in proc.stdout, proc.stderr  # evaluation moved the namedtuple batches
+    saved = load_file(folder / "runs" / "ddp-1" / "model.safetensors")
     assert saved.keys() == Wrapper().state_dict().keys() == {"module.weight", "module.bias", "head.weight", "head.bias"}
 
 
@@ -496,37 +496,51 @@ KILLED_ARGS = [*TINY, "--max-steps", "9", "--epochs", "1", "--ckpt-every", "3", 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The run the killed ones are resumed to match, made once for every kill point: `python recipes/ddp.py`."""
-    out = tmp_path_factory.mktemp("whole")
+def killed_and_resumed(tmp_path_factory) -> dict:
+    """Each kill point's job, SIGKILLed during its step-6 checkpoint (the four side by side), then `python
+    recipes/ddp.py --resume auto` of each, and the uninterrupted run they must match, these five one after another in
+    one interpreter (tests/cli_cases.py): {point: (killed, resumed, its out folder)}, and "uninterrupted": weights."""
+    recipe = str(REPO / "recipes" / "ddp.py")
     env = user_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    run = [sys.executable, str(REPO / "recipes" / "ddp.py"), *KILLED_ARGS, "--resume", "auto", "--out", str(out)]
-    whole = subprocess.run(run, env=env, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr
-    return out / "ddp-1" / "model.safetensors"
+    script = KILLED_SAVE.replace("{recipe}", recipe)
+    outs = {point: tmp_path_factory.mktemp("cut") for point in POINTS}
+    started = {
+        point: subprocess.Popen(
+            [sys.executable, "-c", script, point, "6", *KILLED_ARGS, "--out", str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for point, out in outs.items()
+    }
+    killed = {}
+    for point, proc in started.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        killed[point] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    whole = tmp_path_factory.mktemp("whole")
+    runs = [whole, *outs.values()]  # the uninterrupted run first: the same command, a new folder
+    cases = [
+        {"file": recipe, "args": [*KILLED_ARGS, "--resume", "auto", "--out", str(out)], "cwd": str(out)} for out in runs
+    ]
+    uninterrupted, *resumed = in_one_interpreter(cases, env=env)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    done = {point: (killed[point], resumed[i], outs[point]) for i, point in enumerate(POINTS)}
+    return done | {"uninterrupted": whole / "ddp-1" / "model.safetensors"}
 
 
-@pytest.mark.parametrize("point", ["before the write", "mid-file", "before the rename", "after the rename"])
-def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(tmp_path, point, uninterrupted):
+POINTS = ["before the write", "mid-file", "before the rename", "after the rename"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_run_killed_at_any_point_of_a_checkpoint_write_resumes_bitwise(point, killed_and_resumed):
     """Issue 20 item 9: SIGKILL before, during and after a checkpoint's write and rename; --resume auto then
     continues from the newest whole checkpoint and ends bit for bit where the uninterrupted run ends."""
     from safetensors.torch import load_file
 
-    args = KILLED_ARGS
-    recipe = str(REPO / "recipes" / "ddp.py")
-    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    script = KILLED_SAVE.replace("{recipe}", recipe)
-    killed = subprocess.run(
-        [sys.executable, "-c", script, point, "6", *args, "--out", str(tmp_path / "cut")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    killed, resumed, out = killed_and_resumed[point]
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    run = [sys.executable, recipe, *args, "--resume", "auto"]
-    resumed = subprocess.run([*run, "--out", str(tmp_path / "cut")], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
-    cut, expected = load_file(tmp_path / "cut" / "ddp-1" / "model.safetensors"), load_file(uninterrupted)
+    cut, expected = load_file(out / "ddp-1" / "model.safetensors"), load_file(killed_and_resumed["uninterrupted"])
     assert cut.keys() == expected.keys() and all(torch.equal(cut[k], expected[k]) for k in cut)
-    assert not list((tmp_path / "cut" / "ddp-1" / "ckpt").glob(".*.tmp-*")), "the interrupted write is cleaned up"
+    assert not list((out / "ddp-1" / "ckpt").glob(".*.tmp-*")), "the interrupted write is cleaned up"

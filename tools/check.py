@@ -105,12 +105,18 @@ def _finish(proc: subprocess.Popen, *, out: str, timeout_s: float) -> tuple[dict
         proc.terminate()
         proc.communicate()
         raise
+    summary = run_summary(out)
+    if proc.returncode or summary is None:
+        return None, ("crashed", _error_line(stderr))
+    return summary, ("", "")
+
+
+def run_summary(out: str | Path) -> dict | None:
+    """The summary record of the newest run under `out`, with its folder (`run_dir`); None when it has none."""
     runs = sorted(Path(out).glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in runs[-1].read_text().splitlines() if line.strip()] if runs else []
     summary = next((r for r in records if r.get("kind") == "summary"), None)
-    if proc.returncode or summary is None:
-        return None, ("crashed", _error_line(stderr))
-    return {**summary, "run_dir": runs[-1].parent}, ("", "")
+    return None if summary is None else {**summary, "run_dir": runs[-1].parent}
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,35 @@ def check_recipe(recipe, **options) -> Report:
         raise RecipeError(f"check {recipe.name}: {one_line(err)}") from None
 
 
-def _check(
+@dataclass
+class Plan:
+    """One check before its runs: the report so far (the probes' findings), the recipe's command line after
+    `python -m` (`args`, `quiet`: options not shown in a rerun command), the runs' environment, and how to judge."""
+
+    report: Report
+    args: list[str]
+    quiet: list[str]
+    env: dict[str, str]
+    nproc: int
+    steps: int
+    batch_size: int
+    model: str
+    runs_model: str
+    half: bool
+
+    @property
+    def dropout(self) -> bool:  # the runs take check's factory with dropout off
+        return self.runs_model != self.model
+
+
+def _check(recipe, *, timeout_s: float = 600.0, **options) -> Report:
+    plan = prepare(recipe, timeout_s=timeout_s, **options)
+    with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
+        runs, crash = _three_runs(plan, tmp=tmp, timeout_s=timeout_s)
+        return conclude(plan, runs, crash)
+
+
+def prepare(
     recipe,
     *,
     model: str | None = None,
@@ -164,9 +198,9 @@ def _check(
     loss: str = "auto",
     options: Sequence[str] = (),
     timeout_s: float = 600.0,
-) -> Report:
+) -> Plan:
     """`model`, `data`: None for the recipe's default; `loss`: its --loss; `options`: more of its own options for
-    every run (--static-graph, say). The report says why when the runs differ or one crashed (`reason`)."""
+    every run (--static-graph, say). Probes the model; _three_runs runs it (tests share runs of several checks)."""
     config = recipe.load().Config
     model, data = model or config().model, data or config().data  # None: the recipe's own default
     own = [*(["--loss", loss] if loss != "auto" else []), *options]
@@ -190,16 +224,19 @@ def _check(
     runs_model = f"{__name__}:without_dropout" if dropout else model
     args = ["recipes", "run", recipe.name, "--model", runs_model, "--data", data, "--seed", str(seed), *own]
     quiet = ["--log-every", str(steps), "--timeout-s", str(min(timeout_s, 300.0))]  # not shown in a rerun command
-    with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
-        runs, crash = _three_runs(
-            args, quiet=quiet, tmp=tmp, nproc=nproc, steps=steps, batch_size=batch_size, timeout_s=timeout_s, env=env
-        )
-        if crash:
-            return _verdict(report, crash=_as_named(crash, model, runs_model) if dropout else crash)
-        found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
-    distributed, single, _ = runs
     half = "--precision" in own and own[own.index("--precision") + 1] in ("bf16", "fp16")
-    return judge(report, distributed, single, found, half=half, distribution=dropout is not None)
+    return Plan(report, args, quiet, env, nproc, steps, batch_size, model, runs_model, half)
+
+
+def conclude(plan: Plan, runs: list[dict], crash: Crash | None) -> Report:
+    """The report on a check's three runs (distributed, single, initial: their summaries), or on the one that
+    crashed."""
+    if crash:
+        return _verdict(plan.report, crash=_as_named(crash, plan.model, plan.runs_model) if plan.dropout else crash)
+    found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
+    distributed, single, _ = runs
+    distributed = {"global_batch": plan.batch_size * plan.nproc, **distributed}  # a recipe that does not record it
+    return judge(plan.report, distributed, single, found, half=plan.half, distribution=plan.dropout)
 
 
 def judge(report: Report, distributed: dict, single: dict, found: Comparison, *, half: bool, distribution: bool):
@@ -276,26 +313,36 @@ def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, see
         raise RecipeError(f"{where}: one training step fails ({one_line(err)}); {fix}") from None
 
 
-def _three_runs(
-    args: list[str], *, quiet: list[str], tmp: str, nproc: int, steps: int, batch_size: int, timeout_s: float, env: dict
-) -> tuple[list[dict], Crash | None]:
+def distributed_args(plan: Plan) -> list[str]:
+    """The distributed run's command line after `python -m torch.distributed.run ... -m` (without `quiet`)."""
+    return [*plan.args, "--max-steps", str(plan.steps), "--batch-size", str(plan.batch_size)]
+
+
+def one_process_args(plan: Plan, distributed: dict) -> dict[str, list[str]]:
+    """The command lines after `python -m` (without `quiet`) of the run on one process with the distributed run's
+    global batch ("single") and of the weights before any step ("initial", --epochs 0)."""
+    args = plan.args
+    accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
+    global_batch = distributed.get("global_batch", plan.batch_size * plan.nproc)
+    batch = str(global_batch // accum)  # as the recipe counts it (tensor parallel: one batch)
+    # --max-steps on both: a stream without a length needs it even for no step.
+    return {
+        "single": [*args, "--max-steps", str(plan.steps), "--batch-size", batch],
+        "initial": [*args, "--epochs", "0", "--max-steps", "1", "--batch-size", batch],
+    }
+
+
+def _three_runs(plan: Plan, *, tmp: str, timeout_s: float) -> tuple[list[dict], Crash | None]:
     """The recipe on `nproc` processes, on one with the global batch, and its weights before any step."""
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command = [*torchrun, "-m", *args, "--max-steps", str(steps), "--batch-size", str(batch_size)]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.nproc)]
+    command, env, quiet = [*torchrun, "-m", *distributed_args(plan)], plan.env, plan.quiet
     out = f"{tmp}/distributed"
     distributed, (how, why) = _finish(_start([*command, *quiet, "--out", out], env=env), out=out, timeout_s=timeout_s)
     if distributed is None:
         rerun = "".join(f"{k}={v} " for k, v in env.items()) + "torchrun " + " ".join(command[2:])
-        return [], Crash(f"the run on {nproc} processes", how, why, rerun)
-    distributed.setdefault("global_batch", batch_size * nproc)
-    accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
-    batch = str(distributed["global_batch"] // accum)  # as the recipe counts it (tensor parallel: one batch)
-    # One process on the global batch, and the weights before any step (--epochs 0), side by side. --max-steps
-    # on both: a stream without a length needs it even for no step.
-    commands = {
-        "single": ["-m", *args, "--max-steps", str(steps), "--batch-size", batch],
-        "initial": ["-m", *args, "--epochs", "0", "--max-steps", "1", "--batch-size", batch],
-    }
+        return [], Crash(f"the run on {plan.nproc} processes", how, why, rerun)
+    # One process on the global batch, and the weights before any step, side by side.
+    commands = {k: ["-m", *c] for k, c in one_process_args(plan, distributed).items()}
     started = {k: _start([*c, *quiet, "--out", f"{tmp}/{k}"], env=env) for k, c in commands.items()}
     try:
         done = {k: _finish(proc, out=f"{tmp}/{k}", timeout_s=timeout_s) for k, proc in started.items()}
@@ -306,6 +353,7 @@ def _three_runs(
     for key, (summary, (how, why)) in done.items():
         if summary is None:
             rerun = "".join(f"{k}={v} " for k, v in env.items()) + "python " + " ".join(commands[key])
+            batch = commands["single"][-1]
             return [], Crash(f"the single-process run (batch {batch})", how, why, rerun)
     return [distributed, done["single"][0], done["initial"][0]], None
 
