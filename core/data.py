@@ -8,8 +8,10 @@ The data sets here are map-style (`__getitem__` and `__len__`); core.stream read
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Mapping
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Subset
 
@@ -23,6 +25,14 @@ def build_data(spec: str) -> tuple:
     """`--data`: a built-in name or a user's `module:function`. Returns (train, val, collate_fn or None)."""
     result = resolve_factory(spec, DATASETS, option="--data")()  # called with no arguments
     return (*result, None)[:3] if isinstance(result, tuple | list) else (result, None, None)
+
+
+def seed_all(seed: int) -> None:
+    """torch's, Python's and numpy's global generators from one seed, as Accelerate's set_seed: the same weights on
+    every rank, and a data factory that shuffles with `random` or numpy builds the same sets on every rank."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def to_device(batch, device: torch.device):

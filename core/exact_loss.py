@@ -5,8 +5,8 @@ With padded sequences of different lengths, a mean per micro-batch averaged over
 weighs a short sequence's tokens more than a long one's (the bug transformers fixed for accumulation in issue
 #34191). Here each micro-batch's loss is its SUM over counted targets divided by one normalizer, the counted
 targets of the whole global batch over W (one all-reduce a step; DDP then averages over W). A transformers model
-that takes `num_items_in_batch` is handed that normalizer and divides its own sum by it; a causal LM's count is
-taken after the shift its loss applies to the labels. That is read from transformers' own classes, here only.
+that takes `num_items_in_batch` is handed that normalizer and divides its own sum by it (read from transformers'
+own classes, here only); a causal LM's labels are counted after its shift (core.loss.shifts_labels).
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ from core.loss import IGNORE, Loss, forward
 
 @dataclass(frozen=True)
 class ExactLoss:
-    """A core.loss.Loss, and what the model's own loss does with its targets (see make_exact_loss)."""
+    """A core.loss.Loss, and whether the model's own loss takes the global count (see make_exact_loss)."""
 
     loss: Loss
     takes_count: bool = False  # forward takes num_items_in_batch and divides its summed loss by it
-    shifts: bool = False  # the model's loss predicts label t+1 from position t (a causal LM): count labels[..., 1:]
 
 
 def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
-    """`loss` (core.loss.make_loss's, or core.loss_options') for `model` (the plain one), with how the model's own
-    loss counts its targets where that is not a mean over them (a copy's `loss_counts` feature)."""
-    if loss.spec in ("auto", "model") and any(traits := _model_loss_traits(model)):  # its own loss counts its own way
-        return ExactLoss(loss, *traits)
+    """`loss` (core.loss.make_loss's, or core.loss_options') for `model` (the plain one), with whether the model's
+    own loss is a sum it divides by num_items_in_batch rather than a mean (a copy's `loss_counts` feature)."""
+    if loss.spec in ("auto", "model") and _takes_count(model):  # its own loss divides by the count it is handed
+        return ExactLoss(loss, takes_count=True)
     return ExactLoss(loss)
 
 
@@ -54,22 +53,19 @@ def _forward_traits(cls: type) -> tuple[bool, bool, bool]:
     return *found, False
 
 
-def _model_loss_traits(model: nn.Module) -> tuple[bool, bool]:
+def _takes_count(model: nn.Module) -> bool:
     named, var_kw, uses = _forward_traits(type(model))
-    if named:  # a user model that names it: trusted, its labels taken as they are
-        return True, False
-    loss_utils = sys.modules.get("transformers.loss.loss_utils")  # never imported here: torch-only copies work
-    if loss_utils is None or not uses or not hasattr(model, "loss_function"):
-        return False, False
-    takes = getattr(model, "accepts_loss_kwargs", True) and var_kw  # transformers Trainer's own test
-    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-    return bool(takes), model.loss_function is loss_utils.ForCausalLMLoss and not encoder_decoder
+    if named:  # a user model that names it: trusted
+        return True
+    if "transformers" not in sys.modules or not uses or not hasattr(model, "loss_function"):
+        return False  # never imported here: torch-only copies work
+    return bool(getattr(model, "accepts_loss_kwargs", True) and var_kw)  # transformers Trainer's own test
 
 
 def _own_counts(loss_fn: ExactLoss, batch) -> bool:
     """Whether this batch's loss is the model's own (it is then called with the targets: a dict with labels, or a
-    forward that takes them) and counts its targets its own way (takes_count, shifts)."""
-    if not (loss_fn.takes_count or loss_fn.shifts):
+    forward that takes them) and is handed the count (takes_count)."""
+    if not loss_fn.takes_count:
         return False
     if loss_fn.loss.spec == "model":
         return True
@@ -85,7 +81,7 @@ def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
     tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
     if targets is None or targets.is_floating_point():
         return torch.tensor(float(len(tensors[0])), dtype=torch.float64, device=tensors[0].device)
-    if _own_counts(loss_fn, batch) and loss_fn.shifts:  # a causal LM's own loss counts labels[..., 1:]
+    if loss_fn.loss.shifts and isinstance(batch, Mapping):  # a causal LM's own loss counts labels[..., 1:]
         targets = targets[..., 1:]
     return targets.ne(IGNORE).sum().double()
 
@@ -105,26 +101,21 @@ def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) ->
     normalizer = global_count(...) / W, W the data-parallel ranks whose gradients are averaged (1 alone)."""
     count = count_targets(batch, loss_fn)
     norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count.device)
-    if _own_counts(loss_fn, batch):  # the model's own loss, which counts its targets its own way
-        loss, total, metrics = _forward_own(model, batch, loss_fn, count=count, norm=norm)
+    if _own_counts(loss_fn, batch):  # the model's own loss, which divides its sum by the count it is handed
+        loss, total, metrics = _forward_own(model, batch, loss_fn, norm=norm)
     else:  # a mean over the counted targets, weighed by their count (0/0 = nan where none counts: 0)
-        mean, metrics = forward(model, batch, loss_fn.loss)  # a dict's labels may be shifted: no accuracy then
+        mean, metrics = forward(model, batch, loss_fn.loss)  # a dict's labels: unless a causal LM's, no accuracy
         total = torch.where(count > 0, mean * count, torch.zeros_like(count))
         loss = total / norm
     metrics |= {"loss_sum": total.detach().double(), "count": count}
     return loss, metrics
 
 
-def _forward_own(model: nn.Module, batch, loss_fn: ExactLoss, *, count, norm) -> tuple:
-    """forward_exact for a model's own loss that counts its own way: (loss, summed loss, metric sums). A forward that
-    takes num_items_in_batch is handed `norm` and divides its summed loss by it; a causal LM's mean is over the
-    labels after its shift, which count_targets counted."""
-    if loss_fn.takes_count:
-        mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts, num_items_in_batch=norm)
-        return mean, mean * norm, metrics
-    mean, metrics = forward(model, batch, loss_fn.loss, shift=loss_fn.shifts)
-    total = torch.where(count > 0, mean * count, torch.zeros_like(count))
-    return total / norm, total, metrics
+def _forward_own(model: nn.Module, batch, loss_fn: ExactLoss, *, norm) -> tuple:
+    """forward_exact for a forward that takes num_items_in_batch: handed `norm`, it divides its summed loss by it;
+    (loss, summed loss, metric sums). Its labels are scored as they are, or after a causal LM's shift."""
+    mean, metrics = forward(model, batch, loss_fn.loss, shift=False, num_items_in_batch=norm)
+    return mean, mean * norm, metrics
 
 
 def forward_sums(model: nn.Module, batch, loss_fn: ExactLoss) -> tuple[torch.Tensor, dict]:

@@ -14,6 +14,7 @@ global batch alike). `--loss` beyond auto and ce, the rarer forwards and outputs
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class Loss:
 
     spec: str = "auto"
     targets_as: str | None = None  # the forward's parameter that takes a pair's target, when the model computes a loss
+    shifts: bool = False  # its own loss on a dict's labels compares logits[t] with labels[t + 1] (a causal LM)
 
     def logits_and_loss(self, outputs, targets, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the logits, the micro-batch's mean loss): auto takes the model's own loss where it computed one (a dict
@@ -58,7 +60,17 @@ def make_loss(*, model: nn.Module) -> Loss:
     """--loss auto: the model's own loss where it computes one (a dict with labels; a forward that takes `targets`,
     given a pair's target), else cross-entropy on the logits. `model`: the plain one, not its wrapper.
     Loss("ce") is cross-entropy on the logits of model(input, ...); the other --loss choices are core.loss_options'."""
-    return Loss(targets_as=TARGETS if TARGETS in inspect.signature(model.forward).parameters else None)
+    targets_as = TARGETS if TARGETS in inspect.signature(model.forward).parameters else None
+    return Loss(targets_as=targets_as, shifts=shifts_labels(model))
+
+
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether the model is a transformers causal LM (a decoder that generates), whose own loss compares logits[t]
+    with labels[t + 1]: a dict's labels count and score after that shift. Read only where transformers is imported."""
+    transformers = sys.modules.get("transformers")  # a torch-only run never imports it
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return False
+    return model.can_generate() and not model.config.is_encoder_decoder
 
 
 def call_model(model: nn.Module, batch, loss: Loss, **extra):
@@ -78,6 +90,7 @@ def forward(model: nn.Module, batch, loss: Loss, *, shift: bool | None = None, *
     logits get no accuracy); `extra` goes to the model."""
     outputs, targets = call_model(model, batch, loss, **extra)
     logits, mean = loss.logits_and_loss(outputs, targets, batch)
+    shift = True if loss.shifts and isinstance(batch, Mapping) else shift  # a causal LM's own loss on its labels
     known = shift is not None or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)
     samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=bool(shift))
@@ -125,10 +138,12 @@ def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool = 
     count: counted targets, or samples where there are none or they are floats; correct where the logits are class
     scores for the targets (after the causal-LM shift when `shift`)."""
     n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)
+    if shift and targets is not None:  # the loss compared logits[t] with targets[t + 1]: so are they counted, scored
+        logits, targets = logits if logits is None else logits[..., :-1, :], targets[..., 1:]
     count = n if targets is None or targets.is_floating_point() else targets.ne(IGNORE).sum().double()
-    sums = {"loss_sum": mean.detach().double() * count, "count": count, "samples": n}
+    loss_sum = torch.where(count > 0, mean.detach().double() * count, 0.0)  # no target counted: nan * 0, so 0
+    sums = {"loss_sum": loss_sum, "count": count, "samples": n}
     if logits is not None and targets is not None and not targets.is_floating_point():
-        logits, targets = (logits[..., :-1, :], targets[..., 1:]) if shift else (logits, targets)
         if logits.shape[:-1] == targets.shape:
             sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
     return sums

@@ -57,20 +57,21 @@ def choose_loss(spec: str, loss: Loss, *, model: nn.Module) -> Loss:
     if spec == "ce":
         return ChosenLoss(spec)
     if spec == "auto":
-        return ChosenLoss(spec, targets_as=loss.targets_as, fn=_auto)
+        return ChosenLoss(spec, targets_as=loss.targets_as, shifts=loss.shifts, fn=_auto)
     if spec == "mse":
         return ChosenLoss(spec, fn=functools.partial(_mse, spec=spec))
     params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
     names = [p.name for p in params]
     if TARGETS not in names and "labels" in names:  # transformers': it shifts; a pair's target must not be shifted
-        return ChosenLoss(spec, fn=functools.partial(_own, name=type(model).__name__, labels_only=True))
+        own = functools.partial(_own, name=type(model).__name__, labels_only=True)
+        return ChosenLoss(spec, shifts=loss.shifts, fn=own)
     second = params[1].name if len(params) > 1 and params[1].kind != inspect.Parameter.VAR_POSITIONAL else None
     if TARGETS not in names and not second:
         raise RecipeError(
             f"--loss model: {type(model).__name__}.forward{inspect.signature(model.forward)} takes no targets; "
             f"give it a `targets` parameter that makes it return a loss (as nanoGPT), or use --loss ce or mse"
         )
-    return ChosenLoss(spec, targets_as=TARGETS if TARGETS in names else second, fn=_own)
+    return ChosenLoss(spec, targets_as=TARGETS if TARGETS in names else second, shifts=loss.shifts, fn=_own)
 
 
 def _custom(custom: Callable, outputs, targets, batch) -> torch.Tensor:

@@ -98,9 +98,9 @@ class Clock:
         now = time.perf_counter()
         seconds = now - (self.window_start or now) - self.paused_s
         self.paused_s, self.window_start = 0.0, self.started and now
-        if sums["count"] == 0:
-            return {}
         samples, tokens = sums["timed_samples"], sums["timed_count"]
+        if sums["count"] == 0 or samples == 0:  # nothing trained, or the first step alone (untimed): no rate, not 0
+            return {}
         for key, value in (("samples", samples), ("tokens", tokens), ("seconds", seconds)):
             self.trained[key] += value
         return _rates(samples, tokens, seconds)

@@ -22,7 +22,7 @@ import torch.distributed as torch_dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from core.config import RecipeError
-from core.dist import Topology
+from core.dist import Topology, broadcast_object
 
 
 class StreamShard(IterableDataset):
@@ -95,7 +95,8 @@ def all_ranks(flag: bool, *, device: torch.device) -> bool:
 
 def in_step(loader, *, device: torch.device) -> Iterator[tuple[object, bool]]:
     """(batch, counted), the same number on every rank, for evaluating a sharded model (each forward a collective):
-    a rank whose share ran out repeats its last batch with counted=False until every rank's share is done."""
+    a rank whose share ran out repeats its last batch with counted=False until every rank's share is done. A rank
+    with no batch at all (fewer samples than ranks) runs rank 0's first one, never counted."""
     batches, last = iter(loader), None
     while True:
         batch = next(batches, None)
@@ -105,8 +106,9 @@ def in_step(loader, *, device: torch.device) -> Iterator[tuple[object, bool]]:
             torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
         if not flags[0]:
             return
-        if flags[1]:  # every rank sees the same flags: all raise together, none waits
-            raise RecipeError("a rank has no validation batch at all: use fewer ranks or a larger validation set")
+        if flags[1]:  # every rank sees the same flags: all take part in the broadcast (rank 0 has element 0)
+            filler = broadcast_object(last)
+            last = filler if last is None else last
         yield (last, batch is not None)
 
 

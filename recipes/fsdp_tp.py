@@ -99,7 +99,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     global_batch = cfg.batch_size * plan_dims["dp"] * cfg.accum  # a tp group shares one batch
 
     # Build: slice within each tp group first, then shard those slices across the dp groups.
-    torch.manual_seed(cfg.seed)
+    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its part of them

@@ -104,7 +104,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Build: the same weights on every rank, cut into stages; this rank keeps its own (two, looped, for
     # interleaved1f1b), each wrapped in a PipelineStage that sends and receives between neighbouring ranks.
-    torch.manual_seed(cfg.seed)
+    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its stages of them

@@ -87,7 +87,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     global_batch = cfg.batch_size  # one process
 
     # Build: the plain model's blocks spread over the GPUs (the CPU alone without them).
-    torch.manual_seed(cfg.seed)
+    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     plain = models.build_model(cfg.model)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)

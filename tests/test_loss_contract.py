@@ -277,7 +277,7 @@ def test_no_logits_no_accuracy():
 def test_transformers_causal_lm_dict_batch():
     model, batch = gpt2(), lm_batch([8, 3, 6], seed=2)
     loss_fn = make_exact_loss(loss_for("auto", model), model=model)
-    assert (loss_fn.takes_count, loss_fn.shifts) == (True, True)  # takes num_items_in_batch; shifts its labels
+    assert (loss_fn.takes_count, loss_fn.loss.shifts) == (True, True)  # takes num_items_in_batch; shifts its labels
     loss, metrics = forward_exact(model, batch, loss_fn, normalizer=4.0)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     shifted = batch["labels"][:, 1:]
@@ -286,10 +286,13 @@ def test_transformers_causal_lm_dict_batch():
     assert metrics["count"].item() == 7 + 2 + 5 and metrics["samples"].item() == 3
     correct = ((logits[:, :-1].argmax(-1) == shifted) & (shifted != -100)).sum()
     assert metrics["correct"].item() == correct.item()
-    _, plain = forward(model, batch, loss_for("auto", model))  # the base does not know the shift:
-    assert "correct" not in plain  # no accuracy rather than a wrong one
-    lean = dataclasses.replace(loss_fn, takes_count=False, shifts=False)  # a copy without loss_counts knows no shift
-    assert "correct" not in forward_exact(model, batch, lean, normalizer=4.0)[1]  # (it compared logits[t], labels[t])
+    mean, plain = forward(model, batch, loss_for("auto", model))  # the base (ddp) knows the shift too (review4)
+    assert plain["count"].item() == 14 and plain["correct"].item() == correct.item()
+    torch.testing.assert_close(plain["loss_sum"], total.double(), rtol=1e-6, atol=1e-6)  # the mean x shifted count
+    lean = dataclasses.replace(loss_fn, takes_count=False)  # a copy without loss_counts: the mean, weighed alike
+    loss3, metrics3 = forward_exact(model, batch, lean, normalizer=4.0)
+    torch.testing.assert_close(loss3.double(), total.double() / 4)
+    assert metrics3["count"].item() == 14 and metrics3["correct"].item() == correct.item()
     model.accepts_loss_kwargs = False  # the other path: the model's mean, weighted by its (shifted) count
     loss2, _ = forward_exact(model, batch, make_exact_loss(loss_for("auto", model), model=model), normalizer=4.0)
     torch.testing.assert_close(loss2.double(), total.double() / 4)
@@ -299,7 +302,7 @@ def test_transformers_causal_lm_dict_batch():
 def test_transformers_sequence_classifier():
     model = bert()
     loss_fn = make_exact_loss(loss_for("auto", model), model=model)
-    assert (loss_fn.takes_count, loss_fn.shifts) == (False, False)  # **kwargs, but its loss ignores num_items
+    assert (loss_fn.takes_count, loss_fn.loss.shifts) == (False, False)  # **kwargs, but its loss ignores num_items
     ids = torch.randint(V, (4, T))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, -100, 1])}
     loss, metrics = forward_exact(model, batch, loss_fn, normalizer=3.0)
@@ -388,7 +391,7 @@ def test_step_plain_and_step_amp_on_dict_batches():
     model, batch = gpt2(), lm_batch([8, 2, 5], seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics, norm = step_plain(model, batch, optimizer=opt, loss_fn=loss_for("auto", model))
-    assert metrics["count"].item() == 8 + 2 + 5 and math.isfinite(norm)  # the base counts labels as given
+    assert metrics["count"].item() == 7 + 1 + 4 and math.isfinite(norm)  # the base counts them after the shift too
     loss_fn = make_exact_loss(loss_for("auto", model), model=model)
     metrics, stats = step_amp(model, [batch, batch], optimizer=opt, loss_fn=loss_fn, precision="bf16")
     assert metrics["samples"].item() == 6 and math.isfinite(stats.grad_norm) and not stats.skipped
@@ -405,6 +408,7 @@ def test_meter_samples_tokens_and_nonfinite():
     """The clock starts when the first step ends: the rates count the steps after it (issue 20 item 10)."""
     meter = Meter(CPU)
     meter.add(_sums(loss_sum=30, count=60, samples=4))  # the first step: start-up, not in the rates
+    assert "samples_per_s" not in meter.read()  # --log-every 1: no rate yet (review4: it said 0 samples/s)
     meter.add(_sums(loss_sum=30, count=60, samples=4))
     record = meter.read()
     assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(15.0)
@@ -611,3 +615,40 @@ def test_a_lean_copy_without_check_aligned_still_refuses_logits_that_do_not_line
     model, batch = NanoGPTInference(), lm_batch([8, 8], seed=2, pairs=True)
     with pytest.raises(ValueError, match="Expected input batch_size"):
         forward(model, batch, loss_for("ce", model))
+
+
+@pytest.mark.fast
+def test_a_causal_lms_val_loss_weighs_each_counted_target_alike_in_the_base():
+    """review4: ddp's evaluate weighed a causal LM's mean loss by its labels before the shift (one token too many a
+    row): val_loss over padded sequences of other lengths, by hand, is the mean over every shifted counted label."""
+    model = gpt2(seed=3).eval()
+    batches = [lm_batch([8, 2], seed=4), lm_batch([3, 7, 5], seed=5)]
+    result = evaluate(model, batches, loss_fn=make_loss(model=model), device=CPU)
+    losses, hits = [], []
+    for batch in batches:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        shifted = batch["labels"][:, 1:]
+        kept = shifted != -100
+        losses.append(F.cross_entropy(logits[kept], shifted[kept], reduction="none"))
+        hits.append(logits[kept].argmax(-1) == shifted[kept])
+    assert result["val_loss"] == pytest.approx(torch.cat(losses).mean().item(), rel=1e-6)
+    assert result["val_acc"] == pytest.approx(torch.cat(hits).double().mean().item(), rel=1e-9)
+
+
+@pytest.mark.fast
+def test_a_batch_with_no_counted_target_counts_nowhere():
+    """review4: a batch whose targets are all -100 (a prompt that fills the window) has a mean loss of 0/0 = nan; its
+    sums are 0, so the val_loss of the others is not nan, in the base and in the exact weights alike."""
+    model = nn.Linear(4, 3)
+    masked = (torch.randn(2, 4), torch.full((2,), -100))
+    counted = (torch.randn(3, 4), torch.tensor([0, 2, 1]))
+    mean, metrics = forward(model, masked, make_loss(model=model))
+    assert math.isnan(mean.item()) and metrics["loss_sum"].item() == 0 and metrics["count"].item() == 0
+    hand = F.cross_entropy(model(counted[0]), counted[1]).item()
+    assert evaluate(model, [masked, counted], loss_fn=make_loss(model=model), device=CPU)["val_loss"] == pytest.approx(
+        hand, rel=1e-6
+    )
+    exact_fn = make_exact_loss(make_loss(model=model), model=model)
+    assert evaluate(model, [masked, counted], loss_fn=exact_fn, device=CPU, forward=forward_sums)["val_loss"] == (
+        pytest.approx(hand, rel=1e-6)
+    )

@@ -91,11 +91,11 @@ def test_syncbatchnorm_without_a_gpu_and_the_batchnorm_warning():
 
 def test_unequal_counted_targets_across_ddp_replicas_is_one_warning_naming_ddp_amp():
     """27.4: padded sequences (-100 on tails of varying length) under ddp at 2 ranks: each rank's mean loss,
-    averaged, weighs a target by its rank's count; the pre-check's first samples (12 and 11 counted) say so once.
-    One rank, ddp_amp (token-exact) or targets that all count: no warning."""
+    averaged, weighs a target by its rank's count; the pre-check's first samples (11 and 10 counted after the
+    shift) say so once. One rank, ddp_amp (token-exact) or targets that all count: no warning."""
     lm = dict(model="check_user:gpt2", data="check_user:lm", max_steps=1)
     (warning,) = _precheck(world_size=2, **lm)
-    assert warning.startswith("the first samples hold 12 and 11 counted targets (not -100): ddp averages the mean ")
+    assert warning.startswith("the first samples hold 11 and 10 counted targets (not -100): ddp averages the mean ")
     assert "its 2 replicas" in warning
     assert warning.endswith("ddp_amp weighs every target of the global batch alike (token-exact weights)")
     assert _precheck("ddp_monitored", world_size=2, **lm)[0] == warning.replace(

@@ -255,12 +255,15 @@ def check_evaluation(topo):
     stepped = [(b.tolist(), counted) for b, counted in stream.in_step(loader, device=topo.device)]
     short = stream.make_loader(range_stream(9), topo, batch_size=4, train=False, collate_fn=torch.tensor)
     padded = [(b.tolist(), counted) for b, counted in stream.in_step(short, device=topo.device)]
-    return plain, stepped, padded
+    one = stream.make_loader(range_stream(1), topo, batch_size=4, train=False, collate_fn=torch.tensor)
+    return plain, stepped, padded, [(b.tolist(), counted) for b, counted in stream.in_step(one, device=topo.device)]
 
 
 def test_evaluation_reads_every_rank_share_once_and_in_step_pads_the_shorter(world2):
-    (plain0, stepped0, padded0), (plain1, stepped1, padded1) = world2.run(check_evaluation)
+    (plain0, stepped0, padded0, one0), (plain1, stepped1, padded1, one1) = world2.run(check_evaluation)
     assert sorted(x for b in plain0 + plain1 for x in b) == list(range(23))
     assert [b for b, _ in stepped0] == plain0 and all(c for _, c in stepped0 + stepped1)
     # 9 samples: rank 0 has 5 (2 batches), rank 1 has 4 (1 batch): rank 1 repeats its last, not counted.
     assert [c for _, c in padded0] == [True, True] and padded1 == [([1, 3, 5, 7], True), ([1, 3, 5, 7], False)]
+    # 1 sample (review4: fsdp failed after training): rank 1 has none and runs rank 0's batch, never counted
+    assert one0 == [([0], True)] and one1 == [([0], False)]

@@ -69,7 +69,8 @@ FEATURES = {
         Feature(
             "loss",
             "--loss ce, mse, model or module:function (the copy takes auto: the model's own loss, else cross-entropy), "
-            "and the line naming logits that do not line up with the targets (torch's shape error instead)",
+            "a transformers `(loss, logits, ...)` tuple (return_dict=False), and the line naming logits that do not "
+            "line up with the targets (torch's shape error instead)",
             fields=("loss",),
             calls=("core.loss_options.", "core.loss.check_aligned"),
         ),
@@ -172,11 +173,11 @@ FEATURES = {
         ),
         Feature(
             "loss_counts",
-            "how a model's own loss counts its targets (a forward taking num_items_in_batch is handed the global "
-            "batch's count; a transformers causal LM's labels are counted after its shift): the copy weighs the "
-            "model's own loss as a mean over each micro-batch's targets, exact for a loss that does not shift them",
+            "handing a forward that takes num_items_in_batch the global batch's count (transformers' way): the copy "
+            "weighs the model's own mean loss by its micro-batch's counted targets, the same sum up to rounding where "
+            "that mean is over those targets",
             calls=tuple(
-                f"core.exact_loss.{n}" for n in ("_model_loss_traits", "_forward_traits", "_own_counts", "_forward_own")
+                f"core.exact_loss.{n}" for n in ("_takes_count", "_forward_traits", "_own_counts", "_forward_own")
             ),
             uses="core.exact_loss",
         ),

@@ -252,6 +252,7 @@ def unequal_counts(recipe, batch, loss_fn, *, dp: int) -> list[str]:
     targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
     if replicas < 2 or not torch.is_tensor(targets) or targets.is_floating_point() or targets.dim() < 1:
         return []
+    targets = targets[..., 1:] if loss_fn.shifts and isinstance(batch, Mapping) else targets  # a causal LM's count
     counts = targets.ne(IGNORE).reshape(len(targets), -1).sum(1).tolist()
     if len(set(counts)) < 2:
         return []
