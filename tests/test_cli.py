@@ -47,8 +47,9 @@ def test_ls_prints_the_readmes_table():
 
 
 @pytest.mark.e2e
-def test_ls_runs_as_a_command():
-    assert recipes_cli("ls").stdout == CliRunner().invoke(cli, ["ls"]).output
+def test_ls_runs_as_a_command(commands):
+    proc, _ = commands["ls"]
+    assert proc.returncode == 0 and proc.stdout == CliRunner().invoke(cli, ["ls"]).output
 
 
 def _core_imports(name: str) -> set[str]:
@@ -88,20 +89,34 @@ BAD_INPUT = [
 
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """`python -m recipes ARGS` of this module's cases that end before any process group (BAD_INPUT, --help, an
-    unwritable --out), all in one interpreter (tests/cli_cases.py: the same __main__, each case in a working folder
-    of its own, its own stdout and stderr, its exit status): {case: (what it returned, its folder)}."""
+    """This module's `python -m recipes ARGS` and `python FILE ARGS` on one process (BAD_INPUT, --help, an unwritable
+    --out, ls, a dp run; cp, the copy's run, cp again), all in one interpreter, in turn (tests/cli_cases.py: the same
+    __main__, each case in a working folder of its own, its own stdout and stderr, its exit status): {case: (what it
+    returned, its folder)}."""
     cases = {}
+
+    def case(key: str, args: list[str], folder: Path | None = None, file: Path | None = None) -> Path:
+        folder = folder or tmp_path_factory.mktemp(key.replace(" ", "-"))
+        cases[key] = ({"args": args, "cwd": str(folder)} | ({"file": str(file)} if file else {}), folder)
+        return folder
+
     for i, (args, _) in enumerate(BAD_INPUT):
         folder = tmp_path_factory.mktemp(f"bad{i}")
-        cases[f"bad{i}"] = (args + ["--out", str(folder)] if args[0] == "run" else args, folder)
-    cases["help"] = (["--help"], tmp_path_factory.mktemp("help"))
-    cases["run help"] = (["run", "ddp", "--help"], tmp_path_factory.mktemp("run-help"))
+        case(f"bad{i}", [*args, "--out", str(folder)] if args[0] == "run" else args, folder)
+    case("help", ["--help"])
+    case("run help", ["run", "ddp", "--help"])
     blocker = tmp_path_factory.mktemp("unwritable") / "a-file"
     blocker.write_text("not a folder")
-    cases["unwritable"] = (["run", "ddp", "--out", str(blocker / "runs")], blocker.parent)
-    said = in_one_interpreter([{"args": args, "cwd": str(folder)} for args, folder in cases.values()])
-    return {case: (proc, folder) for (case, (_, folder)), proc in zip(cases.items(), said, strict=True)}
+    case("unwritable", ["run", "ddp", "--out", str(blocker / "runs")], blocker.parent)
+    case("ls", ["ls"])
+    dp = tmp_path_factory.mktemp("dp")
+    case("dp", ["run", "dp", "--max-steps", "3", "--out", str(dp)], dp)
+    copied = tmp_path_factory.mktemp("cp")
+    case("cp", ["cp", "ddp", str(copied / "train.py")], copied)
+    case("the copy", ["--max-steps", "2", "--out", str(copied / "runs")], copied, file=copied / "train.py")
+    case("cp again", ["cp", "ddp", str(copied / "train.py")], copied)
+    said = in_one_interpreter([c for c, _ in cases.values()])
+    return {key: (proc, folder) for (key, (_, folder)), proc in zip(cases.items(), said, strict=True)}
 
 
 def test_help_works(commands):
@@ -225,20 +240,21 @@ def test_launcher_default_job_trains_digits_and_writes_plain_weights(tmp_path):
     assert accuracy == pytest.approx(summary["val_acc"], abs=1e-6), "the saved weights are the evaluated ones"
 
 
-def test_dp_without_gpus_says_so_and_trains(tmp_path):
-    proc = recipes_cli("run", "dp", "--max-steps", "3", "--out", str(tmp_path), cwd=tmp_path)
-    assert "plain single-device training" in proc.stdout
-    assert (tmp_path / "dp-1" / "model.safetensors").exists()
+def test_dp_without_gpus_says_so_and_trains(commands):
+    proc, folder = commands["dp"]
+    assert proc.returncode == 0 and "plain single-device training" in proc.stdout, proc.stderr
+    assert (folder / "dp-1" / "model.safetensors").exists()
 
 
-def test_cp_copies_a_recipe_that_runs(tmp_path):
-    dest = tmp_path / "train.py"
-    recipes_cli("cp", "ddp", str(dest))
+def test_cp_copies_a_recipe_that_runs(commands):
+    copied, folder = commands["cp"]
+    assert copied.returncode == 0, copied.stderr
+    dest = folder / "train.py"
     text = dest.read_text()
     assert f"python {dest}" in text and "-m recipes run ddp" not in text
-    proc = run([sys.executable, str(dest), "--max-steps", "2", "--out", str(tmp_path / "runs")], cwd=tmp_path)
-    assert "summary " in proc.stdout
-    assert "exists" in _one_error_line(recipes_cli("cp", "ddp", str(dest), check=False))
+    proc, _ = commands["the copy"]
+    assert proc.returncode == 0 and "summary " in proc.stdout, proc.stderr
+    assert "exists" in _one_error_line(commands["cp again"][0])
 
 
 def test_third_party_recipe_joins_through_the_entry_point_group(tmp_path):
