@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, recipes_cli, unfinished, user_env
+from helpers import REPO, in_one_interpreter, recipes_cli, unfinished, user_env
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = ["--model", "tiny_gpt2:model", "--data", "tiny_gpt2:data", "--batch-size", "8", "--log-every", "2"]
@@ -47,25 +47,39 @@ def test_the_hf_folder_loads_with_from_pretrained_to_the_trained_weights(pretrai
     assert model.lm_head.weight is model.transformer.wte.weight  # tied weights stay tied
 
 
-def test_a_new_run_starts_from_the_weights_and_records_where_they_came_from(pretrained, tmp_path):
+@pytest.fixture(scope="module")
+def from_pretrained(pretrained, tmp_path_factory) -> dict[str, tuple]:
+    """Two runs that start from the pretrained run's hf/ folder, each in a folder of its own, one after the other in
+    one interpreter (tests/cli_cases.py): the example's model with --epochs 0, and the built-in MLP that it does not
+    fit: {case: (what it returned, its folder)}."""
+    folders = {key: tmp_path_factory.mktemp(key) for key in ("starts", "does-not-fit")}
+    init = ["--init-from", str(pretrained / "hf")]
+    args = {
+        "starts": ["run", "ddp_amp", *EXAMPLE, *init, "--epochs", "0"],
+        "does-not-fit": ["run", "ddp_amp", "--model", "mlp", *init],
+    }
+    cases = [{"args": [*args[k], "--out", str(f / "runs")], "cwd": str(f)} for k, f in folders.items()]
+    said = in_one_interpreter(cases, env=_env())
+    return {key: (proc, folders[key]) for key, proc in zip(folders, said, strict=True)}
+
+
+def test_a_new_run_starts_from_the_weights_and_records_where_they_came_from(pretrained, from_pretrained):
     """--epochs 0 trains nothing: the weights it writes are the ones it started from, bit for bit."""
-    proc = _run(tmp_path, "--init-from", str(pretrained / "hf"), "--epochs", "0")
-    run_dir = tmp_path / "runs" / "ddp_amp-1"
+    proc, folder = from_pretrained["starts"]
+    assert proc.returncode == 0, proc.stderr
+    run_dir = folder / "runs" / "ddp_amp-1"
     started, loaded = load_file(run_dir / "model.safetensors"), load_file(pretrained / "model.safetensors")
     assert started.keys() == loaded.keys() and all(torch.equal(started[k], loaded[k]) for k in loaded)
     assert json.loads((run_dir / "config.json").read_text())["init_from"] == str(pretrained / "hf")
     assert _records(run_dir)[-1]["init_from"] == str(pretrained / "hf") and "init_from=" in proc.stdout
 
 
-def test_weights_that_do_not_fit_are_one_line_before_anything_starts(pretrained, tmp_path):
-    proc = recipes_cli(
-        "run", "ddp_amp", "--model", "mlp", "--init-from", str(pretrained / "hf"), "--out", str(tmp_path / "runs"),
-        cwd=tmp_path, env=_env(), check=False,
-    )  # fmt: skip
+def test_weights_that_do_not_fit_are_one_line_before_anything_starts(pretrained, from_pretrained):
+    proc, folder = from_pretrained["does-not-fit"]
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert last.startswith(f"error: --init-from {pretrained / 'hf'} holds another model (missing keys: blocks.")
-    assert not (tmp_path / "runs").exists()
+    assert not (folder / "runs").exists()
 
 
 def test_tensorboard_and_wandb_continue_across_a_resume(pretrained, tmp_path):
