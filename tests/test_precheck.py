@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from core.config import RecipeError
-from helpers import REPO, recipes_cli, run, user_env
+from helpers import REPO, in_one_interpreter, run, user_env
 from tools.precheck import precheck
 from tools.registry import RECIPES
 
@@ -193,9 +193,9 @@ def test_the_warning_is_said_once_before_launch_and_a_run_alone_checks_first(tmp
     """python -m recipes run (no launcher) runs the pre-check itself; TDR_PRECHECKED=1 under torchrun skips it in
     the ranks, whose launcher ran it."""
     env = user_env(PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), TDR_DEVICE="cpu")
-    proc = recipes_cli("run", "ddp", "--model", "check_user:batchnorm", "--max-steps", "2", cwd=tmp_path, env=env)
-    assert proc.stderr.count("warning: BatchNorm layers 1 (BatchNorm1d)") == 1
-    alone = recipes_cli("run", "ddp", "--sync-batchnorm", cwd=tmp_path, env=env, check=False)
+    runs = [["--model", "check_user:batchnorm", "--max-steps", "2"], ["--sync-batchnorm"]]  # in one interpreter
+    proc, alone = in_one_interpreter([{"args": ["run", "ddp", *a], "cwd": str(tmp_path)} for a in runs], env=env)
+    assert proc.returncode == 0 and proc.stderr.count("warning: BatchNorm layers 1 (BatchNorm1d)") == 1, proc.stderr
     assert alone.returncode == 1 and alone.stderr.strip().splitlines()[-1].startswith("error: --sync-batchnorm")
     checked = user_env(PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), TDR_DEVICE="cpu", TDR_PRECHECKED="1")
     proc = run(
