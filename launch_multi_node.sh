@@ -68,7 +68,7 @@ else
   nproc=$(( gpus > 0 ? gpus : 2 ))
 fi
 # Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
-TDR_DIE_WITH_PARENT=1 WORLD_SIZE=$(( nproc * ${max_nodes} )) "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
+TDR_DIE_WITH_PARENT=$$ WORLD_SIZE=$(( nproc * ${max_nodes} )) "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
 export TDR_PRECHECKED=1  # the ranks skip the pre-check this has just run (python -m recipes run reads it)
 
 # The network: which address is MASTER_ADDR, is it this node, and which interface reaches it.

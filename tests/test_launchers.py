@@ -250,6 +250,18 @@ def test_a_sigterm_during_the_pre_check_ends_it_with_the_launcher_in_one_line(tm
     assert error_lines(err) == ["error: stopped by SIGTERM"], err  # the pre-check's line: no run, no checkpoint
 
 
+@pytest.mark.e2e
+@pytest.mark.skipif(not shutil.which("unshare") or os.geteuid() != 0, reason="needs unshare and root")
+def test_the_launcher_as_a_containers_first_process_runs_its_pre_check(tmp_path):
+    """`docker run IMAGE ./launch_single_node.sh`: the launcher is PID 1 of its PID namespace. Its pre-check took a
+    parent PID of 1 for a launcher already gone and stopped itself ("error: interrupted"): it now knows the
+    launcher by the PID the launcher hands it (TDR_DIE_WITH_PARENT=$$)."""
+    args = ["unshare", "--pid", "--fork", "--mount-proc", SINGLE, "ddp", "--dry-run", "--out", str(tmp_path / "runs")]
+    proc = subprocess.run(args, env=env(NPROC_PER_NODE="2"), capture_output=True, text=True, timeout=BOUND_S * 4)
+    assert proc.returncode == 0 and error_lines(proc.stderr) == [], proc.stderr
+    assert proc.stdout.count("ok: ddp {") == 2, proc.stdout  # each rank's (the pre-check's goes to /dev/null)
+
+
 # --- the processes of a long run -----------------------------------------------------------------------
 
 

@@ -263,8 +263,8 @@ class Stopped(KeyboardInterrupt):
 def _stop_on_signals() -> None:
     """SIGTERM and SIGHUP end this process as Ctrl-C does, in one line naming the signal; one that is ignored
     (`nohup`) stays ignored. Not in a torchrun worker: torchrun and the launcher's supervisor report the signals
-    of a launched job. The launcher's pre-check dies with the launcher (TDR_DIE_WITH_PARENT): a SIGTERM to it
-    would otherwise leave the pre-check running, alone."""
+    of a launched job. The launcher's pre-check dies with the launcher (TDR_DIE_WITH_PARENT, its PID): a SIGTERM to
+    it would otherwise leave the pre-check running, alone."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return
 
@@ -274,10 +274,11 @@ def _stop_on_signals() -> None:
     for closing in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(closing) is not signal.SIG_IGN:
             signal.signal(closing, stop)
-    if os.environ.pop("TDR_DIE_WITH_PARENT", ""):
+    launcher = os.environ.pop("TDR_DIE_WITH_PARENT", "")  # the launcher's PID: it may have died before this line
+    if launcher.isdigit() and int(launcher) != 1:  # PID 1, a container's init: the container ends with it
         from tools.worker import die_with_parent
 
-        die_with_parent(signal.SIGTERM, parent=os.getppid())
+        die_with_parent(signal.SIGTERM, parent=int(launcher))
 
 
 def run_cli(args: list[str] | None = None) -> int:
