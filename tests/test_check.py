@@ -435,3 +435,17 @@ def test_the_advised_option_fixes_the_unused_parameter(shared_checks):
     report = _shared(shared_checks, "unused-static-graph")
     assert report.equivalent, report.text
     assert "warning: unused parameters" in report.text  # still said: they never train
+
+
+@pytest.mark.fast
+def test_unequal_counted_targets_are_the_likely_cause_named_for_ddp_not_for_ddp_amp():
+    """review4: `check ddp` on padded text (a GPT-2's labels, -100 tails of other lengths) failed blaming "none of
+    the usual ones"; ddp averages each rank's mean, so the pre-check's line on unequal counts is the likely cause.
+    ddp_amp weighs every target alike: no such finding."""
+    from tools.check import prepare
+
+    plan = prepare(RECIPES["ddp"], model="check_user:gpt2", data="check_user:lm", batch_size=2)
+    (finding,) = [f for f in plan.report.findings if f.cause == "targets counted unequally across the ranks"]
+    assert finding.detail.startswith("the first samples hold ") and "ddp_amp weighs every target" in finding.detail
+    plan = prepare(RECIPES["ddp_amp"], model="check_user:gpt2", data="check_user:lm", batch_size=2)
+    assert not [f for f in plan.report.findings if "unequally" in f.cause]

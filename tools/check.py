@@ -32,11 +32,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from core.config import RecipeError
-from core.data import to_device
+from core.data import seed_all, to_device
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.models import build_model
-from tools.precheck import check_data, check_model
+from tools.precheck import check_data, check_model, unequal_counts
 from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
 
 # Tolerances. N ranks add a batch's gradient up in another order than one process: ~1e-7 relative in
@@ -210,7 +210,9 @@ def prepare(
             f"steps on {nproc} processes against 1 process on the same global batch"
         ]
     )
-    report.findings = probe_spec(recipe, model=model, data=data, loss=loss, batch_size=batch_size, seed=seed)
+    report.findings = probe_spec(
+        recipe, model=model, data=data, loss=loss, batch_size=batch_size, seed=seed, nproc=nproc
+    )
     dropout = next((f for f in report.findings if f.cause == RANDOMNESS and f.layers), None)
     env = {}
     if dropout:  # compare the runs bit for bit with the masks off; with them on, they agree in distribution only
@@ -291,10 +293,13 @@ def without_dropout() -> nn.Module:
     return model
 
 
-def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int) -> list[Finding]:
+def probe_spec(
+    recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int, nproc: int = 2
+) -> list[Finding]:
     """Build the model and two batches as the recipe does (the pre-check's factory checks), and probe them; any
-    failure is one RecipeError line."""
-    torch.manual_seed(seed)
+    failure is one RecipeError line. A recipe that averages its replicas' mean losses (ddp) also gets the
+    pre-check's line on samples that count unequal targets (-100 padding): it is why such runs differ."""
+    seed_all(seed)  # as the recipes seed: a factory that shuffles with random or numpy too
     built = check_model(model)
     loss_fn = choose_loss(loss, make_loss(model=built), model=built)  # a bad --loss: one RecipeError line, as below
     found = check_data(data, streams=recipe.streams, recipe=recipe.name)
@@ -305,7 +310,9 @@ def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, see
     where = f"--model {model} --data {data}"
     try:
         check_call(built, batches[0], loss_fn, where=where)
-        return probe(built, batches[0], other=(batches[1:] or [None])[0], seed=seed, loss=loss, takes=takes)
+        found = probe(built, batches[0], other=(batches[1:] or [None])[0], seed=seed, loss=loss, takes=takes)
+        uneven = unequal_counts(recipe, batches[0], loss_fn, dp=nproc) if recipe.mean_per_replica else []
+        return found + [Finding("targets counted unequally across the ranks", line) for line in uneven]
     except RecipeError as err:  # the loss contract refused this model's output or this batch
         raise RecipeError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
     except Exception as err:  # the model can't train on this data at all: no point in launching anything
