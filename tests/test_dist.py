@@ -98,10 +98,12 @@ def _leaving(rank, port, events, failing):
     _as_torchrun(rank, 2, port)
     cdist.init_pg(timeout_s=60)
     if rank == 1:
+        events["rank1_joined"].set()
         events["rank0_out"].wait(timeout=5 if failing else 0.5)  # failing: rank 0 must not wait for us
         events["rank1_in"].set()
         cdist.cleanup_pg(timeout_s=5 if failing else 60)
         return
+    events["rank1_joined"].wait(timeout=60)  # a group rank 0 left while rank 1 still connected: a failed join
     try:
         try:
             if failing:
@@ -120,7 +122,7 @@ def test_cleanup_waits_for_the_peers_only_after_a_good_run(failing):
     """After a good run the ranks meet before destroying the group (nothing of a peer's is still in flight when
     a rank exits: the tensor_parallel SIGABRT at exit); after an error nobody waits for peers that are elsewhere."""
     ctx = mp.get_context("spawn")
-    events = {"rank1_in": ctx.Event(), "rank0_out": ctx.Event(), "order": ctx.Queue()}
+    events = {"rank1_joined": ctx.Event(), "rank1_in": ctx.Event(), "rank0_out": ctx.Event(), "order": ctx.Queue()}
     mp.start_processes(_leaving, args=(cdist.free_port(), events, failing), nprocs=2, join=True, start_method="spawn")
     rank1_was_in = events["order"].get(timeout=10)
     assert rank1_was_in is (not failing)
