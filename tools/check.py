@@ -178,6 +178,10 @@ class Plan:
     def dropout(self) -> bool:  # the runs take check's factory with dropout off
         return self.runs_model != self.model
 
+    @property
+    def global_batch(self) -> int:  # what the distributed run trains on, where its recipe records none
+        return self.batch_size * self.nproc
+
 
 def _check(recipe, *, timeout_s: float = 600.0, **options) -> Report:
     plan = prepare(recipe, timeout_s=timeout_s, **options)
@@ -237,7 +241,7 @@ def conclude(plan: Plan, runs: list[dict], crash: Crash | None) -> Report:
         return _verdict(plan.report, crash=_as_named(crash, plan.model, plan.runs_model) if plan.dropout else crash)
     found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
     distributed, single, _ = runs
-    distributed = {"global_batch": plan.batch_size * plan.nproc, **distributed}  # a recipe that does not record it
+    distributed = {"global_batch": plan.global_batch, **distributed}  # a recipe that does not record it
     return judge(plan.report, distributed, single, found, half=plan.half, distribution=plan.dropout)
 
 
@@ -330,7 +334,7 @@ def one_process_args(plan: Plan, distributed: dict) -> dict[str, list[str]]:
     global batch ("single") and of the weights before any step ("initial", --epochs 0)."""
     args = plan.args
     accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
-    global_batch = distributed.get("global_batch", plan.batch_size * plan.nproc)
+    global_batch = distributed.get("global_batch", plan.global_batch)
     batch = str(global_batch // accum)  # as the recipe counts it (tensor parallel: one batch)
     # --max-steps on both: a stream without a length needs it even for no step.
     return {
