@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from core.checksum import blocksum64_crc32, checksum
 from core.ckpt_async import CheckpointSaver, stage
-from core.ckpt_io import atomic_write, write_safetensors
+from core.kernel.ckpt import atomic_write, checksum, savable
+from core.plugins.fast_writer import write_fast
+from core.plugins.old_checksums import blocksum64_crc32
 from core.records import RunFolder
-from core.weights import savable, write_weights
+from core.weights import write_weights
 
 
 def dd_write_mb_s(path: Path, mb: int) -> float:
@@ -70,7 +71,7 @@ def save_weights(state, path: Path) -> None:
 def save_with(state, path: Path, checksum_of) -> None:
     """write_weights' write with another checksum function (None: no checksums)."""
     tensors = savable(state)
-    atomic_write(path, lambda f: write_safetensors(f, tensors, checksum_of=checksum_of))
+    atomic_write(path, lambda f: write_fast(f, tensors, checksum_of=checksum_of))
 
 
 def hash_s(state, checksum_of) -> float:

@@ -23,11 +23,15 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.ckpt_io import FORMAT, atomic_write, list_checkpoints, read_header, verify, write_safetensors
-from core.config import RecipeError
+from core.ckpt_io import read_header, verify
 from core.dist import all_gather_object, broadcast_object
-from core.records import RunFolder, say, show, write_record
-from core.weights import check_model_matches, model_part, savable
+from core.kernel.ckpt import FORMAT, atomic_write, list_checkpoints, savable
+from core.kernel.log import say, show
+from core.kernel.options import RecipeError
+from core.plugins.fast_writer import write_fast
+from core.plugins.init_from import check_model_matches
+from core.records import RunFolder, write_record
+from core.weights import model_part
 
 # The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}
@@ -57,7 +61,7 @@ def snapshot(run: RunFolder, *, model: nn.Module, optimizer, progress: dict, **s
 def write_checkpoint(path: Path, tensors: dict, metadata: dict, *, keep: int) -> None:
     """Rank 0: write the file atomically, then drop all but the newest `keep` (only once the new one is in place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+    atomic_write(path, lambda f: write_fast(f, tensors, metadata))
     for old in list_checkpoints(path.parent)[:-keep]:
         old.unlink(missing_ok=True)
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from core import ckpt
-from core.config import Options, RecipeError, option
 from core.dist import broadcast_object
+from core.kernel.options import Options, RecipeError, option
 from core.records import RunFolder
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core.config import Options, RecipeError, option
+from core.kernel.options import Options, RecipeError, option
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 

@@ -14,68 +14,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import os
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core import records
-
-
-class RecipeError(Exception):
-    """A problem the user can fix; printed as one `error:` line with a non-zero exit."""
-
-
-class UsageError(RecipeError):
-    """A bad command line (exit status 2): argparse's line, which names the option."""
-
-
-def option(default, help: str, *, choices: tuple[str, ...] | None = None, check=None, fix: str = ""):
-    """A field with its help text, and `check(value) -> bool` with the `fix` a failed check advises."""
-    return field(default=default, metadata={"help": help, "choices": choices, "check": check, "fix": fix})
+from core.kernel.options import (  # one RecipeError, one option machinery and one exit for every recipe
+    Options,
+    UsageError,
+    at_least,
+    flag,
+    leave,
+    option,
+    plain_name,
+    within,
+)
 
 
 def with_default(group: type, name: str, value):
     """`group`'s field `name` (help, checks) with another default, for a recipe's Config."""
     return field(default=value, metadata=group.__dataclass_fields__[name].metadata)
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-class Options:
-    """The checks every group (a frozen dataclass) shares, run when it is built: choices, finite numbers, and each
-    field's own check."""
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            if isinstance(value, float) and not math.isfinite(value):
-                raise RecipeError(f"{flag(f.name)} {value}: use a finite number")
-            if meta.get("choices") and value not in meta["choices"]:
-                raise RecipeError(f"{flag(f.name)} {value}: choose one of {', '.join(meta['choices'])}")
-            if meta.get("check") and not meta["check"](value):
-                raise RecipeError(f"{flag(f.name)} {value!r}: {meta['fix']}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def at_least(low: int) -> dict:
-    """`option(..., **at_least(1))`: a whole number from `low` up (to 2**31: a value past it is a typo)."""
-    return {"check": lambda v: low <= v <= 2**31, "fix": f"use {low} to 2**31"}
-
-
-def within(low: float, high: float) -> dict:
-    """`option(..., **within(0, 10))`: a number above `low`, up to `high`."""
-    return {"check": lambda v: low < v <= high, "fix": f"use ({low:g}, {high:g}]"}
-
-
-def _plain(name: str) -> bool:  # "" too: the recipe's name
-    return name not in (".", "..") and not any(c in name for c in "/\\\0")
 
 
 @dataclass(frozen=True)
@@ -91,7 +48,9 @@ class Training(Options):
     loss: str = option("auto", "auto (the model's own loss, else ce or mse), ce, mse, model, or module:function")
     on_nonfinite: str = option("stop", "a non-finite loss or gradient: stop or skip the step", choices=("stop", "skip"))
     out: str = option("runs", "folder that gets one sub-folder per run", check=bool, fix="name a folder, e.g. runs")
-    name: str = option("", "run folder prefix (default: the recipe)", check=_plain, fix="use a plain name, not a path")
+    name: str = option(
+        "", "run folder prefix (default: the recipe)", check=plain_name, fix="use a plain name, not a path"
+    )
     log_every: int = option(10, "log a train record every N optimizer steps", **at_least(1))
     timeout_s: float = option(300.0, "seconds a collective may wait before failing", **within(0, 604800))
 
@@ -150,26 +109,3 @@ def cli_main(main: Callable, config: type) -> None:
 
 
 KEPT = "checkpoints already written are kept: --resume auto continues from the newest"  # after a stopped run
-
-
-def leave(run: Callable[[], int | None]) -> None:
-    """Exit with `run()`'s status (None: 0), past the interpreter's teardown. A user's error is one line (a
-    UsageError exits 2); a full disk, this rank's own; an uncaught error its traceback, then one line.
-
-    DDP keeps gloo's worker threads alive past destroy_process_group; one still releasing a collective's
-    tensors once teardown stops handing out the GIL aborts the process (SIGABRT, pytorch/pytorch#179291)."""
-    try:
-        code = run() or 0
-    except RecipeError as err:
-        code = records.fail(str(err), 2 if isinstance(err, UsageError) else 1)
-    except OSError as err:  # a full disk, a folder that can't be written: this rank's own
-        code = records.fail(records.os_error_line(err), 1, everyone=False)
-    except KeyboardInterrupt:
-        code = records.fail(f"interrupted; {KEPT}", 130)
-    except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
-        traceback.print_exc()
-        code = records.fail(f"rank {os.environ.get('RANK', '0')}: {type(err).__name__}: {err}", 1, everyone=False)
-    records.close_log()  # the run's train.log ends with the process
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -36,7 +36,6 @@ from torch import nn
 
 from core.ckpt import START
 from core.ckpt_io import fsync_dir
-from core.config import RecipeError
 from core.dcp_folder import (
     DONE,
     FORMAT,
@@ -50,8 +49,11 @@ from core.dcp_folder import (
 )
 from core.dcp_tensors import rng_tensors, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
-from core.records import RunFolder, say, show, write_record
-from core.weights import check_model_matches, model_part
+from core.kernel.log import say, show
+from core.kernel.options import RecipeError
+from core.plugins.init_from import check_model_matches
+from core.records import RunFolder, write_record
+from core.weights import model_part
 
 # --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
 

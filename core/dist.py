@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,18 @@ Only rank 0 writes or prints; every number it writes has been reduced over the r
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
-import socket
 from pathlib import Path
 
-from core.ckpt_io import atomic_write, remove_stale_temporaries
-from core.config import RecipeError, flag
 from core.dist import Topology, broadcast_object
-from core.records import RunFolder, keep_lines, open_log, os_error_line, repair_records, say, show
+from core.kernel.log import keep_lines, open_log, os_error_line, say, show
+from core.kernel.options import RecipeError, flag
+from core.kernel.seams import BEFORE_JOB
+from core.plugins.lock import remove_stale_temporaries, take_lock
+from core.plugins.records import write_config
+from core.records import RunFolder
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 # Options that shape what is trained: a resumed run must keep them, or it would be another run.
@@ -52,6 +53,8 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     run = RunFolder(choice["path"], choice["resume_from"], recipe, config, topo.rank == 0, lock)
     open_log(run)  # rank 0: from here every line it prints also goes to RUN/train.log
     say(run, f"run folder {run.path}", level="DEBUG")  # on stderr, where the launcher's supervisor reads it
+    for hook in BEFORE_JOB:  # the kernel's plug-ins (take_back) serve this recipe too
+        hook(cfg, run)
     return run
 
 
@@ -105,17 +108,8 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
     found = {"path": path, "resume_from": resume_from}
     found["lock"] = take_lock(path)  # before anything in the folder is touched
     remove_stale_temporaries(path)  # left by a write that a kill interrupted
-    repair_records(path / "metrics.jsonl")
     write_config(path, config, new=not in_run)
     return found
-
-
-def write_config(path: Path, config: dict, *, new: bool) -> None:
-    """A new run's RUN/config.json; a resumed run keeps the one it was started with (check_continues refused
-    changes)."""
-    if new:
-        text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
-        atomic_write(path / "config.json", lambda f: f.write(text))
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
@@ -182,21 +176,3 @@ def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
         with contextlib.suppress(FileExistsError):  # another job took it between the listing and the mkdir
             path.mkdir(parents=True)
             return path
-
-
-def take_lock(run_dir: Path):
-    """Hold `run_dir` for this job: an exclusive flock on run_dir/.lock, released when the process ends.
-
-    The kernel releases it however the process ends. A folder another job holds is one RecipeError line."""
-    handle = open(run_dir / ".lock", "a+")  # noqa: SIM115 - held open for the process's life
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another job"
-        handle.close()
-        raise RecipeError(f"{run_dir} is in use by {holder}; wait for that job to end, or resume another run") from None
-    handle.truncate(0)
-    handle.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
-    return handle

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
 TARGETS = "targets"  # nanoGPT's forward(idx, targets=None): given a pair's target, unshifted; never `labels`

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from core.dist import reduce_sum
-from core.records import RunFolder, say, write_record
+from core.kernel.log import say
+from core.records import RunFolder, write_record
 
 # Fixed keys, so that every rank (one that saw no batch too) joins one all-reduce of the same shape. `scored`:
 # the targets of the batches that had an accuracy; `timed_*`: what the steps after the first one trained.

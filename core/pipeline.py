@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from core.config import RecipeError
 from core.dist import broadcast_object
+from core.kernel.options import RecipeError
 
 
 class Stage(nn.Module):

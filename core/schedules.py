@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from core.amp import StepStats, autocast
-from core.config import RecipeError
 from core.data import to_device
 from core.grads import clip_grad_norm
+from core.kernel.options import RecipeError
 from core.loss import IGNORE, check_aligned, metrics
 from core.meter import Tally, summarize
 

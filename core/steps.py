@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from core.config import RecipeError
 from core.data import to_device
+from core.kernel.options import RecipeError
 from core.loss import Loss, forward
 from core.meter import Tally, summarize
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as torch_dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from core.config import RecipeError
 from core.dist import Topology, broadcast_object
+from core.kernel.options import RecipeError
 
 
 class StreamShard(IterableDataset):

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from core import parallel
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 
 # transformers' style strings (transformers/distributed/tensor_parallel.py, ALL_PARALLEL_STYLES) as torch styles.
 # None: every rank keeps the whole parameter, nothing to shard.

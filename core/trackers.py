@@ -22,8 +22,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.ckpt_io import atomic_write
-from core.config import Options, RecipeError, option
+from core.kernel.ckpt import atomic_write
+from core.kernel.options import Options, RecipeError, option
 from core.records import RunFolder, take_back_resume
 
 TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.config import Options, option
 from core.dist import Topology
-from core.records import show
+from core.kernel.log import show
+from core.kernel.options import Options, option
 
 
 @dataclass(frozen=True)

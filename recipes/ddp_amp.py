@@ -29,25 +29,25 @@ from core import (
     dist,
     exact_loss,
     folder,
-    hf,
     meter,
     models,
-    replicas,
     steps,
     stream,
     trackers,
     weights,
 )
 from core.amp import Accumulation, Precision
-from core.config import Checkpointing, DDPOptions, RecipeError, Training, cli_main, with_default
+from core.config import Checkpointing, DDPOptions, Training, cli_main, with_default
+from core.kernel.options import RecipeError
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.plugins.hf import HFExport, write_hf_folder
+from core.plugins.init_from import InitFrom, load_weights
+from core.plugins.replicas import replicas_report
 
 
 @dataclass(frozen=True)
-class Config(
-    Training, Checkpointing, DDPOptions, Precision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport
-):
+class Config(Training, Checkpointing, DDPOptions, Precision, Accumulation, trackers.Tracking, InitFrom, HFExport):
     """ddp's options, and precision, accumulation, clipping and trackers."""
 
     epochs: int = with_default(Training, "epochs", 10)  # --accum 4 takes 4x fewer steps per epoch than ddp
@@ -80,7 +80,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
-        weights.load_weights(model, cfg.init_from)
+        load_weights(model, cfg.init_from)
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only; the pre-check says so on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp_model = DistributedDataParallel(
@@ -148,8 +148,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
-    hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    report = replicas.replicas_report(model.state_dict())  # whether every rank holds the same weights
+    write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    report = replicas_report(model.state_dict())  # whether every rank holds the same weights
     summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **report)
     trackers.close(run)
     return summary

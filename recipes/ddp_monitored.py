@@ -20,12 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, comm, data, dist, folder, hf, meter, models, monitor, replicas, steps, trackers, weights
+from core import ckpt, comm, data, dist, folder, meter, models, monitor, steps, trackers, weights
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.config import Checkpointing, DDPOptions, Training, cli_main
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.metrics import flops_per_sample, peak_flops
+from core.plugins.hf import HFExport, write_hf_folder
+from core.plugins.init_from import InitFrom, load_weights
+from core.plugins.replicas import replicas_report
 from core.tuning import TuningOptions, checkpoint_blocks, to_channels_last
 from core.watchdog import DebugOptions, Watchdog, prepare_env
 
@@ -40,8 +43,8 @@ class Config(
     TuningOptions,
     DebugOptions,
     trackers.Tracking,
-    weights.InitFrom,
-    hf.HFExport,
+    InitFrom,
+    HFExport,
 ):
     """ddp's options, and the monitoring, debugging, tuning, asynchronous checkpoint and tracker ones."""
 
@@ -84,7 +87,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
-        weights.load_weights(model, cfg.init_from)
+        load_weights(model, cfg.init_from)
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.channels_last:  # conv weights in NHWC, the layout tensor cores read fastest (in place)
@@ -167,8 +170,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())
-    hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    same = replicas.replicas_report(model.state_dict())  # {"replicas_identical": ...}, in the summary
+    write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    same = replicas_report(model.state_dict())  # {"replicas_identical": ...}, in the summary
     summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **same)
     trackers.close(run)
     return summary

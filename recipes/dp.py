@@ -16,14 +16,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import ckpt, data, dist, folder, hf, meter, models, records, steps, weights
-from core.config import Checkpointing, RecipeError, Training, cli_main
+from core import ckpt, data, dist, folder, meter, models, steps, weights
+from core.config import Checkpointing, Training, cli_main
+from core.kernel.log import say
+from core.kernel.options import RecipeError
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.plugins.hf import HFExport, write_hf_folder
+from core.plugins.init_from import InitFrom, load_weights
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, weights.InitFrom, hf.HFExport):
+class Config(Training, Checkpointing, InitFrom, HFExport):
     """The shared training and checkpoint options."""
 
 
@@ -48,7 +52,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
-        weights.load_weights(model, cfg.init_from)
+        load_weights(model, cfg.init_from)
     gpus = torch.cuda.device_count()
     dp_model = nn.DataParallel(model) if gpus >= 2 else model  # the batch split over the GPUs inside forward
     train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
@@ -67,9 +71,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     single = f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training"
-    records.say(
-        run, f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)" if gpus >= 2 else single
-    )
+    say(run, f"DataParallel over {gpus} GPUs (replicas re-made every step: prefer ddp)" if gpus >= 2 else single)
 
     # Train. DataParallel scatters each batch from the first GPU and gathers the outputs back on it.
     step, skipped, evaluation = start["step"], start["skipped"], {}
@@ -102,7 +104,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Rank 0 writes the weights.
     saved = weights.write_weights(run, model.state_dict())
-    hf.write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     return meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, devices=max(gpus, 1))
 
 

@@ -32,24 +32,26 @@ from core import (
     dist,
     exact_loss,
     folder,
-    hf,
     meter,
     models,
     parallel,
-    replicas,
     stream,
     trackers,
     weights,
 )
 from core.amp import Accumulation
-from core.config import Checkpointing, RecipeError, Training, cli_main, option, with_default
+from core.config import Checkpointing, Training, cli_main, with_default
+from core.kernel.options import RecipeError, option
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.parallel import ShardedPrecision
+from core.plugins.hf import HFExport, write_hf_folder
+from core.plugins.init_from import InitFrom, load_weights
+from core.plugins.replicas import replicas_report
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, InitFrom, HFExport):
     """ddp_amp's options without DDP's, and where the shards live; the tiny GPT on the embedded text by default."""
 
     title = "fully sharded data parallel"
@@ -98,7 +100,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its shard of them
-        weights.load_weights(model, cfg.init_from)
+        load_weights(model, cfg.init_from)
     dp_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     policy = parallel.fsdp_policy(cfg.precision, offload=cfg.offload)  # bf16 compute, fp32 gradient reduction
     if cfg.blocks:  # --blocks NAME: that nn.ModuleList's blocks
@@ -171,8 +173,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # vouches that it holds the same ones.
     full = parallel.full_state_dict(model)
     saved = weights.write_weights(run, full)
-    hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    same = replicas.replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
+    write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    same = replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
     summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **same)
     trackers.close(run)
     return summary

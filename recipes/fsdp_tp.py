@@ -30,25 +30,27 @@ from core import (
     dist,
     exact_loss,
     folder,
-    hf,
     meter,
     models,
     parallel,
-    replicas,
     stream,
     tp_plan,
     trackers,
     weights,
 )
 from core.amp import Accumulation
-from core.config import Checkpointing, RecipeError, Training, at_least, cli_main, option, with_default
+from core.config import Checkpointing, Training, cli_main, with_default
+from core.kernel.options import RecipeError, at_least, option
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.parallel import ShardedPrecision
+from core.plugins.hf import HFExport, write_hf_folder
+from core.plugins.init_from import InitFrom, load_weights
+from core.plugins.replicas import replicas_report
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, InitFrom, HFExport):
     """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
 
     title = "2-D parallelism"
@@ -103,7 +105,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its part of them
-        weights.load_weights(model, cfg.init_from)
+        load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, plan_dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
     plan = tp_plan.plan_of(model)  # which Linear layers split by column, which by row
@@ -181,8 +183,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     # vouches that it holds the same ones.
     full = parallel.full_state_dict(model)
     saved = weights.write_weights(run, full)
-    hf.write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    same = replicas.replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
+    write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    same = replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
     shape = {"tp": tp_mesh.size(), "dp": dp}
     summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **shape, **same)
     trackers.close(run)

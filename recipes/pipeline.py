@@ -34,23 +34,25 @@ from core import (
     dcp,
     dist,
     folder,
-    hf,
     meter,
     models,
     parallel,
     pipeline,
-    records,
     schedules,
     trackers,
     weights,
 )
 from core.amp import Accumulation
-from core.config import Checkpointing, RecipeError, Training, at_least, cli_main, option, with_default
+from core.config import Checkpointing, Training, cli_main, with_default
+from core.kernel.log import say
+from core.kernel.options import RecipeError, at_least, option
 from core.parallel import ShardedPrecision
+from core.plugins.hf import HFExport, write_hf_folder
+from core.plugins.init_from import InitFrom, load_weights
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, weights.InitFrom, hf.HFExport):
+class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, InitFrom, HFExport):
     """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
 
     title = "pipeline parallelism"
@@ -108,7 +110,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its stages of them
-        weights.load_weights(model, cfg.init_from)
+        load_weights(model, cfg.init_from)
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
     split = dict(num_stages=num_stages)  # stages of about equal parameter count
@@ -138,7 +140,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = dcp.load_checkpoint(run, model=pipeline.root_module(stages), optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
-    records.say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
+    say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
     # Train. Every rank calls the schedule with the whole batch; the first stage reads the inputs, the last the targets.
     step, skipped, evaluation = start["step"], start["skipped"], {}
@@ -177,7 +179,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     saved = weights.write_weights(run, full)
     with torch.device("meta"):
         lender = models.build_model(cfg.model)
-    hf.write_hf_folder(run, lender, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    write_hf_folder(run, lender, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, pp=pp, dp=dp)
     trackers.close(run)
     return summary

@@ -21,14 +21,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import ckpt, data, dist, folder, hf, meter, models, pipeline, records, steps, weights
-from core.config import Checkpointing, RecipeError, Training, cli_main, with_default
+from core import ckpt, data, dist, folder, meter, models, pipeline, steps, weights
+from core.config import Checkpointing, Training, cli_main, with_default
+from core.kernel.log import say
+from core.kernel.options import RecipeError
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.plugins.hf import HFExport, write_hf_folder
+from core.plugins.init_from import InitFrom, load_weights
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, weights.InitFrom, hf.HFExport):
+class Config(Training, Checkpointing, InitFrom, HFExport):
     """The shared training and checkpoint options; the tiny GPT on the embedded text by default."""
 
     model: str = with_default(Training, "model", "gpt")
@@ -91,7 +95,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     train_set, val_set, collate = data.build_data(cfg.data)
     plain = models.build_model(cfg.model)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
-        weights.load_weights(plain, cfg.init_from)
+        load_weights(plain, cfg.init_from)
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
     model = PipelineParallelModel(plain, devices)
     output_device = model.placement[-1][0]  # targets meet the logits on the last device
@@ -109,7 +113,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
     meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
     placed = [(str(d), len(ix)) for d, ix in model.placement]
-    records.say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
+    say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
 
     # Train. One batch at a time through every device in turn.
     step, skipped, evaluation = start["step"], start["skipped"], {}
@@ -140,7 +144,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # The plain model's weights.
     saved = weights.write_weights(run, plain.state_dict())
-    hf.write_hf_folder(run, plain, plain.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+    write_hf_folder(run, plain, plain.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
     return meter.log_summary(
         run, totals, evaluation, steps=step, skipped=skipped, weights=saved, devices=len(model.placement)
     )

@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core import amp, data, models, weights
+from core import amp, data, models
 from core.dist import Topology
 from core.exact_loss import make_exact_loss
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.plugins.init_from import load_weights
 
 BASE = dict(model="gpt", data="mp_reference:short_text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
 
@@ -43,7 +44,7 @@ def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
     train_set, _, _ = data.build_data(cfg.data)
     model = models.build_model(cfg.model)
     if cfg.init_from:
-        weights.load_weights(model, cfg.init_from)
+        load_weights(model, cfg.init_from)
     loss_fn = make_exact_loss(choose_loss(cfg.loss, make_loss(model=model), model=model), model=model)
     loaders = [
         data.make_loader(

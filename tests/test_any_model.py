@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from core import comm, parallel, pipeline, tuning
-from core.config import RecipeError
 from core.gpt import GPT
+from core.kernel.options import RecipeError
 from core.models import MLP
-from core.replicas import replicas_report
+from core.plugins.replicas import replicas_report
 from world import GlooWorld
 
 transformers = pytest.importorskip("transformers")

@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 import check_user
-from core.config import RecipeError
 from core.data import build_data
+from core.kernel.options import RecipeError
 from core.models import build_model
 from helpers import REPO, recipes_cli, run, torchrun, user_env
 from tools import probes

@@ -14,9 +14,12 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from core import ckpt
-from core.checksum import _bytes, blocksum64_crc32, checksum, checksum_matches
-from core.ckpt_io import atomic_write, read_header, write_safetensors
-from core.config import RecipeError
+from core.checksum import _bytes, checksum_matches
+from core.ckpt_io import read_header
+from core.kernel.ckpt import atomic_write, checksum
+from core.kernel.options import RecipeError
+from core.plugins.fast_writer import write_fast
+from core.plugins.old_checksums import blocksum64_crc32
 from core.records import RunFolder
 from tiny import TiedMLP
 
@@ -202,7 +205,7 @@ def test_a_checkpoint_written_with_old_format_checksums_still_loads(tmp_path):
     tensors, meta = ckpt.read_checkpoint(_save(tmp_path / "new", 10, model, optimizer))
     old_meta = {k: v for k, v in meta.items() if k not in ("checksums", "header_checksum")}
     old = tmp_path / "step-000010.safetensors"
-    atomic_write(old, lambda f: write_safetensors(f, tensors, old_meta, checksum_of=blocksum64_crc32))
+    atomic_write(old, lambda f: write_fast(f, tensors, old_meta, checksum_of=blocksum64_crc32))
     recorded = json.loads(read_header(old)["__metadata__"]["checksums"])
     assert all(s.startswith("blocksum64-crc32:") for s in recorded.values())
     loaded, _ = ckpt.read_checkpoint(old)

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from core import ckpt, ckpt_async
-from core.ckpt_io import list_checkpoints
-from core.config import RecipeError, UsageError, parse_args
+from core.config import parse_args
+from core.kernel.ckpt import list_checkpoints
+from core.kernel.options import RecipeError, UsageError
 from core.records import RunFolder
 from helpers import unfinished
 from recipes import ddp_monitored

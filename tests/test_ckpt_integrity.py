@@ -10,10 +10,11 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from core import ckpt
-from core.checksum import checksum
-from core.ckpt_io import read_header, remove_stale_temporaries
-from core.config import RecipeError
+from core.ckpt_io import read_header
 from core.folder import check_continues
+from core.kernel.ckpt import checksum
+from core.kernel.options import RecipeError
+from core.plugins.lock import remove_stale_temporaries
 from core.records import RunFolder
 from tiny import TiedMLP
 from world import GlooWorld

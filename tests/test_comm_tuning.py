@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from core import comm, tuning
-from core.config import RecipeError, UsageError, parse_args
+from core.config import parse_args
+from core.kernel.options import RecipeError, UsageError
 from core.loss import Loss
 from core.models import CNN, MLP
 from core.steps import step_plain

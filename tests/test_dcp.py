@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 
 from core import dcp, dcp_folder, parallel
-from core.config import RecipeError
 from core.gpt import GPT
+from core.kernel.options import RecipeError
 from core.pipeline import root_module, split_pipeline
 from core.records import RunFolder
 from world import GlooWorld

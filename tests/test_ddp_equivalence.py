@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from core.loss import Loss
-from core.replicas import replicas_report
+from core.plugins.replicas import replicas_report
 from core.steps import step_plain
 from world import GlooWorld
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from core import dist as cdist
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 
 
 def _as_torchrun(rank: int, world_size: int, port: int) -> None:

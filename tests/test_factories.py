@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import RecipeError
 from core.data import build_data
+from core.kernel.options import RecipeError
 from core.models import build_model
 from tools.precheck import check_data, check_model
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from core import gpt, schedules, steps
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 from core.loss import make_loss
 from core.pipeline import block_times, plan_split, split_pipeline
 from tools.cli import run_cli

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from core import records
-from core.records import RunFolder, close_log, fail, open_log, os_error_line, say, show, take_back, write_record
+from core.kernel import log as records  # the log lives in the kernel now
+from core.kernel.log import close_log, fail, open_log, os_error_line, say, show
+from core.plugins.take_back import take_back
+from core.records import RunFolder, write_record
 
 pytestmark = pytest.mark.fast
 LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \| (INFO|WARNING|ERROR) +\| rank (\d+) \| (.*)")
@@ -180,7 +182,7 @@ def test_show_prints_info_on_stdout_and_the_rest_on_stderr(capsys):
     show("progress")
     show("warning: w", level="WARNING")
     assert capsys.readouterr() == ("progress\n", "warning: w\n")
-    assert not records._RUN_LOG  # no run: loguru is not touched
+    assert not records.RUN_LOG  # no run: loguru is not touched
 
 
 def test_the_log_format_is_loguru_s(run):

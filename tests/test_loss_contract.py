@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from core.amp import step_amp
-from core.config import RecipeError
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
+from core.kernel.options import RecipeError
 from core.loss import forward, make_loss, split_outputs
 from core.loss_options import choose_loss, split_any
 from core.meter import Meter

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from core import amp, data, grads, models, steps
-from core.config import RecipeError
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
+from core.kernel.options import RecipeError
 from core.loss import Loss, make_loss
 from helpers import unfinished
 from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng

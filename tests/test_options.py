@@ -16,7 +16,8 @@ import pytest
 from copy_jobs import recording
 
 from core import dist
-from core.config import RecipeError, UsageError, parse_args
+from core.config import parse_args
+from core.kernel.options import RecipeError, UsageError
 from helpers import in_one_interpreter, recipe_params, waiting
 from tools.registry import RECIPES, takers
 

@@ -8,7 +8,8 @@ import os
 import pytest
 from plan_models import MATRIX
 
-from core.config import RecipeError, parse_args
+from core.config import parse_args
+from core.kernel.options import RecipeError
 from tools.cli import run_cli
 from tools.plan import plan_recipe
 from tools.plan_measure import measure

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from core.config import KEPT
-from core.records import RunFolder, repair_records, write_record
+from core.plugins.records import repair_records
+from core.records import RunFolder, write_record
 from helpers import REPO, in_one_interpreter, recipes_cli, run, torchrun, user_env
 
 pytestmark = pytest.mark.e2e
@@ -387,8 +388,8 @@ def test_a_model_with_a_child_named_module_and_namedtuple_samples_train_and_save
 RACE = """
 import sys, time
 from pathlib import Path
-from core.config import RecipeError
-from core.folder import take_lock
+from core.kernel.options import RecipeError
+from core.plugins.lock import take_lock
 start, folder = float(sys.argv[1]), Path(sys.argv[2])
 time.sleep(max(start - time.time(), 0))  # every contender goes at the same instant
 try:
@@ -404,8 +405,8 @@ def _contend(folder, contenders: int) -> list[str]:
     """`contenders` threads take the folder's lock at the same instant (each its own open file, as jobs have)."""
     import threading
 
-    from core.config import RecipeError
-    from core.folder import take_lock
+    from core.kernel.options import RecipeError
+    from core.plugins.lock import take_lock
 
     barrier, said, held = threading.Barrier(contenders), [], []
 

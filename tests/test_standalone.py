@@ -633,7 +633,7 @@ def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bi
     """A lean copy writes with safetensors' own writer (core.ckpt_io.write_plain), the package with its own: the same
     checksums, verified by the same reader; one flipped bit is refused naming the tensor."""
     from core.ckpt_io import read_header, verify, write_plain, write_safetensors
-    from core.config import RecipeError
+    from core.kernel.options import RecipeError
 
     tensors = {
         "model/w": torch.randn(3, 5),

@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from core import parallel, tp_plan
-from core.config import RecipeError
 from core.gpt import GPT
+from core.kernel.options import RecipeError
 
 transformers = pytest.importorskip("transformers")
 TOL = dict(atol=5e-5, rtol=1e-4)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import RecipeError, Training, parse_args
+from core.config import Training, parse_args
+from core.kernel.options import RecipeError
 from core.trackers import WANDB_FILE, Tracking, check_trackers, open_trackers
 
 pytestmark = pytest.mark.fast
@@ -245,7 +246,8 @@ def test_both_trackers_at_once(wandb_offline):
 def test_a_tracker_that_cannot_open_on_resume_leaves_metrics_as_they_were(tmp_path):
     """Issue 27 item 7: an unwritable RUN/tensorboard refused the resumed run after it had appended its `resume`
     record to metrics.jsonl. The refused run takes it back; the error is one line naming the folder."""
-    from core.records import RunFolder, os_error_line, write_record
+    from core.kernel.log import os_error_line
+    from core.records import RunFolder, write_record
     from core.trackers import attach
 
     checkpoint = tmp_path / "ckpt" / "step-000004.safetensors"

@@ -10,10 +10,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from core.config import RecipeError
-from core.hf import hf_model, write_hf_folder
+from core.kernel.options import RecipeError
+from core.plugins.hf import hf_model, write_hf_folder
+from core.plugins.init_from import InitFrom, check_weights, load_weights, read_weights
 from core.records import RunFolder
-from core.weights import check_weights, load_weights, read_weights, write_weights
+from core.weights import write_weights
 
 
 def _run(folder) -> RunFolder:
@@ -328,7 +329,7 @@ def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeyp
     It is an OSError naming the run folder's disk now, and nothing of the half-written folder is left."""
     from safetensors import SafetensorError
 
-    from core.records import os_error_line
+    from core.kernel.log import os_error_line
 
     model, state = trained(gpt2)
 
@@ -343,15 +344,14 @@ def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeyp
 
 
 def test_init_from_is_an_option_group_of_its_own(capsys):
-    """28.4: --init-from is core.weights.InitFrom, in every recipe, with its own --help section; the init_from
+    """28.4: --init-from is core.InitFrom, in every recipe, with its own --help section; the init_from
     feature drops the group whole (a lean copy's Config has no such base)."""
     from core.config import Training, parse_args
-    from core.weights import InitFrom
     from tools.features import FEATURES
     from tools.registry import RECIPES
 
     assert "init_from" not in Training.__dataclass_fields__ and list(InitFrom.__annotations__) == ["init_from"]
-    assert FEATURES["init_from"].groups == ("core.weights.InitFrom",) and not FEATURES["init_from"].fields
+    assert FEATURES["init_from"].groups == ("core.InitFrom",) and not FEATURES["init_from"].fields
     for recipe in RECIPES.values():
         assert issubclass(recipe.load().Config, InitFrom), recipe.name
     with pytest.raises(SystemExit):

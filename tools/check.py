@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core.config import RecipeError
 from core.data import seed_all, to_device
+from core.kernel.options import RecipeError
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.models import build_model

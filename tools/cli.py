@@ -15,8 +15,9 @@ from pathlib import Path
 
 import click
 
-from core.config import KEPT, RecipeError, UsageError, leave, parse_args
-from core.records import fail, os_error_line
+from core.config import KEPT, parse_args
+from core.kernel.log import fail, os_error_line
+from core.kernel.options import RecipeError, UsageError, leave
 from tools.features import FEATURES
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
@@ -129,7 +130,14 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, fea
         raise click.UsageError(f"{dest}: the folder {target.parent} does not exist; create it or pick another place")
     from tools.copies import copy_source, retarget_commands
 
-    if standalone:  # one file that imports nothing of this package
+    if standalone and recipe.plugins:  # written on the kernel: the recipe, the kernel and plug-ins, joined
+        from tools.copy_out import CopyError, join, parse_with
+
+        try:
+            text = join(name, dest, kept=parse_with(features, recipe=name))
+        except CopyError as err:
+            raise click.UsageError(str(err)) from None
+    elif standalone:  # one file that imports nothing of this package
         from tools.features import parse_with
         from tools.standalone import StandaloneError
 
@@ -142,7 +150,7 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, fea
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     if standalone:  # what the owner takes on: its size, and where its lines come from
-        from tools.standalone import copy_size
+        from tools.copy_out import copy_size
 
         lines, code = copy_size(text)
         size = f" ({lines:,} lines, {code:,} of code; `python -m tools.copies {name}` says where they come from)"

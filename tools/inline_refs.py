@@ -12,7 +12,7 @@ import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 
 RECIPE = "__recipe__"  # the module name the recipe itself gets here
 _SCOPES = (

@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from core.config import RecipeError
 from core.dist import init_pg
+from core.kernel.options import RecipeError
 
 
 def check_nodes_alike() -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 from tools.plan_layout import EXACT_LOSS, build_layout, mesh_dims, pipeline_buffers, schedule_order, unplannable
 from tools.plan_step import planned_steps, quiet
 

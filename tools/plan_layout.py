@@ -16,7 +16,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from core import amp, models, pipeline, schedules
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 
 # The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
 REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")

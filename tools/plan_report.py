@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from core.config import RecipeError, parse_args
+from core.config import parse_args
+from core.kernel.options import RecipeError
 from tools.plan import GIB, Plan, plan_recipe
 from tools.plan_layout import REPLICAS
 
@@ -179,7 +180,7 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
     import argparse
     import math
 
-    from core.config import UsageError
+    from core.kernel.options import UsageError
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--nproc", default=None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.config import RecipeError
+from core.kernel.options import RecipeError
 
 PANELS = (
     ("train", "loss", "train loss"),

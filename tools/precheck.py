@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from core import ckpt, data, folder, models, stream
-from core.config import RecipeError
 from core.data import to_device
 from core.dist import Topology
-from core.factory import resolve_factory
+from core.kernel.options import RecipeError
 from core.loss import IGNORE, make_loss
 from core.loss_options import choose_loss
+from core.plugins.factories import resolve_factory
 from tools.probes import (
     batchnorm_layers,
     check_call,
@@ -53,12 +53,12 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
     check_devices(model, spec=cfg.model, sync_batchnorm=getattr(cfg, "sync_batchnorm", False))
     init_from = getattr(cfg, "init_from", "")  # a third-party recipe's Config may not take --init-from
     if init_from:
-        from core.weights import load_weights
+        from core.plugins.init_from import load_weights
 
         load_weights(model, init_from)
     check_trainable(model, spec=cfg.model, init_from=init_from)
     if getattr(cfg, "hf_attr", ""):  # refused here, not after the whole run when hf/ is written
-        from core.hf import hf_model
+        from core.plugins.hf import hf_model
 
         hf_model(model, attr=cfg.hf_attr)
     samples = first_samples(found["train"], min(2, cfg.batch_size), spec=cfg.data)

@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 ENTRY_POINT_GROUP = "torch_dist_recipes"
+PLUGIN_GROUP = "torch_dist_recipes.plugins"  # Plugin values: a feature attached at the kernel's seams
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Recipe:
     multi_node: bool = True  # False: one process drives every local device (the launcher starts one)
     opt_ins: tuple[str, ...] = ()  # the core modules it takes beyond ddp's (the base): `ls` shows them
     mean_per_replica: bool = False  # each replica's loss is its own batch's mean, and the replicas are averaged
+    plugins: tuple[str, ...] = ()  # written on the kernel: the plug-ins (PLUGINS) it runs with; `cp --with` picks
 
     @property
     def streams(self) -> bool:
@@ -35,6 +37,7 @@ class Recipe:
         return "stream" in self.opt_ins
 
     def load(self) -> ModuleType:
+        attach_plugins(self)
         return importlib.import_module(self.module)
 
     @property
@@ -42,9 +45,77 @@ class Recipe:
         return importlib.util.find_spec(self.module).origin
 
 
+@dataclass(frozen=True)
+class Plugin:
+    name: str
+    module: str  # attaches at the kernel's seams (core/kernel/seams.py) when imported
+    summary: str  # what a copy without it leaves out: its header's `# Left out:` line, and the README's
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+_BUILT_IN_PLUGINS = [
+    Plugin("init_from", "core.plugins.init_from", "--init-from (a new run from earlier weights)"),
+    Plugin("hf", "core.plugins.hf", "the Hugging Face folder RUN/hf (--hf-attr, --hf-shard-mb)"),
+    Plugin(
+        "loss",
+        "core.plugins.loss",
+        "--loss ce, mse, model or module:function (the copy takes the model's own loss, else cross-entropy), a "
+        "forward that takes its targets (nanoGPT's `targets`), a transformers `(loss, logits, ...)` tuple, and the "
+        "line naming logits that do not line up with the targets",
+    ),
+    Plugin(
+        "factories",
+        "core.plugins.factories",
+        "--model and --data (built-in names or module:function factories; the copy builds the lines marked "
+        "`# your model` and `# your data`: edit those for your own)",
+    ),
+    Plugin(
+        "meter",
+        "core.plugins.meter",
+        "the training clock: samples_per_s, tokens_per_s, startup_s and elapsed_s (the loss and accuracy stay)",
+    ),
+    Plugin(
+        "lock",
+        "core.plugins.lock",
+        "the run folder's lock (RUN/.lock: two jobs that write one folder are refused) and the removal of the "
+        "temporary files of a write a kill interrupted",
+    ),
+    Plugin("records", "core.plugins.records", "RUN/config.json and the repair of a torn last line of metrics.jsonl"),
+    Plugin(
+        "checks",
+        "core.plugins.checks",
+        "the resume checks beyond the global batch, the options and the checksums: a checkpoint of a sharded recipe, "
+        "of a model of other shapes, with fp16's loss scaler on one side only, or holding NaN, inf or a negative "
+        "average of squares, refused in one line",
+    ),
+    Plugin(
+        "fast_writer",
+        "core.plugins.fast_writer",
+        "the hand-written safetensors writer (checkpoints go through safetensors' own, one more copy in memory)",
+    ),
+    Plugin(
+        "old_checksums",
+        "core.plugins.old_checksums",
+        "the reader of the old blocksum64-crc32 checksums (checkpoints written before XXH3)",
+    ),
+    Plugin(
+        "take_back",
+        "core.plugins.take_back",
+        "taking back the folder of a run refused at its start (it stays, holding train.log)",
+    ),
+    Plugin("replicas", "core.plugins.replicas", "the summary's replicas_identical (every rank's tensors compared)"),
+]
+KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
+
 _BUILT_IN = [
     Recipe(
-        "ddp", "recipes.ddp", "`DistributedDataParallel`: the base every other recipe builds on", mean_per_replica=True
+        "ddp",
+        "recipes.ddp",
+        "`DistributedDataParallel`: the base every other recipe builds on",
+        mean_per_replica=True,
+        plugins=KERNEL_PLUGINS,
     ),
     Recipe(
         "ddp_amp",
@@ -108,21 +179,37 @@ _BUILT_IN = [
 ]
 
 
-def _load_plugins() -> tuple[dict[str, Recipe], list[str]]:
+def _load_entries(group: str, kind: type) -> tuple[dict, list[str]]:
     found, problems = {}, []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in entry_points(group=group):
         try:
-            recipe = ep.load()
-            if not isinstance(recipe, Recipe):
-                raise TypeError(f"it is a {type(recipe).__name__}, not a tools.registry.Recipe")
-            found[recipe.name] = recipe
+            entry = ep.load()
+            if not isinstance(entry, kind):
+                raise TypeError(f"it is a {type(entry).__name__}, not a tools.registry.{kind.__name__}")
+            found[entry.name] = entry
         except Exception as err:  # a broken plugin must not take the built-in recipes down with it
-            problems.append(f"recipe plugin {ep.name!r} ({ep.value}) failed to load: {err}")
+            problems.append(f"{kind.__name__.lower()} plugin {ep.name!r} ({ep.value}) failed to load: {err}")
     return found, problems
 
 
-_PLUGINS, PLUGIN_PROBLEMS = _load_plugins()
-RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILT_IN} | _PLUGINS
+_RECIPE_ENTRIES, _RECIPE_PROBLEMS = _load_entries(ENTRY_POINT_GROUP, Recipe)
+_PLUGIN_ENTRIES, _PLUGIN_PROBLEMS = _load_entries(PLUGIN_GROUP, Plugin)
+PLUGIN_PROBLEMS = _RECIPE_PROBLEMS + _PLUGIN_PROBLEMS
+RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILT_IN} | _RECIPE_ENTRIES
+# The plug-ins: the built-in ones, and a third party's (entry points of PLUGIN_GROUP), which `run` attaches to every
+# recipe written on the kernel before it loads the recipe, and which `cp --with` offers.
+PLUGINS: dict[str, Plugin] = {p.name: p for p in _BUILT_IN_PLUGINS} | _PLUGIN_ENTRIES
+
+
+def plugins_of(recipe: Recipe) -> list[str]:
+    """The plug-ins the package runs `recipe` with, a third party's too: none for a recipe not on the kernel."""
+    return [*recipe.plugins, *(name for name in _PLUGIN_ENTRIES if recipe.plugins)]
+
+
+def attach_plugins(recipe: Recipe) -> None:
+    """Import them (the built-in ones also attach when the recipe's module imports core.plugins)."""
+    for name in plugins_of(recipe):
+        PLUGINS[name].load()
 
 
 def takers(option: str) -> list[str]:

@@ -1,18 +1,17 @@
-"""Whether data-parallel replicas hold the same tensors at the end, and which differ: every rank compares them."""
+"""Plug-in `replicas`: whether the data-parallel replicas hold the same tensors at the end, and which differ (the
+summary's replicas_identical; every rank compares)."""
 
 from __future__ import annotations
 
 import torch
 
-from core.checksum import checksum
-from core.dist import all_gather_object
+from core.kernel.ckpt import checksum
+from core.kernel.pg import all_gather_object
+from core.kernel.seams import AFTER_JOB
 
 
 def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:
-    """{"replicas_identical": bool}, and when they differ "replicas_differ": which tensors.
-
-    A collective: every rank calls it. Pass model.state_dict() for DDP, the buffers for fully_shard (its
-    parameters are shards)."""
+    """{"replicas_identical": bool}, and when they differ "replicas_differ": which tensors (a collective)."""
     mine = {k: checksum(t) for k, t in tensors.items()}
     everyone = all_gather_object(mine)
     differ = [k for k in mine if any(other.get(k) != mine[k] for other in everyone)]
@@ -21,3 +20,10 @@ def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:
     shown = ", ".join(differ[:3]) + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "")
     why = "BatchNorm statistics are per rank" if any("running_" in k for k in differ) else "set from each rank's data"
     return {"replicas_identical": False, "replicas_differ": f"{shown}: {why}"}
+
+
+def report(cfg, run, model) -> dict:
+    return replicas_report(model.state_dict())
+
+
+AFTER_JOB.append(report)

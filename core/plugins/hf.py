@@ -1,11 +1,5 @@
-"""The final weights as a Hugging Face folder too: what AutoModel*.from_pretrained(folder) loads.
-
-    hf.write_hf_folder(run, model, state, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)   # rank 0, at the end
-
-transformers' own save_pretrained writes it (config.json, generation_config.json, safetensors, an index above
-the size), from the full state dict the run gathered: the model only lends its config, class and tied names,
-so a meta-device copy of it serves as well (pipeline stages).
-"""
+"""Plug-in `hf`: the final weights as RUN/hf/ too, which AutoModel*.from_pretrained loads, when the model is (or holds
+at --hf-attr) a transformers model. transformers' own save_pretrained writes it, from the plain model's state."""
 
 from __future__ import annotations
 
@@ -21,9 +15,9 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from core.config import Options, RecipeError, option
-from core.records import RunFolder, say
-from core.weights import tied_names
+from core.kernel.log import RunFolder, say
+from core.kernel.options import Options, RecipeError, option
+from core.kernel.seams import AFTER_JOB, OPTION_GROUPS
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,7 @@ def write_hf_folder(
 
     prefix = f"{attr}." if attr else ""
     state = {key[len(prefix) :]: t for key, t in state.items() if key.startswith(prefix)}
-    for name, names in tied_names(hf).items():  # one tensor under each name: save_pretrained then writes one name
+    for name, names in tied_in(hf).items():  # one tensor under each name: save_pretrained then writes one name
         if name in state and names[0] in state:
             state[name] = state[names[0]]
     out = run.path / "hf"
@@ -101,3 +95,19 @@ def _os_error(err: Exception, where: Path) -> OSError:
     if code is None:
         return OSError(errno.EIO, str(err), str(where))
     return OSError(int(code[1]), os.strerror(int(code[1])), str(where))
+
+
+def tied_in(model: nn.Module) -> dict[str, list[str]]:
+    """Each state-dict name of a tensor the model holds under several names -> all its names."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return {name: names for names in groups.values() if len(names) > 1 for name in names}
+
+
+def hf_after_job(cfg, run: RunFolder, model: nn.Module) -> None:
+    write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
+
+
+OPTION_GROUPS.append(HFExport)
+AFTER_JOB.append(hf_after_job)

@@ -1,0 +1,76 @@
+"""Data: a loader over each rank's share of a map-style data set, which resumes part-way through an epoch."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from core.kernel.options import RecipeError
+
+
+def seed_all(seed: int) -> None:
+    """torch's, Python's and numpy's generators from one seed: the same weights and data sets on every rank."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def to_device(batch, device: torch.device):
+    """A batch's tensors moved to `device`: tensors, tuples (named too), lists and dicts, nested; other values stay."""
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple | list):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple takes *args
+    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way through, for a mid-epoch resume."""
+
+    skip = 0
+
+    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
+        """Shuffle for `epoch` (the same order on every rank) and leave out this rank's first `skip` samples."""
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.skip :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, train: bool = True):
+    """A DataLoader over this rank's share (None for None): shuffled by a seeded DistributedSampler for training,
+    each sample on exactly one rank, in order, for evaluation."""
+    if dataset is None:
+        return None
+    on_gpu = topo.device.type == "cuda"
+    options = dict(num_workers=2 if on_gpu else 0, pin_memory=on_gpu, persistent_workers=on_gpu, collate_fn=collate_fn)
+    if not train:
+        return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)
+    sampler = ResumableSampler(dataset, num_replicas=topo.world_size, rank=topo.rank, seed=seed, drop_last=True)
+    generator = torch.Generator().manual_seed(seed)  # leaves the global RNG alone: resume stays exact
+    return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
+
+
+def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
+    """Every epoch's start. `consumed`: samples of the epoch's global order already trained (a resume), so global step
+    j trains positions [j*GB, (j+1)*GB) of the epoch's shuffle at any world size with the same global batch GB."""
+    loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
+
+
+def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
+    """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
+    samples, share, world = len(loader.dataset), loader.sampler.num_samples, loader.sampler.num_replicas
+    if share < loader.batch_size:
+        fix = f"use --batch-size {share} or less" if share else f"use fewer than {world} rank(s)"
+        gives = f"the training set ({samples} samples) gives each of {world} rank(s) {share}"
+        raise RecipeError(f"--batch-size {loader.batch_size}: {gives}, not one whole batch; {fix}")
+    return min(epochs * len(loader), max_steps) if max_steps else epochs * len(loader)

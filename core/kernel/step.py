@@ -1,0 +1,128 @@
+"""The step: how a batch meets the model and its loss, one optimizer step, and the evaluation.
+
+A sample is an `(input, ..., target)` tuple, its target aligned with the model's output (cross-entropy compares
+output[..., t] with target[..., t]), or a dict of tensors called as `model(**batch)`, whose `labels` the model shifts
+itself (transformers). The model returns logits, a tuple (logits first, or `(logits, loss)`), or a dict or ModelOutput
+with `loss` and/or `logits`; its own loss is taken where it computed one. Targets of -100 count nowhere.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from core.kernel.loader import to_device
+from core.kernel.numbers import Tally, summarize
+from core.kernel.options import RecipeError
+from core.kernel.seams import LOSS_CHOICES
+
+IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
+
+
+def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logits, loss) from what a model returned; either may be None."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs, None
+    if isinstance(outputs, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
+        return outputs.get("logits"), outputs.get("loss")
+    if isinstance(outputs, tuple | list) and outputs:  # (logits, ...), (logits, loss): a loss is 0-dim
+        loss = outputs[1] if len(outputs) > 1 and torch.is_tensor(outputs[1]) and outputs[1].dim() == 0 else None
+        return outputs[0], loss
+    raise RecipeError(f"the model returned {type(outputs).__name__}; return logits, (logits, loss) or a dict of them")
+
+
+@dataclass(frozen=True)
+class Loss:
+    """How a batch is passed to the model and which loss is taken: the model's own, else cross-entropy."""
+
+    shifts: bool = False  # a causal LM: its own loss on a dict's labels compares logits[t] with labels[t + 1]
+
+    def call(self, model: nn.Module, batch) -> tuple:
+        """(outputs, targets): model(**batch) for a dict, model(input, ...) for a tuple."""
+        if isinstance(batch, Mapping):
+            return model(**batch), batch.get("labels")
+        *inputs, targets = batch
+        return model(*inputs), targets
+
+    def logits_and_loss(self, outputs, targets, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        logits, mean = split_outputs(outputs)
+        if mean is None:
+            mean = nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
+        return logits, mean
+
+
+def make_loss(cfg, model: nn.Module) -> Loss:
+    """The loss of the plain `model`; a transformers decoder that generates shifts its labels (a causal LM)."""
+    transformers = sys.modules.get("transformers")  # a torch-only run never imports it
+    causal = transformers is not None and isinstance(model, transformers.PreTrainedModel)
+    loss = Loss(shifts=causal and model.can_generate() and not model.config.is_encoder_decoder)
+    for choose in LOSS_CHOICES:  # --loss
+        loss = choose(cfg, model, loss)
+    return loss
+
+
+def forward(model: nn.Module, batch, loss_fn: Loss) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: (its mean loss, to backward; its metrics as sums)."""
+    outputs, targets = loss_fn.call(model, batch)
+    logits, mean = loss_fn.logits_and_loss(outputs, targets, batch)
+    shift = loss_fn.shifts and isinstance(batch, Mapping)  # a causal LM's own loss on its labels
+    known = shift or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)  # else no accuracy
+    samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
+    return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=shift)
+
+
+def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool) -> dict[str, torch.Tensor]:
+    """Sums that add up over batches and ranks: loss_sum, count (counted targets, else samples), samples, and correct
+    where the logits score the targets (after a causal LM's shift)."""
+    n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)
+    if shift and targets is not None:  # the loss compared logits[t] with targets[t + 1]: so are they counted, scored
+        logits, targets = logits if logits is None else logits[..., :-1, :], targets[..., 1:]
+    count = n if targets is None or targets.is_floating_point() else targets.ne(IGNORE).sum().double()
+    loss_sum = torch.where(count > 0, mean.detach().double() * count, 0.0)  # no target counted: nan * 0, so 0
+    sums = {"loss_sum": loss_sum, "count": count, "samples": n}
+    if logits is not None and targets is not None and not targets.is_floating_point():
+        if logits.shape[:-1] == targets.shape:
+            sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
+    return sums
+
+
+def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:
+    """One optimizer step: forward, backward (where DDP all-reduces the gradients, averaged), step; a step whose
+    gradient norm is not finite is not taken. Returns the batch's metric sums and the norm."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, sums = forward(model, batch, loss_fn)
+    loss.backward()
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = float(torch.nn.utils.get_total_norm(grads))  # the step's one host sync; every rank reads the same
+    if math.isfinite(norm):
+        optimizer.step()
+    return sums, norm
+
+
+def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
+    """1 when a step with a non-finite gradient norm was skipped (--on-nonfinite skip); with stop, one line, on every
+    rank alike (they all read the same all-reduced norm)."""
+    if math.isfinite(grad_norm):
+        return 0
+    if on_nonfinite == "stop":
+        fix = "lower --lr, or pass --on-nonfinite skip"
+        raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
+    return 1
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
+    """val_loss (over every counted target) and val_acc where one exists, each rank's share counted once."""
+    if loader is None:
+        return {}
+    was_training, tally = model.training, Tally(device)
+    model.eval()
+    for batch in loader:
+        tally.add(forward(model, to_device(batch, device), loss_fn)[1])
+    model.train(was_training)
+    return summarize(tally.reduce(), prefix="val_")

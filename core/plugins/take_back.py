@@ -1,0 +1,23 @@
+"""Plug-in `take_back`: a run refused at its start (a damaged checkpoint, a non-finite first loss: a restart would meet
+the error again) leaves no new folder holding only its log, which `--resume auto` would take as the newest run."""
+
+from __future__ import annotations
+
+from core.kernel.log import RUN_LOG, close_log
+from core.kernel.seams import ON_FAIL
+
+LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing
+
+
+def take_back(*, refused: bool) -> None:
+    """Rank 0 removes the folder of a refused run when it holds nothing but its log (and config.json, the lock)."""
+    path = RUN_LOG.get("path")
+    if not refused or path is None or not path.is_dir() or {p.name for p in path.iterdir()} - LOG_ONLY:
+        return
+    close_log()
+    for name in LOG_ONLY:
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
+
+
+ON_FAIL.append(take_back)

@@ -1,0 +1,146 @@
+"""`python -m recipes cp NAME DEST --standalone [--with F,...]`: one file that joins whole files, as they are written.
+
+    the recipe's docstring, then a header of a few lines (what was left out, and the --with that adds each)
+    the imports of every file joined, merged (the package's own, `core` and `recipes`, dropped)
+    the recipe's functions, to read first
+    the kernel files (core/kernel/), then the plug-ins asked for (core/plugins/), each whole
+    the recipe's options and start (its Config and __main__ block), which use all of the above
+
+No line of a file changes: the join works on lines, and a name is defined in one joined file only, so the result runs
+as its parts do. A recipe not yet written on the kernel is copied by tools/standalone.py.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+import tokenize
+from pathlib import Path
+
+from tools.registry import PLUGINS, RECIPES, plugins_of
+
+CORE = Path(__file__).resolve().parent.parent / "core"
+# The kernel's files, in the order a reader meets what they define: each after the ones it builds on.
+KERNEL = ("seams", "log", "options", "pg", "numbers", "loader", "step", "folder", "ckpt", "builtin")
+TAIL = "# Options and start:"  # the recipe's line where its Config and __main__ block begin
+OWN = re.compile(r"(from|import) (core|recipes)\b")
+
+
+class CopyError(Exception):
+    """A `cp` the registry cannot make: one line for the user."""
+
+
+def parse_with(names: str, *, recipe: str) -> list[str]:
+    """`--with a,b` (or all) -> the plug-ins of `recipe` to join, in the registry's order; an unknown one is a line."""
+    offered = plugins_of(RECIPES[recipe])
+    asked = [n.strip() for n in names.split(",") if n.strip()]
+    if unknown := [n for n in asked if n != "all" and n not in offered]:
+        raise CopyError(f"--with {','.join(unknown)}: choose from {', '.join(['all', *offered])}")
+    return list(offered) if "all" in asked else [n for n in offered if n in asked]
+
+
+def split_file(text: str) -> tuple[str, list[str], str]:
+    """(its docstring, its import statements, the rest): the imports are the top-level ones after the docstring."""
+    lines = text.split("\n")
+    doc_end = 0
+    if lines[0].startswith('"""'):
+        doc_end = next(i for i, line in enumerate(lines) if line.rstrip().endswith('"""') and (i or line != '"""'))
+        doc_end += 1
+    imports, i = [], doc_end
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(("import ", "from ")):
+            statement = [line]
+            while statement[-1].rstrip().endswith("(") or ("(" in "".join(statement) and ")" not in statement[-1]):
+                i += 1
+                statement.append(lines[i])
+            imports.append("\n".join(statement))
+        elif line.strip():
+            break
+        i += 1
+    return "\n".join(lines[:doc_end]), imports, "\n".join(lines[i:]).strip("\n")
+
+
+def merge_imports(statements: list[str]) -> str:
+    """One import block: the __future__ line, the standard library, then the rest, each `import` before `from`."""
+    plain, named = set(), {}
+    for statement in statements:
+        flat = " ".join(part.strip() for part in statement.split("\n"))
+        flat = re.sub(r"\s*#.*$", "", flat.replace("( ", "(")).replace("(", "").replace(")", "").rstrip(", ")
+        if OWN.match(flat):
+            continue
+        if flat.startswith("import "):
+            plain.add(flat)
+        else:
+            module, names = re.fullmatch(r"from (\S+) import (.+)", flat).groups()
+            named.setdefault(module, set()).update(n.strip() for n in names.split(",") if n.strip())
+    future = named.pop("__future__", None)
+    sections = {True: [], False: []}  # standard library or not
+    for line in sorted(plain, key=lambda s: s.split()[1].lower()):
+        sections[line.split()[1].split(".")[0] in sys.stdlib_module_names].append(line)
+    for module in sorted(named, key=str.lower):
+        names = sorted(named[module], key=lambda n: (not n.isupper(), not n[:1].isupper(), n.lower()))
+        line = f"from {module} import {', '.join(names)}"
+        if len(line) > 120:  # as ruff format writes it
+            line = f"from {module} import (\n" + "".join(f"    {n},\n" for n in names) + ")"
+        sections[module.split(".")[0] in sys.stdlib_module_names].append(line)
+    blocks = [["from __future__ import annotations"] if future else [], sections[True], sections[False]]
+    return "\n\n".join("\n".join(block) for block in blocks if block)
+
+
+def header(name: str, kept: list[str]) -> str:
+    """What the copy is, and one line for each plug-in left out, with the --with that adds it."""
+    lines = [
+        f"# A standalone copy of torch-dist-recipes' {name} recipe, made by `python -m recipes cp {name} FILE "
+        f"--standalone`: the recipe, the kernel (core/kernel/) and the plug-ins asked for, joined as written.",
+    ]
+    for plugin in plugins_of(RECIPES[name]):
+        if plugin not in kept:
+            lines.append(f"# Left out: {PLUGINS[plugin].summary}; `--with {plugin}` adds it.")
+    return "\n".join(_wrap(line) for line in lines)
+
+
+def _wrap(line: str) -> str:
+    """A comment line cut at 120 characters, its continuation a comment too."""
+    out = []
+    while len(line) > 120:
+        cut = line.rfind(" ", 0, 120)
+        out.append(line[:cut])
+        line = "# " + line[cut + 1 :]
+    return "\n".join([*out, line])
+
+
+def join(name: str, dest: str, *, kept: list[str]) -> str:
+    """The text of recipe `name`'s standalone copy at `dest`, with the plug-ins in `kept`."""
+    from tools.copies import retarget_commands
+
+    recipe = RECIPES[name]
+    text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
+    doc, imports, body = split_file(text)
+    doc = "\n".join(line for line in doc.split("\n") if "launch_single_node.sh" not in line)  # the package's launcher
+    head, _, tail = body.partition(TAIL)
+    parts = [head.strip("\n")]
+    files = [CORE / "kernel" / f"{module}.py" for module in KERNEL]
+    files += [Path(PLUGINS[plugin].load().__file__) for plugin in kept]
+    for path in files:
+        part_doc, part_imports, part_body = split_file(path.read_text())
+        imports += part_imports
+        parts.append("\n\n\n".join(filter(None, [part_doc, part_body])))
+    parts.append((TAIL + tail).strip("\n"))
+    top = "\n\n".join([doc, header(name, kept), merge_imports(imports)])
+    return "\n\n\n".join([top, *parts]) + "\n"
+
+
+def copy_size(text: str) -> tuple[int, int]:
+    """(lines, code lines): a code line holds a token other than a comment or a docstring (the budgets' count)."""
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    code, statement_start = set(), True
+    for i, token in enumerate(tokens):
+        alone = token.type == tokenize.STRING and statement_start and tokens[i + 1].type in (tokenize.NEWLINE,)
+        if token.type not in skip and not alone:  # a string alone as a statement is a docstring
+            code.update(range(token.start[0], token.end[0] + 1))
+        if token.type not in (tokenize.COMMENT, tokenize.NL):
+            statement_start = token.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    return len(text.splitlines()), len(code)
