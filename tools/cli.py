@@ -130,27 +130,26 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, fea
         raise click.UsageError(f"{dest}: the folder {target.parent} does not exist; create it or pick another place")
     from tools.copies import copy_source, retarget_commands
 
-    if standalone and recipe.plugins:  # written on the kernel: the recipe, the kernel and plug-ins, joined
-        from tools.copy_out import CopyError, join, parse_with
-
-        try:
-            text = join(name, dest, kept=parse_with(features, recipe=name))
-        except CopyError as err:
-            raise click.UsageError(str(err)) from None
-    elif standalone:  # one file that imports nothing of this package
+    if standalone:  # one file that imports nothing of this package
+        from tools.copy_out import CopyError
+        from tools.copy_out import parse_with as parse_plugins
         from tools.features import parse_with
         from tools.standalone import StandaloneError
 
         try:
-            text = copy_source(name, dest, kept=parse_with(features, config=recipe.load().Config))
-        except StandaloneError as err:
+            if recipe.plugins:  # written on the kernel: the recipe, the kernel and the plug-ins, joined
+                kept = set(parse_plugins(features, recipe=name))
+            else:
+                kept = parse_with(features, config=recipe.load().Config)
+            text = copy_source(name, dest, kept=kept)
+        except (StandaloneError, CopyError) as err:
             raise click.UsageError(str(err)) from None
     else:
         text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     if standalone:  # what the owner takes on: its size, and where its lines come from
-        from tools.copy_out import copy_size
+        from tools.standalone import copy_size
 
         lines, code = copy_size(text)
         size = f" ({lines:,} lines, {code:,} of code; `python -m tools.copies {name}` says where they come from)"

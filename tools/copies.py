@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tools.copy_out import join
 from tools.features import FEATURES, builtin_defaults, features_of
-from tools.registry import RECIPES
+from tools.registry import PLUGINS, RECIPES, plugins_of
 from tools.standalone import copy_size, standalone_source
 
 # What the package's runner has and a standalone copy does not (its header says so, in one line).
@@ -25,9 +26,26 @@ def retarget_commands(text: str, name: str, dest: str) -> str:
     return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
 
 
+def offered(name: str) -> list[str]:
+    """What `--with` offers for recipe `name`: its plug-ins (a recipe on the kernel), else tools.features' features."""
+    recipe = RECIPES[name]
+    return plugins_of(recipe) if recipe.plugins else features_of(recipe.load().Config)
+
+
+def feature_options(name: str, feature: str) -> set[str]:
+    """The options (Config fields) that `--with feature` adds to recipe `name`'s copy."""
+    if not RECIPES[name].plugins:
+        return FEATURES[feature].options()
+    module = PLUGINS[feature].load()
+    groups = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
+    return {field for group in groups for field in getattr(group, "__dataclass_fields__", {})}
+
+
 def copy_source(name: str, dest: str, *, kept: set[str], formatted: bool = True) -> str:
     """The text of recipe `name`'s copy at `dest`, standalone, with the features in `kept` (tools.features)."""
     recipe = RECIPES[name]
+    if recipe.plugins:  # written on the kernel: whole files joined (tools/copy_out.py)
+        return join(name, dest, kept=[plugin for plugin in plugins_of(recipe) if plugin in kept])
     config = recipe.load().Config
     defaults = config()  # the copy carries the recipe's default model and data, no other built-in
     return standalone_source(
@@ -46,7 +64,7 @@ def copy_source(name: str, dest: str, *, kept: set[str], formatted: bool = True)
 
 def size_variants(name: str) -> list[str]:
     """The copies whose sizes the README prints: lean (""), each single feature, and all."""
-    features = features_of(RECIPES[name].load().Config)
+    features = offered(name)
     return ["", *features, *(["all"] if features else [])]
 
 
@@ -62,6 +80,8 @@ def breakdown(text: str) -> dict[str, int]:
     parts: dict[str, list[str]] = {"header and imports": []}
     part = "header and imports"
     for line in text.splitlines():
+        if line.startswith("# from "):  # a joined copy marks each file it joins
+            part = line.removeprefix("# from ").split(":")[0]
         if line.startswith("# inlined from ") or re.fullmatch(r"# the \w+ recipe('s Config and start)?", line):
             part = line.removeprefix("# inlined from ").removeprefix("# ").replace("'s Config and start", "")
             part = part if part.startswith("core/") else "the recipe"
@@ -79,7 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from tools.features import parse_with
 
-    kept = parse_with(args.features, config=RECIPES[args.name].load().Config)
+    if RECIPES[args.name].plugins:
+        from tools.copy_out import parse_with as parse_plugins
+
+        kept = set(parse_plugins(args.features, recipe=args.name))
+    else:
+        kept = parse_with(args.features, config=RECIPES[args.name].load().Config)
     text = copy_source(args.name, "train.py", kept=kept)
     lines, code = copy_size(text)
     print(f"{args.name}'s copy{' with ' + args.features if args.features else ''}: {lines:,} lines, {code:,} code")

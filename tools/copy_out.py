@@ -120,14 +120,16 @@ def join(name: str, dest: str, *, kept: list[str]) -> str:
     doc, imports, body = split_file(text)
     doc = "\n".join(line for line in doc.split("\n") if "launch_single_node.sh" not in line)  # the package's launcher
     head, _, tail = body.partition(TAIL)
-    parts = [head.strip("\n")]
+    source = f"recipes/{Path(recipe.source_file).name}"
+    parts = [f"# from {source}\n" + head.strip("\n")]
     files = [CORE / "kernel" / f"{module}.py" for module in KERNEL]
     files += [Path(PLUGINS[plugin].load().__file__) for plugin in kept]
     for path in files:
         part_doc, part_imports, part_body = split_file(path.read_text())
         imports += part_imports
-        parts.append("\n\n\n".join(filter(None, [part_doc, part_body])))
-    parts.append((TAIL + tail).strip("\n"))
+        where = f"# from {path.relative_to(CORE.parent)}"  # where each part comes from, as written there
+        parts.append("\n\n\n".join(filter(None, [f"{where}\n{part_doc}" if part_doc else where, part_body])))
+    parts.append(f"# from {source}: its options and start\n" + (TAIL + tail).strip("\n"))
     top = "\n\n".join([doc, header(name, kept), merge_imports(imports)])
     return "\n\n\n".join([top, *parts]) + "\n"
 

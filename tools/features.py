@@ -52,11 +52,15 @@ FEATURES = {
         Feature(
             "init_from",
             "--init-from (a new run from earlier weights)",
-            groups=("core.weights.InitFrom",),
-            calls=("core.weights.load_weights",),
+            groups=("core.plugins.init_from.InitFrom",),
+            calls=("core.plugins.init_from.load_weights",),
         ),
         Feature(
-            "hf", "the Hugging Face folder RUN/hf (--hf-attr, --hf-shard-mb)", ("core.hf.HFExport",), (), ("core.hf.",)
+            "hf",
+            "the Hugging Face folder RUN/hf (--hf-attr, --hf-shard-mb)",
+            ("core.plugins.hf.HFExport",),
+            (),
+            ("core.plugins.hf.",),
         ),
         Feature(
             "trackers",
@@ -78,23 +82,23 @@ FEATURES = {
             "fast_writer",
             "the hand-written safetensors writer (checkpoints go through safetensors' own, one more copy of the "
             "tensors in memory)",
-            swaps=(("core.ckpt_io.write_safetensors", "core.ckpt_io.write_plain"),),
+            swaps=(("core.plugins.fast_writer.write_fast", "core.kernel.ckpt.write_plain"),),
         ),
         Feature(
             "old_checksums",
             "the reader of the old blocksum64-crc32 checksums (checkpoints written before XXH3)",
-            calls=("core.checksum._OLD_PREFIX", "core.checksum.blocksum64_crc32"),
+            calls=("core.plugins.old_checksums.OLD_PREFIX", "core.plugins.old_checksums.blocksum64_crc32"),
         ),
         Feature(
             "lock",
             "the run folder's lock (RUN/.lock): two jobs that write one run folder are not refused, and the temporary "
             "files of a write a kill interrupted are left in it",
-            calls=("core.folder.take_lock", "core.ckpt_io.remove_stale_temporaries"),
+            calls=("core.plugins.lock.take_lock", "core.plugins.lock.remove_stale_temporaries"),
         ),
         Feature(
             "records",
             "RUN/config.json and the repair of a torn last line of metrics.jsonl (a kill mid-write)",
-            calls=("core.folder.write_config", "core.records.repair_records"),
+            calls=("core.plugins.records.write_config", "core.plugins.records.repair_records"),
         ),
         Feature(
             "checks",
@@ -169,7 +173,7 @@ FEATURES = {
             "take_back",
             "taking back the folder of a run refused at its start (a damaged checkpoint, a non-finite first loss): it "
             "stays, holding train.log, and --resume auto takes it as the newest run (and says it starts a new one)",
-            calls=("core.records.take_back",),
+            calls=("core.plugins.take_back.take_back",),
         ),
         Feature(
             "loss_counts",
@@ -479,7 +483,7 @@ class _Drop:
                 self.function(stmt)
 
 
-_DECLARE = ("core.config.option", "core.config.with_default")  # how an option is declared: only those fields go
+_DECLARE = ("core.kernel.options.option", "core.config.with_default")  # how an option is declared: only those fields go
 
 
 def _matches(name: str, calls: tuple[str, ...]) -> bool:
