@@ -3,8 +3,10 @@
 import ast
 import itertools
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,66 @@ def test_the_registry_names_exactly_the_opt_ins_a_recipe_imports(name):
     assert RECIPES["ddp"].opt_ins == ()
     base = _core_imports("ddp") | {"records"}  # the printed lines are base: ddp prints only through meter and folder
     assert sorted(RECIPES[name].opt_ins) == sorted(_core_imports(name) - base)
+
+
+README_MOST_LINES = 300  # issue 36: a README a newcomer reads; the reference lives in docs/
+QUICK_START = ("pip install -e . && ./launch_single_node.sh", "pip install -e '.[test]' && pytest")
+
+
+def _anchors(markdown: str) -> Iterator[str]:
+    """The anchors GitHub makes of a file's headings: lower case, punctuation out, spaces to dashes, repeats -1, -2."""
+    seen: dict[str, int] = {}
+    for line in _outside_code(markdown):
+        if line.startswith("#"):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, -1) + 1
+            yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def _outside_code(markdown: str) -> Iterator[str]:
+    """The lines of a markdown file outside its fenced code blocks."""
+    fenced = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield line
+
+
+def _relative_links(path: Path) -> list[str]:
+    """Every link target in a markdown file that is not a URL: `[text](target)`, outside code blocks."""
+    return [
+        target
+        for line in _outside_code(path.read_text())
+        for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", line)
+        if not re.match(r"[a-z]+:", target)
+    ]
+
+
+@pytest.mark.fast
+def test_the_readme_is_short_holds_the_two_commands_and_links_to_docs():
+    """Issue 36.2: the README is at most 300 lines, shows the quick start's two commands each in a code block, and
+    names every page of docs/ by a link (where each topic's reference lives)."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MOST_LINES, len(readme.splitlines())
+    code = list(itertools.chain.from_iterable(block.splitlines() for block in readme.split("```")[1::2]))
+    for command in QUICK_START:
+        assert command in code, command
+    linked = {(REPO / target.split("#")[0]).resolve() for target in _relative_links(REPO / "README.md")}
+    assert {page.resolve() for page in (REPO / "docs").glob("*.md")} <= linked
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("page", ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
+def test_every_relative_link_resolves(page):
+    """Every relative link in README.md and docs/*.md names a file or folder that exists, and an anchor its page has."""
+    source = REPO / page
+    for target in _relative_links(source):
+        file, _, anchor = target.partition("#")
+        dest = (source.parent / file).resolve() if file else source
+        assert dest.exists(), f"{page}: {target}: no {dest}"
+        if anchor and dest.suffix == ".md":
+            assert anchor in set(_anchors(dest.read_text())), f"{page}: {target}: no heading makes #{anchor}"
 
 
 BAD_INPUT = [

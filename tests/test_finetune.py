@@ -1,6 +1,7 @@
 """Where users already work (issue 21), end to end through `python -m recipes run`: a new run from a run's Hugging
 Face folder (--init-from), the folder loaded back with from_pretrained, TensorBoard and W&B (offline) logs that go
-on across a resume, and weights that do not fit refused before anything starts. The README's example is this one."""
+on across a resume, and weights that do not fit refused before anything starts. The example of docs/fine-tuning.md
+(and the README's) is this one."""
 
 import json
 import os
