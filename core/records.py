@@ -117,7 +117,7 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
     printed by rank 0: another rank waits GRACE_S for rank 0 to end the job, and says it, with its number, only if the
     job still runs. An error of this rank's own (an OSError, a crash) carries its number. A refused run (a restart
     would meet the error again) leaves no empty run folder."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = env_int("RANK", 0) or 0, env_int("WORLD_SIZE", 1) or 1  # malformed: said by init_pg, not here
     text = " ".join(str(message).split())
     if everyone and rank != 0:
         time.sleep(GRACE_S)  # torchrun ends this rank once rank 0 has ended with the same error
@@ -126,6 +126,13 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
     show("error: " + text, level="ERROR", rank=rank)
     take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt or a usage error
     return code
+
+
+def env_int(name: str, default: int) -> int | None:
+    """torchrun's RANK, WORLD_SIZE or LOCAL_RANK as a number (`default` when unset); None when it is not a whole
+    number: the one reader of them, which never raises (fail reads them while it prints an error)."""
+    value = os.environ.get(name, str(default)).strip()
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def os_error_line(err: OSError) -> str:

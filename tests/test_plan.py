@@ -97,6 +97,8 @@ def test_a_plan_that_does_not_fit_says_what_would_each_from_a_plan(capsys):
         (["ddp", "--model", "plan_models:broken"], "the factory raised ValueError"),
         (["ddp", "--device-memory", "-8"], "--device-memory -8"),
         (["ddp", "--nproc", "0"], "--nproc 0"),
+        (["ddp", "--nproc", "100000"], "--nproc 100000: use 1 to 65536 processes"),  # issue 36: the range it takes
+        (["ddp", "--nproc", "eight"], "--nproc eight: use 1 to 65536 processes"),
         (["dp", "--nproc", "2"], "dp runs one process"),
         (["ddp_monitored", "--compile"], "cannot plan --compile"),
         (["ddp", "--model", "plan_models:reads_value", "--data", "text"], "forward of gate (Gate)"),

@@ -64,16 +64,20 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         )
     except UsageError as err:
         raise _explained(err, name, module.Config) from None
+    from core.dist import env_number
+
+    # RANK=abc: one line that names it, before the recipe or the pre-check reads any of them
+    _, world_size, _ = (env_number(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     if "RANK" not in os.environ or dry_run or not os.environ.get("TDR_PRECHECKED"):  # the launcher ran it once
         from tools.precheck import precheck
 
-        warnings = precheck(recipe, module, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        warnings = precheck(recipe, module, cfg, world_size=world_size)
         for line in warnings if os.environ.get("RANK", "0") == "0" else []:
             click.echo(f"warning: {line}", err=True)
     if dry_run:  # the launchers' pre-check: also the memory plan's largest peak against the free memory
         from tools.plan_report import precheck_memory
 
-        precheck_memory(name, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        precheck_memory(name, cfg, world_size=world_size)
         click.echo(f"ok: {name} {cfg.to_dict()}")
         return
     from tools.join import join

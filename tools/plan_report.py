@@ -17,6 +17,7 @@ from tools.plan import GIB, Plan, plan_recipe
 from tools.plan_layout import REPLICAS
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline")
+MAX_NPROC = 2**16  # the largest job the plan takes (--nproc, or the launcher's WORLD_SIZE)
 PARTS = (("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"))
 
 
@@ -186,12 +187,14 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
     parser.add_argument("--device-memory", default=None)
     parser.add_argument("--json", action="store_true")
     own, rest = parser.parse_known_args(args)
-    try:
-        nproc = int(own.nproc if own.nproc is not None else os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise UsageError(f"--nproc {own.nproc}: not a whole number; give the job's processes, e.g. --nproc 8") from None
-    if not 1 <= nproc <= 2**16:
-        raise UsageError(f"--nproc {nproc}: a job has 1 or more processes; give the job's processes, e.g. --nproc 8")
+    if own.nproc is None:  # the launcher's WORLD_SIZE, or one process
+        from core.dist import env_number
+
+        nproc, said = env_number("WORLD_SIZE", 1), f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}"
+    else:
+        nproc, said = int(own.nproc) if own.nproc.strip().isdigit() else None, f"--nproc {own.nproc}"
+    if nproc is None or not 1 <= nproc <= MAX_NPROC:
+        raise UsageError(f"{said}: use 1 to {MAX_NPROC} processes (a whole number), e.g. --nproc 8")
     memory = None
     if own.device_memory is not None:
         try:
