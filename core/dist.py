@@ -37,11 +37,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def env_number(name: str, default: int) -> int:
-    """RANK, WORLD_SIZE or LOCAL_RANK as torchrun sets them (`default` when unset), or one line naming the variable."""
-    number = env_int(name, default)
-    if number is None:
-        fix = "unset it, or launch with torchrun, which sets it"
-        raise RecipeError(f"environment variable {name}={os.environ[name]!r} is not an integer of 0 or more; {fix}")
+    if (number := env_int(name, default)) is None:  # the one reader of RANK, WORLD_SIZE, LOCAL_RANK (also fail's)
+        raise RecipeError(f"environment variable {name}={os.environ[name]!r} is not an integer of 0 or more; unset it")
     return number
 
 

@@ -30,6 +30,7 @@ LOG_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | rank {extra[rank]} 
 LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing
 GRACE_S = 5.0  # how long a rank other than 0 lets rank 0 say an error every rank meets before it says it itself
 _RUN_LOG: dict = {}  # this process's log sink: {"id": loguru's handler id, "path": run folder} or {"id", "early"}
+env_int = lambda name, default: int(v) if (v := os.environ.get(name, str(default))).isdecimal() else None  # noqa: E731
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
     printed by rank 0: another rank waits GRACE_S for rank 0 to end the job, and says it, with its number, only if the
     job still runs. An error of this rank's own (an OSError, a crash) carries its number. A refused run (a restart
     would meet the error again) leaves no empty run folder."""
-    rank, world = env_int("RANK", 0) or 0, env_int("WORLD_SIZE", 1) or 1  # malformed: said by init_pg, not here
+    rank, world = env_int("RANK", 0) or 0, env_int("WORLD_SIZE", 1) or 1  # None (RANK=abc): never an error here
     text = " ".join(str(message).split())
     if everyone and rank != 0:
         time.sleep(GRACE_S)  # torchrun ends this rank once rank 0 has ended with the same error
@@ -126,13 +127,6 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
     show("error: " + text, level="ERROR", rank=rank)
     take_back(refused=everyone and code == 1)  # a RecipeError, not an interrupt or a usage error
     return code
-
-
-def env_int(name: str, default: int) -> int | None:
-    """torchrun's RANK, WORLD_SIZE or LOCAL_RANK as a number (`default` when unset); None when it is not a whole
-    number: the one reader of them, which never raises (fail reads them while it prints an error)."""
-    value = os.environ.get(name, str(default)).strip()
-    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def os_error_line(err: OSError) -> str:
