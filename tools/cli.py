@@ -230,7 +230,7 @@ def diff_recipes(base: str, name: str):
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def plan_command(name: str | None, args: tuple[str, ...]):
     """Memory per rank before launch, for NAME with its options: `plan NAME --help` lists them."""
-    usage = "usage: python -m recipes plan NAME [ITS OPTIONS] [--nproc N] [--device-memory GIB] [--json]"
+    usage = "usage: python -m recipes plan NAME [ITS OPTIONS] [--nproc N] [--device-memory GIB] [--fixed ...] [--json]"
     if name in (None, "-h", "--help"):
         click.echo(f"{usage}\n\nrecipes: " + ", ".join(sorted(RECIPES)))
         return
@@ -240,7 +240,11 @@ def plan_command(name: str | None, args: tuple[str, ...]):
 
     own, rest = plan_options(list(args))
     if "-h" in rest or "--help" in rest:
-        click.echo(f"{usage}\n  --nproc N: the job's processes; --device-memory GIB: plan for that device\n")
+        click.echo(
+            f"{usage}\n  --nproc N: the job's processes; --device-memory GIB: plan for that device; --fixed "
+            f"context=GIB,workspace=GIB,nccl=GIB,headroom=FRACTION (or none): a GPU process's fixed terms "
+            f"(default: TDR_FIXED, else published figures: docs/memory-plan.md)\n"
+        )
     try:
         cfg, _ = parse_args(module.Config, rest, prog=f"python -m recipes plan {name}", description=recipe.summary)
     except UsageError as err:
