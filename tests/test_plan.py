@@ -244,6 +244,9 @@ def test_a_79_gib_plan_on_an_80_gib_gpu_is_refused_once_the_fixed_terms_are_adde
     assert "+ fixed terms 8.93 GiB; the free memory of the GPUs: 80.00 GiB" in capsys.readouterr().err
     monkeypatch.setenv("TDR_FIXED", "none")
     plan_report.precheck_memory("ddp", cfg, world_size=8)  # 79 of 80 GiB: the tensors alone fit
+    monkeypatch.setenv("TDR_FIXED", "nccl=much")
+    with pytest.raises(RecipeError, match=r"^TDR_FIXED=nccl=much: nccl takes GiB, 0 to 1024, not 'much'; give "):
+        plan_report.precheck_memory("ddp", cfg, world_size=8)
 
 
 @pytest.mark.fast
