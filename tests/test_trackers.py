@@ -304,6 +304,23 @@ def test_tensorboards_writer_thread_failing_at_open_is_said_once_by_the_run(fail
     assert threading.excepthook is hook  # the trackers' hook lasts while they are open
 
 
+def test_an_unwritable_tensorboard_folder_is_refused_before_its_writer_starts(monkeypatch, tmp_path):
+    """The issue's case (RUN/tensorboard not writable, which chmod cannot make for root): found by the main thread,
+    naming the folder, before TensorBoard's writer thread exists."""
+    import core.trackers
+
+    def denied(dir):
+        raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / "tmpabc"))
+
+    monkeypatch.setattr(core.trackers.tempfile, "TemporaryFile", denied)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    threads = threading.active_count()
+    with pytest.raises(PermissionError) as caught:
+        open_trackers(["tensorboard"], run_dir=tmp_path, config={}, resume_state=None, step=4)
+    assert caught.value.filename == str(tmp_path / "tensorboard") and threading.active_count() == threads
+    assert threading.excepthook is threading.__excepthook__
+
+
 def test_tensorboards_writer_thread_failing_mid_run_is_said_once_by_the_run(failing_writer, tmp_path, capfd):
     trackers = open_trackers(["tensorboard"], run_dir=tmp_path, config={}, resume_state=None, step=0)
     failing_writer()  # a disk that fills, a folder whose permissions change: the writer thread meets it
