@@ -14,7 +14,6 @@ folder per job, all of one run id: `wandb sync RUN/wandb` uploads them in start 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -22,6 +21,7 @@ import os
 import secrets
 import tempfile
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +82,6 @@ class Trackers:
 
     def write(self, record: dict) -> None:
         """Log one metrics.jsonl record's numbers as KIND/NAME at its optimizer step (the summary's: `steps`)."""
-        self.caught.say()
         kind = record["kind"]
         step = record["steps"] if kind == "summary" else record["step"]
         scalars = {
@@ -159,13 +158,8 @@ class ThreadErrors:
 
 def _tracker_of(tb) -> str | None:
     """The tracker whose code a thread's traceback ran (its package, or torch's TensorBoard writer), or None."""
-    while tb is not None:
-        module = tb.tb_frame.f_globals.get("__name__", "")
-        kind = next((k for k in TRACKERS if module.split(".")[0] == k or module.startswith(f"torch.utils.{k}")), None)
-        if kind:
-            return kind
-        tb = tb.tb_next
-    return None
+    names = [frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(tb)]
+    return next((k for n in names for k in TRACKERS if n.split(".")[0] == k or n.startswith(f"torch.utils.{k}")), None)
 
 
 def _remove_wandb_temporaries() -> None:
@@ -220,8 +214,7 @@ def open_trackers(
         caught.say()
     except BaseException:
         if tensorboard is not None:
-            with contextlib.suppress(Exception):  # its own error is the one being raised
-                tensorboard.close()
+            tensorboard.close()
         caught.restore()
         raise
     return Trackers(tensorboard=tensorboard, wandb_run=wandb_run, caught=caught)
