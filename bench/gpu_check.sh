@@ -8,7 +8,8 @@
 # 3. ddp_amp with fp16 (GradScaler) and bf16; the GPU-only options (bf16 comm hook, channels-last, --debug);
 # 4. the tiny GPT on ddp: step time, tokens/s and MFU (fp32 and --compile);
 # 5. the memory plan against torch.cuda.max_memory_allocated per recipe, and the fixed terms no tracker sees
-#    (CUDA context, NCCL buffers, allocator slack), on 1 process (nccl) and 2 sharing the GPU (gloo).
+#    (CUDA context, NCCL buffers, allocator slack), on 1 process (nccl) and 2 sharing the GPU (gloo);
+# 6. the fixed terms the plan adds (tools/plan_fixed.py) beside this GPU's: the CUDA context and cuBLAS's workspace.
 # A recipe that refuses a world size (a one-line `error:`, e.g. a pipeline with one stage) is a skip, not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,36 @@ for plan_world in 1 2; do  # 5. the table of bench/bench_plan.py --gpu; two proc
     failures=$((failures + 1))
   fi
 done
+
+# 6. The plan's fixed terms (docs/memory-plan.md) against this GPU, one fresh process on an otherwise idle GPU: the
+# context as used minus reserved, after the first tensor and after the first matmul (lazy loading loads its kernels
+# then); the workspace as what the allocator keeps after the first matmul, less its output. NCCL's buffers and the
+# allocator's slack are bench_plan.py's lines of step 5, next to the plan's figures printed here.
+if ! timeout 120 python - <<'EOF'
+import torch
+
+from tools.plan_fixed import MIB, fixed_terms
+
+torch.empty(1, device="cuda")
+free, total = torch.cuda.mem_get_info()
+first = total - free - torch.cuda.memory_reserved()
+a = torch.randn(1024, 1024, device="cuda")
+torch.cuda.synchronize()
+before = torch.cuda.memory_allocated()
+c = a @ a
+torch.cuda.synchronize()
+workspace = torch.cuda.memory_allocated() - before - c.untyped_storage().nbytes()
+context = total - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()
+plan = fixed_terms(dims={}, world_size=2)  # the defaults on this GPU (TDR_FIXED, CUDA_MODULE_LOADING read as set)
+print(f"fixed terms on {torch.cuda.get_device_name()}, measured (plan's figure):")
+print(f"      CUDA context {first / MIB:.0f} MiB after the first tensor, {context / MIB:.0f} MiB after a matmul "
+      f"({plan.context_bytes / MIB:.0f}); cuBLAS workspace {workspace / MIB:.2f} MiB ({plan.workspace_bytes / MIB:.2f})")
+print(f"      NCCL buffers: step 5's ({plan.nccl_bytes_each / MIB:.0f} MiB per communicator); allocator slack: step "
+      f"5's slack column ({plan.headroom:.0%} of the peak)")
+EOF
+then
+  printf 'FAIL  %-44s\n' "fixed terms measured"; failures=$((failures + 1))
+fi
 
 echo "$failures failure(s)"
 exit $((failures > 0))

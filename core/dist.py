@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from core.kernel.log import env_int
 from core.kernel.options import RecipeError
 
 
@@ -35,11 +36,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        raise RecipeError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
+def env_number(name: str, default: int) -> int:
+    if (number := env_int(name, default)) is None:  # the one reader of RANK, WORLD_SIZE, LOCAL_RANK (also fail's)
+        raise RecipeError(f"environment variable {name}={os.environ[name]!r} is not an integer of 0 or more; unset it")
+    return number
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -61,7 +61,7 @@ def init_pg(*, timeout_s: float = 300.0, store: dist.Store | None = None) -> Top
     by the caller (the package's runner binds one to loopback, tools/join.py; the recipe's own call then finds the
     group joined).
     """
-    rank, world_size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+    rank, world_size, local_rank = env_number("RANK", 0), env_number("WORLD_SIZE", 1), env_number("LOCAL_RANK", 0)
     device = pick_device(local_rank)
     backend = os.environ.get("TDR_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

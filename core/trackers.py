@@ -19,6 +19,9 @@ import importlib.util
 import json
 import os
 import secrets
+import tempfile
+import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +74,11 @@ def check_trackers(log_to: str) -> list[str]:
 class Trackers:
     """The open trackers of rank 0: `write` each record, `state` for a checkpoint, `close` at the end."""
 
-    def __init__(self, *, tensorboard=None, wandb_run=None):
+    def __init__(self, *, tensorboard=None, wandb_run=None, caught: ThreadErrors | None = None):
         self.tensorboard, self.wandb_run = tensorboard, wandb_run
         # a resumed online W&B run starts at the step after its last row: the rows it has stay as they are
         self.wandb_from = wandb_run.starting_step if wandb_run is not None else 0
+        self.caught = caught or ThreadErrors()  # the errors of the trackers' own threads, said here as one line
 
     def write(self, record: dict) -> None:
         """Log one metrics.jsonl record's numbers as KIND/NAME at its optimizer step (the summary's: `steps`)."""
@@ -94,6 +98,7 @@ class Trackers:
                 self.wandb_run.summary.update(scalars)
             elif step >= self.wandb_from:  # W&B steps only grow: a lower one would be dropped with a warning
                 self.wandb_run.log(scalars, step=step)  # rows of one step (train, eval) merge into one
+        self.caught.say()
 
     def state(self) -> dict[str, str]:
         """What a checkpoint keeps so that a job resumed from it continues these logs (strings: header metadata)."""
@@ -115,6 +120,46 @@ class Trackers:
             wandb.teardown()
             self.wandb_run = None
             _remove_wandb_temporaries()
+        self.caught.restore()  # their threads have ended: threading's own hook again
+        self.caught.say()
+
+
+class ThreadErrors:
+    """From open_trackers to close: an exception raised in a tracker's own thread (TensorBoard's event writer, W&B's)
+    is kept, not printed: threading's hook would print `Exception in thread ...` and a traceback woven into the run's
+    lines. The main thread says it once, as the run's `error:` line: TensorBoard raises its writer's error at the next
+    write or flush itself, `say` one that no call has raised. Other threads' errors go to the hook there was."""
+
+    def __init__(self):
+        self.errors: list[tuple[str, BaseException]] = []
+        self.previous = threading.excepthook
+        threading.excepthook = self.hook
+
+    def hook(self, args) -> None:
+        kind = _tracker_of(args.exc_traceback)
+        if kind:
+            self.errors.append((kind, args.exc_value))
+        else:
+            self.previous(args)
+
+    def restore(self) -> None:
+        if threading.excepthook == self.hook:
+            threading.excepthook = self.previous
+
+    def say(self) -> None:
+        if self.errors:
+            (kind, err), *_ = self.errors
+            self.errors.clear()
+            if isinstance(err, OSError):  # an unwritable folder, a full disk: records.os_error_line names it
+                raise err
+            said = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            raise RecipeError(f"--log-to {kind}: its background thread failed ({said}); the run's logs there stop")
+
+
+def _tracker_of(tb) -> str | None:
+    """The tracker whose code a thread's traceback ran (its package, or torch's TensorBoard writer), or None."""
+    names = [frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(tb)]
+    return next((k for n in names for k in TRACKERS if n.split(".")[0] == k or n.startswith(f"torch.utils.{k}")), None)
 
 
 def _remove_wandb_temporaries() -> None:
@@ -160,16 +205,19 @@ def open_trackers(
     """Open `kinds` (from check_trackers) for the run in `run_dir`; rank 0 only. `resume_state`: state() from the
     checkpoint resumed (None: a fresh run, or a checkpoint without one), `step`: the optimizer step training
     continues after (0 for a fresh run), `project`: --wandb-project."""
-    tensorboard = _open_tensorboard(run_dir, step=step) if "tensorboard" in kinds else None
-    wandb_run = None
+    caught = ThreadErrors()  # from here: what the trackers' threads raise is said once, by the main thread
+    tensorboard = wandb_run = None
     try:
+        tensorboard = _open_tensorboard(run_dir, step=step) if "tensorboard" in kinds else None
         if "wandb" in kinds:
             wandb_run = _open_wandb(run_dir, config=config, resume_state=resume_state, project=project)
+        caught.say()
     except BaseException:
         if tensorboard is not None:
             tensorboard.close()
+        caught.restore()
         raise
-    return Trackers(tensorboard=tensorboard, wandb_run=wandb_run)
+    return Trackers(tensorboard=tensorboard, wandb_run=wandb_run, caught=caught)
 
 
 def _open_tensorboard(run_dir: Path, *, step: int):
@@ -177,9 +225,15 @@ def _open_tensorboard(run_dir: Path, *, step: int):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
         raise RecipeError(f"--log-to tensorboard: {err}; pip install -e '.[tensorboard]'") from None
+    folder = run_dir / "tensorboard"
+    folder.mkdir(exist_ok=True)
+    try:  # writable: else its writer thread would meet it, after the writer started
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(folder)) from None
     # purge_step: TensorBoard's reader drops what the crashed job logged after the checkpoint (steps > `step`),
     # which the resumed job logs again; the checkpoint's own step stays (logged before the checkpoint was taken)
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=step + 1 if step else None)
+    return SummaryWriter(log_dir=str(folder), purge_step=step + 1 if step else None)
 
 
 def _open_wandb(run_dir: Path, *, config: dict, resume_state: dict | None, project: str):

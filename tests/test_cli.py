@@ -147,6 +147,17 @@ BAD_INPUT = [
     (["run", "ddp", "--no-such-option"], "--no-such-option: ddp does not take it; no recipe does"),
     (["cp", "nope", "x.py"], "unknown recipe 'nope'"),
 ]
+# Issue 36 item 4: a malformed RANK, WORLD_SIZE or LOCAL_RANK in any path (the error path, which reads RANK to print,
+# included) is one line naming the variable: (its environment, the command, `python FILE` or not, what it says)
+BAD_ENV = [
+    ({"RANK": "abc"}, ["run", "ddp", "--max-steps", "1"], None, "RANK='abc'"),
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, ["run", "ddp", "--max-steps", "1"], None, "RANK='abc'"),
+    ({"WORLD_SIZE": "two"}, ["run", "ddp", "--max-steps", "1"], None, "WORLD_SIZE='two'"),
+    ({"LOCAL_RANK": "-1"}, ["run", "ddp", "--max-steps", "1"], None, "LOCAL_RANK='-1'"),
+    ({"RANK": "abc"}, ["run", "ddp", "--max-steps", "1", "--dry-run"], None, "RANK='abc'"),
+    ({"RANK": "abc"}, ["--max-steps", "1"], REPO / "recipes" / "ddp.py", "RANK='abc'"),  # the recipe as a file
+    ({"WORLD_SIZE": "x"}, ["plan", "ddp"], None, "WORLD_SIZE='x'"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -157,14 +168,18 @@ def commands(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
     returned, its folder)}."""
     cases = {}
 
-    def case(key: str, args: list[str], folder: Path | None = None, file: Path | None = None) -> Path:
+    def case(key: str, args: list[str], folder: Path | None = None, file: Path | None = None, env=None) -> Path:
         folder = folder or tmp_path_factory.mktemp(key.replace(" ", "-"))
         cases[key] = ({"args": args, "cwd": str(folder)} | ({"file": str(file)} if file else {}), folder)
+        cases[key][0].update({"env": env} if env else {})
         return folder
 
     for i, (args, _) in enumerate(BAD_INPUT):
         folder = tmp_path_factory.mktemp(f"bad{i}")
         case(f"bad{i}", [*args, "--out", str(folder)] if args[0] == "run" else args, folder)
+    for i, (env, args, file, _) in enumerate(BAD_ENV):
+        folder = tmp_path_factory.mktemp(f"env{i}")
+        case(f"env{i}", [*args, "--out", str(folder)] if args[0] != "plan" else args, folder, file, env)
     case("help", ["--help"])
     case("run help", ["run", "ddp", "--help"])
     blocker = tmp_path_factory.mktemp("unwritable") / "a-file"
@@ -190,6 +205,14 @@ def test_help_works(commands):
 def test_bad_input_is_one_line(commands, case):
     proc, folder = commands[f"bad{case}"]
     assert BAD_INPUT[case][1] in _one_error_line(proc)
+    assert not list(folder.glob("ddp-*")), "nothing is created by a run that never started"
+
+
+@pytest.mark.parametrize("case", range(len(BAD_ENV)), ids=[f"{e} {' '.join(a)}" for e, a, _, _ in BAD_ENV])
+def test_a_malformed_rank_variable_is_one_line_naming_it(commands, case):
+    proc, folder = commands[f"env{case}"]
+    line = _one_error_line(proc)  # the last line, no traceback: also where `fail` reads RANK to print it
+    assert BAD_ENV[case][3] in line and "is not an integer" in line, line
     assert not list(folder.glob("ddp-*")), "nothing is created by a run that never started"
 
 

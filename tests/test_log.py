@@ -130,6 +130,17 @@ def test_under_torchrun_an_error_every_rank_meets_is_said_once_and_a_ranks_own_w
     assert waited == ([records.GRACE_S] if everyone and rank != "0" else [])
 
 
+@pytest.mark.parametrize("variable", ["RANK", "WORLD_SIZE"])
+def test_fail_says_its_line_when_rank_or_world_size_is_malformed(variable, monkeypatch, capsys):
+    """Issue 36 item 4: `fail` reads RANK and WORLD_SIZE to print; a malformed one raised a ValueError inside the
+    error path. It reads them through the one tolerant reader and says the error it was given."""
+    monkeypatch.setenv(variable, "abc")
+    monkeypatch.setattr(records.time, "sleep", lambda s: None)
+    assert fail("environment variable RANK='abc' is not an integer", 1) == 1
+    assert capsys.readouterr().err.strip() == "error: environment variable RANK='abc' is not an integer"
+    assert records.env_int(variable, 0) is None and records.env_int("NOT_SET_HERE", 3) == 3
+
+
 def test_a_refused_run_takes_back_a_folder_that_holds_nothing_but_its_config_lock_and_log(run, tmp_path):
     open_log(run)
     fail("step 1: the loss is not finite", 1)  # every rank's: a restart would meet it again

@@ -5,9 +5,11 @@ at the checkpoint's step and logs those steps again, with other numbers, so that
 tells which survived.
 """
 
+import errno
 import json
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 
 from core.config import Training, parse_args
 from core.kernel.options import RecipeError
-from core.trackers import WANDB_FILE, Tracking, check_trackers, open_trackers
+from core.trackers import WANDB_FILE, ThreadErrors, Trackers, Tracking, check_trackers, open_trackers
 
 pytestmark = pytest.mark.fast
 
@@ -276,3 +278,88 @@ def test_wandb_leaves_no_folder_in_tmpdir(wandb_offline):
     again = open_trackers(["wandb"], run_dir=wandb_offline, config={}, resume_state=None, step=0)
     again.write(train(1, 0.5))  # W&B still logs scalars in this process
     again.close()
+
+
+# Issue 36 item 4: an error in a tracker's own thread is the run's one `error:` line, not `Exception in thread`.
+@pytest.fixture
+def failing_writer(monkeypatch, tmp_path):
+    """TensorBoard's writer thread fails as on an unwritable RUN/tensorboard (which a root user cannot make): its
+    first write raises; threading's hook is put back after the test whatever the trackers did with it."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # Python's (pytest's would keep it quiet)
+
+    def denied(self, data):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "tensorboard" / "events.out"))
+
+    return lambda: monkeypatch.setattr(RecordWriter, "write", denied)
+
+
+def test_tensorboards_writer_thread_failing_at_open_is_said_once_by_the_run(failing_writer, tmp_path, capfd):
+    hook = threading.excepthook
+    failing_writer()
+    with pytest.raises(PermissionError) as caught:
+        open_trackers(["tensorboard"], run_dir=tmp_path, config={}, resume_state=None, step=4)
+    assert caught.value.filename == str(tmp_path / "tensorboard" / "events.out")
+    err = capfd.readouterr().err
+    assert "Exception in thread" not in err and "Traceback" not in err, err
+    assert threading.excepthook is hook  # the trackers' hook lasts while they are open
+
+
+def test_an_unwritable_tensorboard_folder_is_refused_before_its_writer_starts(monkeypatch, tmp_path):
+    """The issue's case (RUN/tensorboard not writable, which chmod cannot make for root): found by the main thread,
+    naming the folder, before TensorBoard's writer thread exists."""
+    import core.trackers
+
+    def denied(dir):
+        raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / "tmpabc"))
+
+    monkeypatch.setattr(core.trackers.tempfile, "TemporaryFile", denied)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    threads = threading.active_count()
+    with pytest.raises(PermissionError) as caught:
+        open_trackers(["tensorboard"], run_dir=tmp_path, config={}, resume_state=None, step=4)
+    assert caught.value.filename == str(tmp_path / "tensorboard") and threading.active_count() == threads
+    assert threading.excepthook is threading.__excepthook__
+
+
+def test_tensorboards_writer_thread_failing_mid_run_is_said_once_by_the_run(failing_writer, tmp_path, capfd):
+    trackers = open_trackers(["tensorboard"], run_dir=tmp_path, config={}, resume_state=None, step=0)
+    failing_writer()  # a disk that fills, a folder whose permissions change: the writer thread meets it
+    with pytest.raises(PermissionError):
+        trackers.write(train(1, 0.5))
+    err = capfd.readouterr().err
+    assert "Exception in thread" not in err and "Traceback" not in err, err
+
+
+def test_a_run_whose_tensorboard_writer_fails_ends_in_one_error_line(failing_writer, tmp_path, capfd):
+    from tools.cli import run_cli
+
+    failing_writer()
+    args = ["run", "ddp_amp", "--max-steps", "1", "--log-to", "tensorboard", "--out", str(tmp_path)]
+    assert run_cli(args) == 1
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "Permission denied" in lines[-1], lines
+    assert not any("Exception in thread" in line or "Traceback" in line for line in lines), lines
+
+
+def test_an_error_in_a_wandb_thread_is_one_line_and_other_threads_keep_their_hook(monkeypatch):
+    said = []
+    monkeypatch.setattr(threading, "excepthook", said.append)  # the hook before the trackers': other threads'
+    space = {"__name__": "wandb.sdk.lib.service"}  # code of W&B's package, as its threads run it
+    exec("def background():\n    raise RuntimeError('the service\\nstopped')", space)
+
+    def theirs():
+        raise ValueError("not a tracker's")
+
+    trackers = Trackers(caught=ThreadErrors())
+    for target in (space["background"], theirs):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert [type(args.exc_value) for args in said] == [ValueError]
+    with pytest.raises(RecipeError, match=r"^--log-to wandb: its background thread failed \(RuntimeError: the "):
+        trackers.write(train(1, 0.5))
+    trackers.write(train(2, 0.5))  # said once
+    trackers.close()
+    assert threading.excepthook == said.append

@@ -65,16 +65,20 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         )
     except UsageError as err:
         raise _explained(err, name, module.Config) from None
+    from core.dist import env_number
+
+    # RANK=abc: one line that names it, before the recipe or the pre-check reads any of them
+    _, world_size, _ = (env_number(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     if "RANK" not in os.environ or dry_run or not os.environ.get("TDR_PRECHECKED"):  # the launcher ran it once
         from tools.precheck import precheck
 
-        warnings = precheck(recipe, module, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        warnings = precheck(recipe, module, cfg, world_size=world_size)
         for line in warnings if os.environ.get("RANK", "0") == "0" else []:
             click.echo(f"warning: {line}", err=True)
     if dry_run:  # the launchers' pre-check: also the memory plan's largest peak against the free memory
         from tools.plan_report import precheck_memory
 
-        precheck_memory(name, cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        precheck_memory(name, cfg, world_size=world_size)
         click.echo(f"ok: {name} {cfg.to_dict()}")
         return
     from tools.join import join
@@ -233,7 +237,7 @@ def diff_recipes(base: str, name: str):
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def plan_command(name: str | None, args: tuple[str, ...]):
     """Memory per rank before launch, for NAME with its options: `plan NAME --help` lists them."""
-    usage = "usage: python -m recipes plan NAME [ITS OPTIONS] [--nproc N] [--device-memory GIB] [--json]"
+    usage = "usage: python -m recipes plan NAME [ITS OPTIONS] [--nproc N] [--device-memory GIB] [--fixed ...] [--json]"
     if name in (None, "-h", "--help"):
         click.echo(f"{usage}\n\nrecipes: " + ", ".join(sorted(RECIPES)))
         return
@@ -243,7 +247,11 @@ def plan_command(name: str | None, args: tuple[str, ...]):
 
     own, rest = plan_options(list(args))
     if "-h" in rest or "--help" in rest:
-        click.echo(f"{usage}\n  --nproc N: the job's processes; --device-memory GIB: plan for that device\n")
+        click.echo(
+            f"{usage}\n  --nproc N: the job's processes; --device-memory GIB: plan for that device; --fixed "
+            f"context=GIB,workspace=GIB,nccl=GIB,headroom=FRACTION (or none): a GPU process's fixed terms "
+            f"(default: TDR_FIXED, else published figures: docs/memory-plan.md)\n"
+        )
     try:
         cfg, _ = parse_args(module.Config, rest, prog=f"python -m recipes plan {name}", description=recipe.summary)
     except UsageError as err:

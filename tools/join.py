@@ -14,13 +14,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from core.dist import init_pg
+from core.dist import env_number, init_pg
 from core.kernel.options import RecipeError
 
 
 def check_nodes_alike() -> None:
     """torchrun allows nodes with different NPROC_PER_NODE; then the data shares would depend on the node."""
-    local, nodes, world = (int(os.environ.get(k, 0)) for k in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE"))
+    local, nodes, world = (env_number(k, 0) for k in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE"))
     if nodes and local * nodes != world:
         raise RecipeError(
             f"NPROC_PER_NODE differs between nodes: this node runs {local} of {world} processes on {nodes} nodes; "
@@ -39,7 +39,7 @@ def loopback_store(*, timeout_s: float) -> dist.Store | None:
             return None
     except ValueError:
         return None  # a host name: multi-node, the store must be reachable from the other nodes
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world_size = env_number("RANK", 0), env_number("WORLD_SIZE", 1)
     sock = socket.create_server((addr, port), backlog=max(world_size, 128)) if rank == 0 else None
     return dist.TCPStore(
         addr,

@@ -6,8 +6,9 @@ For every rank: parameters, gradients, optimizer state (exact: bytes from the sh
 the activations the forwards keep for backward, and the step's peak, for the layout the recipe builds
 (tools.plan_layout) and a training step of its own step carrying AdamW's state (tools.plan_step), on fake tensors
 in a fake process group, their live bytes counted as torch's MemTracker counts them: no memory is allocated,
-whatever the model's size. Not seen by any tracker, so not in the plan: the CUDA context, NCCL's buffers and the
-allocator's slack (docs/memory-plan.md). tools.plan_report prints it and says what would fit.
+whatever the model's size. Not seen by any tracker, so not in the plan's tensors: the CUDA context, cuBLAS's
+workspace, NCCL's buffers and the allocator's slack, a GPU process's fixed terms (tools.plan_fixed,
+docs/memory-plan.md). tools.plan_report prints the plan with them and says what would fit.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ import torch
 from core.config import parse_args
 from core.kernel.options import RecipeError
 from tools.plan import GIB, Plan, plan_recipe
-from tools.plan_layout import REPLICAS
+from tools.plan_fixed import Fixed, fixed_terms, over, parse_fixed
+from tools.plan_layout import REPLICAS, mesh_dims
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline")
+MAX_NPROC = 2**16  # the largest job the plan takes (--nproc, or the launcher's WORLD_SIZE)
 PARTS = (("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"))
 
 
@@ -92,10 +94,10 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
 
 
 def what_fits(
-    name: str, cfg, *, world_size: int, device_bytes: int, gpu: bool | None = None
+    name: str, cfg, *, world_size: int, device_bytes: int, gpu: bool | None = None, fixed: str | None = None
 ) -> tuple[list[str], list[str]]:
-    """Each alternative re-planned, as 'LABEL (PEAK GiB)': the first that fits of each kind, and of each kind
-    with none that fits the one that comes closest."""
+    """Each alternative re-planned, as 'LABEL (NEED GiB)' (its largest peak, and with `fixed` its fixed terms): the
+    first that fits of each kind, and of each kind with none that fits the one that comes closest."""
     fits, misses, done = [], [], set()
     for label, recipe, other, world in alternatives(name, cfg, world_size=world_size):
         kind = label.split()[0]
@@ -103,13 +105,14 @@ def what_fits(
             continue
         try:
             peak = plan_recipe(recipe, other, world_size=world, gpu=gpu).largest.peak_bytes
+            need = peak if fixed is None else fixed_of(recipe, other, world_size=world, spec=fixed).need(peak)
         except Exception:  # not a layout this model or shape allows: not an alternative
             continue
-        if peak <= device_bytes:
-            fits.append(f"{label} ({gib(peak)} GiB)")
+        if need <= device_bytes:
+            fits.append(f"{label} ({gib(need)} GiB)")
             done.add(kind)
         else:
-            misses.append((kind, f"{label} ({gib(peak)} GiB)"))
+            misses.append((kind, f"{label} ({gib(need)} GiB)"))
     best = {}
     for kind, text in misses:  # the last tried of each kind (the smallest batch, the most ranks): how far it is
         if kind not in done:
@@ -117,23 +120,40 @@ def what_fits(
     return fits, list(best.values())
 
 
-def refuse_if_over(name: str, cfg, plan: Plan, *, device_bytes: int, where: str, gpu: bool | None = None) -> None:
-    """One line naming the largest rank's peak, the device's memory and what would fit, when it does not fit."""
+def refuse_if_over(
+    name: str, cfg, plan: Plan, *, device_bytes: int, where: str, gpu: bool | None = None, fixed: str | None = None
+) -> None:
+    """One line naming the largest rank's peak (with `fixed`, a --fixed spec or "" for the defaults: plus its fixed
+    terms), the device's memory and what would fit, when it does not fit."""
     top = plan.largest
-    if top.peak_bytes <= device_bytes:
+    terms = None if fixed is None else fixed_of(name, cfg, world_size=plan.world_size, spec=fixed)
+    if not over(top.peak_bytes, terms, device_bytes):
         return
-    fits, misses = what_fits(name, cfg, world_size=plan.world_size, device_bytes=device_bytes, gpu=gpu)
+    fits, misses = what_fits(name, cfg, world_size=plan.world_size, device_bytes=device_bytes, gpu=gpu, fixed=fixed)
     would = f"; would fit: {', '.join(fits)}" if fits else "; no smaller batch, layout or more ranks found that fits"
     would += f"; would not: {', '.join(misses)}" if misses else ""
-    raise RecipeError(
-        f"plan: rank {top.rank}'s peak {gib(top.peak_bytes)} GiB does not fit {where} ({gib(device_bytes)} GiB){would}"
-    )
+    need = f"rank {top.rank}'s peak {gib(top.peak_bytes)} GiB"
+    if terms is not None:  # both numbers in the one line: what the rank needs, what there is
+        need += f" + fixed terms {gib(terms.total(top.peak_bytes))} GiB = {gib(terms.need(top.peak_bytes))} GiB"
+        would += "; TDR_FIXED (or plan's --fixed) sets the fixed terms (docs/memory-plan.md)"
+    raise RecipeError(f"plan: {need} does not fit {where} ({gib(device_bytes)} GiB){would}")
+
+
+def fixed_of(name: str, cfg, *, world_size: int, spec: str) -> Fixed:
+    """The fixed terms of one process of recipe `name`'s job (its mesh: the NCCL communicators); `spec`: --fixed, or
+    "" for TDR_FIXED's (the defaults when it is not set)."""
+    return fixed_terms(dims=mesh_dims(name, cfg, world_size), world_size=world_size, spec=spec or None)
+
+
+def gpu_job() -> bool:
+    """Whether the job's ranks run on this machine's GPUs (core.dist.pick_device's choice)."""
+    return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
 
 
 def free_bytes(*, world_size: int) -> tuple[int, str, int]:
     """(bytes free for one rank, what that is, how many ranks share it): GPU memory per device, or the CPU's
     available memory, shared by this node's ranks."""
-    if torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu":
+    if gpu_job():
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
         return free, "the free memory of the GPUs", 1
     named = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or ""  # a node's ranks, if said
@@ -166,13 +186,16 @@ def precheck_memory(name: str, cfg, *, world_size: int) -> None:
         return
     free, where, sharing = free_bytes(world_size=world_size)
     top = plan.largest
+    fixed = "" if gpu_job() else None  # on GPUs the fixed terms too (TDR_FIXED sets them); on CPUs the plan alone
     if talk:
+        terms = "" if fixed is None else fixed_of(name, cfg, world_size=world_size, spec=fixed).total(top.peak_bytes)
+        terms = terms and f" + fixed terms {gib(terms)} GiB"
         print(
-            f"plan: largest peak {gib(top.peak_bytes)} GiB per rank (rank {top.rank}); {where}: {gib(free)} GiB",
+            f"plan: largest peak {gib(top.peak_bytes)} GiB per rank (rank {top.rank}){terms}; {where}: {gib(free)} GiB",
             file=sys.stderr,
             flush=True,
         )
-    refuse_if_over(name, cfg, plan, device_bytes=free // sharing, where=where)
+    refuse_if_over(name, cfg, plan, device_bytes=free // sharing, where=where, fixed=fixed)
 
 
 def plan_options(args: list[str]) -> tuple[dict, list[str]]:
@@ -186,13 +209,17 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
     parser.add_argument("--nproc", default=None)
     parser.add_argument("--device-memory", default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--fixed", default="")
     own, rest = parser.parse_known_args(args)
-    try:
-        nproc = int(own.nproc if own.nproc is not None else os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise UsageError(f"--nproc {own.nproc}: not a whole number; give the job's processes, e.g. --nproc 8") from None
-    if not 1 <= nproc <= 2**16:
-        raise UsageError(f"--nproc {nproc}: a job has 1 or more processes; give the job's processes, e.g. --nproc 8")
+    parse_fixed(own.fixed)  # a term or value it does not take: one line, before anything is planned
+    if own.nproc is None:  # the launcher's WORLD_SIZE, or one process
+        from core.dist import env_number
+
+        nproc, said = env_number("WORLD_SIZE", 1), f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}"
+    else:
+        nproc, said = int(own.nproc) if own.nproc.strip().isdigit() else None, f"--nproc {own.nproc}"
+    if nproc is None or not 1 <= nproc <= MAX_NPROC:
+        raise UsageError(f"{said}: use 1 to {MAX_NPROC} processes (a whole number), e.g. --nproc 8")
     memory = None
     if own.device_memory is not None:
         try:
@@ -203,17 +230,22 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
             raise UsageError(
                 f"--device-memory {own.device_memory}: give the device's memory in GiB, a positive number (e.g. 80)"
             )
-    return {"nproc": nproc, "device_memory": memory, "as_json": own.json}, rest
+    return {"nproc": nproc, "device_memory": memory, "as_json": own.json, "fixed": own.fixed}, rest
 
 
-def show_plan(name: str, cfg, *, nproc: int, device_memory: float | None, as_json: bool, echo) -> None:
-    """`python -m recipes plan`: the plan as a table or JSON, then one error line when it does not fit
-    --device-memory."""
+def show_plan(name: str, cfg, *, nproc: int, device_memory: float | None, as_json: bool, echo, fixed: str = "") -> None:
+    """`python -m recipes plan`: the plan as a table or JSON, with the fixed terms of a GPU process (`fixed`:
+    --fixed, "" for TDR_FIXED or the defaults), then one error line when it and they do not fit --device-memory."""
     import json
 
     gpu = True if device_memory is not None else None  # --device-memory plans for a GPU: foreach, 512-byte blocks
     plan = plan_recipe(name, cfg, world_size=nproc, gpu=gpu)
-    echo(json.dumps(plan.to_json()) if as_json else table(plan))
+    top = plan.largest
+    terms = fixed_of(name, cfg, world_size=nproc, spec=fixed)
+    if as_json:  # the per-rank keys as they were; the fixed terms of the largest rank's process as their own keys
+        echo(json.dumps(plan.to_json() | {"fixed": terms.to_json(top.peak_bytes)}))
+    else:
+        echo("\n".join([table(plan), *terms.block(top.peak_bytes, rank=top.rank, gib=gib)]))
     if device_memory is not None:
         device = int(device_memory * GIB)
-        refuse_if_over(name, cfg, plan, device_bytes=device, where="the device's memory", gpu=gpu)
+        refuse_if_over(name, cfg, plan, device_bytes=device, where="the device's memory", gpu=gpu, fixed=fixed)
