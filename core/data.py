@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Subset
 
+from core.factory import resolve_factory
 from core.kernel.options import RecipeError
-from core.plugins.factories import resolve_factory
 
 DATASETS = {"digits": "core.datasets:digits", "synthetic": "core.datasets:synthetic", "text": "core.gpt:text"}
 

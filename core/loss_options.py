@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from core.factory import resolve_factory
 from core.kernel.options import RecipeError
 from core.loss import TARGETS, Loss, cross_entropy, split_outputs
-from core.plugins.factories import resolve_factory
 
 CHOICES = ("auto", "ce", "mse", "model")  # and module:function
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.factory import resolve_factory
 from core.kernel.options import RecipeError
-from core.plugins.factories import resolve_factory
 
 
 class MLP(nn.Module):

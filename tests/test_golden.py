@@ -6,7 +6,10 @@ defaults (the built-in model and data: mlp on digits for the ddp family and dp, 
 for STEPS steps of its default batch on 2 gloo ranks (dp and pipeline_naive: their one process), and its training
 records (loss, accuracy, gradient norm: already reduced over the ranks) are compared with the file's.
 
-Exact (bit for bit) with the torch version the file records, on CPU; within TOLERANCE (relative) with another.
+Exact (bit for bit) with the torch version the file records, on a CPU like the one that wrote the files; within
+CPU_TOLERANCE (relative) on a CPU whose vector width makes torch and MKL choose other kernels (the files were written
+where AVX2's were taken: on an AVX-512 Xeon the unchanged code of 832e575 misses them by 1 to 2 float32 ulp); within
+TOLERANCE with another torch.
 The file also records a digest of the training set: the built-in `text` is read from this Python's own
 stdlib sources, which differ between Python releases, and a run on other data is another run (skipped, saying so).
 To rewrite the files on purpose, after a change that is meant to change the numbers:
@@ -33,6 +36,7 @@ STEPS = 4
 ONE_PROCESS = ("dp", "pipeline_naive")
 KEYS = ("loss", "acc", "grad_norm")  # per training record
 TOLERANCE = 1e-4  # relative, with another torch than the file's: kernels may add in another order
+CPU_TOLERANCE = 1e-6  # relative, the same torch on another CPU: float32 sums rounded otherwise, a few ulp
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +95,11 @@ def test_the_first_losses_are_the_golden_ones(worlds, tmp_path, recipe):
         k: v for k, v in want.items() if k not in (*same, "steps")
     }, "another run than the golden file's: rewrite it (TDR_GOLDEN=rewrite)"
     assert [s["step"] for s in got["steps"]] == [s["step"] for s in want["steps"]] == list(range(1, STEPS + 1))
-    if got["torch"] == want["torch"]:  # the pinned torch, on CPU: bit for bit
-        assert got["steps"] == want["steps"], f"{recipe}: the first losses changed; if meant, TDR_GOLDEN=rewrite"
+    if got["torch"] == want["torch"] and got["steps"] != want["steps"]:  # the pinned torch on another CPU?
+        # Bit for bit on a CPU like the one that wrote the files; torch and MKL pick their kernels by the CPU's vector
+        # width (AVX2, AVX-512), and another one adds float32 sums in another order: the same run to CPU_TOLERANCE.
+        for g, w in zip(got["steps"], want["steps"]):
+            assert g == pytest.approx(w, rel=CPU_TOLERANCE), f"{recipe}: the first losses changed; if meant, rewrite"
     else:
         for g, w in zip(got["steps"], want["steps"]):
             assert g == pytest.approx(w, rel=TOLERANCE), f"torch {got['torch']} against the file's {want['torch']}"

@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 
 from helpers import REPO, recipe_params, run, torchrun, user_env, waiting
 from tools.cli import cli
-from tools.copies import breakdown, copy_source, size_cells, size_variants
-from tools.features import FEATURES, features_of
-from tools.registry import RECIPES
+from tools.copies import breakdown, copy_source, feature_options, offered, size_cells, size_variants
+from tools.features import FEATURES
+from tools.registry import PLUGINS, RECIPES
 from tools.standalone import StandaloneError, copy_size, standalone_source
 
 NAMES = sorted(RECIPES)
@@ -69,7 +69,7 @@ def project(tmp_path_factory) -> Path:
     (root / "project").mkdir()
     for name in READY:
         for variant in size_variants(name):
-            kept = set(features_of(RECIPES[name].load().Config)) if variant == "all" else {variant} - {""}
+            kept = set(offered(name)) if variant == "all" else {variant} - {""}
             path = root / "project" / f"{_stem(name, variant)}.py"
             path.write_text(copy_source(name, str(path), kept=kept, formatted=False))
     if ruff := shutil.which("ruff"):
@@ -84,7 +84,7 @@ def _stem(name: str, variant: str) -> str:
 
 # Every recipe's lean copy and its --with all copy; ddp's copy with each single feature too.
 VARIANTS = [(n, v) for n in READY for v in ("", "all")]
-VARIANTS += [("ddp", f) for f in features_of(RECIPES["ddp"].load().Config)]
+VARIANTS += [("ddp", f) for f in offered("ddp")]
 
 
 def _env(project: Path) -> dict[str, str]:
@@ -144,7 +144,7 @@ def test_copy_is_one_whole_file(project, linted, name, variant):
         assert not linted[str(path)], linted[str(path)]
     header = text[: text.index("\nfrom __future__")]
     assert f"`python -m recipes run {name}` has them" in header and "# Left out: the pre-launch checks" in header
-    have = features_of(RECIPES[name].load().Config)
+    have = offered(name)
     kept = have if variant == "all" else [variant] if variant else []
     flat = header.replace("\n# ", " ")  # the header's lines are wrapped at 118 columns
     for feature in have:  # what it left out, each with the --with that brings it back
@@ -214,7 +214,7 @@ def test_copy_size_is_held(project, sizes, name):
     lines, code = copy_size((project / "project" / f"{name}.py").read_text())
     assert (lines, code) == sizes[name][""], f"{name}: the copy at another path has another size"
     all_lines, all_code = copy_size((project / "project" / f"{name}_all.py").read_text())
-    assert all_code >= code and (all_code > code) == bool(features_of(RECIPES[name].load().Config))
+    assert all_code >= code and (all_code > code) == bool(offered(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -244,7 +244,7 @@ def test_lean_copies_leave_out_the_checkpoint_and_meter_code_of_their_features(p
     killed write's temporaries (their removal is the `lock` feature's), writes no trackers entry (`trackers`) and
     leaves the sharded load's model and NaN checks to `checks`; the --with all copies keep every one of them."""
     copy = {n: (project / "project" / f"{n}.py").read_text() for n in ("ddp", "ddp_all", "fsdp", "fsdp_all")}
-    kept = ("with paused(totals):", "def remove_stale_temporaries(", "class InitFrom(")
+    kept = ("def clock_paused(", "def remove_stale_temporaries(", "class InitFrom(")  # ddp: the plug-ins' files
     assert all(word in copy["ddp_all"] and word not in copy["ddp"] for word in kept)
     sharded = ("run.sinks", "def _check_saved(", "def non_finite(", "with paused(totals):")
     assert all(word in copy["fsdp_all"] and word not in copy["fsdp"] for word in sharded)
@@ -269,9 +269,9 @@ def test_copies_parse_the_same_options(project):
     proc = run([sys.executable, "-c", script, *files], cwd=project / "project", env=_env(project))
     for (name, variant), copied in zip(VARIANTS, proc.stdout.split("=====\n")):
         packaged = CliRunner().invoke(cli, ["run", name, "--help"]).output
-        have = features_of(RECIPES[name].load().Config)
+        have = offered(name)
         left_out = [f for f in have if variant != "all" and f != variant]
-        gone = {"--" + o.replace("_", "-") for f in left_out for o in FEATURES[f].options()}
+        gone = {"--" + o.replace("_", "-") for f in left_out for o in feature_options(name, f)}
         assert _options(copied) == [o for o in _options(packaged) if o not in gone], (name, variant)
 
 
@@ -283,8 +283,8 @@ def _options(help_text: str) -> list[str]:
 def _options_of(name: str, variant: str) -> set[str]:
     """The options of recipe `name`'s copy `variant` ("" lean, "all", or one feature)."""
     fields = set(RECIPES[name].load().Config.__dataclass_fields__)
-    left_out = [f for f in features_of(RECIPES[name].load().Config) if variant not in ("all", f)]
-    return fields - {o for f in left_out for o in FEATURES[f].options()}
+    left_out = [f for f in offered(name) if variant not in ("all", f)]
+    return fields - {o for f in left_out for o in feature_options(name, f)}
 
 
 def _args(name: str, variant: str, *extra: str) -> list[str]:
@@ -308,7 +308,7 @@ def _jobs(name: str, out: Path, copies: Path) -> tuple[list[dict], list[tuple[st
     variants = {"lean": ("", []), "all": ("all", user)}
     if name == "ddp":  # each feature alone: factories on the user's model, init_from from the lean run's weights
         extra = {"factories": user, "init_from": init}
-        variants |= {f: (f, extra.get(f, [])) for f in features_of(RECIPES[name].load().Config)}
+        variants |= {f: (f, extra.get(f, [])) for f in offered(name)}
     jobs, pairs, packaged = [], [], {}
     for label, (variant, extra) in variants.items():
         args = _args(name, variant, *extra)
@@ -559,9 +559,9 @@ def _lean(source: str) -> str:
 @pytest.mark.fast
 def test_a_statement_mixing_two_features_is_refused_naming_its_line():
     source = (
-        '"""demo."""\nfrom core import hf, weights\n\n\n'
+        '"""demo."""\nfrom core.plugins import hf, init_from\n\n\n'
         "def train(cfg, run, model):\n"
-        "    weights.load_weights(model, cfg.init_from)\n"
+        "    init_from.load_weights(model, cfg.init_from)\n"
         "    hf.write_hf_folder(run, model, {}, attr=cfg.hf_attr, max_shard_mb=1.0 if cfg.init_from else 2.0)\n"
         "    return model\n"
     )
@@ -572,10 +572,10 @@ def test_a_statement_mixing_two_features_is_refused_naming_its_line():
 @pytest.mark.fast
 def test_a_features_statements_go_with_its_if_and_its_with_keeps_its_body():
     text = _lean(
-        '"""demo."""\nfrom core import hf, weights\n\n\n'
+        '"""demo."""\nfrom core.plugins import hf, init_from\n\n\n'
         "def train(cfg, run, model):\n"
         "    if cfg.init_from:\n"
-        "        weights.load_weights(model, cfg.init_from)\n"
+        "        init_from.load_weights(model, cfg.init_from)\n"
         "    with hf.hf_model(model) as lender:\n"
         "        model = model.double()\n"
         "    return model\n\n\n"
@@ -622,7 +622,8 @@ def test_a_feature_in_what_a_function_returns_is_refused():
 def test_with_names_the_valid_features_in_one_line(tmp_path):
     bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,wandb,clock"])
     assert bad.exit_code == 2 and not (tmp_path / "a.py").exists()
-    valid = "all, init_from, hf, loss, fast_writer, old_checksums, lock, records, checks, meter, factories"
+    valid = "all, init_from, hf, loss, factories, meter, lock, records, checks, fast_writer, old_checksums, take_back"
+    valid += ", replicas"
     assert f"--with clock,wandb: choose from {valid}" in bad.output
     alone = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "b.py"), "--with", "hf"])
     assert alone.exit_code == 2 and "--with: only a --standalone copy leaves features out" in alone.output
@@ -630,10 +631,13 @@ def test_with_names_the_valid_features_in_one_line(tmp_path):
 
 @pytest.mark.fast
 def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bit(tmp_path):
-    """A lean copy writes with safetensors' own writer (core.ckpt_io.write_plain), the package with its own: the same
-    checksums, verified by the same reader; one flipped bit is refused naming the tensor."""
-    from core.ckpt_io import read_header, verify, write_plain, write_safetensors
+    """A lean copy writes with safetensors' own writer (core.kernel.ckpt.write_plain), the package with its own (the
+    fast_writer plug-in): the same checksums, verified by the same reader; one flipped bit is refused naming the
+    tensor."""
+    from core.ckpt_io import read_header, verify
+    from core.kernel.ckpt import write_plain
     from core.kernel.options import RecipeError
+    from core.plugins.fast_writer import write_fast
 
     tensors = {
         "model/w": torch.randn(3, 5),
@@ -641,7 +645,7 @@ def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bi
         "rng": torch.arange(7, dtype=torch.uint8),
         "empty": torch.zeros(0),
     }
-    for write in (write_safetensors, write_plain):
+    for write in (write_fast, write_plain):
         path = tmp_path / f"{write.__name__}.safetensors"
         with open(path, "wb", buffering=0) as f:
             write(f, tensors, {"step": "3"})
@@ -765,9 +769,9 @@ def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         rows[cells[0].strip("`")] = cells[-1]
-    assert list(rows) == list(FEATURES)
-    for name in FEATURES:
-        have = [r for r in RECIPES if name in features_of(RECIPES[r].load().Config)]
+    assert list(rows) == list(dict.fromkeys([*FEATURES, *PLUGINS]))  # the generator's features, then the plug-ins
+    for name in rows:
+        have = [r for r in RECIPES if name in offered(r)]
         assert rows[name] == ("all" if len(have) == len(RECIPES) else ", ".join(have)), name
 
 

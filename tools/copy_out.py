@@ -36,7 +36,7 @@ def parse_with(names: str, *, recipe: str) -> list[str]:
     offered = plugins_of(RECIPES[recipe])
     asked = [n.strip() for n in names.split(",") if n.strip()]
     if unknown := [n for n in asked if n != "all" and n not in offered]:
-        raise CopyError(f"--with {','.join(unknown)}: choose from {', '.join(['all', *offered])}")
+        raise CopyError(f"--with {','.join(sorted(unknown))}: choose from {', '.join(['all', *offered])}")
     return list(offered) if "all" in asked else [n for n in offered if n in asked]
 
 

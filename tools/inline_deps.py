@@ -272,6 +272,8 @@ def _analyse(name: str, source: bytes, packages: tuple[str, ...], is_package: bo
             module.future |= any(a.name == "annotations" for a in node.names)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             _index_import(module, node, packages, is_package, submodules)
+        elif name.startswith("core.plugins.") and _attaches_elsewhere(node):
+            continue  # a plug-in's hook for a seam only the kernel's recipes call: not what an inlined name needs
         elif not (_is_main_guard(node) and name != RECIPE):
             chunk = Chunk(name, len(module.chunks), node, _scope_bindings([node], packages)[0], gap=gap)
             module.chunks.append(chunk)
@@ -289,6 +291,21 @@ def _analyse(name: str, source: bytes, packages: tuple[str, ...], is_package: bo
         submodules,
     )
     return _ANALYSES[key]
+
+
+# The seams (core/kernel/seams.py) the recipes not yet on the kernel reach too: the kernel's fail and the run folder.
+_SHARED_SEAMS = ("ON_FAIL", "BEFORE_JOB")
+
+
+def _attaches_elsewhere(node: ast.stmt) -> bool:
+    """A plug-in's `SEAM.append(hook)`, `SEAM.update(...)` or `SEAM[key] = hook` for a seam outside _SHARED_SEAMS."""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute):
+        table = node.value.func.value
+    elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
+        table = node.targets[0].value
+    else:
+        return False
+    return isinstance(table, ast.Name) and table.id.isupper() and table.id not in _SHARED_SEAMS
 
 
 def _absolute(module: Module, node: ast.ImportFrom, is_package: bool) -> str:
