@@ -29,9 +29,8 @@ from core.kernel.ckpt import FORMAT, atomic_write, list_checkpoints, savable
 from core.kernel.log import say, show
 from core.kernel.options import RecipeError
 from core.plugins.fast_writer import write_fast
-from core.plugins.init_from import check_model_matches
 from core.records import RunFolder, write_record
-from core.weights import model_part
+from core.weights import check_model_matches, model_part
 
 # The progress of a run that starts afresh; `window`: the open log window's sums (core.meter.open_window).
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}

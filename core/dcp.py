@@ -51,9 +51,8 @@ from core.dcp_tensors import rng_tensors, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
 from core.kernel.log import say, show
 from core.kernel.options import RecipeError
-from core.plugins.init_from import check_model_matches
 from core.records import RunFolder, write_record
-from core.weights import model_part
+from core.weights import check_model_matches, model_part
 
 # --- checkpoint.json: read without a process group (the pre-check, and rank 0 picking a folder) ------------------
 

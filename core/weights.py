@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from core.kernel.ckpt import atomic_write, savable
+from core.kernel.options import RecipeError
 from core.plugins.fast_writer import write_fast
 from core.records import RunFolder
 
@@ -27,3 +28,18 @@ def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:
         model = {"model": run.config["model"]} if "model" in run.config else {}  # a copy without --model: none
         atomic_write(path, lambda f: write_fast(f, savable(state), {"recipe": run.recipe, **model}))
     return path
+
+
+def check_model_matches(where, saved: dict, expected: dict, *, fix: str, tied=None) -> None:
+    """One RecipeError line naming the first missing, unexpected and misshapen keys of `saved` (name -> shape); a tied
+    name the file leaves out (lm_head.weight) is not missing."""
+    tied = tied or {}
+    misshapen = sorted(k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k]))
+    problems = {
+        "missing keys": sorted(k for k in expected if k not in saved and not any(t in saved for t in tied.get(k, ()))),
+        "unexpected keys": sorted(k for k in saved if k not in expected),
+        "shape mismatches": [f"{k} {tuple(saved[k])} vs {tuple(expected[k])}" for k in misshapen],
+    }
+    found = [f"{what}: {', '.join(keys[:3])}{' ...' * (len(keys) > 3)}" for what, keys in problems.items() if keys]
+    if found:
+        raise RecipeError(f"{where} holds another model ({'; '.join(found)}); {fix}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import core.plugins  # noqa: F401 - the package runs ddp with every plug-in; a standalone copy joins those --with names
+import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a standalone copy joins those --with names
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
 from core.kernel.folder import finished, open_run

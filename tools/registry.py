@@ -139,6 +139,7 @@ _BUILT_IN = [
         builds_on="ddp",
         multi_node=False,
         mean_per_replica=True,  # where the model computes its loss: each GPU's replica returns its mean
+        plugins=KERNEL_PLUGINS,
     ),
     Recipe(
         "fsdp",
