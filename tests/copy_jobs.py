@@ -71,7 +71,8 @@ def _copy(job: dict) -> list[str]:
     """The copy's parser, then its main() on a recording Config: the walk rides on the training run. What it never
     read is returned."""
     copy = runpy.run_path(job["copy"], run_name="standalone_copy")
-    parsed, _ = copy["parse_args"](copy["Config"], job["args"])
+    parsed = copy["parse_args"](copy["Config"], job["args"])
+    parsed = parsed[0] if isinstance(parsed, tuple) else parsed  # a generated copy's: (cfg, dry_run)
     fields = set(copy["Config"].__dataclass_fields__)
     cfg = recording(copy["Config"])(**{f: getattr(parsed, f) for f in fields})
     copy["main"](cfg)

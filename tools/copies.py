@@ -10,13 +10,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tools.copy_out import join
+from tools.copy_out import LEFT_OUT, join
 from tools.features import FEATURES, builtin_defaults, features_of
 from tools.registry import PLUGINS, RECIPES, plugins_of
 from tools.standalone import copy_size, standalone_source
-
-# What the package's runner has and a standalone copy does not (its header says so, in one line).
-LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 
 
 def retarget_commands(text: str, name: str, dest: str) -> str:
@@ -82,6 +79,7 @@ def breakdown(text: str) -> dict[str, int]:
     for line in text.splitlines():
         if line.startswith("# from "):  # a joined copy marks each file it joins
             part = line.removeprefix("# from ").split(":")[0]
+            part = "the recipe" if part.startswith("recipes/") else part
         if line.startswith("# inlined from ") or re.fullmatch(r"# the \w+ recipe('s Config and start)?", line):
             part = line.removeprefix("# inlined from ").removeprefix("# ").replace("'s Config and start", "")
             part = part if part.startswith("core/") else "the recipe"

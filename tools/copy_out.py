@@ -21,9 +21,11 @@ from pathlib import Path
 from tools.registry import PLUGINS, RECIPES, plugins_of
 
 CORE = Path(__file__).resolve().parent.parent / "core"
-# The kernel's files, in the order a reader meets what they define: each after the ones it builds on.
-KERNEL = ("seams", "log", "options", "pg", "numbers", "loader", "step", "folder", "ckpt", "builtin")
+# The kernel's files, in the order a reader of the recipe meets what they define: the step first, the seams last.
+KERNEL = ("step", "numbers", "loader", "pg", "folder", "ckpt", "log", "options", "builtin", "seams")
 TAIL = "# Options and start:"  # the recipe's line where its Config and __main__ block begin
+# What the package's runner has and a standalone copy does not (its header says so, in one line).
+LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 OWN = re.compile(r"(from|import) (core|recipes)\b")
 
 
@@ -94,6 +96,7 @@ def header(name: str, kept: list[str]) -> str:
     lines = [
         f"# A standalone copy of torch-dist-recipes' {name} recipe, made by `python -m recipes cp {name} FILE "
         f"--standalone`: the recipe, the kernel (core/kernel/) and the plug-ins asked for, joined as written.",
+        f"# Left out: {LEFT_OUT} (`python -m recipes run {name}` has them).",
     ]
     for plugin in plugins_of(RECIPES[name]):
         if plugin not in kept:

@@ -91,18 +91,23 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def parse_args(config: type, argv: list[str] | None = None):
+    """The Config of a command line: one --option per field (--help lists them); a bad one is a UsageError line."""
+    parser = _Parser(description=(sys.modules[config.__module__].__doc__ or "").split("\n")[0], allow_abbrev=False)
+    for f in dataclasses.fields(config):
+        how = {"type": type(f.default), "choices": f.metadata["choices"]}
+        how = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else how
+        parser.add_argument(flag(f.name), default=f.default, help=f.metadata["help"], **how)
+    return config(**vars(parser.parse_args(argv)))
+
+
 def cli_main(main, config: type) -> None:
-    """`if __name__ == "__main__": cli_main(main, Config)`: one --option per field (--help lists them), then run."""
+    """`if __name__ == "__main__": cli_main(main, Config)`: parse the command line, then run, then exit."""
 
-    def parse_and_run() -> None:
-        parser = _Parser(description=(sys.modules[main.__module__].__doc__ or "").split("\n")[0], allow_abbrev=False)
-        for f in dataclasses.fields(config):
-            how = {"type": type(f.default), "choices": f.metadata["choices"]}
-            how = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else how
-            parser.add_argument(flag(f.name), default=f.default, help=f.metadata["help"], **how)
-        main(config(**vars(parser.parse_args())))
+    def run() -> None:
+        main(parse_args(config))
 
-    leave(parse_and_run)
+    leave(run)
 
 
 def leave(run) -> None:
