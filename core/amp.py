@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.data import to_device
 from core.exact_loss import ExactLoss, forward_exact, global_count
 from core.grads import clip_grad_norm
+from core.kernel.loader import to_device
 from core.kernel.options import Options, at_least, option
 from core.steps import check_finite
 

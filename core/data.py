@@ -8,14 +8,11 @@ The data sets here are map-style (`__getitem__` and `__len__`); core.stream read
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator, Mapping
-
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Subset
+from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from core.factory import resolve_factory
+from core.kernel.loader import ResumableSampler
 from core.kernel.options import RecipeError
 
 DATASETS = {"digits": "core.datasets:digits", "synthetic": "core.datasets:synthetic", "text": "core.gpt:text"}
@@ -25,42 +22,6 @@ def build_data(spec: str) -> tuple:
     """`--data`: a built-in name or a user's `module:function`. Returns (train, val, collate_fn or None)."""
     result = resolve_factory(spec, DATASETS, option="--data")()  # called with no arguments
     return (*result, None)[:3] if isinstance(result, tuple | list) else (result, None, None)
-
-
-def seed_all(seed: int) -> None:
-    """torch's, Python's and numpy's global generators from one seed, as Accelerate's set_seed: the same weights on
-    every rank, and a data factory that shuffles with `random` or numpy builds the same sets on every rank."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def to_device(batch, device: torch.device):
-    """A batch's tensors moved to `device`: tensors, tuples (named too), lists and dicts, nested; other values stay.
-    non_blocking overlaps the copy with compute from pinned memory."""
-    if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, tuple | list):
-        moved = [to_device(value, device) for value in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple takes *args
-    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way through, for a mid-epoch resume."""
-
-    skip = 0
-
-    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
-        """Shuffle for `epoch` (the same order on every rank) and leave out this rank's first `skip` samples."""
-        super().set_epoch(epoch)
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(list(super().__iter__())[self.skip :])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.skip
 
 
 def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = True, collate_fn=None, drop_last=False):
@@ -86,14 +47,6 @@ def make_loader(dataset, topo, *, batch_size: int, seed: int = 0, train: bool = 
     sampler = ResumableSampler(dataset, num_replicas=topo.world_size, rank=topo.rank, seed=seed, drop_last=True)
     generator = torch.Generator().manual_seed(seed)  # leaves the global RNG alone: resume stays exact
     return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, drop_last=drop_last, **options)
-
-
-def set_epoch(loader: DataLoader, epoch: int, *, consumed: int = 0) -> None:
-    """Call at every epoch's start. `consumed`: samples of this epoch's global order already trained on (0 fresh).
-
-    Global step j of an epoch trains positions [j*GB, (j+1)*GB) of the epoch's shuffle (GB: the global batch) at
-    any world size, so a checkpoint's position resumes exactly at W' ranks when the global batch is the same."""
-    loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
 
 
 def total_steps(loader: DataLoader, *, epochs: int, max_steps: int, accum: int = 1) -> int:

@@ -5,10 +5,8 @@ The only state here is torch's own process group. Everything else is passed in a
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,20 +76,6 @@ def init_pg(*, timeout_s: float = 300.0, store: dist.Store | None = None) -> Top
         why = f"within {timeout_s:g}s ({first}); check MASTER_ADDR/MASTER_PORT and that node 0 is up"
         raise RecipeError(f"rank {rank} could not join the job at {where} {why}") from None
     return Topology(rank, world_size, device, backend)
-
-
-def cleanup_pg(*, timeout_s: float = 60.0) -> None:
-    """Leave the process group (safe to call twice); after a run that ended well, first a bounded barrier.
-
-    A rank that exits while a peer still talks to it (rank 0 may host the store) can kill that peer's C++
-    threads mid-operation. With an exception in flight there is no barrier: the error must not wait for peers.
-    """
-    if not dist.is_initialized():
-        return
-    if dist.get_world_size() > 1 and sys.exc_info()[1] is None:
-        with contextlib.suppress(Exception):  # a peer that died or hung: leave anyway, the run's own outcome stands
-            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-    dist.destroy_process_group()
 
 
 def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

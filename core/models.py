@@ -10,22 +10,8 @@ import torch
 from torch import nn
 
 from core.factory import resolve_factory
+from core.kernel.builtin import MLP
 from core.kernel.options import RecipeError
-
-
-class MLP(nn.Module):
-    """Flat input -> `depth` hidden blocks (Linear, ReLU) -> class logits."""
-
-    def __init__(self, in_dim: int = 64, hidden: int = 1024, depth: int = 3, classes: int = 10):
-        super().__init__()
-        widths = [in_dim] + [hidden] * depth
-        self.blocks = nn.Sequential(
-            *(nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:])),
-            nn.Linear(hidden, classes),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x.flatten(1))
 
 
 class CNN(nn.Module):

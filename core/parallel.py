@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from core.data import to_device
+from core.kernel.loader import to_device
 from core.kernel.options import Options, RecipeError, option
 from core.meter import Tally, summarize
 from core.stream import in_step

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from core.amp import StepStats, autocast
-from core.data import to_device
 from core.grads import clip_grad_norm
+from core.kernel.loader import to_device
 from core.kernel.options import RecipeError
 from core.loss import IGNORE, check_aligned, metrics
 from core.meter import Tally, summarize

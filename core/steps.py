@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from core.data import to_device
+from core.kernel.loader import to_device
 from core.kernel.options import RecipeError
 from core.loss import Loss, forward
 from core.meter import Tally, summarize

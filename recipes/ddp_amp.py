@@ -38,7 +38,9 @@ from core import (
 )
 from core.amp import Accumulation, Precision
 from core.config import Checkpointing, DDPOptions, Training, cli_main, with_default
+from core.kernel.loader import seed_all, set_epoch
 from core.kernel.options import RecipeError
+from core.kernel.pg import cleanup_pg
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.plugins.hf import HFExport, write_hf_folder
@@ -66,7 +68,7 @@ def main(cfg: Config) -> dict:
     try:
         return train(cfg, topo)
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
@@ -76,7 +78,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
 
     # Build. The same seed on every rank gives every replica the same initial weights.
-    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
@@ -122,7 +124,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        data.set_epoch(train_loader, epoch, consumed=consumed)
+        set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
             metrics, stats = amp.step_amp(ddp_model, micro_batches, **step_options)

@@ -23,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from core import ckpt, comm, data, dist, folder, meter, models, monitor, steps, trackers, weights
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.config import Checkpointing, DDPOptions, Training, cli_main
+from core.kernel.loader import seed_all, set_epoch, to_device
+from core.kernel.pg import cleanup_pg
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.metrics import flops_per_sample, peak_flops
@@ -72,7 +74,7 @@ def main(cfg: Config) -> dict:
     try:
         return train(cfg, topo)
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
@@ -83,7 +85,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Build. The same seed on every rank gives every replica the same initial weights. The order is torch's:
     # change the plain model, wrap it, register the comm hook, compile the wrapper.
-    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
@@ -137,9 +139,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        data.set_epoch(train_loader, epoch, consumed=consumed)
+        set_epoch(train_loader, epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
-            batch = data.to_device(batch, topo.device)
+            batch = to_device(batch, topo.device)
             metrics, grad_norm = steps.step_plain(train_model, batch, optimizer=optimizer, loss_fn=loss_fn)
             step, consumed = step + 1, consumed + global_batch
             skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)

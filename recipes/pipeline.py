@@ -44,8 +44,10 @@ from core import (
 )
 from core.amp import Accumulation
 from core.config import Checkpointing, Training, cli_main, with_default
+from core.kernel.loader import seed_all, set_epoch
 from core.kernel.log import say
 from core.kernel.options import RecipeError, at_least, option
+from core.kernel.pg import cleanup_pg
 from core.parallel import ShardedPrecision
 from core.plugins.hf import HFExport, write_hf_folder
 from core.plugins.init_from import InitFrom, load_weights
@@ -93,7 +95,7 @@ def main(cfg: Config) -> dict:
     try:
         return train(cfg, topo)
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
@@ -106,7 +108,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
 
     # Build: the same weights on every rank, cut into stages; this rank keeps its own (two, looped, for
     # interleaved1f1b), each wrapped in a PipelineStage that sends and receives between neighbouring ranks.
-    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its stages of them
@@ -151,7 +153,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        data.set_epoch(train_loader, epoch, consumed=consumed)
+        set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
             # schedule.step: forwards and backwards, stage to stage

@@ -23,8 +23,10 @@ from torch import nn
 
 from core import ckpt, data, dist, folder, meter, models, pipeline, steps, weights
 from core.config import Checkpointing, Training, cli_main, with_default
+from core.kernel.loader import seed_all, set_epoch, to_device
 from core.kernel.log import say
 from core.kernel.options import RecipeError
+from core.kernel.pg import cleanup_pg
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.plugins.hf import HFExport, write_hf_folder
@@ -81,7 +83,7 @@ def main(cfg: Config) -> dict:
     try:
         return train(cfg, topo)
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
@@ -91,7 +93,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     global_batch = cfg.batch_size  # one process
 
     # Build: the plain model's blocks spread over the GPUs (the CPU alone without them).
-    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     plain = models.build_model(cfg.model)
     if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
@@ -121,9 +123,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        data.set_epoch(train_loader, epoch, consumed=consumed)
+        set_epoch(train_loader, epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
-            batch = data.to_device(batch, output_device)  # forward moves the inputs to the first device itself
+            batch = to_device(batch, output_device)  # forward moves the inputs to the first device itself
             metrics, grad_norm = steps.step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
             step, consumed = step + 1, consumed + global_batch
             skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)

@@ -43,7 +43,9 @@ from core import (
 )
 from core.amp import Accumulation
 from core.config import Checkpointing, Training, cli_main, with_default
+from core.kernel.loader import seed_all, set_epoch
 from core.kernel.options import option
+from core.kernel.pg import cleanup_pg
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.parallel import ShardedPrecision
@@ -84,7 +86,7 @@ def main(cfg: Config) -> dict:
     try:
         return train(cfg, topo)
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
 
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
@@ -94,7 +96,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
-    data.seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
     train_set, val_set, collate = data.build_data(cfg.data)
     model = models.build_model(cfg.model).to(topo.device)
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its slices of them
@@ -138,7 +140,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        data.set_epoch(train_loader, epoch, consumed=consumed)
+        set_epoch(train_loader, epoch, consumed=consumed)
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
             metrics, stats = amp.step_amp(model, micro_batches, **step_options)

@@ -142,7 +142,7 @@ class CountingMLP(nn.Module):
 
     def __init__(self):
         super().__init__()
-        from core.models import MLP
+        from core.kernel.builtin import MLP
 
         self.mlp = MLP(hidden=32, depth=2)
         self.register_buffer("inputs_seen", torch.zeros(()))

@@ -10,8 +10,8 @@ from torch import nn
 
 from core import comm, parallel, pipeline, tuning
 from core.gpt import GPT
+from core.kernel.builtin import MLP
 from core.kernel.options import RecipeError
-from core.models import MLP
 from core.plugins.replicas import replicas_report
 from world import GlooWorld
 

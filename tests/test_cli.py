@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from core.models import MLP
+from core.kernel.builtin import MLP
 from helpers import REPO, in_one_interpreter, recipe_params, recipes_cli, run, torchrun, user_env
 from tools.cli import cli
 from tools.registry import RECIPES
@@ -367,23 +367,53 @@ def test_third_party_recipe_joins_through_the_entry_point_group(tmp_path):
     assert "plugin ran with lr 0.5" in recipes_cli("run", "my_recipe", "--lr", "0.5", env=env, cwd=tmp_path).stdout
 
 
+def test_third_party_plug_in_joins_through_its_entry_point_group(tmp_path):
+    """35.3: a package adds a plug-in as it adds a recipe: the runner attaches it to the recipes on the kernel (its
+    option in --help, its hook in the run), and `cp --standalone --with` offers it and joins its file."""
+    (tmp_path / "my_plugin.py").write_text(
+        '"""my_plugin: a greeting after the job."""\n'
+        "from dataclasses import dataclass\n\n"
+        "from core.kernel.options import Options, option\n"
+        "from core.kernel.seams import AFTER_JOB, OPTION_GROUPS\n"
+        "from tools.registry import Plugin\n\n"
+        "PLUGIN = Plugin('greeting', 'my_plugin', 'a greeting in the summary')\n\n\n"
+        "@dataclass(frozen=True)\nclass Greeting(Options):\n"
+        "    greeting: str = option('hello', 'what the summary says')\n\n\n"
+        "def greet(cfg, run, model):\n    return {'greeting': cfg.greeting}\n\n\n"
+        "OPTION_GROUPS.append(Greeting)\nAFTER_JOB.append(greet)\n"
+    )
+    dist_info = tmp_path / "my_plugin-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[torch_dist_recipes.plugins]\ngreeting = my_plugin:PLUGIN\n")
+    env = user_env(PYTHONPATH=str(tmp_path))
+    assert "--greeting" in recipes_cli("run", "ddp", "--help", env=env).stdout
+    ran = recipes_cli("run", "ddp", "--max-steps", "1", "--epochs", "1", "--greeting", "hi", env=env, cwd=tmp_path)
+    assert "greeting=hi" in ran.stdout, ran.stderr
+    bad = recipes_cli("cp", "ddp", "x.py", "--standalone", "--with", "nosuch", env=env, cwd=tmp_path, check=False)
+    assert bad.stderr.strip().endswith("take_back, replicas, greeting"), bad.stderr
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "entry", ["runpy.run_module('recipes', run_name='__main__')", "runpy.run_path(RECIPE, run_name='__main__')"]
 )
-def test_a_training_process_ends_without_the_interpreter_teardown(entry):
+def test_a_training_process_ends_without_the_interpreter_teardown(entry, tmp_path):
     """DDP keeps gloo's worker threads alive to the end; a teardown racing them can SIGABRT a run that ended well
     (core.config.leave). Both entry points leave through os._exit, after flushing what they printed."""
+    # the package's CLI checks the options (--dry-run); the recipe's file, run as a script, trains no step
     script = (
         "import atexit, runpy, sys\n"
         "atexit.register(print, 'teardown ran')\n"
         f"RECIPE = {str(REPO / 'recipes' / 'ddp.py')!r}\n"
-        "sys.argv = [RECIPE, *(['run', 'ddp'] if 'module' in sys.argv[1] else []), '--dry-run']\n"
+        "module = 'module' in sys.argv[1]\n"
+        "sys.argv = [RECIPE, *(['run', 'ddp', '--dry-run'] if module else ['--epochs', '0', '--out', sys.argv[2]])]\n"
         f"{entry}\n"
     )
-    proc = run([sys.executable, "-c", script, entry], check=False)
+    proc = run([sys.executable, "-c", script, entry, str(tmp_path)], check=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("ok: ") and "teardown ran" not in proc.stdout
+    said = "ok: " if "module" in entry else "summary "
+    assert said in proc.stdout and "teardown ran" not in proc.stdout
 
 
 @pytest.mark.e2e

@@ -18,9 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core import comm, tuning
 from core.config import parse_args
+from core.kernel.builtin import MLP
 from core.kernel.options import RecipeError, UsageError
 from core.loss import Loss
-from core.models import CNN, MLP
+from core.models import CNN
 from core.steps import step_plain
 from recipes import ddp, ddp_monitored
 from recipes.ddp_monitored import Config

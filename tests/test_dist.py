@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from core import dist as cdist
 from core.kernel.options import RecipeError
+from core.kernel.pg import cleanup_pg
 
 
 def _as_torchrun(rank: int, world_size: int, port: int) -> None:
@@ -27,7 +28,7 @@ def _spawned(rank, world_size, port, results):
         everyone = cdist.all_gather_object(rank * 10)
         results.put((rank, topo.world_size, topo.device.type, topo.backend, total, mean, choice, everyone))
     finally:
-        cdist.cleanup_pg()
+        cleanup_pg()
 
 
 def test_init_pg_from_mp_spawn_on_a_free_port():
@@ -50,9 +51,9 @@ def test_world_of_one_without_a_launcher(monkeypatch):
         assert (topo.rank, topo.world_size, topo.device.type) == (0, 1, "cpu")
         assert cdist.reduce_sum(torch.tensor(2.0)).item() == 2.0
     finally:
-        cdist.cleanup_pg()
+        cleanup_pg()
     assert not dist.is_initialized()
-    cdist.cleanup_pg()  # a second call is harmless
+    cleanup_pg()  # a second call is harmless
 
 
 def test_device_comes_from_local_rank_never_rank(monkeypatch):
@@ -101,7 +102,7 @@ def _leaving(rank, port, events, failing):
         events["rank1_joined"].set()
         events["rank0_out"].wait(timeout=5 if failing else 0.5)  # failing: rank 0 must not wait for us
         events["rank1_in"].set()
-        cdist.cleanup_pg(timeout_s=5 if failing else 60)
+        cleanup_pg(timeout_s=5 if failing else 60)
         return
     events["rank1_joined"].wait(timeout=60)  # a group rank 0 left while rank 1 still connected: a failed join
     try:
@@ -109,7 +110,7 @@ def _leaving(rank, port, events, failing):
             if failing:
                 raise ValueError("this rank failed")
         finally:
-            cdist.cleanup_pg(timeout_s=60)  # with an exception in flight: no barrier, leave at once
+            cleanup_pg(timeout_s=60)  # with an exception in flight: no barrier, leave at once
     except ValueError:
         pass
     events["order"].put(events["rank1_in"].is_set())

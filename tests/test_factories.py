@@ -185,7 +185,7 @@ def test_the_seed_makes_a_factory_that_shuffles_with_random_or_numpy_the_same_on
     sample trained on one rank was validated on another). Every recipe seeds all three before it builds."""
     import ast
 
-    from core.data import seed_all
+    from core.kernel.loader import seed_all
     from tools.registry import RECIPES
 
     seed_all(3)
@@ -197,7 +197,7 @@ def test_the_seed_makes_a_factory_that_shuffles_with_random_or_numpy_the_same_on
     for name, recipe in RECIPES.items():
         source = Path(sys.modules[recipe.load().__name__].__file__).read_text()
         calls = [ast.unparse(n.func) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
-        seed = "seed_all" if "seed_all" in calls else "data.seed_all"  # a recipe on the kernel imports the name
+        seed = "seed_all"  # every recipe imports the kernel's name
         build = "build_data" if "build_data" in calls else "data.build_data"
         assert seed in calls and "torch.manual_seed" not in calls[: calls.index(seed)], name
         assert calls.index(seed) < calls.index(build), name

@@ -34,7 +34,7 @@ class FailsOnRank1(nn.Module):
 
     def __init__(self, how: str):
         super().__init__()
-        from core.models import MLP
+        from core.kernel.builtin import MLP
 
         self.inner, self.how, self.calls = MLP(hidden=32, depth=2), how, 0
 

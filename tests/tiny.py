@@ -5,7 +5,7 @@ from collections import namedtuple
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.models import MLP
+from core.kernel.builtin import MLP
 
 
 def mlp() -> nn.Module:

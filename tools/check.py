@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core.data import seed_all, to_device
+from core.kernel.loader import seed_all, to_device
 from core.kernel.options import RecipeError
 from core.loss import make_loss
 from core.loss_options import choose_loss

@@ -33,6 +33,22 @@ class CopyError(Exception):
     """A `cp` the registry cannot make: one line for the user."""
 
 
+def launch_lines(docstring: str, dest: str, nproc: int) -> str:
+    """`./launch_single_node.sh DEST ...` needs that script; a copy elsewhere is started with torchrun."""
+    pattern = re.compile(
+        rf"^(\s*)(?:NPROC_PER_NODE=(\d+)\s+)?\./launch_single_node\.sh\s+{re.escape(dest)}(?=\s|$)", re.M
+    )
+    lines = docstring.splitlines(keepends=True)
+    converted = [
+        pattern.sub(lambda m: f"{m[1]}torchrun --standalone --nproc-per-node {m[2] or nproc} {dest}", line)
+        for line in lines
+    ]
+    # a launcher line that became the same command as another line of the docstring goes
+    return "".join(
+        new for new, old in zip(converted, lines) if new == old or new.strip() not in {other.strip() for other in lines}
+    )
+
+
 def parse_with(names: str, *, recipe: str) -> list[str]:
     """`--with a,b` (or all) -> the plug-ins of `recipe` to join, in the registry's order; an unknown one is a line."""
     offered = plugins_of(RECIPES[recipe])
@@ -121,7 +137,7 @@ def join(name: str, dest: str, *, kept: list[str]) -> str:
     recipe = RECIPES[name]
     text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     doc, imports, body = split_file(text)
-    doc = "\n".join(line for line in doc.split("\n") if "launch_single_node.sh" not in line)  # the package's launcher
+    doc = launch_lines(doc, dest, 2 if recipe.multi_node else 1)  # the package's launcher: torchrun in a copy
     head, _, tail = body.partition(TAIL)
     source = f"recipes/{Path(recipe.source_file).name}"
     parts = [f"# from {source}\n" + head.strip("\n")]

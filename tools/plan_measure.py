@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import amp, parallel, schedules, steps
 from core.config import parse_args
-from core.data import to_device
 from core.dist import Topology
+from core.kernel.loader import to_device
 from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
 from tools.plan_step import quiet
 

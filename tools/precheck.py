@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from core import ckpt, data, folder, models, stream
-from core.data import to_device
 from core.dist import Topology
 from core.factory import resolve_factory
+from core.kernel.loader import to_device
 from core.kernel.options import RecipeError
 from core.loss import IGNORE, make_loss
 from core.loss_options import choose_loss

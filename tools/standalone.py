@@ -25,6 +25,7 @@ import tokenize
 from bisect import bisect_right
 from collections.abc import Iterable
 
+from tools.copy_out import launch_lines
 from tools.features import FEATURES, drop_features
 from tools.inline_deps import _Inliner, _key
 from tools.inline_refs import RECIPE, Chunk, Module, StandaloneError, _inlined, line_offsets  # noqa: F401 (StandaloneError: API)
@@ -243,22 +244,6 @@ def _import_lines(keys: dict[tuple, str], submodules: dict[tuple, set[str]]) -> 
     return lines
 
 
-def _launch_lines(docstring: str, dest: str, nproc: int) -> str:
-    """`./launch_single_node.sh DEST ...` needs that script; a copy elsewhere is started with torchrun."""
-    pattern = re.compile(
-        rf"^(\s*)(?:NPROC_PER_NODE=(\d+)\s+)?\./launch_single_node\.sh\s+{re.escape(dest)}(?=\s|$)", re.M
-    )
-    lines = docstring.splitlines(keepends=True)
-    converted = [
-        pattern.sub(lambda m: f"{m[1]}torchrun --standalone --nproc-per-node {m[2] or nproc} {dest}", line)
-        for line in lines
-    ]
-    # a launcher line that became the same command as another line of the docstring goes
-    return "".join(
-        new for new, old in zip(converted, lines) if new == old or new.strip() not in {other.strip() for other in lines}
-    )
-
-
 def _requirements(inliner: _Inliner, keys: Iterable[tuple]) -> tuple[list[str], list[str]]:
     """Third-party packages the file imports at the top, and those imported only inside a function."""
     top = {k[2].split(".")[0] for k in keys}
@@ -341,7 +326,7 @@ def standalone_source(
     for feature in without:  # one line each, with the option that brings it back
         header.append(f"# Left out: {FEATURES[feature].says}; `--with {feature}` adds it.")
     header = "\n".join(textwrap.fill(line, width=118, subsequent_indent="# ") for line in header)
-    top = [_launch_lines(docstring, dest, nproc).rstrip("\n"), header] if docstring else [header]
+    top = [launch_lines(docstring, dest, nproc).rstrip("\n"), header] if docstring else [header]
     # the recipe's functions come before the helpers their annotations name: annotations must not be evaluated
     imports = ["from __future__ import annotations", "", *_import_lines(used, inliner.submodules)]
     early = [chunk for chunk in recipe.chunks if _definable_first(chunk.node)]

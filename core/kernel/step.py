@@ -24,6 +24,43 @@ from core.kernel.seams import LOSS_CHOICES
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
 
 
+def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:
+    """One optimizer step: forward, backward (where DDP all-reduces the gradients, averaged), step; a step whose
+    gradient norm is not finite is not taken. Returns the batch's metric sums and the norm."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, sums = forward(model, batch, loss_fn)
+    loss.backward()
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = float(torch.nn.utils.get_total_norm(grads))  # the step's one host sync; every rank reads the same
+    if math.isfinite(norm):
+        optimizer.step()
+    return sums, norm
+
+
+def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
+    """1 when a step with a non-finite gradient norm was skipped (--on-nonfinite skip); with stop, one line, on every
+    rank alike (they all read the same all-reduced norm)."""
+    if math.isfinite(grad_norm):
+        return 0
+    if on_nonfinite == "stop":
+        fix = "lower --lr, or pass --on-nonfinite skip"
+        raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
+    return 1
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
+    """val_loss (over every counted target) and val_acc where one exists, each rank's share counted once."""
+    if loader is None:
+        return {}
+    was_training, tally = model.training, Tally(device)
+    model.eval()
+    for batch in loader:
+        tally.add(forward(model, to_device(batch, device), loss_fn)[1])
+    model.train(was_training)
+    return summarize(tally.reduce(), prefix="val_")
+
+
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(logits, loss) from what a model returned; either may be None."""
     if isinstance(outputs, torch.Tensor):
@@ -89,40 +126,3 @@ def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool) -
         if logits.shape[:-1] == targets.shape:
             sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
     return sums
-
-
-def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:
-    """One optimizer step: forward, backward (where DDP all-reduces the gradients, averaged), step; a step whose
-    gradient norm is not finite is not taken. Returns the batch's metric sums and the norm."""
-    optimizer.zero_grad(set_to_none=True)
-    loss, sums = forward(model, batch, loss_fn)
-    loss.backward()
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    norm = float(torch.nn.utils.get_total_norm(grads))  # the step's one host sync; every rank reads the same
-    if math.isfinite(norm):
-        optimizer.step()
-    return sums, norm
-
-
-def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
-    """1 when a step with a non-finite gradient norm was skipped (--on-nonfinite skip); with stop, one line, on every
-    rank alike (they all read the same all-reduced norm)."""
-    if math.isfinite(grad_norm):
-        return 0
-    if on_nonfinite == "stop":
-        fix = "lower --lr, or pass --on-nonfinite skip"
-        raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
-    return 1
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
-    """val_loss (over every counted target) and val_acc where one exists, each rank's share counted once."""
-    if loader is None:
-        return {}
-    was_training, tally = model.training, Tally(device)
-    model.eval()
-    for batch in loader:
-        tally.add(forward(model, to_device(batch, device), loss_fn)[1])
-    model.train(was_training)
-    return summarize(tally.reduce(), prefix="val_")
