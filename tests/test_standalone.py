@@ -272,6 +272,10 @@ def test_copies_parse_the_same_options(project):
         have = offered(name)
         left_out = [f for f in have if variant != "all" and f != variant]
         gone = {"--" + o.replace("_", "-") for f in left_out for o in feature_options(name, f)}
+        if RECIPES[name].plugins:  # a joined copy parses its Config's fields in their order; --dry-run is the CLI's
+            gone.add("--dry-run")
+            assert sorted(_options(copied)) == sorted(o for o in _options(packaged) if o not in gone), (name, variant)
+            continue
         assert _options(copied) == [o for o in _options(packaged) if o not in gone], (name, variant)
 
 

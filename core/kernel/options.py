@@ -93,7 +93,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(config: type, argv: list[str] | None = None):
     """The Config of a command line: one --option per field (--help lists them); a bad one is a UsageError line."""
-    parser = _Parser(description=(sys.modules[config.__module__].__doc__ or "").split("\n")[0], allow_abbrev=False)
+    doc = getattr(sys.modules.get(config.__module__), "__doc__", None) or ""  # the recipe's first line
+    parser = _Parser(description=doc.split("\n")[0], allow_abbrev=False)
     for f in dataclasses.fields(config):
         how = {"type": type(f.default), "choices": f.metadata["choices"]}
         how = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else how
