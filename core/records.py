@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import core.plugins.take_back  # noqa: F401 - a refused run's new folder is taken back (the kernel's ON_FAIL)
+from core.kernel.seams import ON_FAIL
+from core.plugins.take_back import take_back
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,6 @@ def take_back_resume(run: RunFolder) -> None:
     if last.get("kind") == "resume" and last.get("checkpoint") == str(run.resume_from):
         with open(path, "r+b") as f:
             f.truncate(start)
+
+
+ON_FAIL.append(take_back)  # the recipes not on the kernel take back a refused run's new folder too

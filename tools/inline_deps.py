@@ -293,19 +293,16 @@ def _analyse(name: str, source: bytes, packages: tuple[str, ...], is_package: bo
     return _ANALYSES[key]
 
 
-# The seams (core/kernel/seams.py) the recipes not yet on the kernel reach too: the kernel's fail and the run folder.
-_SHARED_SEAMS = ("ON_FAIL", "BEFORE_JOB")
-
-
 def _attaches_elsewhere(node: ast.stmt) -> bool:
-    """A plug-in's `SEAM.append(hook)`, `SEAM.update(...)` or `SEAM[key] = hook` for a seam outside _SHARED_SEAMS."""
+    """A plug-in's `SEAM.append(hook)`, `SEAM.update(...)` or `SEAM[key] = hook`: how it attaches to the recipes on
+    the kernel; a recipe not on it registers what it takes itself (core/records.py: take_back)."""
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute):
         table = node.value.func.value
     elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
         table = node.targets[0].value
     else:
         return False
-    return isinstance(table, ast.Name) and table.id.isupper() and table.id not in _SHARED_SEAMS
+    return isinstance(table, ast.Name) and table.id.isupper()
 
 
 def _absolute(module: Module, node: ast.ImportFrom, is_package: bool) -> str:
