@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from core import amp, dist, models  # noqa: E402
 from core.exact_loss import make_exact_loss  # noqa: E402
+from core.kernel.pg import cleanup_pg
 from core.loss import Loss  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def worker(rank: int, args, port: int, results) -> None:
         if rank == 0:
             results.put({name: (min(t), statistics.median(t)) for name, t in times.items()})
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
 
 
 def report(times: dict[str, tuple[float, float]], args) -> str:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import dist, parallel, pipeline, schedules, steps  # noqa: E402
 from core.gpt import GPT  # noqa: E402
+from core.kernel.pg import cleanup_pg
 from core.loss import Loss  # noqa: E402
 
 
@@ -161,7 +162,7 @@ def worker(rank: int, port: int, args, queue) -> None:
         for kind in ("ddp", "fsdp"):
             queue.put({"bench": "memory", "kind": kind, "rank": rank, **memory(topo, kind=kind)})
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from plan_models import MATRIX  # noqa: E402
 
 from core.config import parse_args  # noqa: E402
+from core.kernel.pg import cleanup_pg  # noqa: E402
 from tools.plan import plan_recipe  # noqa: E402
 from tools.plan_measure import measure  # noqa: E402
 from tools.registry import RECIPES  # noqa: E402
@@ -107,7 +108,7 @@ def gpu() -> None:
             row["slack"] = got["cuda_reserved_bytes"] - got["cuda_peak_bytes"]
             print_row(row)
             print(json.dumps(row | {"context": context, "nccl": nccl}))
-    dist.cleanup_pg()
+    cleanup_pg()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import dist  # noqa: E402
+from core.kernel.pg import cleanup_pg
 from recipes import ddp_monitored  # noqa: E402  (the tuning options are ddp_monitored's)
 
 # (label, ddp_monitored Config changes); batch sizes where the option has work to do
@@ -74,7 +75,7 @@ def main() -> None:
                 results[i].append(measure(VARIANTS[i][1], args, topo))
                 print(f"repeat {repeat + 1}: {VARIANTS[i][0]}: {results[i][-1][0] * 1e3:.2f} ms/step", file=sys.stderr)
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     print(
         f"\nddp_monitored, 1 process on {where}, steps {args.warmup}-{args.steps}, median of {args.repeats} "

@@ -217,7 +217,7 @@ def test_lean_copies_leave_balance_blocks_digits_file_and_loss_counts_to_their_f
         ("pipeline", "balance", "def block_times("),
         ("fsdp", "blocks", "def named_blocks("),
         ("fsdp_tp", "blocks", "def named_blocks("),
-        ("ddp", "digits_file", "def _digits_table("),
+        ("ddp_amp", "digits_file", "def _digits_table("),  # ddp's and dp's copies: the kernel's digits(), sklearn's
         ("fsdp", "loss_counts", "def _forward_own("),
         ("tensor_parallel", "loss_counts", "def _own_counts("),
     ]
@@ -226,4 +226,5 @@ def test_lean_copies_leave_balance_blocks_digits_file_and_loss_counts_to_their_f
         assert code not in lean and f"`--with {feature}` adds it" in lean, (name, feature)
         assert code in kept and f"`--with {feature}` adds it" not in kept, (name, feature)
     assert "--balance" not in copy("pipeline").split('"""', 2)[2].split("# the pipeline recipe")[1]
-    assert "def sklearn_digits(" in copy("ddp") and "load_digits(return_X_y=True)" in copy("ddp")
+    assert "def sklearn_digits(" in copy("ddp_amp") and "load_digits(return_X_y=True)" in copy("ddp_amp")
+    assert "load_digits(return_X_y=True)" in copy("ddp") and "def _digits_table(" not in copy("ddp", "all")

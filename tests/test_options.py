@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from copy_jobs import recording
 
-from core import dist
 from core.config import parse_args
 from core.kernel.options import RecipeError, UsageError
+from core.kernel.pg import cleanup_pg
 from helpers import in_one_interpreter, recipe_params, waiting
 from tools.registry import RECIPES, takers
 
@@ -161,7 +161,7 @@ def test_every_option_is_read_by_the_run(name, tmp_path, monkeypatch):
     try:
         module.main(cfg)
     finally:
-        dist.cleanup_pg()
+        cleanup_pg()
     unread = fields - cfg._read - NEVER_READ_IN_ONE_PROCESS
     assert not unread, f"{name} takes options its run never reads: {sorted(unread)}"
 

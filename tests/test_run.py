@@ -463,7 +463,8 @@ def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(t
 
 KILLED_SAVE = """
 import os, signal, sys
-from core import ckpt, ckpt_io
+from core.kernel import ckpt  # ddp's checkpoints: the kernel's, written by the fast_writer plug-in
+from core.plugins import fast_writer
 point, at_step = sys.argv[1], int(sys.argv[2])
 sys.argv[1:3] = []
 
@@ -480,12 +481,12 @@ def wrap(module, name, when):
 
 saving = lambda path, *a: f"step-{at_step:06d}" in str(path)
 if point == "before the write":
-    wrap(ckpt, "write_checkpoint", saving)
+    wrap(ckpt, "write_tensors", saving)
 elif point == "mid-file":
     calls = []
-    wrap(ckpt_io, "_write_all", lambda f, view: saving(f.name) and len(calls.append(1) or calls) == 3)
+    wrap(fast_writer, "_write_all", lambda f, view: saving(f.name) and len(calls.append(1) or calls) == 3)
 elif point == "before the rename":
-    wrap(ckpt_io.os, "replace", lambda src, dst: saving(dst))
+    wrap(ckpt.os, "replace", lambda src, dst: saving(dst))
 elif point == "after the rename":
     wrap(ckpt, "list_checkpoints", lambda folder: any(saving(p) for p in folder.iterdir()))
 import runpy

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from core import data, stream
 from core.dist import Topology
+from core.kernel.loader import set_epoch, to_device
 from core.stream import StreamShard
 from world import GlooWorld
 
@@ -58,7 +59,7 @@ def map_steps(n: int, world_size: int, batch: int, *, consumed: int = 0, seed: i
     per_rank = []
     for rank in range(world_size):
         loader = data.make_loader(dataset, topology(rank, world_size), batch_size=batch, seed=seed)
-        data.set_epoch(loader, 3, consumed=consumed)
+        set_epoch(loader, 3, consumed=consumed)
         per_rank.append([set(x.tolist()) for (x,) in loader])
     assert len({len(batches) for batches in per_rank}) == 1, "every rank takes the same number of steps"
     return [set().union(*step) for step in zip(*per_rank)]
@@ -134,14 +135,14 @@ class Tokens(Dataset):
 @pytest.mark.fast
 def test_dict_samples_collate_to_dicts_and_move_to_the_device():
     loader = data.make_loader(Tokens(), topology(0, 1), batch_size=4, train=False)
-    batch = data.to_device(next(iter(loader)), torch.device("cpu"))
+    batch = to_device(next(iter(loader)), torch.device("cpu"))
     assert set(batch) == {"input_ids", "labels", "id"} and batch["input_ids"].shape == (4, 4)
     assert batch["labels"].tolist() == [0, 1, 2, 3] and batch["id"] == ["doc0", "doc1", "doc2", "doc3"]
     Pair = namedtuple("Pair", "input target")
-    moved = data.to_device(Pair(torch.ones(2), [torch.zeros(1), "keep", 3]), torch.device("meta"))
+    moved = to_device(Pair(torch.ones(2), [torch.zeros(1), "keep", 3]), torch.device("meta"))
     assert isinstance(moved, Pair) and moved.input.device.type == "meta" and moved.target[0].device.type == "meta"
     assert moved.target[1:] == ["keep", 3], "non-tensor values are left alone"
-    x, y = data.to_device((torch.ones(2), torch.zeros(2)), torch.device("meta"))
+    x, y = to_device((torch.ones(2), torch.zeros(2)), torch.device("meta"))
     assert x.device.type == y.device.type == "meta"
 
 
@@ -152,7 +153,7 @@ def test_a_factory_collate_fn_is_used_for_streams_and_maps():
 
     for dataset in (Stream(7), Tokens()):
         loader = loader_for(dataset, topology(0, 1), batch_size=3, collate_fn=pad)
-        data.set_epoch(loader, 0)
+        set_epoch(loader, 0, consumed=0)
         assert all(set(batch) == {"n"} for batch in loader)
 
 
@@ -186,7 +187,7 @@ def _train_two_epochs(topo, sizes, sized, workers):
     )
     counts = []
     for epoch in range(2):
-        data.set_epoch(loader, epoch)
+        set_epoch(loader, epoch, consumed=0)
         steps = 0
         for batch in itertools.islice(loader, 100):  # as a recipe loops: islice up to the planned steps
             torch_dist.all_reduce(batch.clone())  # a stand-in for DDP's gradient all-reduce, one per step
@@ -238,7 +239,7 @@ def test_two_workers_per_rank_read_each_rank_share_in_order(train):
 
 def check_resume_skips_what_was_consumed(topo, consumed):
     loader = stream.make_loader(range_stream(40), topo, batch_size=2, collate_fn=torch.tensor)
-    data.set_epoch(loader, 1, consumed=consumed)
+    set_epoch(loader, 1, consumed=consumed)
     return [b.tolist() for b in loader]
 
 

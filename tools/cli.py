@@ -132,7 +132,8 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, fea
         raise click.UsageError(f"{dest} exists; pass --force to overwrite it or pick another name")
     if not target.parent.is_dir():
         raise click.UsageError(f"{dest}: the folder {target.parent} does not exist; create it or pick another place")
-    from tools.copies import copy_source, retarget_commands
+    from tools.copies import copy_source
+    from tools.copy_out import retarget_commands
 
     if standalone:  # one file that imports nothing of this package
         from tools.copy_out import CopyError

@@ -10,17 +10,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tools.copy_out import LEFT_OUT, join
+from tools.copy_out import LEFT_OUT, join, retarget_commands
 from tools.features import FEATURES, builtin_defaults, features_of
 from tools.registry import PLUGINS, RECIPES, plugins_of
 from tools.standalone import copy_size, standalone_source
-
-
-def retarget_commands(text: str, name: str, dest: str) -> str:
-    """Point the docstring's launch commands at the copied file instead of the package."""
-    text = re.sub(rf"python -m recipes run {name}\b", f"python {dest}", text)
-    text = re.sub(rf"-m recipes run {name}\b", dest, text)
-    return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
 
 
 def offered(name: str) -> list[str]:

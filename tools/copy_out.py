@@ -33,6 +33,13 @@ class CopyError(Exception):
     """A `cp` the registry cannot make: one line for the user."""
 
 
+def retarget_commands(text: str, name: str, dest: str) -> str:
+    """Point the docstring's launch commands at the copied file instead of the package."""
+    text = re.sub(rf"python -m recipes run {name}\b", f"python {dest}", text)
+    text = re.sub(rf"-m recipes run {name}\b", dest, text)
+    return re.sub(rf"launch_single_node\.sh {name}\b", f"launch_single_node.sh {dest}", text)
+
+
 def launch_lines(docstring: str, dest: str, nproc: int) -> str:
     """`./launch_single_node.sh DEST ...` needs that script; a copy elsewhere is started with torchrun."""
     pattern = re.compile(
@@ -132,8 +139,6 @@ def _wrap(line: str) -> str:
 
 def join(name: str, dest: str, *, kept: list[str]) -> str:
     """The text of recipe `name`'s standalone copy at `dest`, with the plug-ins in `kept`."""
-    from tools.copies import retarget_commands
-
     recipe = RECIPES[name]
     text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     doc, imports, body = split_file(text)

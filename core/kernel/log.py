@@ -81,11 +81,12 @@ def say(run: RunFolder, message: str, *, level: str = "INFO") -> None:
 
 
 def env_int(name: str, default: int) -> int | None:
-    """torchrun's RANK, WORLD_SIZE or LOCAL_RANK as a number; None when it is not one (init_pg names it)."""
+    """torchrun's RANK, WORLD_SIZE or LOCAL_RANK as a number; None when it is not one of 0 or more (init_pg says)."""
     try:
-        return int(os.environ.get(name, default))
+        value = int(os.environ.get(name, default))
     except ValueError:
         return None
+    return value if value >= 0 else None
 
 
 def fail(message: str, code: int, *, everyone: bool = True) -> int:

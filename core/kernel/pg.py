@@ -30,7 +30,9 @@ def init_pg(*, timeout_s: float) -> Topology:
     found = {name: env_int(name, default) for name, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))}
     for name, value in found.items():
         if value is None:
-            raise RecipeError(f"environment variable {name}={os.environ[name]!r} is not an integer")
+            raise RecipeError(
+                f"environment variable {name}={os.environ[name]!r} is not an integer of 0 or more; unset it"
+            )
     rank, world_size, local_rank = found.values()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")  # cuda:LOCAL_RANK, never cuda:RANK
