@@ -102,6 +102,12 @@ def train(cfg: Config, topo: Topology) -> dict:
         with not_training():  # each rank evaluates its share of the validation set; the sums are all-reduced
             evaluation = evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         log_eval(run, evaluation, step=step, epoch=epoch)
+        last = dict(epoch=epoch, samples=consumed)  # where the data stands after this epoch's steps
+    if step > start["step"] and not (cfg.ckpt_every and step % cfg.ckpt_every == 0):  # the end's: it can train longer
+        with not_training():
+            progress = dict(**last, step=step, skipped=skipped, window=totals.reduce())
+            state = dict(optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep)
+            save_checkpoint(run, model=model, **state)
 
     # Rank 0 alone writes the weights.
     saved = write_weights(run, model.state_dict())

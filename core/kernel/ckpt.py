@@ -11,6 +11,7 @@ global batch is the same.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import zlib
@@ -206,6 +207,7 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
         state.setdefault(int(index), {})[name] = value
     groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in rest["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # JSON made AdamW's betas a list
+    total = scheduler.T_max  # this job's schedule length, before the checkpoint's replaces it
     scheduler.load_state_dict(json.loads(meta["scheduler"]))
     mine = f"rng/{dist.get_rank()}/"  # a rank the saving job did not have keeps its seeded generator
     for key in (k for k in tensors if k.startswith(mine)):  # cuda's: set when CUDA is first used (none on a CPU)
@@ -215,7 +217,22 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
     where = {k: v for k, v in progress.items() if k != "window"}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    if scheduler.T_max != total:  # a finished run resumed with a larger --epochs or --max-steps
+        train_longer(run, scheduler, total)
     return progress
+
+
+def train_longer(run: RunFolder, scheduler, total: int) -> None:
+    """A finished run trained on to `total` steps: the cosine recomputed over the new total, as a function of the
+    step (torchtitan's way). The saved state alone would climb back along the old cosine, and a new T_max alone would
+    multiply the last rate, 0, so each group's rate is set from the closed form once; the scheduler steps on."""
+    step, old = scheduler.last_epoch, scheduler.T_max
+    scheduler.T_max, low = total, scheduler.eta_min
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = low + (base - low) * (1 + math.cos(math.pi * step / total)) / 2
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    write_record(run, {"kind": "extend", "step": step, "old_total": old, "new_total": total})
+    say(run, f"training longer: {old} -> {total} steps; the learning rate's cosine now spans {total} steps")
 
 
 def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:

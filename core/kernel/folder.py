@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from core.kernel.ckpt import newest_good, read_metadata
+from core.kernel.ckpt import list_checkpoints, newest_good, read_metadata
 from core.kernel.log import RunFolder, keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError, flag
 from core.kernel.pg import Topology, broadcast_object
@@ -19,19 +19,21 @@ from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS
 # does not take one trains as IMPLIED says.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}
+LENGTH = ("epochs", "max_steps")  # a finished run takes larger ones: it trains longer
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     """The summary of a finished run that --resume (or torchrun's restart) continues, said in one line; None when
     there is something to train. Decided from the folder alone: a finished run trains nothing and changes no file."""
-    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.rank == 0 else None)
+    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg), cfg) if topo.rank == 0 else None)
     if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
 
 
-def finished_run(out: str, prefix: str, resume: str) -> tuple[str, dict] | None:
-    """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record."""
+def finished_run(out: str, prefix: str, resume: str, cfg=None) -> tuple[str, dict] | None:
+    """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record; with
+    `cfg`, None too when its last checkpoint was saved with another --epochs or --max-steps: it trains longer."""
     if resume == "auto":
         runs = run_dirs(out, prefix)[-1:]
     else:
@@ -40,7 +42,14 @@ def finished_run(out: str, prefix: str, resume: str) -> tuple[str, dict] | None:
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
+    if last.get("kind") != "summary":
+        return None
+    checkpoints = list_checkpoints(runs[0] / "ckpt") if resume == "auto" else [Path(resume)]
+    with contextlib.suppress(IndexError, RecipeError):  # none, or a damaged one: the run is finished as it is
+        saved = json.loads(read_metadata(checkpoints[-1]).get("config", "{}"))
+        if cfg is not None and any(saved.get(k, getattr(cfg, k)) != getattr(cfg, k) for k in LENGTH):
+            return None
+    return str(runs[0]), {k: v for k, v in last.items() if k != "kind"}
 
 
 def resume_of(cfg) -> str:
@@ -78,7 +87,8 @@ def _take_folder(cfg, config: dict) -> tuple[Path, Path | None]:
         where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
         show(f"--resume auto: {where} in {cfg.out}; starting a new run")
     if resume_from is not None:
-        check_continues(resume_from, read_metadata(resume_from), config)
+        ended = ended_at(resume_from.parent.parent)  # a run that finished there may train longer
+        check_continues(resume_from, read_metadata(resume_from), config, ended=ended)
     in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
     path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
     for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json
@@ -86,9 +96,10 @@ def _take_folder(cfg, config: dict) -> tuple[Path, Path | None]:
     return path, resume_from
 
 
-def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
+def check_continues(path: Path, meta: dict[str, str], config: dict, *, ended: int | None = None) -> None:
     """One RecipeError line, naming both sides and the fix, when the checkpoint would train another run here: another
-    global batch, or another value of an option that shapes training."""
+    global batch, or another value of an option that shapes training. A run that `ended` at that step may train
+    longer: from its last checkpoint, with a larger --epochs or --max-steps."""
     for check in RESUME_CHECKS:
         check(path, meta, config)
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
@@ -101,7 +112,12 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
     saved = json.loads(meta.get("config", "{}"))
-    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]
+    at = json.loads(meta.get("progress", "{}"))
+    longer = ended is not None and at.get("step") == ended  # the state it finished with
+    if longer and (config["epochs"] <= at.get("epoch", 0) or 0 < config["max_steps"] <= ended):
+        asked = f"--epochs {config['epochs']} --max-steps {config['max_steps']}"
+        raise RecipeError(f"{path}: the run finished at step {ended}; {asked} trains no further: raise them to go on")
+    both = [k for k in TRAJECTORY if (k in IMPLIED or (k in saved and k in config)) and not (longer and k in LENGTH)]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
@@ -113,6 +129,16 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
             f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
             f"options it was started with), or start a new run without --resume"
         )
+
+
+def ended_at(run_dir: Path) -> int | None:
+    """The step of the run's last summary record: it finished there once (and may have trained longer since)."""
+    with contextlib.suppress(OSError):
+        for line in reversed((run_dir / "metrics.jsonl").read_bytes().splitlines()):
+            with contextlib.suppress(ValueError):
+                if (record := json.loads(line)).get("kind") == "summary":
+                    return record.get("steps")
+    return None
 
 
 def run_dirs(out: str, prefix: str) -> list[Path]:
