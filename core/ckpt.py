@@ -25,7 +25,7 @@ from torch import nn
 
 from core.ckpt_io import read_header, verify
 from core.dist import all_gather_object, broadcast_object
-from core.kernel.ckpt import FORMAT, atomic_write, list_checkpoints, savable
+from core.kernel.ckpt import FORMAT, atomic_write, list_checkpoints, savable, train_longer
 from core.kernel.log import say, show
 from core.kernel.options import RecipeError
 from core.plugins.fast_writer import write_fast
@@ -152,6 +152,7 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, **stateful) 
     tensors, meta = payload
     model.load_state_dict(model_part(tensors))
     optimizer.load_state_dict(_optimizer_state(tensors, json.loads(meta["optimizer"])))
+    total = getattr(stateful.get("scheduler"), "T_max", None)  # this job's schedule length, before the checkpoint's
     for key, holder in stateful.items():  # a checkpoint without one (null: a disabled GradScaler) leaves it as it is
         holder.load_state_dict(json.loads(meta.get(key, "null")) or {})
     mine = f"rng/{dist.get_rank() if dist.is_initialized() else 0}/"  # a rank the saving job lacked keeps its own
@@ -162,6 +163,8 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, **stateful) 
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    if getattr(stateful.get("scheduler"), "T_max", None) != total:  # a finished run resumed with a larger --epochs
+        train_longer(run, stateful["scheduler"], total)
     return progress
 
 

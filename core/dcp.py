@@ -49,6 +49,7 @@ from core.dcp_folder import (
 )
 from core.dcp_tensors import rng_tensors, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
+from core.kernel.ckpt import train_longer
 from core.kernel.log import say, show
 from core.kernel.options import RecipeError
 from core.records import RunFolder, write_record
@@ -190,6 +191,7 @@ def load_checkpoint(run: RunFolder, *, model, optimizer, **stateful) -> dict:
     optim = {k.removeprefix("optim/"): v for k, v in tensors.items() if k.startswith("optim/")}
     optim |= {k: tuple(v) if isinstance(v, list) else v for k, v in info["optimizer"].items()}  # JSON made betas lists
     set_state_dict(model, optimizer, model_state_dict=model_part(tensors), optim_state_dict=optim)  # unflattens it
+    total = getattr(stateful.get("scheduler"), "T_max", None)  # this job's schedule length, before the checkpoint's
     for key, holder in stateful.items():  # a checkpoint without one (null: a disabled GradScaler) leaves it as it is
         holder.load_state_dict(info.get(key) or {})
     for key, value in rng.items():
@@ -199,4 +201,6 @@ def load_checkpoint(run: RunFolder, *, model, optimizer, **stateful) -> dict:
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
     write_record(run, {"kind": "resume", "checkpoint": str(path), **where, **shape})
     say(run, f"resumed from {path} at step {progress['step']}")
+    if getattr(stateful.get("scheduler"), "T_max", None) != total:  # a finished run resumed with a larger --epochs
+        train_longer(run, stateful["scheduler"], total)
     return progress

@@ -17,7 +17,9 @@ import os
 import re
 from pathlib import Path
 
+from core import ckpt, dcp
 from core.dist import Topology, broadcast_object
+from core.kernel.folder import LENGTH, ended_at
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError, flag
 from core.kernel.seams import BEFORE_JOB
@@ -63,13 +65,13 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     line; None when there is something to train. Decided from the folder alone, before anything is built, checked,
     locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
     # rank 0 reads the folder: other nodes need not see it
-    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.rank == 0 else None)
+    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg), cfg) if topo.rank == 0 else None)
     if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
 
 
-def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str, dict] | None:
+def finished_run(out: str | os.PathLike, prefix: str, resume: str, cfg=None) -> tuple[str, dict] | None:
     """(the folder, its summary record) when `resume` ('auto', or a checkpoint RUN/ckpt/step-N) continues a run that
     is finished: one whose metrics.jsonl holds its summary record. The summary is written last, after
     model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
@@ -82,7 +84,23 @@ def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str,
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
+    if last.get("kind") != "summary":
+        return None
+    if cfg is not None and asks_longer(runs[0], resume, cfg):  # a larger --epochs or --max-steps: it trains longer
+        return None
+    return str(runs[0]), {k: v for k, v in last.items() if k != "kind"}
+
+
+def asks_longer(run_dir: Path, resume: str, cfg) -> bool:
+    """Whether the checkpoint a finished run resumes (its newest, for 'auto') was saved with another --epochs or
+    --max-steps than `cfg`'s: the run trains longer (check_continues refuses fewer steps)."""
+    named = [p for p in (run_dir / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+(\.safetensors)?", p.name)]
+    path = max(named, key=lambda p: p.name, default=None) if resume == "auto" else Path(resume)
+    try:
+        saved = json.loads((dcp if path.is_dir() else ckpt).read_metadata(path).get("config", "{}"))
+    except (AttributeError, RecipeError, ValueError):  # no checkpoint, or a damaged one: finished as it is
+        return False
+    return any(saved.get(k, getattr(cfg, k)) != getattr(cfg, k) for k in LENGTH)
 
 
 def resume_of(cfg) -> str:
@@ -101,8 +119,8 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
             show(f"--resume auto: {where} in {cfg.out}; starting a new run")
     else:
         resume_from = Path(resume) if resume else None
-    if resume_from is not None:
-        check_continues(resume_from, header(resume_from), config, dp=dp)
+    if resume_from is not None:  # a run that finished at that checkpoint's step may train longer
+        check_continues(resume_from, header(resume_from), config, dp=dp, ended=ended_at(resume_from.parent.parent))
     in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
     path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
     found = {"path": path, "resume_from": resume_from}
@@ -112,13 +130,14 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
     return found
 
 
-def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
+def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int, ended: int | None = None) -> None:
     """Whether a checkpoint (its header `meta`) continues in this job: one RecipeError line when not.
 
     It must come from a recipe whose state means the same, have fp16's loss scaler on both sides or neither, the
     same global batch (`dp`: this job's data-parallel ranks), and the same options that shape training. The line
     names both sides and the fix. A copy without `checks` checks the global batch and the options: another one would
-    silently train another run."""
+    silently train another run. A run that `ended` at the checkpoint's step may train longer: a larger --epochs or
+    --max-steps."""
     check_layout(path, meta, config)
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
@@ -129,7 +148,13 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
     saved = json.loads(meta.get("config", "{}"))  # the options that shape training (TRAJECTORY), on both sides
+    at = json.loads(meta.get("progress", "{}"))
+    longer = ended is not None and at.get("step") == ended  # the state it finished with
+    if longer and (config["epochs"] <= at.get("epoch", 0) or 0 < config["max_steps"] <= ended):
+        asked = f"--epochs {config['epochs']} --max-steps {config['max_steps']}"
+        raise RecipeError(f"{path}: the run finished at step {ended}; {asked} trains no further: raise them to go on")
     both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
+    both = [k for k in both if not (longer and k in LENGTH)]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")

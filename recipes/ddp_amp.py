@@ -145,6 +145,13 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
+        last = dict(epoch=epoch, samples=consumed)  # where the data stands after this epoch's steps
+    if step > start["step"] and not (cfg.ckpt_every and step % cfg.ckpt_every == 0):  # the end's: it can train longer
+        window = meter.open_window(totals)  # its sums so far: a resume goes on with them
+        progress = dict(**last, step=step, skipped=skipped, window=window)
+        with meter.paused(totals):
+            state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+            ckpt.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
 
     # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
     saved = weights.write_weights(run, model.state_dict())

@@ -141,6 +141,13 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         with meter.paused(totals):
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
+        last = dict(epoch=epoch, samples=consumed)  # where the data stands after this epoch's steps
+    if step > start["step"] and not (cfg.ckpt_every and step % cfg.ckpt_every == 0):  # the end's: it can train longer
+        window = meter.open_window(totals)  # its sums so far: a resume goes on with them
+        progress = dict(**last, step=step, skipped=skipped, window=window)
+        with meter.paused(totals):
+            state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
+            ckpt.save_checkpoint(run, model=plain, **state, progress=progress, keep=cfg.keep)
 
     # The plain model's weights.
     saved = weights.write_weights(run, plain.state_dict())
