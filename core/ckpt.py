@@ -25,7 +25,7 @@ from torch import nn
 
 from core.ckpt_io import read_header, verify
 from core.dist import all_gather_object, broadcast_object
-from core.kernel.ckpt import FORMAT, atomic_write, list_checkpoints, savable, train_longer
+from core.kernel.ckpt import FORMAT, atomic_write, list_checkpoints, savable
 from core.kernel.log import say, show
 from core.kernel.options import RecipeError
 from core.plugins.fast_writer import write_fast
@@ -163,9 +163,20 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, **stateful) 
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    if getattr(stateful.get("scheduler"), "T_max", None) != total:  # a finished run resumed with a larger --epochs
+    if total is not None and stateful["scheduler"].T_max != total:  # a finished run given more steps trains longer
         train_longer(run, stateful["scheduler"], total)
     return progress
+
+
+def train_longer(run: RunFolder, scheduler, total: int) -> None:
+    """A finished run trains on to `total` steps: the cosine recomputed over the new total, as a function of the step
+    (torchtitan's way). The saved state alone would climb back along the old cosine, and a new T_max alone would
+    scale the last rate, 0: each group's rate is set once from the closed form, then the scheduler steps as usual
+    (core.kernel.ckpt.load_checkpoint does the same)."""
+    old, scheduler.T_max = scheduler.T_max, total
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._get_closed_form_lr()):
+        group["lr"] = lr
+    write_record(run, {"kind": "extend", "old_total": old, "new_total": total})
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:

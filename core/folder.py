@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
 
 from core import ckpt, dcp
 from core.dist import Topology, broadcast_object
-from core.kernel.folder import LENGTH, ended_at
+from core.kernel.folder import LENGTH
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError, flag
 from core.kernel.seams import BEFORE_JOB
@@ -75,7 +76,8 @@ def finished_run(out: str | os.PathLike, prefix: str, resume: str, cfg=None) -> 
     """(the folder, its summary record) when `resume` ('auto', or a checkpoint RUN/ckpt/step-N) continues a run that
     is finished: one whose metrics.jsonl holds its summary record. The summary is written last, after
     model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
-    checkpoint, resumed, writes what is missing."""
+    checkpoint, resumed, writes what is missing. With `cfg`: a run whose checkpoint was saved with another --epochs or
+    --max-steps is not finished (it trains longer: check_continues refuses fewer steps)."""
     if resume == "auto":
         runs = run_dirs(out, prefix)[-1:]
     else:
@@ -84,23 +86,21 @@ def finished_run(out: str | os.PathLike, prefix: str, resume: str, cfg=None) -> 
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    if last.get("kind") != "summary":
+    if cfg is not None and last.get("kind") == "summary" and asks_longer(runs[0], resume, cfg):
         return None
-    if cfg is not None and asks_longer(runs[0], resume, cfg):  # a larger --epochs or --max-steps: it trains longer
-        return None
-    return str(runs[0]), {k: v for k, v in last.items() if k != "kind"}
+    return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
 
 
 def asks_longer(run_dir: Path, resume: str, cfg) -> bool:
     """Whether the checkpoint a finished run resumes (its newest, for 'auto') was saved with another --epochs or
-    --max-steps than `cfg`'s: the run trains longer (check_continues refuses fewer steps)."""
+    --max-steps than `cfg`'s. A one-file checkpoint or a sharded one (a folder); none, or a damaged one: no."""
     named = [p for p in (run_dir / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+(\.safetensors)?", p.name)]
     path = max(named, key=lambda p: p.name, default=None) if resume == "auto" else Path(resume)
     try:
-        saved = json.loads((dcp if path.is_dir() else ckpt).read_metadata(path).get("config", "{}"))
-    except (AttributeError, RecipeError, ValueError):  # no checkpoint, or a damaged one: finished as it is
+        saved = json.loads((dcp if path.is_dir() else ckpt).read_metadata(path)["config"])
+    except (AttributeError, KeyError, RecipeError, ValueError):
         return False
-    return any(saved.get(k, getattr(cfg, k)) != getattr(cfg, k) for k in LENGTH)
+    return any(saved.get(k) != getattr(cfg, k) for k in LENGTH)
 
 
 def resume_of(cfg) -> str:
@@ -119,8 +119,8 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
             show(f"--resume auto: {where} in {cfg.out}; starting a new run")
     else:
         resume_from = Path(resume) if resume else None
-    if resume_from is not None:  # a run that finished at that checkpoint's step may train longer
-        check_continues(resume_from, header(resume_from), config, dp=dp, ended=ended_at(resume_from.parent.parent))
+    if resume_from is not None:
+        check_continues(resume_from, header(resume_from), config, dp=dp)
     in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
     path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
     found = {"path": path, "resume_from": resume_from}
@@ -130,14 +130,14 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
     return found
 
 
-def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int, ended: int | None = None) -> None:
+def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) -> None:
     """Whether a checkpoint (its header `meta`) continues in this job: one RecipeError line when not.
 
     It must come from a recipe whose state means the same, have fp16's loss scaler on both sides or neither, the
     same global batch (`dp`: this job's data-parallel ranks), and the same options that shape training. The line
     names both sides and the fix. A copy without `checks` checks the global batch and the options: another one would
-    silently train another run. A run that `ended` at the checkpoint's step may train longer: a larger --epochs or
-    --max-steps."""
+    silently train another run. A checkpoint at its run's end takes a larger --epochs or --max-steps: it trains
+    longer."""
     check_layout(path, meta, config)
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
@@ -148,13 +148,11 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int, 
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
     saved = json.loads(meta.get("config", "{}"))  # the options that shape training (TRAJECTORY), on both sides
-    at = json.loads(meta.get("progress", "{}"))
-    longer = ended is not None and at.get("step") == ended  # the state it finished with
-    if longer and (config["epochs"] <= at.get("epoch", 0) or 0 < config["max_steps"] <= ended):
-        asked = f"--epochs {config['epochs']} --max-steps {config['max_steps']}"
-        raise RecipeError(f"{path}: the run finished at step {ended}; {asked} trains no further: raise them to go on")
+    end = json.loads(meta.get("scheduler") or "{}")  # a checkpoint at its run's end: a larger length trains on
+    ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # (0 steps: no limit)
+    longer = [k for k in LENGTH if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
     both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
-    both = [k for k in both if not (longer and k in LENGTH)]
+    both = [k for k in both if k not in longer]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")

@@ -153,7 +153,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     timer.take(), device=topo.device, global_batch=global_batch, flops_per_sample=flops, peak_flops=peak
                 )
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):
@@ -164,14 +164,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             with monitor.paused(timer, watch):
                 evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
-        last = dict(epoch=epoch, samples=consumed)  # where the data stands after this epoch's steps
-    if step > start["step"] and not (cfg.ckpt_every and step % cfg.ckpt_every == 0):  # the end's: it can train longer
-        window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-        progress = dict(**last, step=step, skipped=skipped, window=window)
-        with meter.paused(totals):
-            with monitor.paused(timer, watch):
-                state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
-                saver.save(run, model=model, **state, progress=progress, keep=cfg.keep)
     profiler.stop()
     watch.stop()
     saver.close()  # the last background write lands before the final weights (or its failure is one line)

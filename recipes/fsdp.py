@@ -156,7 +156,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):  # every rank writes its own shard
@@ -168,13 +168,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
             )
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
-        last = dict(epoch=epoch, samples=consumed)  # where the data stands after this epoch's steps
-    if step > start["step"] and not (cfg.ckpt_every and step % cfg.ckpt_every == 0):  # the end's: it can train longer
-        window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-        progress = dict(**last, step=step, skipped=skipped, window=window)
-        with meter.paused(totals):  # every rank writes its own shard
-            state = {"optimizer": optimizer, "scheduler": scheduler}
-            dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
 
     # Every rank sends its shards; rank 0 writes the whole model. The buffers are not sharded: every rank
     # vouches that it holds the same ones.

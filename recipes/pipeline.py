@@ -163,7 +163,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):  # every rank writes its own stages
@@ -172,13 +172,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         with meter.paused(totals):  # forward only, through the same schedule: K batches a run, the smaller last one too
             evaluation = schedules.evaluate_pipeline(schedule, val_loader, **eval_options)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
-        last = dict(epoch=epoch, samples=consumed)  # where the data stands after this epoch's steps
-    if step > start["step"] and not (cfg.ckpt_every and step % cfg.ckpt_every == 0):  # the end's: it can train longer
-        window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-        progress = dict(**last, step=step, skipped=skipped, window=window)
-        with meter.paused(totals):  # every rank writes its own stages
-            state = {"model": pipeline.root_module(stages), "optimizer": optimizer, "scheduler": scheduler}
-            dcp.save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
 
     # The stages' tensors, merged on rank 0 into the plain model's state dict and written as one file (and a
     # Hugging Face folder for a transformers model: a meta-device model lends its config and class).

@@ -132,7 +132,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):
@@ -141,13 +141,6 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         with meter.paused(totals):
             evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
         meter.log_eval(run, evaluation, step=step, epoch=epoch)
-        last = dict(epoch=epoch, samples=consumed)  # where the data stands after this epoch's steps
-    if step > start["step"] and not (cfg.ckpt_every and step % cfg.ckpt_every == 0):  # the end's: it can train longer
-        window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-        progress = dict(**last, step=step, skipped=skipped, window=window)
-        with meter.paused(totals):
-            state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
-            ckpt.save_checkpoint(run, model=plain, **state, progress=progress, keep=cfg.keep)
 
     # The plain model's weights.
     saved = weights.write_weights(run, plain.state_dict())

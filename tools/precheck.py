@@ -297,7 +297,7 @@ def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -
     runs = folder.run_dirs(cfg.out, cfg.name or recipe)
     resume = cfg.resume or "auto"
     if folder.finished_run(cfg.out, cfg.name or recipe, resume, cfg):
-        return  # at any world size and with the options it finished with: the run is finished and trains nothing
+        return  # at any world size, its --epochs and --max-steps: the run is finished and trains nothing
     path = (newest(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run
@@ -308,4 +308,4 @@ def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -
         ckpt.check_shapes(path, tensors, model)
     else:
         dcp.check_shapes(path, model)
-    folder.check_continues(path, header(path), config, dp=dp, ended=folder.ended_at(path.parent.parent))
+    folder.check_continues(path, header(path), config, dp=dp)

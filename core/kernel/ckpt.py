@@ -11,7 +11,6 @@ global batch is the same.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import zlib
@@ -133,9 +132,8 @@ def read_metadata(path: Path) -> dict[str, str]:
 def read_checkpoint(path: Path, model: nn.Module | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A checkpoint's tensors and metadata, the header and every tensor checked against its checksum."""
     tensors, meta = _open(path, lambda f: {key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
-    verify(
-        path, tensors, meta, fix=f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
-    )
+    fix = f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
+    verify(path, tensors, meta, fix=fix)
     for check in READ_CHECKS:
         check(path, tensors, model)
     return tensors, meta
@@ -207,8 +205,8 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
         state.setdefault(int(index), {})[name] = value
     groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in rest["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # JSON made AdamW's betas a list
-    total = scheduler.T_max  # this job's schedule length, before the checkpoint's replaces it
-    scheduler.load_state_dict(json.loads(meta["scheduler"]))
+    saved = json.loads(meta["scheduler"])  # this job's T_max: a finished run given more steps trains longer
+    scheduler.load_state_dict(saved | {"T_max": scheduler.T_max})
     mine = f"rng/{dist.get_rank()}/"  # a rank the saving job did not have keeps its seeded generator
     for key in (k for k in tensors if k.startswith(mine)):  # cuda's: set when CUDA is first used (none on a CPU)
         torch.set_rng_state(tensors[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(tensors[key])
@@ -217,22 +215,11 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
     where = {k: v for k, v in progress.items() if k != "window"}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    if scheduler.T_max != total:  # a finished run resumed with a larger --epochs or --max-steps
-        train_longer(run, scheduler, total)
+    if saved["T_max"] != scheduler.T_max:  # the cosine over the new total, from its closed form (docs/checkpoints.md)
+        for group, lr in zip(optimizer.param_groups, scheduler._get_closed_form_lr()):
+            group["lr"] = lr
+        write_record(run, {"kind": "extend", "old_total": saved["T_max"], "new_total": scheduler.T_max})
     return progress
-
-
-def train_longer(run: RunFolder, scheduler, total: int) -> None:
-    """A finished run trained on to `total` steps: the cosine recomputed over the new total, as a function of the
-    step (torchtitan's way). The saved state alone would climb back along the old cosine, and a new T_max alone would
-    multiply the last rate, 0, so each group's rate is set from the closed form once; the scheduler steps on."""
-    step, old = scheduler.last_epoch, scheduler.T_max
-    scheduler.T_max, low = total, scheduler.eta_min
-    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-        group["lr"] = low + (base - low) * (1 + math.cos(math.pi * step / total)) / 2
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
-    write_record(run, {"kind": "extend", "step": step, "old_total": old, "new_total": total})
-    say(run, f"training longer: {old} -> {total} steps; the learning rate's cosine now spans {total} steps")
 
 
 def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:

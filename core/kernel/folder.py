@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS
 # does not take one trains as IMPLIED says.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}
-LENGTH = ("epochs", "max_steps")  # a finished run takes larger ones: it trains longer
+LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
@@ -32,8 +33,8 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
 
 
 def finished_run(out: str, prefix: str, resume: str, cfg=None) -> tuple[str, dict] | None:
-    """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record; with
-    `cfg`, None too when its last checkpoint was saved with another --epochs or --max-steps: it trains longer."""
+    """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record, and
+    its checkpoint was saved with `cfg`'s --epochs and --max-steps (other ones: it trains longer)."""
     if resume == "auto":
         runs = run_dirs(out, prefix)[-1:]
     else:
@@ -42,14 +43,10 @@ def finished_run(out: str, prefix: str, resume: str, cfg=None) -> tuple[str, dic
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    if last.get("kind") != "summary":
-        return None
-    checkpoints = list_checkpoints(runs[0] / "ckpt") if resume == "auto" else [Path(resume)]
-    with contextlib.suppress(IndexError, RecipeError):  # none, or a damaged one: the run is finished as it is
-        saved = json.loads(read_metadata(checkpoints[-1]).get("config", "{}"))
-        if cfg is not None and any(saved.get(k, getattr(cfg, k)) != getattr(cfg, k) for k in LENGTH):
-            return None
-    return str(runs[0]), {k: v for k, v in last.items() if k != "kind"}
+    with contextlib.suppress(IndexError, KeyError, RecipeError):  # no checkpoint, or a damaged one: finished as it is
+        saved = read_metadata(Path(resume) if resume != "auto" else list_checkpoints(runs[0] / "ckpt")[-1])["config"]
+        last = {} if cfg and any(json.loads(saved)[k] != getattr(cfg, k) for k in LENGTH) else last
+    return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
 
 
 def resume_of(cfg) -> str:
@@ -87,8 +84,7 @@ def _take_folder(cfg, config: dict) -> tuple[Path, Path | None]:
         where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
         show(f"--resume auto: {where} in {cfg.out}; starting a new run")
     if resume_from is not None:
-        ended = ended_at(resume_from.parent.parent)  # a run that finished there may train longer
-        check_continues(resume_from, read_metadata(resume_from), config, ended=ended)
+        check_continues(resume_from, read_metadata(resume_from), config)
     in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
     path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
     for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json
@@ -96,10 +92,9 @@ def _take_folder(cfg, config: dict) -> tuple[Path, Path | None]:
     return path, resume_from
 
 
-def check_continues(path: Path, meta: dict[str, str], config: dict, *, ended: int | None = None) -> None:
+def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     """One RecipeError line, naming both sides and the fix, when the checkpoint would train another run here: another
-    global batch, or another value of an option that shapes training. A run that `ended` at that step may train
-    longer: from its last checkpoint, with a larger --epochs or --max-steps."""
+    global batch, or another value of an option that shapes training."""
     for check in RESUME_CHECKS:
         check(path, meta, config)
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
@@ -111,13 +106,10 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, ended: in
         accum = f" x --accum {config['accum']}" if "accum" in config else ""
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
-    saved = json.loads(meta.get("config", "{}"))
-    at = json.loads(meta.get("progress", "{}"))
-    longer = ended is not None and at.get("step") == ended  # the state it finished with
-    if longer and (config["epochs"] <= at.get("epoch", 0) or 0 < config["max_steps"] <= ended):
-        asked = f"--epochs {config['epochs']} --max-steps {config['max_steps']}"
-        raise RecipeError(f"{path}: the run finished at step {ended}; {asked} trains no further: raise them to go on")
-    both = [k for k in TRAJECTORY if (k in IMPLIED or (k in saved and k in config)) and not (longer and k in LENGTH)]
+    saved, end = json.loads(meta.get("config", "{}")), json.loads(meta.get("scheduler", "{}"))
+    ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # saved at its run's end: larger ones train on
+    longer = [k for k in LENGTH if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
+    both = [k for k in TRAJECTORY if (k in IMPLIED or (k in saved and k in config)) and k not in longer]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
@@ -129,16 +121,6 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, ended: in
             f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
             f"options it was started with), or start a new run without --resume"
         )
-
-
-def ended_at(run_dir: Path) -> int | None:
-    """The step of the run's last summary record: it finished there once (and may have trained longer since)."""
-    with contextlib.suppress(OSError):
-        for line in reversed((run_dir / "metrics.jsonl").read_bytes().splitlines()):
-            with contextlib.suppress(ValueError):
-                if (record := json.loads(line)).get("kind") == "summary":
-                    return record.get("steps")
-    return None
 
 
 def run_dirs(out: str, prefix: str) -> list[Path]:
