@@ -176,7 +176,7 @@ def train_longer(run: RunFolder, scheduler, total: int) -> None:
     old, scheduler.T_max = scheduler.T_max, total
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler._get_closed_form_lr()):
         group["lr"] = lr
-    write_record(run, {"kind": "extend", "old_total": old, "new_total": total})
+    write_record(run, {"kind": "extend", "step": scheduler.last_epoch, "old_total": old, "new_total": total})
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:

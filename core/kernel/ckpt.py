@@ -215,10 +215,10 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
     where = {k: v for k, v in progress.items() if k != "window"}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    if saved["T_max"] != scheduler.T_max:  # the cosine over the new total, from its closed form (docs/checkpoints.md)
+    if (old := saved["T_max"]) != scheduler.T_max:  # the cosine over the new total, closed form (docs/checkpoints.md)
         for group, lr in zip(optimizer.param_groups, scheduler._get_closed_form_lr()):
             group["lr"] = lr
-        write_record(run, {"kind": "extend", "old_total": saved["T_max"], "new_total": scheduler.T_max})
+        write_record(run, {"kind": "extend", "step": progress["step"], "old_total": old, "new_total": scheduler.T_max})
     return progress
 
 
