@@ -291,3 +291,20 @@ def test_the_standalone_copy_trains_longer(tmp_path):
     records = _records(out / "ddp-1")
     assert [r["steps"] for r in records if r["kind"] == "summary"] == [3, 5]
     assert {"kind": "extend", "step": 3, "old_total": 3, "new_total": 5} in records
+
+
+def test_the_final_weights_and_hf_are_written_again_at_the_new_end(tmp_path):
+    """A transformers model (docs/examples/tiny_gpt2.py): hf/ holds the extended run's weights."""
+    from transformers import AutoModelForCausalLM
+
+    example = ["--model", "tiny_gpt2:model", "--data", "tiny_gpt2:data", "--batch-size", "8", "--out", str(tmp_path)]
+    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO / "docs" / "examples"), PATHS]))
+    for more in (["--max-steps", "2"], ["--max-steps", "4", "--resume", "auto"]):
+        run([sys.executable, "-m", "recipes", "run", "ddp", *example, *more], cwd=tmp_path, env=env, timeout=300)
+    run_dir = tmp_path / "ddp-1"
+    assert [r["steps"] for r in _records(run_dir) if r["kind"] == "summary"] == [2, 4]
+    saved = load_file(str(run_dir / "model.safetensors"))
+    final = load_file(str(run_dir / "ckpt" / "step-000004.safetensors"))
+    assert all(torch.equal(saved[k], final[f"model/{k}"]) for k in saved)
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
