@@ -98,9 +98,9 @@ def asks_longer(run_dir: Path, resume: str, cfg) -> bool:
     path = max(named, key=lambda p: p.name, default=None) if resume == "auto" else Path(resume)
     try:
         saved = json.loads((dcp if path.is_dir() else ckpt).read_metadata(path)["config"])
+        return any(saved[k] != getattr(cfg, k) for k in LENGTH)
     except (AttributeError, KeyError, RecipeError, ValueError):
         return False
-    return any(saved.get(k) != getattr(cfg, k) for k in LENGTH)
 
 
 def resume_of(cfg) -> str:
