@@ -32,7 +32,7 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     return found and {**found[1], "already_finished": True}
 
 
-def finished_run(out: str, prefix: str, resume: str, cfg=None) -> tuple[str, dict] | None:
+def finished_run(out: str, prefix: str, resume: str, cfg) -> tuple[str, dict] | None:
     """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record, and
     its checkpoint was saved with `cfg`'s --epochs and --max-steps (other ones: it trains longer)."""
     if resume == "auto":
@@ -45,7 +45,7 @@ def finished_run(out: str, prefix: str, resume: str, cfg=None) -> tuple[str, dic
         return None
     with contextlib.suppress(IndexError, KeyError, RecipeError):  # no checkpoint, or a damaged one: finished as it is
         saved = read_metadata(Path(resume) if resume != "auto" else list_checkpoints(runs[0] / "ckpt")[-1])["config"]
-        last = {} if cfg and any(json.loads(saved)[k] != getattr(cfg, k) for k in LENGTH) else last
+        last = {} if any(json.loads(saved)[k] != getattr(cfg, k) for k in LENGTH) else last
     return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
 
 
