@@ -18,7 +18,6 @@ import os
 import re
 from pathlib import Path
 
-from core import ckpt, dcp
 from core.dist import Topology, broadcast_object
 from core.kernel.folder import LENGTH
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
@@ -61,23 +60,25 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     return run
 
 
-def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
+def finished(cfg, topo: Topology, *, recipe: str, header) -> dict | None:
     """A run that --resume (or torchrun's restart) continues and that is finished: its summary record, said in one
     line; None when there is something to train. Decided from the folder alone, before anything is built, checked,
     locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
     # rank 0 reads the folder: other nodes need not see it
-    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg), cfg) if topo.rank == 0 else None)
+    done = finished_run(cfg.out, cfg.name or recipe, resume_of(cfg), cfg, header=header) if topo.rank == 0 else None
+    found = broadcast_object(done)
     if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
 
 
-def finished_run(out: str | os.PathLike, prefix: str, resume: str, cfg=None) -> tuple[str, dict] | None:
+def finished_run(out: str | os.PathLike, prefix: str, resume: str, cfg=None, header=None) -> tuple[str, dict] | None:
     """(the folder, its summary record) when `resume` ('auto', or a checkpoint RUN/ckpt/step-N) continues a run that
     is finished: one whose metrics.jsonl holds its summary record. The summary is written last, after
     model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
-    checkpoint, resumed, writes what is missing. With `cfg`: a run whose checkpoint was saved with another --epochs or
-    --max-steps is not finished (it trains longer: check_continues refuses fewer steps)."""
+    checkpoint, resumed, writes what is missing. With `cfg` and `header` (a checkpoint's metadata): a run whose
+    checkpoint was saved with another --epochs or --max-steps is not finished (it trains longer: check_continues
+    refuses fewer steps)."""
     if resume == "auto":
         runs = run_dirs(out, prefix)[-1:]
     else:
@@ -86,20 +87,20 @@ def finished_run(out: str | os.PathLike, prefix: str, resume: str, cfg=None) -> 
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    if cfg is not None and last.get("kind") == "summary" and asks_longer(runs[0], resume, cfg):
+    if cfg is not None and last.get("kind") == "summary" and asks_longer(runs[0], resume, cfg, header=header):
         return None
     return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
 
 
-def asks_longer(run_dir: Path, resume: str, cfg) -> bool:
+def asks_longer(run_dir: Path, resume: str, cfg, *, header) -> bool:
     """Whether the checkpoint a finished run resumes (its newest, for 'auto') was saved with another --epochs or
-    --max-steps than `cfg`'s. A one-file checkpoint or a sharded one (a folder); none, or a damaged one: no."""
+    --max-steps than `cfg`'s; none, or a damaged one: no."""
     named = [p for p in (run_dir / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+(\.safetensors)?", p.name)]
     path = max(named, key=lambda p: p.name, default=None) if resume == "auto" else Path(resume)
     try:
-        saved = json.loads((dcp if path.is_dir() else ckpt).read_metadata(path)["config"])
+        saved = json.loads(header(path)["config"])
         return any(saved[k] != getattr(cfg, k) for k in LENGTH)
-    except (AttributeError, KeyError, RecipeError, ValueError):
+    except (KeyError, RecipeError, TypeError, ValueError):  # none (None), or a damaged one
         return False
 
 

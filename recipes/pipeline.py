@@ -98,7 +98,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    if done := folder.finished(cfg, topo, recipe="pipeline"):  # resumed, finished: nothing is touched
+    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
+    if done := folder.finished(cfg, topo, recipe="pipeline", header=dcp.read_metadata):
         return done
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     dp, pp, pp_rank = device_mesh["dp"].size(), device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()

@@ -89,7 +89,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    if done := folder.finished(cfg, topo, recipe="tensor_parallel"):  # resumed, finished: nothing is touched
+    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
+    if done := folder.finished(cfg, topo, recipe="tensor_parallel", header=dcp.read_metadata):
         return done
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 

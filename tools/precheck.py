@@ -296,7 +296,7 @@ def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -
     newest, header = (dcp.newest_good, dcp.read_metadata) if dcp else (ckpt.newest_good, ckpt.read_metadata)
     runs = folder.run_dirs(cfg.out, cfg.name or recipe)
     resume = cfg.resume or "auto"
-    if folder.finished_run(cfg.out, cfg.name or recipe, resume, cfg):
+    if folder.finished_run(cfg.out, cfg.name or recipe, resume, cfg, header=header):
         return  # at any world size, its --epochs and --max-steps: the run is finished and trains nothing
     path = (newest(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is None:
