@@ -152,6 +152,7 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, **stateful) 
     tensors, meta = payload
     model.load_state_dict(model_part(tensors))
     optimizer.load_state_dict(_optimizer_state(tensors, json.loads(meta["optimizer"])))
+    total = getattr(stateful.get("scheduler"), "T_max", None)  # this job's schedule length, before the checkpoint's
     for key, holder in stateful.items():  # a checkpoint without one (null: a disabled GradScaler) leaves it as it is
         holder.load_state_dict(json.loads(meta.get(key, "null")) or {})
     mine = f"rng/{dist.get_rank() if dist.is_initialized() else 0}/"  # a rank the saving job lacked keeps its own
@@ -162,7 +163,20 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, **stateful) 
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    if total is not None and stateful["scheduler"].T_max != total:  # a finished run given more steps trains longer
+        train_longer(run, stateful["scheduler"], total)
     return progress
+
+
+def train_longer(run: RunFolder, scheduler, total: int) -> None:
+    """A finished run trains on to `total` steps: the cosine recomputed over the new total, as a function of the step
+    (torchtitan's way). The saved state alone would climb back along the old cosine, and a new T_max alone would
+    scale the last rate, 0: each group's rate is set once from the closed form, then the scheduler steps as usual
+    (core.kernel.ckpt.load_checkpoint does the same)."""
+    old, scheduler.T_max = scheduler.T_max, total
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._get_closed_form_lr()):
+        group["lr"] = lr
+    write_record(run, {"kind": "extend", "step": scheduler.last_epoch, "old_total": old, "new_total": total})
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.ckpt import START
+from core.ckpt import START, train_longer
 from core.ckpt_io import fsync_dir
 from core.dcp_folder import (
     DONE,
@@ -60,10 +60,11 @@ from core.weights import check_model_matches, model_part
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     """What core.ckpt.read_metadata gives of a one-file checkpoint, from checkpoint.json alone.
 
-    Recipe, config, global_batch, world_size, trackers, progress: strings. One RecipeError line when it isn't a
-    good one."""
+    Recipe, config, global_batch, world_size, trackers, scheduler, progress: strings. One RecipeError line when it
+    isn't a good one."""
     info = read_info(Path(path))
-    return {**info["metadata"], "world_size": str(info["world_size"]), "progress": json.dumps(info["progress"])}
+    shape = {"world_size": str(info["world_size"]), "scheduler": json.dumps(info.get("scheduler") or {})}
+    return {**info["metadata"], **shape, "progress": json.dumps(info["progress"])}
 
 
 def newest_good(run_dir: Path) -> Path | None:
@@ -190,6 +191,7 @@ def load_checkpoint(run: RunFolder, *, model, optimizer, **stateful) -> dict:
     optim = {k.removeprefix("optim/"): v for k, v in tensors.items() if k.startswith("optim/")}
     optim |= {k: tuple(v) if isinstance(v, list) else v for k, v in info["optimizer"].items()}  # JSON made betas lists
     set_state_dict(model, optimizer, model_state_dict=model_part(tensors), optim_state_dict=optim)  # unflattens it
+    total = getattr(stateful.get("scheduler"), "T_max", None)  # this job's schedule length, before the checkpoint's
     for key, holder in stateful.items():  # a checkpoint without one (null: a disabled GradScaler) leaves it as it is
         holder.load_state_dict(info.get(key) or {})
     for key, value in rng.items():
@@ -199,4 +201,6 @@ def load_checkpoint(run: RunFolder, *, model, optimizer, **stateful) -> dict:
     where = {k: v for k, v in progress.items() if k != "window"}  # the window's sums are the meter's, not a record's
     write_record(run, {"kind": "resume", "checkpoint": str(path), **where, **shape})
     say(run, f"resumed from {path} at step {progress['step']}")
+    if total is not None and stateful["scheduler"].T_max != total:  # a finished run given more steps trains longer
+        train_longer(run, stateful["scheduler"], total)
     return progress

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
 
 from core.dist import Topology, broadcast_object
+from core.kernel.folder import LENGTH
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError, flag
 from core.kernel.seams import BEFORE_JOB
@@ -58,22 +60,25 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     return run
 
 
-def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
+def finished(cfg, topo: Topology, *, recipe: str, header) -> dict | None:
     """A run that --resume (or torchrun's restart) continues and that is finished: its summary record, said in one
     line; None when there is something to train. Decided from the folder alone, before anything is built, checked,
     locked or written, so a finished run resumed at any world size trains nothing and leaves every file as it is."""
     # rank 0 reads the folder: other nodes need not see it
-    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.rank == 0 else None)
+    done = finished_run(cfg.out, cfg.name or recipe, resume_of(cfg), cfg, header=header) if topo.rank == 0 else None
+    found = broadcast_object(done)
     if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
 
 
-def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str, dict] | None:
+def finished_run(out: str | os.PathLike, prefix: str, resume: str, cfg=None, header=None) -> tuple[str, dict] | None:
     """(the folder, its summary record) when `resume` ('auto', or a checkpoint RUN/ckpt/step-N) continues a run that
     is finished: one whose metrics.jsonl holds its summary record. The summary is written last, after
     model.safetensors and hf/, so a run stopped before it (a kill during the hf/ write) is not finished: its final
-    checkpoint, resumed, writes what is missing."""
+    checkpoint, resumed, writes what is missing. With `cfg` and `header` (a checkpoint's metadata): a run whose
+    checkpoint was saved with another --epochs or --max-steps is not finished (it trains longer: check_continues
+    refuses fewer steps)."""
     if resume == "auto":
         runs = run_dirs(out, prefix)[-1:]
     else:
@@ -82,7 +87,21 @@ def finished_run(out: str | os.PathLike, prefix: str, resume: str) -> tuple[str,
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
+    if cfg is not None and last.get("kind") == "summary" and asks_longer(runs[0], resume, cfg, header=header):
+        return None
     return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
+
+
+def asks_longer(run_dir: Path, resume: str, cfg, *, header) -> bool:
+    """Whether the checkpoint a finished run resumes (its newest, for 'auto') was saved with another --epochs or
+    --max-steps than `cfg`'s; none, or a damaged one: no."""
+    named = [p for p in (run_dir / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+(\.safetensors)?", p.name)]
+    path = max(named, key=lambda p: p.name, default=None) if resume == "auto" else Path(resume)
+    try:
+        saved = json.loads(header(path)["config"])
+        return any(saved[k] != getattr(cfg, k) for k in LENGTH)
+    except (KeyError, RecipeError, TypeError, ValueError):  # none (None), or a damaged one
+        return False
 
 
 def resume_of(cfg) -> str:
@@ -118,7 +137,8 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
     It must come from a recipe whose state means the same, have fp16's loss scaler on both sides or neither, the
     same global batch (`dp`: this job's data-parallel ranks), and the same options that shape training. The line
     names both sides and the fix. A copy without `checks` checks the global batch and the options: another one would
-    silently train another run."""
+    silently train another run. A checkpoint at its run's end takes a larger --epochs or --max-steps: it trains
+    longer."""
     check_layout(path, meta, config)
     saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
     if saved_batch and saved_batch != global_batch:  # every later step would differ; the fix keeps it at `dp` ranks
@@ -129,7 +149,11 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
     saved = json.loads(meta.get("config", "{}"))  # the options that shape training (TRAJECTORY), on both sides
+    end = json.loads(meta.get("scheduler") or "{}")  # a checkpoint at its run's end: a larger length trains on
+    ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # (0 steps: no limit)
+    longer = [k for k in LENGTH if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
     both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
+    both = [k for k in both if k not in longer]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")

@@ -79,7 +79,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    if done := folder.finished(cfg, topo, recipe="ddp_monitored"):  # resumed, finished: nothing is touched
+    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
+    if done := folder.finished(cfg, topo, recipe="ddp_monitored", header=ckpt.read_metadata):
         return done
     global_batch = cfg.batch_size * topo.world_size
 
@@ -155,7 +156,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     timer.take(), device=topo.device, global_batch=global_batch, flops_per_sample=flops, peak_flops=peak
                 )
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):

@@ -64,7 +64,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     # The run folder: a new one, or the one of the checkpoint --resume names, refused before it is touched when
     # the checkpoint cannot continue in this job. Then that checkpoint's state.
     run = open_run(cfg, topo, recipe="dp", global_batch=global_batch)
-    start = load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
+    start = load_checkpoint(run, **state)
     totals = Tally(topo.device)  # the loss and accuracy of each log window, summed over the ranks when read
     totals.carry(start["window"], writer=run.writer)  # the window open at the checkpoint
     single = f"DataParallel needs 2+ GPUs and found {gpus}: plain single-device training"
@@ -89,12 +90,10 @@ def train(cfg: Config, topo: Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr = scheduler.get_last_lr()[0]
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 with not_training():
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
-                    save_checkpoint(
-                        run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep
-                    )
+                    save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
         with not_training():  # each rank evaluates its share of the validation set; the sums are all-reduced
             evaluation = evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         log_eval(run, evaluation, step=step, epoch=epoch)

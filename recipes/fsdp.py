@@ -93,7 +93,8 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, topo: dist.Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
     totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    if done := folder.finished(cfg, topo, recipe="fsdp"):  # resumed, finished: nothing is touched
+    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
+    if done := folder.finished(cfg, topo, recipe="fsdp", header=dcp.read_metadata):
         return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
 
@@ -158,7 +159,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):  # every rank writes its own shard

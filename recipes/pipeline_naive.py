@@ -88,7 +88,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    if done := folder.finished(cfg, topo, recipe="pipeline_naive"):  # resumed, finished: nothing is touched
+    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
+    if done := folder.finished(cfg, topo, recipe="pipeline_naive", header=ckpt.read_metadata):
         return done
     global_batch = cfg.batch_size  # one process
 
@@ -134,7 +135,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):

@@ -91,7 +91,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, topo: dist.Topology) -> dict:
     totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    if done := folder.finished(cfg, topo, recipe="tensor_parallel"):  # resumed, finished: nothing is touched
+    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
+    if done := folder.finished(cfg, topo, recipe="tensor_parallel", header=dcp.read_metadata):
         return done
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 
@@ -151,7 +152,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):  # every rank writes its own slices

@@ -300,7 +300,7 @@ def test_partial_and_damaged_folders_are_never_picked(tmp_path):
     assert dcp_folder.list_sharded(ckpt) == [good] and dcp.newest_good(tmp_path / "run") == good
     assert dcp.newest_good(tmp_path / "nothing") is None
     header = dcp.read_metadata(good)  # what core.ckpt.read_metadata gives, for core.folder.check_continues
-    assert header == {**meta, "world_size": "2", "progress": '{"step": 2}'}
+    assert header == {**meta, "world_size": "2", "scheduler": "{}", "progress": '{"step": 2}'}
     with pytest.raises(RecipeError, match="not a complete sharded checkpoint"):
         dcp.read_metadata(ckpt / "step-000009")
     with pytest.raises(RecipeError, match="its checksum does not match its contents"):

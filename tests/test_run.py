@@ -48,9 +48,10 @@ def _snapshot(folder):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """The quick start's shape (115 steps, checkpoints at 50 and 100): the last step is not checkpointed."""
+    """The quick start's shape (115 steps, checkpoints at 50 and 100), and the checkpoint every run ends with (issue
+    36: it can train longer), --keep 3 keeping them all."""
     tmp_path = tmp_path_factory.mktemp("finished")
-    proc = _run(tmp_path, "--max-steps", "7", "--ckpt-every", "3")
+    proc = _run(tmp_path, "--max-steps", "7", "--ckpt-every", "3", "--keep", "3")
     (tmp_path / "stdout.txt").write_text(proc.stdout)
     names = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*") if p.is_file())
     files = (".lock", *CKPTS, "config.json", "metrics.jsonl", "model.safetensors", "train.log")
@@ -69,15 +70,17 @@ def test_train_log_holds_every_line_the_run_printed_with_time_level_and_rank(fin
     assert said[0] == ("DEBUG", f"run folder {finished / 'runs' / 'ddp-1'}")  # stderr's line, for the launcher
 
 
-CKPTS = ("ckpt/step-000003.safetensors", "ckpt/step-000006.safetensors")
+CKPTS = ("ckpt/step-000003.safetensors", "ckpt/step-000006.safetensors", "ckpt/step-000007.safetensors")
 
 
 def _stopped(finished, tmp_path):
-    """A copy of the finished run stopped before its end (no summary, no weights): it has steps left to train."""
+    """A copy of the finished run stopped before its end (no summary, no weights, no checkpoint at its last step): it
+    has steps left to train."""
     shutil.copytree(finished / "runs", tmp_path / "runs")
     metrics, run_dir = tmp_path / "runs" / "ddp-1" / "metrics.jsonl", tmp_path / "runs" / "ddp-1"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in _strict(metrics) if r["kind"] != "summary"))
     (run_dir / "model.safetensors").unlink()
+    (run_dir / CKPTS[-1]).unlink()
     return tmp_path
 
 

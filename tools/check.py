@@ -112,10 +112,11 @@ def _finish(proc: subprocess.Popen, *, out: str, timeout_s: float) -> tuple[dict
 
 
 def run_summary(out: str | Path) -> dict | None:
-    """The summary record of the newest run under `out`, with its folder (`run_dir`); None when it has none."""
+    """The last summary record of the newest run under `out` (a run trained longer has one per end), with its folder
+    (`run_dir`); None when it has none."""
     runs = sorted(Path(out).glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in runs[-1].read_text().splitlines() if line.strip()] if runs else []
-    summary = next((r for r in records if r.get("kind") == "summary"), None)
+    summary = next((r for r in reversed(records) if r.get("kind") == "summary"), None)
     return None if summary is None else {**summary, "run_dir": runs[-1].parent}
 
 

@@ -296,8 +296,8 @@ def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -
     newest, header = (dcp.newest_good, dcp.read_metadata) if dcp else (ckpt.newest_good, ckpt.read_metadata)
     runs = folder.run_dirs(cfg.out, cfg.name or recipe)
     resume = cfg.resume or "auto"
-    if folder.finished_run(cfg.out, cfg.name or recipe, resume):
-        return  # at any world size and with any options: the run says it is finished and trains nothing
+    if folder.finished_run(cfg.out, cfg.name or recipe, resume, cfg, header=header):
+        return  # at any world size, its --epochs and --max-steps: the run is finished and trains nothing
     path = (newest(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run

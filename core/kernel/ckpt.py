@@ -132,9 +132,8 @@ def read_metadata(path: Path) -> dict[str, str]:
 def read_checkpoint(path: Path, model: nn.Module | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A checkpoint's tensors and metadata, the header and every tensor checked against its checksum."""
     tensors, meta = _open(path, lambda f: {key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
-    verify(
-        path, tensors, meta, fix=f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
-    )
+    fix = f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
+    verify(path, tensors, meta, fix=fix)
     for check in READ_CHECKS:
         check(path, tensors, model)
     return tensors, meta
@@ -206,7 +205,8 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
         state.setdefault(int(index), {})[name] = value
     groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in rest["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # JSON made AdamW's betas a list
-    scheduler.load_state_dict(json.loads(meta["scheduler"]))
+    saved = json.loads(meta["scheduler"])  # this job's T_max: a finished run given more steps trains longer
+    scheduler.load_state_dict(saved | {"T_max": scheduler.T_max})
     mine = f"rng/{dist.get_rank()}/"  # a rank the saving job did not have keeps its seeded generator
     for key in (k for k in tensors if k.startswith(mine)):  # cuda's: set when CUDA is first used (none on a CPU)
         torch.set_rng_state(tensors[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(tensors[key])
@@ -215,6 +215,10 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
     where = {k: v for k, v in progress.items() if k != "window"}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
+    if (old := saved["T_max"]) != scheduler.T_max:  # the cosine over the new total, closed form (docs/checkpoints.md)
+        for group, lr in zip(optimizer.param_groups, scheduler._get_closed_form_lr()):
+            group["lr"] = lr
+        write_record(run, {"kind": "extend", "step": progress["step"], "old_total": old, "new_total": scheduler.T_max})
     return progress
 
 

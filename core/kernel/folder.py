@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
 
-from core.kernel.ckpt import newest_good, read_metadata
+from core.kernel.ckpt import list_checkpoints, newest_good, read_metadata
 from core.kernel.log import RunFolder, keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError, flag
 from core.kernel.pg import Topology, broadcast_object
@@ -19,19 +20,21 @@ from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS
 # does not take one trains as IMPLIED says.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}
+LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     """The summary of a finished run that --resume (or torchrun's restart) continues, said in one line; None when
     there is something to train. Decided from the folder alone: a finished run trains nothing and changes no file."""
-    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg)) if topo.rank == 0 else None)
+    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg), cfg) if topo.rank == 0 else None)
     if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
 
 
-def finished_run(out: str, prefix: str, resume: str) -> tuple[str, dict] | None:
-    """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record."""
+def finished_run(out: str, prefix: str, resume: str, cfg) -> tuple[str, dict] | None:
+    """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record, and
+    its checkpoint was saved with `cfg`'s --epochs and --max-steps (other ones: it trains longer)."""
     if resume == "auto":
         runs = run_dirs(out, prefix)[-1:]
     else:
@@ -40,6 +43,9 @@ def finished_run(out: str, prefix: str, resume: str) -> tuple[str, dict] | None:
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
+    with contextlib.suppress(IndexError, KeyError, RecipeError):  # no checkpoint, or a damaged one: finished as it is
+        saved = read_metadata(Path(resume) if resume != "auto" else list_checkpoints(runs[0] / "ckpt")[-1])["config"]
+        last = {} if any(json.loads(saved)[k] != getattr(cfg, k) for k in LENGTH) else last
     return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
 
 
@@ -100,8 +106,10 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
         accum = f" x --accum {config['accum']}" if "accum" in config else ""
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
-    saved = json.loads(meta.get("config", "{}"))
-    both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]
+    saved, end = json.loads(meta.get("config", "{}")), json.loads(meta.get("scheduler", "{}"))
+    ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # saved at its run's end: larger ones train on
+    longer = [k for k in LENGTH if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
+    both = [k for k in TRAJECTORY if (k in IMPLIED or (k in saved and k in config)) and k not in longer]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")

@@ -41,10 +41,8 @@ def init_pg(*, timeout_s: float) -> Topology:
     store = dist.HashStore() if "MASTER_PORT" not in os.environ and world_size == 1 else None  # no launcher: no port
     try:
         if not dist.is_initialized():  # store None: env:// (MASTER_ADDR, MASTER_PORT)
-            timeout = timedelta(seconds=timeout_s)
-            dist.init_process_group(
-                "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
+            backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, TimeoutError, OSError, ValueError) as err:  # Dist*Error are RuntimeErrors
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
