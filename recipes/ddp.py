@@ -91,7 +91,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr = scheduler.get_last_lr()[0]
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
                 with not_training():
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     save_checkpoint(run, **state, progress=progress, keep=cfg.keep)

@@ -137,7 +137,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                 numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
                 scale = {"loss_scale": stats.scale} if stats.scaled else {}  # fp16: the scaler's current scale
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **scale)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):

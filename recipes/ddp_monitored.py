@@ -156,7 +156,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
                     timer.take(), device=topo.device, global_batch=global_batch, flops_per_sample=flops, peak_flops=peak
                 )
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total:  # the last: it can go on
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them
                 progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
                 with meter.paused(totals):

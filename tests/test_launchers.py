@@ -477,7 +477,8 @@ def test_a_rank_killed_or_stopped_is_one_line_then_the_restart_resumes(job):
     """MAX_RESTARTS=1: rank 1 killed with SIGKILL, or stopped with SIGSTOP past --timeout-s: one line naming the rank
     and the signal and the restart; the restarted group resumes from the newest checkpoint and the job exits 0."""
     restart = env(NPROC_PER_NODE="2", MAX_RESTARTS="1")
-    opts = ["--max-steps", "300", "--resume", "auto", "--timeout-s", "8"]
+    # 300 steps (not the 5 epochs' 110): the kill lands in training even when a busy machine sees the checkpoint late
+    opts = ["--max-steps", "300", "--epochs", "20", "--resume", "auto", "--timeout-s", "8"]
     killed, stopped = (job(name, *opts, environ=restart) for name in ("killed", "stopped"))
     for one, sig in ((killed, signal.SIGKILL), (stopped, signal.SIGSTOP)):
         one.wait_for_training()
