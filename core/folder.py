@@ -11,7 +11,6 @@ Only rank 0 writes or prints; every number it writes has been reduced over the r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -19,7 +18,7 @@ import re
 from pathlib import Path
 
 from core.dist import Topology, broadcast_object
-from core.kernel.folder import LENGTH
+from core.kernel.folder import LENGTH, new_run_dir, run_dirs
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError, flag
 from core.kernel.seams import BEFORE_JOB
@@ -183,20 +182,3 @@ def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
             f"{path}: a checkpoint trained in {was} and this run asks for --precision {precision}: fp16's loss-scaler "
             f"state does not carry across; resume with --precision {was}, or start a new run"
         )
-
-
-def run_dirs(out: str | os.PathLike, prefix: str) -> list[Path]:
-    """The folders `out/prefix-N`, oldest (lowest N) first."""
-    named = re.compile(re.escape(prefix) + r"-(\d+)")
-    found = [(int(m[1]), p) for p in Path(out).glob("*") if (m := named.fullmatch(p.name))]  # none if no folder
-    return [p for _, p in sorted(found)]
-
-
-def new_run_dir(out: str | os.PathLike, prefix: str) -> Path:
-    """`out/prefix-N`, one past the highest, created now so that no other job takes it."""
-    while True:
-        taken = run_dirs(out, prefix)
-        path = Path(out) / f"{prefix}-{int(taken[-1].name.rsplit('-', 1)[1]) + 1 if taken else 1}"
-        with contextlib.suppress(FileExistsError):  # another job took it between the listing and the mkdir
-            path.mkdir(parents=True)
-            return path

@@ -17,7 +17,8 @@ from core.config import Training, parse_args
 from core.data import build_data, make_loader
 from core.datasets import digits
 from core.dist import Topology
-from core.folder import finished_run, new_run_dir, run_dirs
+from core.folder import finished_run
+from core.kernel.folder import new_run_dir, run_dirs
 from core.kernel.loader import ResumableSampler
 from core.kernel.options import RecipeError, UsageError
 from core.models import MODELS, build_model

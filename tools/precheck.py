@@ -22,6 +22,7 @@ from torch import nn
 from core import ckpt, data, folder, models, stream
 from core.dist import Topology
 from core.factory import resolve_factory
+from core.kernel.folder import run_dirs
 from core.kernel.loader import to_device
 from core.kernel.options import RecipeError
 from core.loss import IGNORE, make_loss
@@ -294,7 +295,7 @@ def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -
     """The checkpoint --resume names (or auto finds) is whole, holds this model and continues in this job."""
     dcp = getattr(module, "dcp", None)  # a recipe with sharded checkpoints imports core.dcp
     newest, header = (dcp.newest_good, dcp.read_metadata) if dcp else (ckpt.newest_good, ckpt.read_metadata)
-    runs = folder.run_dirs(cfg.out, cfg.name or recipe)
+    runs = run_dirs(cfg.out, cfg.name or recipe)
     resume = cfg.resume or "auto"
     if folder.finished_run(cfg.out, cfg.name or recipe, resume, cfg, header=header):
         return  # at any world size, its --epochs and --max-steps: the run is finished and trains nothing
