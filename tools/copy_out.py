@@ -3,7 +3,8 @@
     the recipe's docstring, then a header of a few lines (what was left out, and the --with that adds each)
     the imports of every file joined, merged (the package's own, `core` and `recipes`, dropped)
     the recipe's functions, to read first
-    the kernel files (core/kernel/), then the plug-ins asked for (core/plugins/), each whole
+    the kernel files (core/kernel/), the opt-ins the recipe imports (core/NAME.py: a technique it shows), then the
+    plug-ins asked for (core/plugins/), each whole
     the recipe's options and start (its Config and __main__ block), which use all of the above
 
 No line of a file changes: the join works on lines, and a name is defined in one joined file only, so the result runs
@@ -27,6 +28,7 @@ TAIL = "# Options and start:"  # the recipe's line where its Config and __main__
 # What the package's runner has and a standalone copy does not (its header says so, in one line).
 LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 OWN = re.compile(r"(from|import) (core|recipes)\b")
+OPT_IN = re.compile(r"^from core\.(\w+) import", re.M)  # core.NAME: an opt-in (kernel/, plugins/, attach are not)
 
 
 class CopyError(Exception):
@@ -118,7 +120,8 @@ def header(name: str, kept: list[str]) -> str:
     """What the copy is, and one line for each plug-in left out, with the --with that adds it."""
     lines = [
         f"# A standalone copy of torch-dist-recipes' {name} recipe, made by `python -m recipes cp {name} FILE "
-        f"--standalone`: the recipe, the kernel (core/kernel/) and the plug-ins asked for, joined as written.",
+        f"--standalone`: the recipe, the kernel (core/kernel/), its opt-ins and the plug-ins asked for, joined as "
+        "written.",
         f"# Left out: {LEFT_OUT} (`python -m recipes run {name}` has them).",
     ]
     for plugin in plugins_of(RECIPES[name]):
@@ -137,6 +140,28 @@ def _wrap(line: str) -> str:
     return "\n".join([*out, line])
 
 
+def opt_ins(text: str, seen: list[Path] | None = None) -> list[Path]:
+    """The opt-in files `text` imports from, each after those it imports itself."""
+    seen = [] if seen is None else seen
+    for module in OPT_IN.findall("\n".join(split_file(text)[1])):
+        path = CORE / f"{module}.py"
+        if module not in ("kernel", "plugins", "attach") and path not in seen:
+            opt_ins(path.read_text(), seen)
+            seen.append(path)
+    return seen
+
+
+def check_names(files: list[Path]) -> None:
+    """A name defined at the top of two joined files would run as the later one: refused, naming both."""
+    where: dict[str, Path] = {}
+    for path in files:
+        for name in re.findall(r"^(?:def|class) (\w+)|^(\w+)(?:: [^=]+)? =", path.read_text(), re.M):
+            name = name[0] or name[1]
+            if name in where and where[name] != path:
+                raise CopyError(f"{name} is defined in both {where[name].name} and {path.name}; rename one")
+            where[name] = path
+
+
 def join(name: str, dest: str, *, kept: list[str]) -> str:
     """The text of recipe `name`'s standalone copy at `dest`, with the plug-ins in `kept`."""
     recipe = RECIPES[name]
@@ -147,7 +172,9 @@ def join(name: str, dest: str, *, kept: list[str]) -> str:
     source = f"recipes/{Path(recipe.source_file).name}"
     parts = [f"# from {source}\n" + head.strip("\n")]
     files = [CORE / "kernel" / f"{module}.py" for module in KERNEL]
+    files += opt_ins(text)
     files += [Path(PLUGINS[plugin].load().__file__) for plugin in kept]
+    check_names(files)
     for path in files:
         part_doc, part_imports, part_body = split_file(path.read_text())
         imports += part_imports

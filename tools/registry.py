@@ -37,8 +37,17 @@ class Recipe:
         return "stream" in self.opt_ins
 
     def load(self) -> ModuleType:
+        """The recipe's module; its Config is built, on first import, with its own plug-ins' option groups only."""
+        from core.kernel.seams import OPTION_GROUPS
+
         attach_plugins(self)
-        return importlib.import_module(self.module)
+        mine = {PLUGINS[name].module for name in plugins_of(self)}
+        attached = list(OPTION_GROUPS)  # every plug-in's, in the order they attached: other recipes' too
+        OPTION_GROUPS[:] = [group for group in attached if group.__module__ in mine]
+        try:
+            return importlib.import_module(self.module)
+        finally:
+            OPTION_GROUPS[:] = attached + [group for group in OPTION_GROUPS if group not in attached]
 
     @property
     def source_file(self) -> str:
