@@ -116,7 +116,10 @@ _BUILT_IN_PLUGINS = [
     ),
     Plugin("replicas", "core.plugins.replicas", "the summary's replicas_identical (every rank's tensors compared)"),
 ]
-KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
+KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what every recipe on the kernel runs with (core/attach.py)
+_BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists
+    Plugin("trackers", "core.plugins.trackers", "--log-to tensorboard, wandb (and --wandb-project)"),
+]
 
 _BUILT_IN = [
     Recipe(
