@@ -119,6 +119,13 @@ _BUILT_IN_PLUGINS = [
 KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what every recipe on the kernel runs with (core/attach.py)
 _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists
     Plugin("trackers", "core.plugins.trackers", "--log-to tensorboard, wandb (and --wandb-project)"),
+    Plugin("stream", "core.plugins.stream", "streams (an IterableDataset), read in order and dealt out by position"),
+    Plugin(
+        "loss_counts",
+        "core.plugins.loss_counts",
+        "num_items_in_batch handed to a model whose own loss divides its sum by it (transformers'): without it, that "
+        "loss is weighed as a mean per micro-batch",
+    ),
 ]
 
 _BUILT_IN = [
@@ -135,6 +142,7 @@ _BUILT_IN = [
         "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
         opt_ins=("amp", "exact_loss", "stream", "trackers"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts"),
     ),
     Recipe(
         "ddp_monitored",
