@@ -33,8 +33,9 @@ class Recipe:
 
     @property
     def streams(self) -> bool:
-        """It reads streams (IterableDatasets) through core.stream; the others refuse them before launch."""
-        return "stream" in self.opt_ins
+        """It reads streams (IterableDatasets) through core.stream or the stream plug-in; the others refuse them
+        before launch."""
+        return "stream" in self.opt_ins or "stream" in self.plugins
 
     def load(self) -> ModuleType:
         """The recipe's module; its Config is built, on first import, with its own plug-ins' option groups only."""
@@ -141,7 +142,7 @@ _BUILT_IN = [
         "recipes.ddp_amp",
         "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
-        opt_ins=("amp", "exact_loss", "stream", "trackers"),
+        opt_ins=("amp", "exact_loss"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts"),
     ),
     Recipe(
