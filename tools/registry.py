@@ -127,6 +127,13 @@ _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module impor
         "num_items_in_batch handed to a model whose own loss divides its sum by it (transformers'): without it, that "
         "loss is weighed as a mean per micro-batch",
     ),
+    Plugin(
+        "comm_hook",
+        "core.plugins.comm_hook",
+        "--comm-hook (fp16, bf16, PowerSGD), --bucket-mb and --grad-as-bucket-view (the copy keeps DDP's own reducer)",
+    ),
+    Plugin("tuning", "core.plugins.tuning", "--compile, --activation-checkpointing and --channels-last"),
+    Plugin("profile", "core.plugins.profile", "--profile (a torch.profiler trace of a few steps per rank)"),
 ]
 
 _BUILT_IN = [
@@ -150,8 +157,9 @@ _BUILT_IN = [
         "recipes.ddp_monitored",
         "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
-        opt_ins=("monitor", "metrics", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
+        opt_ins=("ckpt_async", "metrics", "monitor", "watchdog"),
         mean_per_replica=True,
+        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile"),
     ),
     Recipe(
         "dp",
