@@ -134,6 +134,11 @@ _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module impor
     ),
     Plugin("tuning", "core.plugins.tuning", "--compile, --activation-checkpointing and --channels-last"),
     Plugin("profile", "core.plugins.profile", "--profile (a torch.profiler trace of a few steps per rank)"),
+    Plugin(
+        "watchdog",
+        "core.plugins.watchdog",
+        "the hang watchdog (--hang-factor, --hang-min-s: every rank's stack, the rank the others wait for) and --debug",
+    ),
 ]
 
 _BUILT_IN = [
@@ -157,9 +162,9 @@ _BUILT_IN = [
         "recipes.ddp_monitored",
         "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
-        opt_ins=("ckpt_async", "metrics", "monitor", "watchdog"),
+        opt_ins=("ckpt_async", "metrics", "monitor"),
         mean_per_replica=True,
-        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile", "watchdog"),
     ),
     Recipe(
         "dp",
