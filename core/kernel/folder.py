@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -48,7 +47,7 @@ def resume_of(cfg) -> str:
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder and checks that the checkpoint it resumes can continue in this job; every rank
     gets the same folder, or raises the same error."""
-    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **dataclasses.asdict(cfg)}
+    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
     choice = None
     if topo.rank == 0:
         try:
