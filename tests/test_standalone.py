@@ -766,7 +766,8 @@ def test_a_ddp_amp_copy_without_loss_counts_takes_the_models_own_loss_as_a_mean_
             return x
 
     lean_text = (project / "project" / "ddp_amp.py").read_text()
-    assert "takes_count" not in lean_text and "--with loss_counts" in lean_text
+    left_out = lean_text.replace("\n# ", " ").split("each added by `--with NAME`", 1)[1].split(".")[0]
+    assert "def forward_counted(" not in lean_text and "loss_counts" in left_out
     lean = runpy.run_path(str(project / "project" / "ddp_amp.py"), run_name="lean_copy")
     full = runpy.run_path(str(project / "project" / "ddp_amp_all.py"), run_name="lean_copy")
     cfg = SimpleNamespace(loss="auto")
