@@ -103,6 +103,7 @@ def test_the_step_waits_for_the_copy_only_and_reuses_the_host_buffers(tmp_path, 
     saver.save(run, **state, progress=_progress(2), keep=2)
     assert path.exists()  # the second save waited for the first write
     assert {key: buffer.data_ptr() for key, buffer in saver.buffers.items()} == buffers  # the same host memory
+    saver.wait()  # the second write (let through) lands before the third is held back
     release.clear()
     saver.save(run, **state, progress=_progress(3), keep=2)
     closing = threading.Thread(target=saver.close)
