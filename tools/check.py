@@ -2,16 +2,9 @@
 
     python -m recipes check ddp --model mypkg.models:build --data mypkg.data:build
 
-Two parts. Probes, in this process with no process group, on one batch of the data: what
-usually breaks the equivalence of N ranks and one process, named with its fix (parameters
-that get no gradient, BatchNorm, randomness in the forward, non-deterministic ops). Then the
-recipe itself, run for a few steps twice: under torchrun on N processes, and as one process on
-the same global batch; the final weights and the training loss are compared.
-
-Why the recipe under torchrun, not a spawned gloo world around DDP: it checks what the user
-will run (the recipe's own wrapper, DDP, FSDP, tensor or pipeline parallel, its sampler, loss
-and schedule), for every registered recipe, plugins included; a model DDP can't train fails
-with DDP's own error. The price is two launches: seconds on CPU, not minutes.
+Probes one batch in this process for what breaks the equivalence of N ranks and one process, then runs the recipe
+itself for a few steps under torchrun on N processes and as one process on the same global batch, and compares the
+final weights and the training loss (docs/copying-and-checking.md).
 """
 
 from __future__ import annotations
@@ -39,11 +32,9 @@ from core.models import build_model
 from tools.precheck import check_data, check_model, unequal_counts
 from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
 
-# Tolerances. N ranks add a batch's gradient up in another order than one process: ~1e-7 relative in
-# float32, which leaves the weights ~1e-5..1e-4 of the distance training moved them apart (see
-# compare_weights) and the losses ~1e-7 apart. A real break (BatchNorm, dropout) is ~1e-2 and more.
+# N ranks sum a gradient in another order: float32 weights end ~1e-5..1e-4 of their training distance apart, a
+# real break (BatchNorm, dropout) ~1e-2 and more; bf16/fp16 round partial sums ~1e-2 apart.
 REL_TOL, LOSS_RTOL = 1e-3, 1e-5
-# bf16/fp16 keep 8/11 significant bits: a batch split over ranks rounds its partial sums elsewhere, ~1e-2 apart.
 HALF_REL_TOL, HALF_LOSS_RTOL = 5e-2, 1e-3
 
 
@@ -60,8 +51,7 @@ class Report:
 
 
 def _error_line(stderr: str) -> str:
-    """The line that says why a run failed: its `error:` line, whole, or the first exception raised in it (without
-    torchrun's rank prefix, cut after a sentence, or else between words: DDP's own messages run to a paragraph)."""
+    """Why a run failed: its `error:` line, or its first exception cut to a sentence (DDP's run to a paragraph)."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line.strip()) for line in stderr.splitlines()]
     lines = [re.sub(r"^error: rank \d+: ", "", line) for line in lines]  # an uncaught exception: cut as one raised
     mine = [line for line in lines if line.startswith("error: ")]
@@ -77,7 +67,7 @@ def _error_line(stderr: str) -> str:
 
 @dataclass(frozen=True)
 class Crash:
-    """A run that ended without a summary: which, how ("crashed", "hung"), its error line, how to rerun it alone."""
+    """A run that ended without a summary: which, how ("crashed", "hung"), its error line, its command alone."""
 
     who: str
     how: str
@@ -112,8 +102,7 @@ def _finish(proc: subprocess.Popen, *, out: str, timeout_s: float) -> tuple[dict
 
 
 def run_summary(out: str | Path) -> dict | None:
-    """The last summary record of the newest run under `out` (a run trained longer has one per end), with its folder
-    (`run_dir`); None when it has none."""
+    """The last summary record of the newest run under `out`, with its folder (`run_dir`); None without one."""
     runs = sorted(Path(out).glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in runs[-1].read_text().splitlines() if line.strip()] if runs else []
     summary = next((r for r in reversed(records) if r.get("kind") == "summary"), None)
@@ -128,12 +117,8 @@ class Comparison:
 
 
 def compare_weights(distributed: Path, single: Path, initial: Path) -> Comparison:
-    """How far apart the two runs' weights are, measured against how far training moved them.
-
-    An element-wise tolerance can't tell noise from a real break under AdamW: it divides by
-    sqrt(v) + eps, so where a gradient is ~0 (an attention key bias, whose true gradient is 0) a
-    1e-10 rounding difference becomes a step of ~lr/100. A few such elements barely count in
-    the norm over all weights, while a real break (BatchNorm, dropout) moves nearly all of them."""
+    """How far apart the two runs' weights are, against how far training moved them: AdamW turns rounding noise
+    on a ~0 gradient into a step of ~lr/100, which an element-wise tolerance would take for a break."""
     a, b, start = load_file(distributed), load_file(single), load_file(initial)
     if a.keys() != b.keys():
         return Comparison(float("inf"), f"different parameter names: {few(sorted(a.keys() ^ b.keys()))}", float("inf"))
@@ -146,13 +131,12 @@ def compare_weights(distributed: Path, single: Path, initial: Path) -> Compariso
     return Comparison(diffs[where].abs().max().item() if where else 0.0, where, relative)
 
 
-def check_recipe(recipe, **options) -> Report:
-    """Probe the model, then run `recipe` on `nproc` processes and on one, on the same global batch (see _check).
-
-    Every problem is a Report or one RecipeError line, never a traceback: a factory, the data, one training step
-    before any launch; a run that crashes is in the report, with its error line."""
+def check_recipe(recipe, *, timeout_s: float = 600.0, **options) -> Report:
+    """Probe the model, then run `recipe` on `nproc` processes and on one; every problem is a Report or one line."""
     try:
-        return _check(recipe, **options)
+        plan = prepare(recipe, timeout_s=timeout_s, **options)
+        with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
+            return conclude(plan, *_three_runs(plan, tmp=tmp, timeout_s=timeout_s))
     except RecipeError:
         raise
     except Exception as err:  # anything else (a plugin that does not import, a run folder gone): still one line
@@ -161,8 +145,7 @@ def check_recipe(recipe, **options) -> Report:
 
 @dataclass
 class Plan:
-    """One check before its runs: the report so far (the probes' findings), the recipe's command line after
-    `python -m` (`args`, `quiet`: options not shown in a rerun command), the runs' environment, and how to judge."""
+    """One check before its runs: the report so far, the runs' command line (`quiet`: not shown) and environment."""
 
     report: Report
     args: list[str]
@@ -184,13 +167,6 @@ class Plan:
         return self.batch_size * self.nproc
 
 
-def _check(recipe, *, timeout_s: float = 600.0, **options) -> Report:
-    plan = prepare(recipe, timeout_s=timeout_s, **options)
-    with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
-        runs, crash = _three_runs(plan, tmp=tmp, timeout_s=timeout_s)
-        return conclude(plan, runs, crash)
-
-
 def prepare(
     recipe,
     *,
@@ -204,17 +180,12 @@ def prepare(
     options: Sequence[str] = (),
     timeout_s: float = 600.0,
 ) -> Plan:
-    """`model`, `data`: None for the recipe's default; `loss`: its --loss; `options`: more of its own options for
-    every run (--static-graph, say). Probes the model; _three_runs runs it (tests share runs of several checks)."""
+    """Probe the model (None: the recipe's default) and plan the runs; `options`: more of the recipe's own."""
     config = recipe.load().Config
     model, data = model or config().model, data or config().data  # None: the recipe's own default
     own = [*(["--loss", loss] if loss != "auto" else []), *options]
-    report = Report(
-        [
-            f"check {recipe.name} --model {model} --data {data}{''.join(' ' + o for o in own)}: {steps} "
-            f"steps on {nproc} processes against 1 process on the same global batch"
-        ]
-    )
+    said = f"check {recipe.name} --model {model} --data {data}{''.join(' ' + o for o in own)}"
+    report = Report([f"{said}: {steps} steps on {nproc} processes against 1 process on the same global batch"])
     report.findings = probe_spec(
         recipe, model=model, data=data, loss=loss, batch_size=batch_size, seed=seed, nproc=nproc
     )
@@ -236,8 +207,7 @@ def prepare(
 
 
 def conclude(plan: Plan, runs: list[dict], crash: Crash | None) -> Report:
-    """The report on a check's three runs (distributed, single, initial: their summaries), or on the one that
-    crashed."""
+    """The report on a check's three runs (distributed, single, initial: their summaries), or on a crash."""
     if crash:
         return _verdict(plan.report, crash=_as_named(crash, plan.model, plan.runs_model) if plan.dropout else crash)
     found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
@@ -266,16 +236,11 @@ def judge(report: Report, distributed: dict, single: dict, found: Comparison, *,
         f"{single['train_loss']:.6g}); tolerance {loss_tol:.3g}: {'within' if loss_diff <= loss_tol else 'OUTSIDE'}",
     ]
     if distributed.get("replicas_identical") is False:  # the recipe's own end-of-run comparison of the ranks
-        report.lines.append(
-            "  replicas identical at the end: no"
-            + (f" ({distributed['replicas_differ']})" if distributed.get("replicas_differ") else "")
-        )
+        differ = distributed.get("replicas_differ")
+        report.lines.append("  replicas identical at the end: no" + (f" ({differ})" if differ else ""))
     report.equivalent = found.relative <= rel_tol and loss_diff <= loss_tol
-    return _verdict(
-        report,
-        mismatch=None if report.equivalent else "the weights or the loss differ beyond the tolerance",
-        distribution=distribution,
-    )
+    mismatch = None if report.equivalent else "the weights or the loss differ beyond the tolerance"
+    return _verdict(report, mismatch=mismatch, distribution=distribution)
 
 
 def _as_named(crash: Crash, model: str, runs_model: str) -> Crash:
@@ -289,8 +254,7 @@ def _as_named(crash: Crash, model: str, runs_model: str) -> Crash:
 
 
 def without_dropout() -> nn.Module:
-    """`check`'s --model for a model with dropout: the user's (TDR_CHECK_MODEL) with every dropout layer at p=0, so
-    that the runs compare bit for bit everything the masks leave alone."""
+    """`check`'s --model for a model with dropout: the user's (TDR_CHECK_MODEL) with every dropout at p=0."""
     model = build_model(os.environ["TDR_CHECK_MODEL"])
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
@@ -301,9 +265,8 @@ def without_dropout() -> nn.Module:
 def probe_spec(
     recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int, nproc: int = 2
 ) -> list[Finding]:
-    """Build the model and two batches as the recipe does (the pre-check's factory checks), and probe them; any
-    failure is one RecipeError line. A recipe that averages its replicas' mean losses (ddp) also gets the
-    pre-check's line on samples that count unequal targets (-100 padding): it is why such runs differ."""
+    """Build the model and two batches as the recipe does, and probe them (and, for a recipe that averages its
+    replicas' mean losses, targets counted unequally); any failure is one RecipeError line."""
     seed_all(seed)  # as the recipes seed: a factory that shuffles with random or numpy too
     built = check_model(model)
     loss_fn = choose_loss(loss, make_loss(model=built), model=built)  # a bad --loss: one RecipeError line, as below
@@ -331,8 +294,7 @@ def distributed_args(plan: Plan) -> list[str]:
 
 
 def one_process_args(plan: Plan, distributed: dict) -> dict[str, list[str]]:
-    """The command lines after `python -m` (without `quiet`) of the run on one process with the distributed run's
-    global batch ("single") and of the weights before any step ("initial", --epochs 0)."""
+    """The command lines of the one-process run on the global batch ("single") and of the initial weights."""
     args = plan.args
     accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
     global_batch = distributed.get("global_batch", plan.global_batch)

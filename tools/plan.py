@@ -2,29 +2,26 @@
 
     python -m recipes plan fsdp --model mypkg:llama --batch-size 8 --nproc 8 --device-memory 80
 
-For every rank: parameters, gradients, optimizer state (exact: bytes from the shapes and dtypes that rank holds),
-the activations the forwards keep for backward, and the step's peak, for the layout the recipe builds
-(tools.plan_layout) and a training step of its own step carrying AdamW's state (tools.plan_step), on fake tensors
-in a fake process group, their live bytes counted as torch's MemTracker counts them: no memory is allocated,
-whatever the model's size. Not seen by any tracker, so not in the plan's tensors: the CUDA context, cuBLAS's
-workspace, NCCL's buffers and the allocator's slack, a GPU process's fixed terms (tools.plan_fixed,
-docs/memory-plan.md). tools.plan_report prints the plan with them and says what would fit.
+Each rank's layout (tools.plan_layout) takes a training step (tools.plan_step) on fake tensors in a fake process
+group, its live tensor bytes counted as torch's MemTracker counts them; tools.plan_fixed adds what no tracker sees,
+tools.plan_report prints the plan and says what would fit (docs/memory-plan.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
+from torch.utils import _pytree as pytree
 
 from core.kernel.options import RecipeError
+from tools.plan_fixed import GIB
 from tools.plan_layout import EXACT_LOSS, build_layout, mesh_dims, pipeline_buffers, schedule_order, unplannable
 from tools.plan_step import planned_steps, quiet
-
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -56,8 +53,8 @@ class Plan:
 
 
 def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> Plan:
-    """The plan of recipe `name` with options `cfg` on `world_size` ranks. `gpu`: plan for GPUs (AdamW's
-    multi-tensor step, the caching allocator's 512-byte unit); default: whether this machine has one."""
+    """The plan of recipe `name` with options `cfg` on `world_size` ranks; `gpu` (default: this machine's) plans
+    AdamW's multi-tensor step and the caching allocator's 512-byte unit."""
     reason = unplannable(name, cfg)
     if reason:
         raise RecipeError(f"plan: cannot plan {reason}")
@@ -78,19 +75,13 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
 
 
 def _recipe_check(name: str, cfg, *, world_size: int) -> None:
-    """The recipe's own structural checks (mesh sizes, heads and stages, the model's plan) at this world size,
-    which they read from WORLD_SIZE as the launchers set it: a layout the run would refuse is never planned."""
+    """The recipe's own checks (mesh sizes, heads, stages) at this WORLD_SIZE: what it would refuse is not planned."""
     from tools.registry import RECIPES
 
     module = RECIPES[name].load()
-    if not hasattr(module, "check"):
-        return
-    saved = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world_size)
-    try:
-        module.check(cfg)
-    finally:
-        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
+    if hasattr(module, "check"):
+        with mock.patch.dict(os.environ, WORLD_SIZE=str(world_size)):
+            module.check(cfg)
 
 
 def first_batch(cfg):
@@ -110,12 +101,12 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from core.dist import Topology
+    from core.kernel.pg import Topology
     from tools.precheck import check_model
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        topo = Topology(rank, world_size, torch.device("cpu"), "fake")
+        topo = Topology(rank, world_size, torch.device("cpu"))
         mesh = None
         if dims:  # before fake mode: init_device_mesh reads the ranks' values
             from core import parallel
@@ -123,21 +114,19 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             mesh = parallel.build_mesh(topo, dims)
         with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             with _mesh_math_on_real_tensors():
-                layout = _built(name, cfg, mesh=mesh, rank=rank, world_size=world_size, build=check_model)
-            fake = _fake(batch, mode)
+                layout = _built(name, cfg, mesh=mesh, build=check_model)
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
             micro_batches = [fake] * getattr(cfg, "accum", 1)
             order = None
             if name == "pipeline":
                 count = cfg.microbatches * cfg.accum
                 if isinstance(fake, dict):  # as core.schedules.step_pipeline: the schedule takes (input, target)
                     raise RecipeError(f"--data {cfg.data}: pipeline trains on (input, target) pairs, not dicts")
-                first = fake[0]
-                pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)
-                group = mesh["pp"].get_group()
-                order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)
+                pipeline_buffers(layout, fake[0].chunk(cfg.microbatches)[0], microbatches=count)
+                order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=mesh["pp"].get_group())
             loss_fn = recipe_loss(name, cfg, layout.model)
-            step = lambda: planned_steps(  # noqa: E731
-                name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
+            step = functools.partial(
+                planned_steps, name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
             planned = _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
             return dataclasses.replace(planned, notes=_notes(name, layout, order))
@@ -145,10 +134,10 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
         torch.distributed.destroy_process_group()
 
 
-def _built(name: str, cfg, *, mesh, rank: int, world_size: int, build):
+def _built(name: str, cfg, *, mesh, build):
     """The layout on fake tensors, or one line naming the step of the build that fake tensors could not take."""
     try:
-        return build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=build)
+        return build_layout(name, cfg, device_mesh=mesh, build=build)
     except RecipeError:
         raise
     except Exception as err:
@@ -159,11 +148,8 @@ def _built(name: str, cfg, *, mesh, rank: int, world_size: int, build):
         ) from None
 
 
-@contextlib.contextmanager
 def _mesh_math_on_real_tensors():
-    """fully_shard over a tensor-parallel model joins the dp and tp meshes, and a DeviceMesh finds its rank's
-    coordinates with nonzero(), which fake tensors cannot answer: that arithmetic on the (real, small) mesh runs
-    outside fake mode, as it does before fake mode for the meshes build_mesh makes."""
+    """A DeviceMesh that fully_shard joins finds its coordinates with nonzero(): on the real, small mesh tensor."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -173,11 +159,7 @@ def _mesh_math_on_real_tensors():
         with unset_fake_temporarily():
             return original(self)
 
-    DeviceMesh._compute_coordinate_on_dim = on_real_tensors
-    try:
-        yield
-    finally:
-        DeviceMesh._compute_coordinate_on_dim = original
+    return mock.patch.object(DeviceMesh, "_compute_coordinate_on_dim", on_real_tensors)
 
 
 def _notes(name: str, layout, order) -> tuple[str, ...]:
@@ -192,7 +174,7 @@ def _notes(name: str, layout, order) -> tuple[str, ...]:
 
 
 def recipe_loss(name: str, cfg, model):
-    """The recipe's loss, taken as its recipe takes it (core.loss, then --loss's other choices, then exact weights)."""
+    """The recipe's loss, taken as the recipe takes it."""
     if name == "pipeline":
         return None
     from core.loss import make_loss
@@ -207,9 +189,7 @@ def recipe_loss(name: str, cfg, model):
 
 
 def _traced(run, modules: list):
-    """The plan's step, or one line naming the part fake tensors could not follow: the innermost module whose
-    forward was running (or the backward), and what it did (read a value, a data-dependent shape, an operator
-    with no fake kernel). Never a number from a step that did not run whole."""
+    """The plan's step, or one line naming the innermost module (or the backward) that fake tensors could not follow."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     names = {m: f"{n or 'the model'} ({type(m).__name__})" for root in modules for n, m in root.named_modules()}
@@ -238,20 +218,8 @@ def _traced(run, modules: list):
         post.remove()
 
 
-def _fake(batch, mode):
-    if torch.is_tensor(batch):
-        return mode.from_tensor(batch)
-    if isinstance(batch, dict):
-        return {k: _fake(v, mode) for k, v in batch.items()}
-    if isinstance(batch, tuple | list):
-        parts = [_fake(v, mode) for v in batch]
-        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
-    return batch
-
-
 def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int, activations: int) -> RankPlan:
-    """The exact terms from the shapes and dtypes this rank holds; activations: the most the forwards keep for
-    their backwards at once (the micro-batches a pipeline schedule keeps in flight, FSDP's gathered blocks)."""
+    """The terms of this rank, exact from the shapes and dtypes it holds."""
     from tools.plan_layout import held_bytes
 
     params = held_bytes([p for m in layout.modules for p in m.parameters()])

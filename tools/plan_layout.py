@@ -1,10 +1,7 @@
 """The memory plan's layouts: what one rank of a recipe holds, built with the recipe's own core functions.
 
-Each recipe's build lines (models.build_model, DistributedDataParallel's buckets, parallel.shard_units and
-fully_shard, the TP plan and parallelize_module, pipeline.split_pipeline and the schedule) are mirrored here
-call for call, on whatever tensors are current: fake ones for a plan (FakeTensorMode, a fake process group),
-real ones when tests and bench/ measure a run. The recipes' `train()` builds and trains in one function, so it
-cannot be called for its build alone; the lines below are the same calls in the same order.
+Each recipe's build lines are mirrored here call for call (its `train()` builds and trains in one function), on
+whatever tensors are current: fake ones for a plan, real ones when tests and bench/ measure a run.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from core import amp, models, pipeline, schedules
 from core.kernel.options import RecipeError
 
-# The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
-REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")
+REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")  # a whole replica on each rank, and DDP's buckets
 EXACT_LOSS = ("ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp")  # core.exact_loss's step (amp.step_amp)
 
 
@@ -67,8 +63,7 @@ def unplannable(name: str, cfg) -> str | None:
 
 
 def held_bytes(params) -> int:
-    """Bytes of the distinct storages these tensors' local parts hold (a DTensor's shard, FSDP2's padding, a DDP
-    bucket once for all the gradients that are views into it)."""
+    """Bytes of the distinct storages these tensors' local parts hold (a DDP bucket once for its gradient views)."""
     seen, total = set(), 0
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -80,12 +75,8 @@ def held_bytes(params) -> int:
     return total
 
 
-def build_layout(
-    name: str, cfg, *, device_mesh, rank: int, world_size: int, build=models.build_model, device=None
-) -> Layout:
-    """Rank `rank`'s layout of recipe `name`, built on the current tensors (call under FakeTensorMode to plan).
-    `build`: the model factory's caller (the plan passes the pre-check's, whose refusals are one line); `device`:
-    where a measured run puts it (the plan's fake tensors stay on the CPU: their bytes are the same)."""
+def build_layout(name: str, cfg, *, device_mesh, build=models.build_model, device=None) -> Layout:
+    """Rank `rank`'s layout of recipe `name`, built on the current tensors (`device`: where a measured run puts it)."""
     model = build(cfg.model)
     if device is not None and name != "pipeline":  # the pipeline moves its stages after the split, as below
         model = model.to(device)
@@ -113,8 +104,7 @@ def build_layout(
         from torch.distributed.tensor.parallel import parallelize_module
 
         tp_mesh = device_mesh["tp"]
-        sp = getattr(cfg, "sequence_parallel", False)
-        plan = tp_plan.plan_of(model, sequence_parallel=sp)
+        plan = tp_plan.plan_of(model, sequence_parallel=getattr(cfg, "sequence_parallel", False))
         with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
             parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":
@@ -142,8 +132,7 @@ def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
 
 
 def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int, device=None) -> Layout:
-    """The recipe's stages for this pipeline rank (two, looped, for interleaved1f1b), and the whole model kept
-    for the shapes that flow between stages."""
+    """This pipeline rank's stages (two for interleaved1f1b); the whole model kept for the shapes between them."""
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
     stages = [pipeline.split_pipeline(model, stage_index=i, num_stages=num_stages) for i in stage_ids]
@@ -153,8 +142,7 @@ def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int, device=Non
 
 
 def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, group) -> list[tuple]:
-    """This rank's forwards and backwards in the order torch's schedule runs them: [("F"|"B", stage, mb), ...].
-    GPipe and 1F1B as their _step_microbatches loops run them; interleaved as its runtime reads pipeline_order."""
+    """This rank's forwards and backwards in the order torch's schedule runs them: [("F"|"B", stage, mb), ...]."""
     m = microbatches
     if cfg.schedule != "interleaved1f1b":
         stage = layout.stages[0][0]
@@ -181,8 +169,7 @@ def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, grou
 
 @torch.no_grad()
 def pipeline_buffers(layout: Layout, micro_input: torch.Tensor, *, microbatches: int) -> None:
-    """torch's PipelineStage receive buffers, one per micro-batch: the inputs of every stage but the first, the
-    output gradients of every stage but the last, in the shapes that flow between the stages."""
+    """PipelineStage's receive buffers per micro-batch: inputs (but the first stage's), gradients (but the last's)."""
     starts = {stage.indices[0]: index for index, stage in layout.stages}
     x, entering = micro_input, {}
     for i, block in enumerate(layout.model.blocks):  # fake tensors: shapes only
@@ -197,8 +184,7 @@ def pipeline_buffers(layout: Layout, micro_input: torch.Tensor, *, microbatches:
 
 
 def gathered_bytes(model: nn.Module) -> int:
-    """FSDP2: the largest unit's parameters gathered whole (in the policy's compute dtype), what a rank holds at
-    once beyond its shards while that unit runs; 0 for a model fully_shard did not wrap."""
+    """FSDP2: the bytes of the largest unit's parameters gathered whole (in the compute dtype); 0 without FSDP."""
     from torch.distributed.fsdp import FSDPModule
 
     largest = 0

@@ -3,22 +3,10 @@
     exec python tools/supervise.py --what ddp --note launch_single_node [--max-restarts N] [--remove DIR]
         [--this-node IP --master IP:PORT] -- torchrun ARGS... python tools/worker.py python -m recipes run ...
 
-The launcher execs this, so the launcher's PID is this process. torchrun runs in a process group of
-its own and dies with this process (PR_SET_PDEATHSIG): SIGTERM, SIGINT, SIGHUP or SIGQUIT here reach
-torchrun once (a second one: SIGKILL), and torchrun stops the ranks. torchrun's stderr comes here.
-What the ranks write (tagged by tools/worker.py) passes through, except tracebacks and `error:` lines,
-held per rank until the rank ends (or released after RELEASE_S of silence: the rank caught it and
-went on). torchrun's own log lines and closing traceback (ChildFailedError, SignalException) are
-replaced by one line:
-- a failed group: the rank that raised (its traceback shown once), died of a signal, was stopped, or
-  the peer lost or silent past --timeout-s; a note when torchrun restarts the group (MAX_RESTARTS),
-  `error: WHAT failed: CAUSE` when it does not;
-- a stop by signal: `error: WHAT stopped by SIGNAL ...` with the last step, the checkpoint kept and how
-  to resume, and the exit status 128 + the signal, as schedulers expect.
-The lines it prints of its own (a failed rank's traceback, a restart, the closing line) also end the run folder's
-train.log (`launcher` in a rank's place), and what a killed write left there (.NAME.tmp-PID, whose process is
-gone) is removed once torchrun has ended: the run a failed job abandons keeps no half-written file.
-Standard library only.
+torchrun dies with this process and gets its closing signals once (a second one: SIGKILL). The ranks' lines
+(tagged by tools/worker.py) pass through, a traceback or `error:` line held until its rank ends; torchrun's own
+log and traceback become one closing line, also appended to the run's train.log (docs/multinode.md, "How the
+launchers know"). Standard library only.
 """
 
 from __future__ import annotations
@@ -84,8 +72,7 @@ def shorten(text: str, limit: int = LIMIT) -> str:
 
 
 def last_words(held: list[str]) -> tuple[str | None, list[str]]:
-    """A rank's held lines as (what ended it, the traceback above): its last `error:` line without the prefix
-    (`rank R: Type: message` after a traceback, or a one-line error), else the exception its traceback ends in."""
+    """A rank's held lines as (what ended it, the traceback above): its last `error:` line, else its exception."""
     for i in range(len(held) - 1, -1, -1):
         if held[i].startswith("error: "):
             return held[i][len("error: ") :], held[:i]
@@ -106,9 +93,7 @@ def final_exception(lines: list[str]) -> str | None:
 
 
 def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
-    """How one rank ended: (kind, a line saying it, its traceback). Kinds, most telling first: raised,
-    killed, stopped, vanished (no end reported); symptom (an error that follows from another's: the network,
-    a timeout); silent (closed by torchrun while it still ran); ok."""
+    """How one rank ended: (kind: raised, killed, stopped, vanished, symptom, silent or ok; a line; its traceback)."""
     end = state["end"] or {}
     if state["end"] is not None and end.get("code") == 0:
         return "ok", "", []
@@ -145,9 +130,7 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
 def explain(
     ranks: dict[str, dict], *, this_node: str | None = None, peer: Callable[[], str] = lambda: "a peer node"
 ) -> tuple[str | None, list[str]]:
-    """Why a group failed, from its ranks' ends and last words: (one line, the traceback to show), or (None, []).
-    `this_node`: this node's address (multi-node): a connection closed from there is a local rank exiting, not
-    the lost peer. `peer()`: who did not answer, when no rank here hung (asked only then: it may probe)."""
+    """Why a group failed: (one line, the traceback to show), or (None, []); `peer()` (it may probe) is asked last."""
     order = sorted(ranks, key=lambda r: ((ranks[r]["end"] or {}).get("t", math.inf), int(r) if r.isdigit() else 0))
     fates = {r: fate(r, ranks[r]) for r in order}
     symptoms = [fates[r][1] for r in order if fates[r][0] == "symptom"]
@@ -237,10 +220,8 @@ def torchrun_error(traceback: list[str]) -> tuple[str, bool]:
     if "EADDRINUSE" in text or "address already in use" in text:
         port = re.search(r"port: (\d+)", text)
         where = f"port {port[1]}" if port else "the rendezvous port"
-        return (
-            f"{where} is already in use on this machine: set MASTER_PORT to a free port (the same on every node)",
-            False,
-        )
+        fix = "set MASTER_PORT to a free port (the same on every node)"
+        return f"{where} is already in use on this machine: {fix}", False
     exceptions = [m for m in map(EXCEPTION.fullmatch, traceback) if m]
     if not exceptions:
         return "torchrun failed; see its report above", True
@@ -257,8 +238,7 @@ def say(text: str) -> None:
 
 
 def log_line(run_dir: str | None, text: str, *, level: str) -> None:
-    """Append a line of the launcher's to RUN/train.log, in core.records' form; only to a log the run opened (a run
-    folder taken back, or on another node, gets none)."""
+    """Append a line of the launcher's to RUN/train.log, in the log's own form, if the run opened one."""
     if run_dir is None:
         return
     now = time.time()
@@ -276,8 +256,7 @@ def log_line(run_dir: str | None, text: str, *, level: str) -> None:
 
 
 def remove_temporaries(run_dir: Path, *, sharded: bool) -> list[Path]:
-    """Delete what a killed write left in run_dir and run_dir/ckpt: .NAME.tmp-PID files and folders whose process
-    is gone, and (`sharded`: every rank of the job has ended) core.dcp's .step-N.tmp folders."""
+    """Delete what a killed write left in run_dir and run_dir/ckpt (and, `sharded`, DCP's .step-N.tmp folders)."""
     removed = []
     for folder in (run_dir, run_dir / "ckpt"):
         try:
@@ -303,7 +282,7 @@ def alive(pid: int) -> bool:
 
 
 class Supervisor:
-    """What torchrun's stderr has told so far, and what to print (see the module docstring)."""
+    """What torchrun's stderr has told so far, and what to print."""
 
     def __init__(self, *, what: str, note: str, max_restarts: int, this_node: str | None, master: str | None):
         self.what, self.note, self.max_restarts = what, note, max_restarts
@@ -464,13 +443,11 @@ def start_torchrun(command: list[str]) -> subprocess.Popen:
     return subprocess.Popen(command, stderr=subprocess.PIPE, process_group=0, preexec_fn=die_with_us)
 
 
-def pump(
-    fd: int, feed: Callable[[str], None], tick: Callable[[], None], *, every: float = 0.5, until: Callable[[], bool]
-) -> None:
-    """feed(line) for every line read from `fd` until its end or until(), and tick() at least every `every` seconds."""
+def pump(fd: int, feed: Callable[[str], None], tick: Callable[[], None], *, until: Callable[[], bool]) -> None:
+    """feed(line) for every line read from `fd` until its end or until(), and tick() at least twice a second."""
     pending = b""
     while not until():
-        ready, _, _ = select.select([fd], [], [], every)
+        ready, _, _ = select.select([fd], [], [], 0.5)
         chunk = os.read(fd, 65536) if ready else None
         if chunk == b"":
             break

@@ -2,17 +2,9 @@
 
     torchrun --no-python ... python tools/worker.py python -m recipes run ddp --epochs 3
 
-It stays between torchrun and the rank, for two reasons:
-- the rank's life is tied to torchrun's: when torchrun dies, even by `kill -9`, the kernel sends this
-  process SIGTERM (PR_SET_PDEATHSIG; torchrun starts each worker in a session of its own, so nothing
-  else would), and this process dies only after the rank, or by SIGKILL, which the rank then gets too.
-  The signals torchrun closes a group with (SIGTERM, SIGINT, SIGHUP, SIGQUIT) reach the rank's process
-  group once, with a SIGCONT, so that a stopped rank ends too.
-- the launchers' tools/supervise.py reads our stderr (torchrun's) and learns, per rank:
-      "\x1e" RANK "\x1f" LINE    a line the rank wrote to its stderr
-      "\x1e" RANK "\x1d" JSON    the rank started, stopped, or ended: exit code or signal, and the
-                                   signal torchrun closed the group with, if it did
-  so that it prints one rank's traceback and names the rank that failed, and how.
+It ties the rank's life to torchrun's (PR_SET_PDEATHSIG), passes torchrun's closing signals to the rank's process
+group once (with a SIGCONT), and tags for tools/supervise.py each line the rank writes to stderr
+("\x1e" RANK "\x1f" LINE) and each start, stop and end ("\x1e" RANK "\x1d" JSON); docs/multinode.md says more.
 Standard library only: it starts before every rank.
 """
 
@@ -58,7 +50,7 @@ def relay(pipe, rank: str) -> None:
 
 
 def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
-    """Run the rank to its end; returns its wait status and what happened to it (see the module docstring)."""
+    """Run the rank to its end; returns its wait status and what happened to it."""
     me = os.getpid()
     state = {"closed_by": None, "stopped": None, "stopped_when_closed": None, "ended": False}
     child = subprocess.Popen(
