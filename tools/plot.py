@@ -61,12 +61,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             steps, values = series(records, kind, key)
             tokens = key == "samples_per_s" and any("tokens_per_s" in r for r in records)
             if steps:
-                ax.plot(
-                    steps,
-                    values,
-                    marker="o" if len(steps) < 20 else None,
-                    label=f"{name} (tokens/s)" if tokens else name,
-                )
+                label = f"{name} (tokens/s)" if tokens else name
+                ax.plot(steps, values, marker="o" if len(steps) < 20 else None, label=label)
         ax.set(title=title, xlabel="step")
         if ax.get_legend_handles_labels()[0]:  # a panel with no data (no eval records) gets no legend
             ax.legend(fontsize="small")

@@ -12,6 +12,7 @@ launchers know"). Standard library only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -176,18 +177,15 @@ def lost_peer(errors: list[str], *, this_node: str) -> str | None:
 def progress(run_dir: Path) -> tuple[int | None, Path | None]:
     """The last step the run folder records (train records, checkpoints), and its newest checkpoint."""
     step = None
-    try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))  # the last records are enough
-            for raw in f.read().splitlines():
-                try:
-                    record = json.loads(raw)
-                except ValueError:  # the first, cut, or a torn last line
-                    continue
-                if record.get("kind") == "train":
-                    step = record.get("step")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(run_dir / "metrics.jsonl", "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))  # the last records are enough
+        for raw in f.read().splitlines():
+            try:
+                record = json.loads(raw)
+            except ValueError:  # the first, cut, or a torn last line
+                continue
+            if record.get("kind") == "train":
+                step = record.get("step")
     try:
         saved = [(int(m[1]), p) for p in (run_dir / "ckpt").iterdir() if (m := CKPT.fullmatch(p.name))]
     except OSError:
@@ -230,11 +228,9 @@ def torchrun_error(traceback: list[str]) -> tuple[str, bool]:
 
 
 def say(text: str) -> None:
-    try:
+    with contextlib.suppress(OSError, ValueError):  # nobody reads our stderr any more: the run goes on regardless
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
-    except (OSError, ValueError):  # nobody reads our stderr any more: the run goes on regardless
-        pass
 
 
 def log_line(run_dir: str | None, text: str, *, level: str) -> None:
@@ -243,16 +239,9 @@ def log_line(run_dir: str | None, text: str, *, level: str) -> None:
         return
     now = time.time()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
-    try:
-        fd = os.open(Path(run_dir) / "train.log", os.O_WRONLY | os.O_APPEND)  # no O_CREAT
-    except OSError:
-        return
-    try:
-        os.write(fd, f"{stamp} | {level:<7} | launcher | {text}\n".encode())
-    except OSError:  # a full disk: the terminal has the line
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(OSError):  # no log the run opened (no O_CREAT), or a full disk: the terminal has the line
+        with os.fdopen(os.open(Path(run_dir) / "train.log", os.O_WRONLY | os.O_APPEND), "ab", buffering=0) as log:
+            log.write(f"{stamp} | {level:<7} | launcher | {text}\n".encode())
 
 
 def remove_temporaries(run_dir: Path, *, sharded: bool) -> list[Path]:

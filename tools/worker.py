@@ -31,14 +31,10 @@ def die_with_parent(signum: int, *, parent: int) -> None:
         os.kill(os.getpid(), signum)
 
 
-def tag(rank: str, kind: str, text: str) -> bytes:
-    return f"\x1e{rank}{kind}{text}\n".encode(errors="replace")
-
-
-def send(data: bytes) -> None:
-    """One write (atomic on a pipe up to 4 KiB): lines of several ranks never mix."""
+def send(rank: str, kind: str, text: str) -> None:
+    """One tagged line in one write (atomic on a pipe up to 4 KiB): lines of several ranks never mix."""
     try:
-        os.write(2, data)
+        os.write(2, f"\x1e{rank}{kind}{text}\n".encode(errors="replace"))
     except OSError:  # the supervisor is gone: keep draining the rank's pipe all the same
         pass
 
@@ -46,7 +42,7 @@ def send(data: bytes) -> None:
 def relay(pipe, rank: str) -> None:
     """Copy the rank's stderr to ours, line by line, each tagged with the rank."""
     for raw in iter(pipe.readline, b""):
-        send(tag(rank, LINE, raw.decode(errors="replace").rstrip("\r\n")))
+        send(rank, LINE, raw.decode(errors="replace").rstrip("\r\n"))
 
 
 def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
@@ -72,14 +68,14 @@ def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
 
     for signum in CLOSING:
         signal.signal(signum, on_closing)
-    send(tag(rank, EVENT, json.dumps({"event": "started", "pid": child.pid, "t": time.time()})))
+    send(rank, EVENT, json.dumps({"event": "started", "pid": child.pid, "t": time.time()}))
     reader = threading.Thread(target=relay, args=(child.stderr, rank), daemon=True)
     reader.start()
     while True:
         _, status = os.waitpid(child.pid, os.WUNTRACED | os.WCONTINUED)
         if os.WIFSTOPPED(status):
             state["stopped"] = os.WSTOPSIG(status)
-            send(tag(rank, EVENT, json.dumps({"event": "stopped", "signal": state["stopped"], "t": time.time()})))
+            send(rank, EVENT, json.dumps({"event": "stopped", "signal": state["stopped"], "t": time.time()}))
         elif os.WIFCONTINUED(status):
             state["stopped"] = None
         else:
@@ -106,7 +102,7 @@ def main(argv: list[str]) -> None:
         "stopped": state["stopped_when_closed"] or state["stopped"],
         "t": time.time(),
     }
-    send(tag(rank, EVENT, json.dumps(ended)))
+    send(rank, EVENT, json.dumps(ended))
     if code < 0:  # end as the rank ended, so that torchrun reports what it would have reported
         if -code != signal.SIGKILL:
             signal.signal(-code, signal.SIG_DFL)
