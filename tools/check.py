@@ -337,15 +337,11 @@ def _verdict(
 ) -> Report:
     """The closing lines: equivalent or not, and why. `distribution`: the runs were compared with dropout off."""
     if mismatch is None and crash is None:
-        report.lines.append(
-            (
-                "equivalent: in distribution, not bit for bit: with dropout off the runs match; with it on each rank "
-                "draws its own masks, as one process would"
-                if distribution
-                else "equivalent: yes: distributed training of this model matches one process"
-            )
-            + (" (but see the warnings)" if report.findings else "")
-        )
+        said = "yes: distributed training of this model matches one process"
+        if distribution:
+            masks = "with dropout off the runs match; with it on each rank draws its own masks, as one process would"
+            said = f"in distribution, not bit for bit: {masks}"
+        report.lines.append(f"equivalent: {said}" + (" (but see the warnings)" if report.findings else ""))
         report.lines += [f"warning: {f.cause}: {f.detail}" for f in report.findings]
         return report
     if crash is not None:  # nothing was compared: the error is the news, and only a cause that crashes explains it

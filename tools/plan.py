@@ -55,8 +55,7 @@ class Plan:
 def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> Plan:
     """The plan of recipe `name` with options `cfg` on `world_size` ranks; `gpu` (default: this machine's) plans
     AdamW's multi-tensor step and the caching allocator's 512-byte unit."""
-    reason = unplannable(name, cfg)
-    if reason:
+    if reason := unplannable(name, cfg):
         raise RecipeError(f"plan: cannot plan {reason}")
     _recipe_check(name, cfg, world_size=world_size)
     if name in ("dp", "pipeline_naive") and world_size != 1:
@@ -67,9 +66,8 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
     dims = mesh_dims(name, cfg, world_size)
     batch = first_batch(cfg)
     pp = dims.get("pp", 1)
-    planned = {
-        r: _plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, gpu=gpu) for r in range(pp)
-    }  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
+    # the pipeline's ranks differ by stage; every other layout's ranks hold alike
+    planned = [_plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, gpu=gpu) for r in range(pp)]
     ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
     return Plan(name, world_size, ranks)
 

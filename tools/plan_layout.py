@@ -159,12 +159,9 @@ def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, grou
         PipelineStage(module, i, layout.num_stages, torch.device("cpu"), group=group) for i, module in layout.stages
     ]
     schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
-    kinds = {"F": "F", "B": "B"}  # torch's _ComputationType values: forward, full backward
-    return [
-        (kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
-        for a in schedule.pipeline_order[pp_rank]
-        if a is not None and a.computation_type.value in kinds
-    ]
+    kinds = ("F", "B")  # torch's _ComputationType values: forward, full backward
+    actions = [a for a in schedule.pipeline_order[pp_rank] if a is not None and a.computation_type.value in kinds]
+    return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions]
 
 
 @torch.no_grad()

@@ -6,6 +6,8 @@ layout on real tensors, wrapped as the recipe wraps it, takes two steps through 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -44,20 +46,14 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
             model = _wrapped(name, layout.model, cfg)  # inside: the tracker sees DDP's buckets made
             optimizer = torch.optim.AdamW(layout.params, lr=cfg.lr)
             loss_fn = recipe_loss(name, cfg, layout.model)
+            if name in EXACT_LOSS:
+                dp_group = mesh["dp"].get_group() if mesh is not None else None
+                how = {"precision": layout.autocast, "sync": layout.sync, "dp_group": dp_group}
+                step = functools.partial(amp.step_amp, model, micro_batches, **how)
+            else:
+                step = functools.partial(steps.step_plain, model, micro_batches[0])
             for _ in range(2):
-                if name in EXACT_LOSS:
-                    group = mesh["dp"].get_group() if mesh is not None else None
-                    amp.step_amp(
-                        model,
-                        micro_batches,
-                        optimizer=optimizer,
-                        loss_fn=loss_fn,
-                        precision=layout.autocast,
-                        sync=layout.sync,
-                        dp_group=group,
-                    )
-                else:
-                    steps.step_plain(model, micro_batches[0], optimizer=optimizer, loss_fn=loss_fn)
+                step(optimizer=optimizer, loss_fn=loss_fn)
         return _held(layout, optimizer, peak_of(tracker))
 
 

@@ -36,6 +36,7 @@ GLOG = re.compile(r"[IWEC]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] (.*)")  # tor
 FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 RECEIVED = re.compile(r"Received (\d+) death signal")
 QUIET = ("Sending process", "Unable to shutdown process", "did not exit after", "failed (exitcode")
+TAGGED = re.compile(r"\x1e([^\x1f\x1d]*)([\x1f\x1d])(.*)", re.S)
 EXCEPTION = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)):? ?(.*)")
 # A rank's error that only follows from another's failure: the network, a peer gone, a collective timed out.
 SYMPTOM = re.compile(
@@ -112,12 +113,10 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
     if state["end"] is None:  # tools/worker.py reports every end it lives to see: it was killed too
         return "vanished", f"rank {rank} was killed together with the tools/worker.py that ran it (SIGKILL?)", []
     if end.get("signal") and not end.get("closed_by"):
-        why = {
-            signal.SIGKILL: "sent by neither the launcher nor torchrun: the OOM killer (see dmesg) or a kill -9",
-            signal.SIGSEGV: "a crash in native code",
-            signal.SIGABRT: "a crash in native code",
-            signal.SIGBUS: "a crash in native code",
-        }.get(end["signal"], "sent by another process, not by torchrun")
+        native = end["signal"] in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
+        why = "a crash in native code" if native else "sent by another process, not by torchrun"
+        if end["signal"] == signal.SIGKILL:
+            why = "sent by neither the launcher nor torchrun: the OOM killer (see dmesg) or a kill -9"
         return "killed", f"rank {rank} died of {signame(end['signal'])}, {why}", []
     if end.get("stopped"):
         return "stopped", f"rank {rank} was stopped ({signame(end['stopped'])}) and stopped answering", []
@@ -283,8 +282,8 @@ class Supervisor:
         self.run_dir: str | None = None
 
     def feed(self, line: str) -> None:
-        if line.startswith("\x1e") and ("\x1f" in line or "\x1d" in line):
-            rank, kind, text = re.match(r"\x1e([^\x1f\x1d]*)([\x1f\x1d])(.*)", line, re.S).groups()
+        if tagged := TAGGED.match(line):  # a rank's line or event, from tools/worker.py
+            rank, kind, text = tagged.groups()
             if kind == "\x1f":
                 self.rank_line(rank, text)
             else:
@@ -386,15 +385,12 @@ class Supervisor:
                     say(text)
             return 0
         if stopped:
-            sent_to = "the launcher" if self.stop else "torchrun"
-            self.own(
-                stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir, multi_node=bool(self.this_node))
-            )
+            sent_to, multi_node = "the launcher" if self.stop else "torchrun", bool(self.this_node)
+            self.own(stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir, multi_node=multi_node))
             return 128 + stopped
         if returncode < 0:
-            self.own(
-                f"error: {self.what} failed: torchrun was killed by {signame(-returncode)}, and its ranks ended with it"
-            )
+            killed = f"torchrun was killed by {signame(-returncode)}, and its ranks ended with it"
+            self.own(f"error: {self.what} failed: {killed}")
             return 128 - returncode
         cause = self.cause
         if cause is None and self.traceback:
