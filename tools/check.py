@@ -144,7 +144,7 @@ def check_recipe(recipe, *, timeout_s: float = 600.0, **options) -> Report:
 
 
 @dataclass
-class Plan:
+class CheckPlan:
     """One check before its runs: the report so far, the runs' command line (`quiet`: not shown) and environment."""
 
     report: Report
@@ -179,7 +179,7 @@ def prepare(
     loss: str = "auto",
     options: Sequence[str] = (),
     timeout_s: float = 600.0,
-) -> Plan:
+) -> CheckPlan:
     """Probe the model (None: the recipe's default) and plan the runs; `options`: more of the recipe's own."""
     config = recipe.load().Config
     model, data = model or config().model, data or config().data  # None: the recipe's own default
@@ -203,10 +203,10 @@ def prepare(
     args = ["recipes", "run", recipe.name, "--model", runs_model, "--data", data, "--seed", str(seed), *own]
     quiet = ["--log-every", str(steps), "--timeout-s", str(min(timeout_s, 300.0))]  # not shown in a rerun command
     half = "--precision" in own and own[own.index("--precision") + 1] in ("bf16", "fp16")
-    return Plan(report, args, quiet, env, nproc, steps, batch_size, model, runs_model, half)
+    return CheckPlan(report, args, quiet, env, nproc, steps, batch_size, model, runs_model, half)
 
 
-def conclude(plan: Plan, runs: list[dict], crash: Crash | None) -> Report:
+def conclude(plan: CheckPlan, runs: list[dict], crash: Crash | None) -> Report:
     """The report on a check's three runs (distributed, single, initial: their summaries), or on a crash."""
     if crash:
         return _verdict(plan.report, crash=_as_named(crash, plan.model, plan.runs_model) if plan.dropout else crash)
@@ -219,9 +219,8 @@ def conclude(plan: Plan, runs: list[dict], crash: Crash | None) -> Report:
 def judge(report: Report, distributed: dict, single: dict, found: Comparison, *, half: bool, distribution: bool):
     """The verdict on two runs' summaries and weights: equal within the tolerance of their precision, or not."""
     if None in (distributed["train_loss"], single["train_loss"]):  # a summary writes nan or inf as null
-        which = " and ".join(
-            n for n, r in (("distributed", distributed), ("one-process", single)) if r["train_loss"] is None
-        )
+        named = (("distributed", distributed), ("one-process", single))
+        which = " and ".join(n for n, r in named if r["train_loss"] is None)
         why = "nan or inf, or no target counted: every one -100"
         return _verdict(report, mismatch=f"the {which} run's training loss is not a number ({why})")
     rel_tol, loss_rtol = (HALF_REL_TOL, HALF_LOSS_RTOL) if half else (REL_TOL, LOSS_RTOL)
@@ -288,12 +287,12 @@ def probe_spec(
         raise RecipeError(f"{where}: one training step fails ({one_line(err)}); {fix}") from None
 
 
-def distributed_args(plan: Plan) -> list[str]:
+def distributed_args(plan: CheckPlan) -> list[str]:
     """The distributed run's command line after `python -m torch.distributed.run ... -m` (without `quiet`)."""
     return [*plan.args, "--max-steps", str(plan.steps), "--batch-size", str(plan.batch_size)]
 
 
-def one_process_args(plan: Plan, distributed: dict) -> dict[str, list[str]]:
+def one_process_args(plan: CheckPlan, distributed: dict) -> dict[str, list[str]]:
     """The command lines of the one-process run on the global batch ("single") and of the initial weights."""
     args = plan.args
     accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
@@ -306,7 +305,7 @@ def one_process_args(plan: Plan, distributed: dict) -> dict[str, list[str]]:
     }
 
 
-def _three_runs(plan: Plan, *, tmp: str, timeout_s: float) -> tuple[list[dict], Crash | None]:
+def _three_runs(plan: CheckPlan, *, tmp: str, timeout_s: float) -> tuple[list[dict], Crash | None]:
     """The recipe on `nproc` processes, on one with the global batch, and its weights before any step."""
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.nproc)]
     command, env, quiet = [*torchrun, "-m", *distributed_args(plan)], plan.env, plan.quiet

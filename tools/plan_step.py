@@ -151,12 +151,9 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
         optimizer.step()
     grads = [p.grad for p in layout.params if p.grad is not None]  # as the step left them: shards, or whole
     state = [t for s in optimizer.state.values() for t in s.values()]
-    return {
-        "peak": tracker.peak,
-        "grads": held_bytes(grads),
-        "optimizer": held_bytes(state),
-        "activations": held_for_backward[0],
-    }
+    return dict(
+        peak=tracker.peak, grads=held_bytes(grads), optimizer=held_bytes(state), activations=held_for_backward[0]
+    )
 
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
@@ -200,8 +197,7 @@ def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple
             else:
                 out.backward(layout.grad_recv[stage][mb])
     if outputs:  # the schedule merges the last stage's outputs; step_pipeline's metrics read them
-        merged = torch.cat(outputs)
-        metrics(merged, targets, torch.zeros(()), samples=len(targets))
+        metrics(torch.cat(outputs), targets, torch.zeros(()), samples=len(targets))
 
 
 def tensors(batch) -> list[torch.Tensor]:
