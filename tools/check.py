@@ -2,9 +2,8 @@
 
     python -m recipes check ddp --model mypkg.models:build --data mypkg.data:build
 
-Probes one batch in this process for what breaks the equivalence of N ranks and one process, then runs the recipe
-itself for a few steps under torchrun on N processes and as one process on the same global batch, and compares the
-final weights and the training loss (docs/copying-and-checking.md).
+Probes one batch here, then compares the recipe's weights and loss on N processes and on one, on the same global
+batch (docs/copying-and-checking.md).
 """
 
 from __future__ import annotations

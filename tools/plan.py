@@ -2,9 +2,8 @@
 
     python -m recipes plan fsdp --model mypkg:llama --batch-size 8 --nproc 8 --device-memory 80
 
-Each rank's layout (tools.plan_layout) takes a training step (tools.plan_step) on fake tensors in a fake process
-group, its live tensor bytes counted as torch's MemTracker counts them; tools.plan_fixed adds what no tracker sees,
-tools.plan_report prints the plan and says what would fit (docs/memory-plan.md).
+Each rank's layout (plan_layout) takes a step (plan_step) on fake tensors in a fake process group; plan_fixed adds
+what no tracker sees, plan_report prints the plan and what would fit (docs/memory-plan.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""What a GPU process holds that no tracker sees, beside the plan's tensors: the fixed terms.
-
-    CUDA context        0.3 GiB with lazy module loading (torch's default), 0.7 GiB with CUDA_MODULE_LOADING=EAGER
-    cuBLAS workspace    torch's default CUBLAS_WORKSPACE_CONFIG: 32 MiB on Hopper (and newer, or a GPU not known here),
-                        8.125 MiB on older GPUs
-    NCCL buffers        0.7 GiB per communicator: one for the job's group, one more for each mesh dimension's own
-    allocator headroom  10% of the rank's peak: the caching allocator's slack (reserved, not allocated)
-
-The defaults are published measurements (docs/memory-plan.md); `plan --fixed TERM=VALUE,...` or TDR_FIXED (read by
-the launchers' pre-check) sets any of them, `none` all to 0. A CPU job's pre-check compares the plan alone.
-"""
+"""What a GPU process holds that no tracker sees, beside the plan's tensors: the fixed terms (CUDA context, cuBLAS
+workspace, NCCL buffers, allocator headroom), from published measurements (docs/memory-plan.md); `plan --fixed
+TERM=VALUE,...` or TDR_FIXED sets any of them, `none` all to 0."""
 
 from __future__ import annotations
 

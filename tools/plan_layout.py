@@ -1,8 +1,5 @@
-"""The memory plan's layouts: what one rank of a recipe holds, built with the recipe's own core functions.
-
-Each recipe's build lines are mirrored here call for call (its `train()` builds and trains in one function), on
-whatever tensors are current: fake ones for a plan, real ones when tests and bench/ measure a run.
-"""
+"""The memory plan's layouts: what one rank of a recipe holds, built call for call as the recipe builds it, on
+whatever tensors are current (fake ones for a plan, real ones for tools/plan_measure.py)."""
 
 from __future__ import annotations
 

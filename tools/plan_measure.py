@@ -1,8 +1,5 @@
-"""The plan's check: a recipe's real training steps on this rank, measured by torch's MemTracker.
-
-Called on every rank of a real process group (tests, bench/bench_plan.py, bench/gpu_check.sh): the plan's own
-layout on real tensors, wrapped as the recipe wraps it, takes two steps through the recipe's own step function.
-"""
+"""The plan's check: a recipe's real training steps on this rank (the plan's layout on real tensors, wrapped as
+the recipe wraps it), measured by torch's MemTracker."""
 
 from __future__ import annotations
 

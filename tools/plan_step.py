@@ -1,8 +1,5 @@
-"""The memory plan's step: the recipe's training step on one rank's layout, its live tensor bytes tracked.
-
-The step planned is training's second, which carries AdamW's state through the forward and backward and then
-steps: the run's peak. Under fake tensors AdamW's own step cannot run, so PlanAdamW makes what it makes.
-"""
+"""The memory plan's step: the recipe's training step on one rank's layout, its live tensor bytes tracked (the
+second step, which carries AdamW's state: the run's peak)."""
 
 from __future__ import annotations
 

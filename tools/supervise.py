@@ -3,10 +3,7 @@
     exec python tools/supervise.py --what ddp --note launch_single_node [--max-restarts N] [--remove DIR]
         [--this-node IP --master IP:PORT] -- torchrun ARGS... python tools/worker.py python -m recipes run ...
 
-torchrun dies with this process and gets its closing signals once (a second one: SIGKILL). The ranks' lines
-(tagged by tools/worker.py) pass through, a traceback or `error:` line held until its rank ends; torchrun's own
-log and traceback become one closing line, also appended to the run's train.log (docs/multinode.md, "How the
-launchers know"). Standard library only.
+Standard library only; docs/multinode.md ("How the launchers know") tells what it holds back and what it says.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
     torchrun --no-python ... python tools/worker.py python -m recipes run ddp --epochs 3
 
-It ties the rank's life to torchrun's (PR_SET_PDEATHSIG), passes torchrun's closing signals to the rank's process
-group once (with a SIGCONT), and tags for tools/supervise.py each line the rank writes to stderr
-("\x1e" RANK "\x1f" LINE) and each start, stop and end ("\x1e" RANK "\x1d" JSON); docs/multinode.md says more.
-Standard library only: it starts before every rank.
+It ties the rank's life to torchrun's, passes on torchrun's closing signals, and tags the rank's stderr lines and its
+start, stop and end for tools/supervise.py (docs/multinode.md). Standard library only: it starts before every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import sys
 import threading
 import time
 
-LINE, EVENT = "\x1f", "\x1d"
+LINE, EVENT = "\x1f", "\x1d"  # "\x1e" RANK LINE text, or "\x1e" RANK EVENT json (started, stopped, ended)
 CLOSING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what torchrun closes a group with
 
 
