@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,17 +166,7 @@ class CheckPlan:
 
 
 def prepare(
-    recipe,
-    *,
-    model: str | None = None,
-    data: str | None = None,
-    nproc: int = 2,
-    steps: int = 3,
-    batch_size: int = 8,
-    seed: int = 0,
-    loss: str = "auto",
-    options: Sequence[str] = (),
-    timeout_s: float = 600.0,
+    recipe, *, model=None, data=None, nproc=2, steps=3, batch_size=8, seed=0, loss="auto", options=(), timeout_s=600.0
 ) -> CheckPlan:
     """Probe the model (None: the recipe's default) and plan the runs; `options`: more of the recipe's own."""
     config = recipe.load().Config
@@ -193,11 +182,9 @@ def prepare(
     if dropout:  # compare the runs bit for bit with the masks off; with them on, they agree in distribution only
         report.findings.remove(dropout)
         env = {"TDR_CHECK_MODEL": model}  # the runs take check's factory below; what is shown names the user's
-        report.lines.append(
-            f"  dropout ({few(list(dropout.layers))}) is off (p=0) in both runs: with it on, each rank draws its own "
-            f"masks (seed + rank), as one process draws them over the whole batch: equal in distribution, not bit "
-            f"for bit"
-        )
+        off = f"  dropout ({few(list(dropout.layers))}) is off (p=0) in both runs"
+        on = "with it on, each rank draws its own masks (seed + rank), as one process draws them over the whole batch"
+        report.lines.append(f"{off}: {on}: equal in distribution, not bit for bit")
     runs_model = f"{__name__}:without_dropout" if dropout else model
     args = ["recipes", "run", recipe.name, "--model", runs_model, "--data", data, "--seed", str(seed), *own]
     quiet = ["--log-every", str(steps), "--timeout-s", str(min(timeout_s, 300.0))]  # not shown in a rerun command

@@ -99,6 +99,7 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from core.kernel.pg import Topology
+    from tools.plan_layout import held_bytes
     from tools.precheck import check_model
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -125,8 +126,9 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             step = functools.partial(
                 planned_steps, name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
-            planned = _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
-            return dataclasses.replace(planned, notes=_notes(name, layout, order))
+            terms = _traced(step, layout.modules)  # the step's peak, and its grads, optimizer and activations bytes
+            params = held_bytes([p for m in layout.modules for p in m.parameters()])  # exact, from shapes and dtypes
+            return RankPlan(rank, params, **terms, buffers_bytes=layout.bucket_bytes, notes=_notes(name, layout, order))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -213,11 +215,3 @@ def _traced(run, modules: list):
     finally:
         pre.remove()
         post.remove()
-
-
-def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int, activations: int) -> RankPlan:
-    """The terms of this rank, exact from the shapes and dtypes it holds."""
-    from tools.plan_layout import held_bytes
-
-    params = held_bytes([p for m in layout.modules for p in m.parameters()])
-    return RankPlan(rank, params, grads, optimizer, activations, peak, layout.bucket_bytes)

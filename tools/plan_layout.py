@@ -121,9 +121,8 @@ def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
 
     from core import parallel
 
-    for block in parallel.shard_units(
-        model, parallel.named_blocks(model, blocks) if blocks else parallel.find_blocks(model)
-    ):
+    found = parallel.named_blocks(model, blocks) if blocks else parallel.find_blocks(model)
+    for block in parallel.shard_units(model, found):  # as the recipes shard: each block, then the root
         fully_shard(block, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
 
@@ -152,9 +151,8 @@ def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, grou
         return order
     from torch.distributed.pipelining import PipelineStage
 
-    runners = [
-        PipelineStage(module, i, layout.num_stages, torch.device("cpu"), group=group) for i, module in layout.stages
-    ]
+    cpu = torch.device("cpu")
+    runners = [PipelineStage(module, i, layout.num_stages, cpu, group=group) for i, module in layout.stages]
     schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
     kinds = ("F", "B")  # torch's _ComputationType values: forward, full backward
     actions = [a for a in schedule.pipeline_order[pp_rank] if a is not None and a.computation_type.value in kinds]

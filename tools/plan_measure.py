@@ -96,21 +96,12 @@ def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tupl
     micro = cfg.microbatches * cfg.accum
     schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = layout.stages[-1][0] == layout.num_stages - 1
+    how = dict(holds_last=holds_last, precision=cfg.precision, clip=cfg.clip, dp_group=dp_group, pp_group=pp_group)
     tracker = track([*layout.modules, *tensors(micro_batches)])
     with tracker:
         optimizer = torch.optim.AdamW(layout.params, lr=cfg.lr)
         for _ in range(2):
-            schedules.step_pipeline(
-                schedule,
-                micro_batches,
-                loss_fn=loss_fn,
-                optimizer=optimizer,
-                holds_last=holds_last,
-                precision=cfg.precision,
-                clip=cfg.clip,
-                dp_group=dp_group,
-                pp_group=pp_group,
-            )
+            schedules.step_pipeline(schedule, micro_batches, loss_fn=loss_fn, optimizer=optimizer, **how)
     return optimizer, peak_of(tracker)
 
 

@@ -148,9 +148,12 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
         optimizer.step()
     grads = [p.grad for p in layout.params if p.grad is not None]  # as the step left them: shards, or whole
     state = [t for s in optimizer.state.values() for t in s.values()]
-    return dict(
-        peak=tracker.peak, grads=held_bytes(grads), optimizer=held_bytes(state), activations=held_for_backward[0]
-    )
+    return {
+        "grads_bytes": held_bytes(grads),
+        "optimizer_bytes": held_bytes(state),
+        "activations_bytes": held_for_backward[0],
+        "peak_bytes": tracker.peak,
+    }
 
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
