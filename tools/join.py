@@ -35,15 +35,10 @@ def loopback_store(*, timeout_s: float) -> dist.Store | None:
     except ValueError:
         return None  # a host name: multi-node, the store must be reachable from the other nodes
     rank, world_size = env_number("RANK", 0), env_number("WORLD_SIZE", 1)
-    sock = socket.create_server((addr, port), backlog=max(world_size, 128)) if rank == 0 else None
-    return dist.TCPStore(
-        addr,
-        port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=timeout_s),
-        master_listen_fd=None if sock is None else sock.detach(),  # the store owns the socket from here
-    )
+    # rank 0 binds the socket itself, to loopback only, and the store owns it from there
+    listening = socket.create_server((addr, port), backlog=max(world_size, 128)).detach() if rank == 0 else None
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listening)
 
 
 def join(*, timeout_s: float) -> None:

@@ -158,14 +158,11 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
     """amp.step_amp's forwards and backwards (or core.steps.step_plain's one), without reading any value."""
-    exact, normalizer = name in EXACT_LOSS, torch.ones(())
+    step = functools.partial(forward_exact, normalizer=torch.ones(())) if name in EXACT_LOSS else forward
     for i, batch in enumerate(micro_batches):
         with layout.sync(layout.model, enabled=i == len(micro_batches) - 1):
             with amp.autocast(layout.autocast, device=torch.device("cpu")):
-                if exact:
-                    loss, _ = forward_exact(layout.model, batch, loss_fn, normalizer=normalizer)
-                else:
-                    loss, _ = forward(layout.model, batch, loss_fn)
+                loss, _ = step(layout.model, batch, loss_fn)
             after_forward()
             loss.backward()
 

@@ -8,6 +8,7 @@ start, stop and end for tools/supervise.py (docs/multinode.md). Standard library
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -31,10 +32,8 @@ def die_with_parent(signum: int, *, parent: int) -> None:
 
 def send(rank: str, kind: str, text: str) -> None:
     """One tagged line in one write (atomic on a pipe up to 4 KiB): lines of several ranks never mix."""
-    try:
+    with contextlib.suppress(OSError):  # the supervisor is gone: keep draining the rank's pipe all the same
         os.write(2, f"\x1e{rank}{kind}{text}\n".encode(errors="replace"))
-    except OSError:  # the supervisor is gone: keep draining the rank's pipe all the same
-        pass
 
 
 def relay(pipe, rank: str) -> None:
@@ -59,10 +58,8 @@ def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
             state["closed_by"], state["stopped_when_closed"] = signum, state["stopped"]
         if not state["ended"]:  # reaped: its group id may be another's by now
             for sig in (signum, signal.SIGCONT):  # a stopped rank acts on it now, not never
-                try:
-                    os.killpg(child.pid, sig)  # the rank and what it started (data loader workers), as torchrun would
-                except ProcessLookupError:
-                    pass
+                with contextlib.suppress(ProcessLookupError):  # the rank and what it started, as torchrun would
+                    os.killpg(child.pid, sig)
 
     for signum in CLOSING:
         signal.signal(signum, on_closing)
