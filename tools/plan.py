@@ -15,12 +15,23 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
 
+from core.exact_loss import make_exact_loss
 from core.kernel.options import RecipeError
+from core.kernel.pg import Topology
+from core.loss import make_loss
+from core.loss_options import choose_loss
 from tools.plan_fixed import GIB
 from tools.plan_layout import EXACT_LOSS, build_layout, mesh_dims, pipeline_buffers, schedule_order, unplannable
 from tools.plan_step import planned_steps, quiet
+from tools.precheck import check_data, check_model
+from tools.probes import collated, first_samples
+from tools.registry import RECIPES
 
 
 @dataclass(frozen=True)
@@ -73,8 +84,6 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
 
 def _recipe_check(name: str, cfg, *, world_size: int) -> None:
     """The recipe's own checks (mesh sizes, heads, stages) at this WORLD_SIZE: what it would refuse is not planned."""
-    from tools.registry import RECIPES
-
     module = RECIPES[name].load()
     if hasattr(module, "check"):
         with mock.patch.dict(os.environ, WORLD_SIZE=str(world_size)):
@@ -83,9 +92,6 @@ def _recipe_check(name: str, cfg, *, world_size: int) -> None:
 
 def first_batch(cfg):
     """One rank's first batch, as the recipe's loader collates it: the shapes the plan runs on."""
-    from tools.precheck import check_data
-    from tools.probes import collated, first_samples
-
     found = check_data(cfg.data, streams=True, recipe="plan")  # the pre-check's one-line refusals of a factory
     train, collate = found["train"], found["collate"]
     samples = first_samples(train, cfg.batch_size, spec=cfg.data)
@@ -95,12 +101,7 @@ def first_batch(cfg):
 
 
 def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict, gpu: bool) -> RankPlan:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from core.kernel.pg import Topology
     from tools.plan_layout import held_bytes
-    from tools.precheck import check_model
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -149,9 +150,6 @@ def _built(name: str, cfg, *, mesh, build):
 
 def _mesh_math_on_real_tensors():
     """A DeviceMesh that fully_shard joins finds its coordinates with nonzero(): on the real, small mesh tensor."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
     original = DeviceMesh._compute_coordinate_on_dim
 
     def on_real_tensors(self):
@@ -176,21 +174,14 @@ def recipe_loss(name: str, cfg, model):
     """The recipe's loss, taken as the recipe takes it."""
     if name == "pipeline":
         return None
-    from core.loss import make_loss
-    from core.loss_options import choose_loss
-
     loss = choose_loss(cfg.loss, make_loss(model=model), model=model)
     if name in EXACT_LOSS:
-        from core.exact_loss import make_exact_loss
-
         return make_exact_loss(loss, model=model)
     return loss
 
 
 def _traced(run, modules: list):
     """The plan's step, or one line naming the innermost module (or the backward) that fake tensors could not follow."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
     names = {m: f"{n or 'the model'} ({type(m).__name__})" for root in modules for n, m in root.named_modules()}
     running: list[str] = []
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from core.kernel.options import UsageError
 
 GIB, MIB, KIB = 2**30, 2**20, 2**10
@@ -108,8 +110,6 @@ def fixed_terms(*, dims: dict[str, int], world_size: int, spec: str | None = Non
     option = "--fixed" if spec is not None else "TDR_FIXED"
     told = parse_fixed(os.environ.get("TDR_FIXED", "") if spec is None else spec, option=option)
     if major is None and gpu_job():
-        import torch
-
         major = torch.cuda.get_device_capability()[0]
     eager = os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER"
     default = OTHER_WORKSPACE if major is not None and major < 9 else HOPPER_WORKSPACE  # unknown, newer: the larger
@@ -131,8 +131,6 @@ def fixed_terms(*, dims: dict[str, int], world_size: int, spec: str | None = Non
 
 def gpu_job() -> bool:
     """Whether the job's ranks run on this machine's GPUs (core.dist.pick_device's choice)."""
-    import torch
-
     return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
 
 

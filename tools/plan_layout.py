@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from core import amp, models, pipeline, schedules
 from core.kernel.options import RecipeError
+from tools.registry import RECIPES
 
 REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")  # a whole replica on each rank, and DDP's buckets
 EXACT_LOSS = ("ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp")  # core.exact_loss's step (amp.step_amp)
@@ -39,8 +40,6 @@ class Layout:
 def mesh_dims(name: str, cfg, world_size: int) -> dict[str, int]:
     """The device mesh the recipe builds (its own `mesh` where it has one); {} for DDP and one process."""
     if name in ("fsdp", "tensor_parallel", "fsdp_tp", "pipeline"):
-        from tools.registry import RECIPES
-
         return RECIPES[name].load().mesh(cfg, world_size)
     return {}
 

@@ -8,22 +8,23 @@ import functools
 import torch
 from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import amp, parallel, schedules, steps
 from core.kernel.loader import to_device
 from core.kernel.options import parse_args
 from core.kernel.pg import Topology
+from tools.plan import first_batch, recipe_loss
 from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
 from tools.plan_step import quiet, tensors
+from tools.registry import RECIPES
 
 
 def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
     """Two real training steps of recipe `name` with `args` on this rank: the peak of live tensor bytes, and what
     its parameters, gradients and optimizer state hold after them."""
-    from tools.plan import first_batch, recipe_loss
-    from tools.registry import RECIPES
-
     cfg = parse_args(RECIPES[name].load().Config, list(args))
     torch.manual_seed(cfg.seed)
     if topo.device.type == "cuda":  # the allocator's own peak, from here: bench/gpu_check.sh compares it too
@@ -75,8 +76,6 @@ def _held(layout, optimizer, peak: int) -> dict[str, int]:
 def _wrapped(name: str, model, cfg):
     """The recipe's wrapper with its options: DDP as ddp, ddp_amp and ddp_monitored make it; DataParallel."""
     if name in REPLICAS:
-        from torch.nn.parallel import DistributedDataParallel
-
         device = next(model.parameters()).device
         options = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
         if name == "ddp_monitored":
@@ -88,8 +87,6 @@ def _wrapped(name: str, model, cfg):
 
 
 def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tuple:
-    from torch.distributed.pipelining import PipelineStage
-
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     runners = [PipelineStage(m, i, layout.num_stages, device, group=pp_group) for i, m in layout.stages]
     loss_fn = schedules.TokenLoss()

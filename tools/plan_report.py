@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import math
 import os
 import sys
 
 import torch
 
+from core.dist import env_number
 from core.kernel.options import RecipeError, UsageError, parse_args
 from tools.plan import Plan, plan_recipe
 from tools.plan_fixed import GIB, Fixed, fixed_terms, gpu_job, over, parse_fixed
 from tools.plan_layout import REPLICAS, mesh_dims
+from tools.registry import RECIPES
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline")
 MAX_NPROC = 2**16  # the largest job the plan takes (--nproc, or the launcher's WORLD_SIZE)
@@ -66,8 +71,6 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
                 changes["microbatches"] = min(cfg.microbatches, b)
             found.append((f"--batch-size {b} --accum {k}", name, dataclasses.replace(cfg, **changes), world_size))
     if name in REPLICAS or name == "dp":
-        from tools.registry import RECIPES
-
         args = ["--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--loss", cfg.loss]
         bf16 = ["--precision", "bf16"] if getattr(cfg, "precision", "fp32") != "fp32" else []
         accum = ["--accum", str(cfg.accum)] if hasattr(cfg, "accum") else []
@@ -169,9 +172,6 @@ def precheck_memory(name: str, cfg, *, world_size: int) -> None:
 
 def plan_options(args: list[str]) -> tuple[dict, list[str]]:
     """The plan's own options out of a recipe's command line: ({nproc, device_memory, as_json, fixed}, the rest)."""
-    import argparse
-    import math
-
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--nproc", default=None)
     parser.add_argument("--device-memory", default=None)
@@ -180,8 +180,6 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
     own, rest = parser.parse_known_args(args)
     parse_fixed(own.fixed)  # a term or value it does not take: one line, before anything is planned
     if own.nproc is None:  # the launcher's WORLD_SIZE, or one process
-        from core.dist import env_number
-
         nproc, said = env_number("WORLD_SIZE", 1), f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}"
     else:
         nproc, said = int(own.nproc) if own.nproc.strip().isdigit() else None, f"--nproc {own.nproc}"
@@ -202,8 +200,6 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
 
 def show_plan(name: str, cfg, *, nproc: int, device_memory: float | None, as_json: bool, echo, fixed: str = "") -> None:
     """`python -m recipes plan`: the plan and a GPU process's fixed terms, then one line when they do not fit."""
-    import json
-
     gpu = True if device_memory is not None else None  # --device-memory plans for a GPU: foreach, 512-byte blocks
     plan = plan_recipe(name, cfg, world_size=nproc, gpu=gpu)
     top = plan.largest
