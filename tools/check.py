@@ -247,9 +247,7 @@ def without_dropout() -> nn.Module:
     return model
 
 
-def probe_spec(
-    recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int, nproc: int = 2
-) -> list[Finding]:
+def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int, nproc: int) -> list[Finding]:
     """Build the model and two batches as the recipe does, and probe them (and, for a recipe that averages its
     replicas' mean losses, targets counted unequally); any failure is one RecipeError line."""
     seed_all(seed)  # as the recipes seed: a factory that shuffles with random or numpy too
@@ -317,9 +315,7 @@ def _three_runs(plan: CheckPlan, *, tmp: str, timeout_s: float) -> tuple[list[di
     return [distributed, done["single"][0], done["initial"][0]], None
 
 
-def _verdict(
-    report: Report, *, mismatch: str | None = None, crash: Crash | None = None, distribution: bool = False
-) -> Report:
+def _verdict(report: Report, *, mismatch: str | None = None, crash: Crash | None = None, distribution=False) -> Report:
     """The closing lines: equivalent or not, and why. `distribution`: the runs were compared with dropout off."""
     if mismatch is None and crash is None:
         said = "yes: distributed training of this model matches one process"

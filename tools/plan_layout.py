@@ -3,6 +3,7 @@ whatever tensors are current (fake ones for a plan, real ones for tools/plan_mea
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -189,8 +190,4 @@ def gathered_bytes(model: nn.Module) -> int:
 
 def in_flight(order: list[tuple]) -> int:
     """The most micro-batches whose forward has run and backward not yet, in this rank's schedule order."""
-    held = most = 0
-    for kind, _, _ in order:
-        held += 1 if kind == "F" else -1
-        most = max(most, held)
-    return most
+    return max(itertools.accumulate(1 if kind == "F" else -1 for kind, _, _ in order), default=0)
