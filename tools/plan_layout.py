@@ -87,8 +87,7 @@ def build_layout(name: str, cfg, *, device_mesh, build=models.build_model, devic
 
             checkpoint_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        # DDP's buckets, one copy of the gradients, at any world size (one too). With --grad-as-bucket-view the
-        # gradients become views into them after the reduction, but backward still makes each one first: measured.
+        # DDP's buckets: one copy of the gradients at any world size (backward makes each gradient, views or not)
         buckets = held_bytes(params) if name in REPLICAS else 0
         return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
     from core import parallel, tp_plan  # here: DTensor and fully_shard load for the layouts that use them

@@ -37,14 +37,10 @@ class PlanAdamW(torch.optim.AdamW):
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
         params = [p for p in trained if p.grad is not None]
-        if not params:
-            return None
-        if self.plan_foreach:  # _multi_tensor_adamw: sqrt(exp_avg_sq) for every parameter at once
-            temporaries = [torch.empty_like(p) for p in params]
-        else:  # _single_tensor_adamw: sqrt(exp_avg_sq) / bias_correction, one parameter at a time
+        if params:  # sqrt(exp_avg_sq) (/ bias_correction): of every parameter at once (foreach), or of each in turn
             largest = max(params, key=lambda p: p.numel())
-            temporaries = [torch.empty_like(largest), torch.empty_like(largest)]
-        del temporaries
+            temporaries = [torch.empty_like(p) for p in (params if self.plan_foreach else [largest, largest])]
+            del temporaries
         return None
 
 
