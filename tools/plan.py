@@ -175,9 +175,7 @@ def recipe_loss(name: str, cfg, model):
     if name == "pipeline":
         return None
     loss = choose_loss(cfg.loss, make_loss(model=model), model=model)
-    if name in EXACT_LOSS:
-        return make_exact_loss(loss, model=model)
-    return loss
+    return make_exact_loss(loss, model=model) if name in EXACT_LOSS else loss
 
 
 def _traced(run, modules: list):

@@ -99,9 +99,7 @@ def workspace_bytes(config: str) -> int:
 
 def communicators(dims: dict[str, int], world_size: int) -> int:
     """The NCCL communicators a process makes: the job's group, and one per mesh dimension smaller than the job."""
-    if world_size < 2:
-        return 0
-    return 1 + sum(1 for size in dims.values() if 1 < size < world_size)
+    return 0 if world_size < 2 else 1 + sum(1 for size in dims.values() if 1 < size < world_size)
 
 
 def fixed_terms(*, dims: dict[str, int], world_size: int, spec: str | None = None, major: int | None = None) -> Fixed:

@@ -81,9 +81,7 @@ def _wrapped(name: str, model, cfg):
         if name == "ddp_monitored":
             options |= {"bucket_cap_mb": cfg.bucket_mb, "gradient_as_bucket_view": cfg.grad_as_bucket_view}
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
-    if name == "dp":
-        return torch.nn.DataParallel(model)
-    return model
+    return torch.nn.DataParallel(model) if name == "dp" else model
 
 
 def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tuple:
