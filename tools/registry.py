@@ -115,8 +115,9 @@ _BUILT_IN_PLUGINS = [
         "taking back the folder of a run refused at its start (it stays, holding train.log)",
     ),
     Plugin("replicas", "core.plugins.replicas", "the summary's replicas_identical (every rank's tensors compared)"),
+    Plugin("blocks", "core.plugins.blocks", "--blocks NAME (the copy shards the repeated blocks it finds)"),
 ]
-KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
+KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS if p.name != "blocks")  # the kernel recipes run with
 
 _BUILT_IN = [
     Recipe(
@@ -155,7 +156,9 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "amp", "exact_loss", "stream", "dcp", "trackers"),
+        opt_ins=("shard", "shard_ckpt", "amp", "exact_loss"),
+        plugins=("init_from", "hf", "loss", "factories", "meter", "lock", "records", "checks", "fast_writer")
+        + ("old_checksums", "take_back", "replicas", "blocks"),
     ),
     Recipe(
         "tensor_parallel",

@@ -20,3 +20,4 @@ LOG_FIELDS: list = []  # fn() -> {field: number}: more numbers of a train record
 PAUSES: list = []  # a context manager's factory: time that is not training (evaluation, checkpoints)
 AFTER_JOB: list = []  # fn(cfg, run, model) -> summary fields or None: after the final weights
 ON_FAIL: list = []  # fn(refused): the run ends in an error; refused: one a restart would meet again
+BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
