@@ -34,8 +34,9 @@ def flat_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """The model's and the optimizer's tensors for DCP (DTensor shards, or a pipeline rank's stages), and the
     optimizer's other values: torch flattens its state by parameter name, which set_state_dict undoes on any mesh."""
     model_sd, optim = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    tensors = {f"model/{k}": v for k, v in model_sd.items()} | {f"optim/{k}": v for k, v in optim.items()}
-    return {k: v for k, v in tensors.items() if torch.is_tensor(v)}, {k: v for k, v in optim.items() if not torch.is_tensor(v)}
+    tensors = {f"model/{k}": v for k, v in model_sd.items()}
+    tensors |= {f"optim/{k}": v for k, v in optim.items() if torch.is_tensor(v)}
+    return tensors, {k: v for k, v in optim.items() if not torch.is_tensor(v)}
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -102,8 +103,8 @@ def check_shards(path: Path, tensors: dict, model) -> None:
             missing = isinstance(err, FileNotFoundError)
             problems.append(f"shard file {name} is {'missing' if missing else 'unreadable'}")
             continue
-        problems += [f"tensor {k} in {name} does not match its checksum" for k, s in sums.items() if k not in found
-                     or checksum(found[k]) != s]  # fmt: skip
+        wrong = [k for k, want in sums.items() if k not in found or checksum(found[k]) != want]
+        problems += [f"tensor {k} in {name} does not match its checksum" for k in wrong]
         for check in (c for c in READ_CHECKS if c is not check_shards):
             check(folder / name, found, None)
     if problems:

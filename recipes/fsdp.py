@@ -29,20 +29,19 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 import core.attach  # noqa: F401 - the package runs fsdp with its plug-ins; a standalone copy joins those --with names
-from core.amp import Accumulation, check_step, micro_batch_groups, step_amp
-from core.data import total_steps  # TEMP: until core.amp has the accumulation's step count
+from core.amp import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
 from core.exact_loss import forward_sums, make_exact_loss
 from core.gpt import gpt, text
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import make_loader, seed_all, set_epoch
+from core.kernel.loader import seed_all, set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
 from core.kernel.seams import AFTER_BUILD, BLOCKS, FACTORIES, ON_STEP, OPTION_GROUPS
-from core.loss import make_loss  # TEMP: until core.exact_loss takes the kernel's Loss
-from core.loss_options import choose_loss  # TEMP
+from core.kernel.step import make_loss
+from core.plugins import blocks, loss_counts, stream, trackers  # noqa: F401 - fsdp's own plug-ins (--with adds them)
 from core.shard import ShardedPrecision, build_mesh, evaluate_sharded, fsdp_policy, fsdp_sync, shard_blocks, whole_model
 from core.shard_ckpt import load_sharded, save_sharded
 
@@ -90,14 +89,13 @@ def train(cfg: Config, topo: Topology) -> dict:
         fully_shard(block, mesh=dp_mesh, **policy)
     fully_shard(model, mesh=dp_mesh, **policy)
     torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
-    train_loader = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate, seed=cfg.seed)
-    val_loader = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate, train=False)
-    total = total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
+    train_loader, val_loader, total = make_loaders(cfg, topo, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = choose_loss(cfg.loss, make_loss(model=model), model=model)  # TEMP
-    # Every counted target of the global batch weighs the same, across ranks and micro-batches.
-    loss_fn = make_exact_loss(loss_fn, model=model)
+    # The model's own loss, else cross-entropy; every counted target of the global batch weighs the same, across
+    # ranks and micro-batches.
+    loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
     # checkpoint's state: every rank reads its own shard, resharded to this world size.
@@ -161,8 +159,11 @@ class Config(Training, Checkpointing, FSDPOptions, ShardedPrecision, Accumulatio
 DEFAULTS = dict(model="gpt", data="text", epochs=1, lr=3e-3)
 Config = dataclasses.make_dataclass(  # noqa: F811 - the same options, with fsdp's defaults
     "Config",
-    [(f.name, f.type, dataclasses.field(default=DEFAULTS[f.name], metadata=f.metadata))
-     for f in dataclasses.fields(Config) if f.name in DEFAULTS],  # fmt: skip
+    [
+        (f.name, f.type, dataclasses.field(default=DEFAULTS[f.name], metadata=f.metadata))
+        for f in dataclasses.fields(Config)
+        if f.name in DEFAULTS
+    ],
     bases=(Config,),
     frozen=True,
     namespace={"__module__": __name__, "__doc__": Config.__doc__},

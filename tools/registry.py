@@ -115,9 +115,19 @@ _BUILT_IN_PLUGINS = [
         "taking back the folder of a run refused at its start (it stays, holding train.log)",
     ),
     Plugin("replicas", "core.plugins.replicas", "the summary's replicas_identical (every rank's tensors compared)"),
+]
+KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what every recipe on the kernel runs with (core/attach.py)
+_BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists
+    Plugin("trackers", "core.plugins.trackers", "--log-to tensorboard, wandb (and --wandb-project)"),
+    Plugin("stream", "core.plugins.stream", "streams (an IterableDataset), read in order and dealt out by position"),
+    Plugin(
+        "loss_counts",
+        "core.plugins.loss_counts",
+        "num_items_in_batch handed to a model whose own loss divides its sum by it (transformers'): without it, that "
+        "loss is weighed as a mean per micro-batch",
+    ),
     Plugin("blocks", "core.plugins.blocks", "--blocks NAME (the copy shards the repeated blocks it finds)"),
 ]
-KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS if p.name != "blocks")  # the kernel recipes run with
 
 _BUILT_IN = [
     Recipe(
@@ -133,6 +143,7 @@ _BUILT_IN = [
         "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
         opt_ins=("amp", "exact_loss", "stream", "trackers"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts"),
     ),
     Recipe(
         "ddp_monitored",
@@ -157,8 +168,7 @@ _BUILT_IN = [
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
         opt_ins=("shard", "shard_ckpt", "amp", "exact_loss"),
-        plugins=("init_from", "hf", "loss", "factories", "meter", "lock", "records", "checks", "fast_writer")
-        + ("old_checksums", "take_back", "replicas", "blocks"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks"),
     ),
     Recipe(
         "tensor_parallel",
