@@ -140,8 +140,14 @@ def train(cfg: Config, topo: Topology) -> dict:
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
-FACTORIES.setdefault("model", lambda cfg: gpt())  # no --model (a copy without `factories`): the built-in GPT
-FACTORIES.setdefault("data", lambda cfg: text())  # on the embedded text
+def built_in(kind: str, name: str, make, other):
+    """fsdp's own built-in model or data: taken where --model/--data names it or is no option (a copy without
+    `factories`), else `other`, the factories' (a user's module:function, another built-in name)."""
+    return lambda cfg: make() if other is None or getattr(cfg, kind) == name else other(cfg)
+
+
+FACTORIES["model"] = built_in("model", "gpt", gpt, FACTORIES.get("model"))  # the GPT (your model in its place)
+FACTORIES["data"] = built_in("data", "text", text, FACTORIES.get("data"))  # on the embedded text (your data)
 
 
 @dataclass(frozen=True)
