@@ -34,7 +34,7 @@ class Recipe:
     @property
     def streams(self) -> bool:
         """It reads streams (IterableDatasets) through core.stream; the others refuse them before launch."""
-        return "stream" in self.opt_ins
+        return "stream" in self.opt_ins or "stream" in self.plugins  # the stream plug-in: a recipe on the kernel
 
     def load(self) -> ModuleType:
         """The recipe's module; its Config is built, on first import, with its own plug-ins' option groups only."""
@@ -167,7 +167,7 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
-        opt_ins=("shard", "shard_ckpt", "amp", "exact_loss"),
+        opt_ins=("shard", "shard_ckpt", "amp", "exact_loss", "gpt"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks"),
     ),
     Recipe(
