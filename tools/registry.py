@@ -33,8 +33,9 @@ class Recipe:
 
     @property
     def streams(self) -> bool:
-        """It reads streams (IterableDatasets) through core.stream; the others refuse them before launch."""
-        return "stream" in self.opt_ins or "stream" in self.plugins  # the stream plug-in: a recipe on the kernel
+        """It reads streams (IterableDatasets) through core.stream or the stream plug-in; the others refuse them
+        before launch."""
+        return "stream" in self.opt_ins or "stream" in self.plugins
 
     def load(self) -> ModuleType:
         """The recipe's module; its Config is built, on first import, with its own plug-ins' option groups only."""
@@ -132,6 +133,13 @@ _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module impor
         "num_items_in_batch handed to a model whose own loss divides its sum by it (transformers'): without it, that "
         "loss is weighed as a mean per micro-batch",
     ),
+    Plugin(
+        "comm_hook",
+        "core.plugins.comm_hook",
+        "--comm-hook (fp16, bf16, PowerSGD), --bucket-mb and --grad-as-bucket-view (the copy keeps DDP's own reducer)",
+    ),
+    Plugin("tuning", "core.plugins.tuning", "--compile, --activation-checkpointing and --channels-last"),
+    Plugin("profile", "core.plugins.profile", "--profile (a torch.profiler trace of a few steps per rank)"),
     Plugin("blocks", "core.plugins.blocks", "--blocks NAME (the copy shards the repeated blocks it finds)"),
 ]
 
@@ -148,7 +156,7 @@ _BUILT_IN = [
         "recipes.ddp_amp",
         "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
-        opt_ins=("amp", "exact_loss", "stream", "trackers"),
+        opt_ins=("amp", "exact_loss"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts"),
     ),
     Recipe(
@@ -156,8 +164,9 @@ _BUILT_IN = [
         "recipes.ddp_monitored",
         "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
-        opt_ins=("monitor", "metrics", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
+        opt_ins=("ckpt_async", "metrics", "monitor", "watchdog"),
         mean_per_replica=True,
+        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile"),
     ),
     Recipe(
         "dp",
