@@ -27,7 +27,7 @@ from core.kernel.ckpt import FORMAT, START, checksum, list_checkpoints, read_che
 from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
 from core.kernel.pg import all_gather_object, broadcast_object
-from core.kernel.seams import READ_CHECKS
+from core.kernel.seams import ON_RESUME, READ_CHECKS
 
 
 def flat_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -134,23 +134,26 @@ def load_sharded(run: RunFolder, *, model, optimizer, **stateful) -> dict:
     optim |= {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["optimizer"]).items()}  # betas
     model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim)
-    for key, holder in stateful.items():  # this job's T_max: a finished run given more steps trains longer
+    for key, holder in stateful.items():  # the scheduler with this job's T_max (a run given more steps: `longer`)
         saved = json.loads(meta.get(key, "null")) or {}
         holder.load_state_dict(saved | ({"T_max": holder.T_max} if key == "scheduler" else {}))
     for key, state in states.items():  # a rank the saving job did not have keeps its seeded generator
         if key.startswith(f"rng/{dist.get_rank()}/"):
             torch.set_rng_state(state) if key.endswith("/cpu") else torch.cuda.set_rng_state(state)
     progress = {**START, **json.loads(meta["progress"])}
-    shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
     where = {k: v for k, v in progress.items() if k != "window"}
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
+    where |= {key: run.config[key] for key in ("world_size", "global_batch")}
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    scheduler = stateful.get("scheduler")
-    if scheduler is not None and (old := json.loads(meta["scheduler"])["T_max"]) != scheduler.T_max:
-        for group, lr in zip(optimizer.param_groups, scheduler._get_closed_form_lr()):  # the cosine over the new total
-            group["lr"] = lr
-        write_record(run, {"kind": "extend", "step": progress["step"], "old_total": old, "new_total": scheduler.T_max})
-    return progress
+    for hook in ON_RESUME if "scheduler" in stateful else ():
+        hook(
+            run,
+            json.loads(meta["scheduler"]),
+            optimizer=optimizer,
+            scheduler=stateful["scheduler"],
+            step=progress["step"],
+        )
+    return progress | {"window": progress["window"] if run.writer else {}}  # the open log window: rank 0 carries it
 
 
 READ_CHECKS.append(check_shards)
