@@ -1,4 +1,4 @@
-"""Debugging a distributed job without a debugger: a hang watchdog and --debug (core.monitor has --profile).
+"""Debugging a distributed job without a debugger: a hang watchdog and --debug (the profile plug-in has --profile).
 
     watchdog.prepare_env(debug=cfg.debug, out=cfg.out)       # before init_pg: env read at group creation
     watch = watchdog.Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.dist import Topology
 from core.kernel.log import show
 from core.kernel.options import Options, option
+from core.kernel.pg import Topology
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ class DebugOptions(Options):
         fix="use a positive number of seconds",
     )
     debug: bool = option(False, "TORCH_DISTRIBUTED_DEBUG, and the NCCL flight recorder on GPU")
-    profile: bool = option(False, "write a torch.profiler trace of a few steps, one file per rank")
 
 
 def prepare_env(*, debug: bool = False, out: str = "runs", watchdog: bool = True) -> dict[str, str]:

@@ -33,8 +33,9 @@ class Recipe:
 
     @property
     def streams(self) -> bool:
-        """It reads streams (IterableDatasets) through core.stream; the others refuse them before launch."""
-        return "stream" in self.opt_ins
+        """It reads streams (IterableDatasets) through core.stream or the stream plug-in; the others refuse them
+        before launch."""
+        return "stream" in self.opt_ins or "stream" in self.plugins
 
     def load(self) -> ModuleType:
         """The recipe's module; its Config is built, on first import, with its own plug-ins' option groups only."""
@@ -122,7 +123,25 @@ _BUILT_IN_PLUGINS = [
         "total); without it a finished run stays finished",
     ),
 ]
-KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
+KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what every recipe on the kernel runs with (core/attach.py)
+_BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists
+    Plugin("trackers", "core.plugins.trackers", "--log-to tensorboard, wandb (and --wandb-project)"),
+    Plugin("stream", "core.plugins.stream", "streams (an IterableDataset), read in order and dealt out by position"),
+    Plugin(
+        "loss_counts",
+        "core.plugins.loss_counts",
+        "num_items_in_batch handed to a model whose own loss divides its sum by it (transformers'): without it, that "
+        "loss is weighed as a mean per micro-batch",
+    ),
+    Plugin(
+        "comm_hook",
+        "core.plugins.comm_hook",
+        "--comm-hook (fp16, bf16, PowerSGD), --bucket-mb and --grad-as-bucket-view (the copy keeps DDP's own reducer)",
+    ),
+    Plugin("tuning", "core.plugins.tuning", "--compile, --activation-checkpointing and --channels-last"),
+    Plugin("profile", "core.plugins.profile", "--profile (a torch.profiler trace of a few steps per rank)"),
+    Plugin("blocks", "core.plugins.blocks", "--blocks NAME (the copy shards the repeated blocks it finds)"),
+]
 
 _BUILT_IN = [
     Recipe(
@@ -137,15 +156,17 @@ _BUILT_IN = [
         "recipes.ddp_amp",
         "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
-        opt_ins=("amp", "exact_loss", "stream", "trackers"),
+        opt_ins=("amp", "exact_loss"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts"),
     ),
     Recipe(
         "ddp_monitored",
         "recipes.ddp_monitored",
         "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
-        opt_ins=("monitor", "metrics", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
+        opt_ins=("ckpt_async", "metrics", "monitor", "watchdog"),
         mean_per_replica=True,
+        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile"),
     ),
     Recipe(
         "dp",
@@ -161,7 +182,8 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "amp", "exact_loss", "stream", "dcp", "trackers"),
+        opt_ins=("shard", "shard_ckpt", "amp", "exact_loss", "gpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks"),
     ),
     Recipe(
         "tensor_parallel",

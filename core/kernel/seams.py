@@ -18,3 +18,12 @@ LOG_FIELDS: list = []  # fn() -> {field: number}: more numbers of a train record
 PAUSES: list = []  # a context manager's factory: time that is not training (evaluation, checkpoints)
 AFTER_JOB: list = []  # fn(cfg, run, model) -> summary fields or None: after the final weights
 ON_FAIL: list = []  # fn(refused): the run ends in an error; refused: one a restart would meet again
+LOG_SINKS: list = []  # fn(run, record): rank 0's write_record hands each metrics.jsonl record on (--log-to)
+STREAMS: list = []  # fn(cfg, topo, train, val, collate_fn) -> (train loader, val loader, steps) for a stream, else None
+# (core/amp.py's make_loaders; the stream plug-in)
+LOSS_COUNTS: list = []  # fn(model, loss) -> forward(model, batch, loss, norm) -> (loss, its sum, metric sums) or None:
+# a model whose own loss divides its sum by num_items_in_batch (core/exact_loss.py's make_exact_loss; loss_counts)
+PRECHECKS: list = []  # fn(cfg): before launch, one RecipeError line (ddp_monitored's check; the pre-check calls it)
+DDP_OPTIONS: list = []  # fn(cfg) -> more DistributedDataParallel keyword arguments (ddp_monitored; --bucket-mb)
+WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wraps it (ddp_monitored; --compile)
+BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
