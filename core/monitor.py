@@ -4,7 +4,7 @@
     timer.attach(train_model, optimizer)                          # hooks: no code in the step, no host sync
     ... every --log-every steps (a collective):
     log_train(run, totals, ..., **breakdown(timer.take(), device=..., global_batch=...))
-    with not_training(), paused(timer, watch):                    # evaluation, checkpoints: not a step
+    with not_training(), paused(timer):                           # evaluation, checkpoints: not a step
         ...
 
 Each rank times its own steps; `breakdown` gathers every rank's sums in one collective, so the record speaks
@@ -21,7 +21,6 @@ import torch
 
 from core.kernel.pg import all_gather_object
 from core.metrics import peak_memory_mb
-from core.watchdog import Watchdog
 
 PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
 
@@ -122,13 +121,9 @@ def breakdown(
 
 
 @contextmanager
-def paused(timer: StepClock, watch: Watchdog):
-    """Evaluation or a checkpoint: not a step, for neither the step clock nor the watchdog's median.
-
-    The watchdog still reports a pause that reaches its cap, near the collective timeout."""
-    watch.hold()
+def paused(timer: StepClock):
+    """Evaluation or a checkpoint: not a step for the step clock."""
     try:
         yield
     finally:
         timer.skip_gap()
-        watch.beat(watch.step, timed=False)

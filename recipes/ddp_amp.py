@@ -80,8 +80,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     start = load_checkpoint(run, **state)
     if "scaler" in start:  # fp16's loss scale goes on where it was
         scaler.load_state_dict(start["scaler"])
-    totals = Tally(topo.device)  # the loss and accuracy of each log window, summed over the ranks when read
-    totals.carry(start["window"], writer=run.writer)  # the window open at the checkpoint
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
 
     # Train. K micro-batches a step; DDP all-reduces in the last one's backward only (no_sync before).
     step, skipped, evaluation = start["step"], start["skipped"], {}

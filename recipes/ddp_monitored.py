@@ -31,24 +31,22 @@ from core.kernel.loader import make_loader, seed_all, set_epoch, to_device, tota
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, DDP_OPTIONS, ON_STEP, OPTION_GROUPS, PRECHECKS, WRAPPED
+from core.kernel.seams import AFTER_BUILD, BEFORE_PG, DDP_OPTIONS, ON_STEP, OPTION_GROUPS, WRAPPED
 from core.kernel.step import check_finite, evaluate, make_loss, step_plain
 from core.metrics import flops_per_sample, peak_flops
 from core.monitor import StepClock, breakdown, paused
-from core.plugins import comm_hook, profile, trackers, tuning  # noqa: F401 - its own plug-ins (tools/registry.py)
-from core.watchdog import DebugOptions, Watchdog, prepare_env
+from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa: F401 - its own (tools/registry.py)
 
 
 def check(cfg: Config) -> None:
-    """Before launch (the pre-check calls it too): what the plug-ins check, a comm hook the backend lacks, tuning
-    options the model does not fit (on the meta device)."""
-    for hook in PRECHECKS:
+    """Before the process group exists (the pre-check calls it too): what the plug-ins check (a comm hook the backend
+    lacks, tuning the model does not fit, on the meta device) and the environment c10d reads (--debug)."""
+    for hook in BEFORE_PG:
         hook(cfg)
 
 
 def main(cfg: Config) -> dict:
     check(cfg)
-    prepare_env(debug=cfg.debug, out=cfg.out, watchdog=cfg.hang_factor > 0)  # read when the group is made
     topo = init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
     try:
         return train(cfg, topo)
@@ -96,11 +94,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     run = open_run(cfg, topo, recipe="ddp_monitored", global_batch=global_batch)
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
     start = load_checkpoint(run, **state)
-    totals = Tally(topo.device)  # the loss and accuracy of each log window, summed over the ranks when read
-    totals.carry(start["window"], writer=run.writer)  # the window open at the checkpoint
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
     saver = CheckpointSaver(background=cfg.ckpt_async)  # --ckpt-async: a thread writes the file
-    watch = Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
-    watch.start()  # a thread: a step that takes --hang-factor times the median gets every rank's stack written
 
     # Train. DDP averages the gradients inside backward(): every replica takes the same step.
     step, skipped, evaluation = start["step"], start["skipped"], {}
@@ -116,8 +111,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
-            watch.beat(step)
-            for hook in ON_STEP:  # the training clock, the profiler
+            for hook in ON_STEP:  # the training clock, the watchdog's beat, the profiler
                 hook(metrics)
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = dict(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, skipped=skipped)
@@ -126,13 +120,12 @@ def train(cfg: Config, topo: Topology) -> dict:
                 )
                 log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
-                with not_training(), paused(timer, watch):
+                with not_training(), paused(timer):  # not a step (nor for the watchdog)
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     saver.save(run, **state, progress=progress, keep=cfg.keep)
-        with not_training(), paused(timer, watch):  # each rank evaluates its share; the sums are all-reduced
+        with not_training(), paused(timer):  # each rank evaluates its share; the sums are all-reduced
             evaluation = evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         log_eval(run, evaluation, step=step, epoch=epoch)
-    watch.stop()
     saver.close()  # the last background write lands before the final weights (or its failure is one line)
 
     # Rank 0 alone writes the weights.
@@ -150,7 +143,7 @@ class DDPOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions, DebugOptions, *OPTION_GROUPS):
+class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions, *OPTION_GROUPS):
     """ddp_monitored's options, and those of the plug-ins it was joined with: --help lists them."""
 
 

@@ -15,6 +15,7 @@ from core import ckpt_async
 from core.kernel.ckpt import list_checkpoints, read_checkpoint, save_checkpoint
 from core.kernel.log import RunFolder
 from core.kernel.options import RecipeError, UsageError, parse_args
+from core.plugins.lock import HELD
 from helpers import unfinished
 from recipes import ddp_monitored
 from tiny import TiedMLP
@@ -50,7 +51,10 @@ def _progress(step):
 
 
 def _run(path, *, writer=True) -> RunFolder:
+    """A run folder, made as open_run makes it (a file in its place stays: a write there fails)."""
     config = {"recipe": "ddp_monitored", "world_size": 1, "global_batch": 8, "lr": 0.01}
+    if not Path(path).exists():
+        Path(path).mkdir(parents=True, exist_ok=True)
     return RunFolder(Path(path), None, "ddp_monitored", config, writer)
 
 
@@ -90,6 +94,10 @@ def test_the_step_waits_for_the_copy_only_and_reuses_the_host_buffers(tmp_path, 
     path = saver.save(run, **state, progress=_progress(1), keep=2)
     buffers = {key: buffer.data_ptr() for key, buffer in saver.buffers.items()}
     assert saver.thread.is_alive() and not path.exists()  # the step goes on while the file is being written
+    for _ in range(6000):  # the thread reaches the write
+        if writers:
+            break
+        threading.Event().wait(0.01)
     assert writers[0] is not threading.main_thread()
     release.set()
     saver.save(run, **state, progress=_progress(2), keep=2)
@@ -181,6 +189,9 @@ def _train_monitored(topo, cfg):
         summary = ddp_monitored.train(cfg, topo)
     finally:
         ckpt_async.write_tensors = real_write
+        for handle in HELD:  # the run folder's lock, held for a process's life: the next train is another job
+            handle.close()
+        HELD.clear()
     return summary, writes["started"] - writes["done"]
 
 

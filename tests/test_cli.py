@@ -391,7 +391,7 @@ def test_third_party_plug_in_joins_through_its_entry_point_group(tmp_path):
     ran = recipes_cli("run", "ddp", "--max-steps", "1", "--epochs", "1", "--greeting", "hi", env=env, cwd=tmp_path)
     assert "greeting=hi" in ran.stdout, ran.stderr
     bad = recipes_cli("cp", "ddp", "x.py", "--standalone", "--with", "nosuch", env=env, cwd=tmp_path, check=False)
-    assert bad.stderr.strip().endswith("take_back, replicas, greeting"), bad.stderr
+    assert bad.stderr.strip().endswith("take_back, replicas, longer, greeting"), bad.stderr
 
 
 @pytest.mark.e2e

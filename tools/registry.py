@@ -141,6 +141,11 @@ _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module impor
     Plugin("tuning", "core.plugins.tuning", "--compile, --activation-checkpointing and --channels-last"),
     Plugin("profile", "core.plugins.profile", "--profile (a torch.profiler trace of a few steps per rank)"),
     Plugin("blocks", "core.plugins.blocks", "--blocks NAME (the copy shards the repeated blocks it finds)"),
+    Plugin(
+        "watchdog",
+        "core.plugins.watchdog",
+        "the hang watchdog (--hang-factor, --hang-min-s: every rank's stack, the rank the others wait for) and --debug",
+    ),
 ]
 
 _BUILT_IN = [
@@ -164,9 +169,9 @@ _BUILT_IN = [
         "recipes.ddp_monitored",
         "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
-        opt_ins=("ckpt_async", "metrics", "monitor", "watchdog"),
+        opt_ins=("ckpt_async", "metrics", "monitor"),
         mean_per_replica=True,
-        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile", "watchdog"),
     ),
     Recipe(
         "dp",

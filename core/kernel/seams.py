@@ -23,7 +23,7 @@ STREAMS: list = []  # fn(cfg, topo, train, val, collate_fn) -> (train loader, va
 # (core/amp.py's make_loaders; the stream plug-in)
 LOSS_COUNTS: list = []  # fn(model, loss) -> forward(model, batch, loss, norm) -> (loss, its sum, metric sums) or None:
 # a model whose own loss divides its sum by num_items_in_batch (core/exact_loss.py's make_exact_loss; loss_counts)
-PRECHECKS: list = []  # fn(cfg): before launch, one RecipeError line (ddp_monitored's check; the pre-check calls it)
+BEFORE_PG: list = []  # fn(cfg): before the process group exists: checks, the environment c10d reads (ddp_monitored)
 DDP_OPTIONS: list = []  # fn(cfg) -> more DistributedDataParallel keyword arguments (ddp_monitored; --bucket-mb)
 WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wraps it (ddp_monitored; --compile)
 BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)

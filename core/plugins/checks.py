@@ -27,7 +27,9 @@ def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
             f"{path}: a checkpoint of recipe {saved_recipe}, and this run is {recipe}: its state is laid out for "
             f"{saved_recipe}; resume it with {saved_recipe}, or start a new run"
         )
-    fp16, precision = json.loads(meta.get("scaler", "null")) is not None, config.get("precision", "fp32")
+    progress = json.loads(meta.get("progress", "{}"))  # a kernel checkpoint keeps the scaler's state in its progress
+    fp16 = json.loads(meta.get("scaler", "null")) is not None or "scaler" in progress
+    precision = config.get("precision", "fp32")
     if fp16 != (precision == "fp16"):  # the loss scaler's state exists on one side only
         was = "fp16" if fp16 else saved.get("precision", "fp32")
         raise RecipeError(

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.seams import DDP_OPTIONS, OPTION_GROUPS, PRECHECKS, WRAPPED
+from core.kernel.seams import BEFORE_PG, DDP_OPTIONS, OPTION_GROUPS, WRAPPED
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 
@@ -75,6 +75,6 @@ def register(cfg, ddp):
 
 
 OPTION_GROUPS.append(CommOptions)
-PRECHECKS.append(check_comm)
+BEFORE_PG.append(check_comm)
 DDP_OPTIONS.append(bucket_options)
 WRAPPED.append(register)

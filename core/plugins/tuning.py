@@ -14,7 +14,7 @@ from torch.distributed._composable import checkpoint as checkpoint_module
 
 from core.kernel.builtin import build_model
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.seams import AFTER_BUILD, OPTION_GROUPS, PRECHECKS, WRAPPED
+from core.kernel.seams import AFTER_BUILD, BEFORE_PG, OPTION_GROUPS, WRAPPED
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,6 @@ def compiled(cfg, model: nn.Module) -> nn.Module:
 
 
 OPTION_GROUPS.append(TuningOptions)
-PRECHECKS.append(check_tuning)
+BEFORE_PG.append(check_tuning)
 AFTER_BUILD.append(tune_model)
 WRAPPED.append(compiled)
