@@ -1,10 +1,9 @@
-"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameters or measured time.
-Both pipeline recipes take it; core.schedules runs torch's schedules on the stages (the pipeline recipe).
+"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameter count. Both pipeline
+recipes take it (pipeline_naive puts the stages on devices; pipeline runs torch's schedules on them, core/schedules.py).
 
-A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its
-forward is `model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the
-blocks' original names (`blocks.3.attn.q.weight`), so the stages' state dicts merged are the
-whole model's state dict.
+A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its forward is
+`model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the blocks' original names
+(`blocks.3.attn.q.weight`), so the stages' state dicts merged are the whole model's state dict.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from core.dist import broadcast_object
 from core.kernel.options import RecipeError
 
 
@@ -60,8 +58,8 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
 
 
 def block_times(model: nn.Module, sample: torch.Tensor) -> list[float]:
-    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it), rank 0's on every
-    rank so that all cut alike: split_pipeline's weights for --balance time."""
+    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it): split_pipeline's
+    weights for --balance time (rank 0's, sent to every rank, so that all cut alike)."""
     times, x = [], sample
     for block in model.blocks:
         x_in = x.detach().requires_grad_(x.is_floating_point())
@@ -76,7 +74,7 @@ def block_times(model: nn.Module, sample: torch.Tensor) -> list[float]:
         block.zero_grad(set_to_none=True)
         times.append(fastest)
         x = out.detach()
-    return broadcast_object(times)
+    return times
 
 
 def check_pipeline_model(model: nn.Module) -> int:

@@ -119,7 +119,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     split = dict(num_stages=num_stages)  # stages of about equal parameter count
     if cfg.balance == "time":  # of equal measured time instead: the blocks timed on one micro-batch of inputs
         sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)])
-        split["weights"] = pipeline.block_times(model, sample)
+        split["weights"] = dist.broadcast_object(pipeline.block_times(model, sample))  # rank 0's
     stages = [pipeline.split_pipeline(model, stage_index=i, **split).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
     runners = [PipelineStage(m, i, num_stages, topo.device, group=pp_group) for m, i in zip(stages, stage_ids)]

@@ -27,7 +27,7 @@ PLUGIN_FILES = sorted((REPO / "core" / "plugins").glob("[a-z]*.py"))
 # Issue 35.5: the lean ddp copy's size. The design asks 450 code lines (650 in all); what the kernel holds beyond the
 # sketch it was measured on (the guarantees every copy carries, the seams) is in docs/copying-and-checking.md "Size".
 # A ratchet: a copy RATCHET code lines under its budget fails until the budget is lowered.
-LEAN_BUDGET = {"ddp": (1140, 740), "dp": (1130, 730)}
+LEAN_BUDGET = {"ddp": (1140, 740), "dp": (1130, 730), "pipeline_naive": (1470, 930)}
 RATCHET = 20
 
 

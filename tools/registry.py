@@ -184,7 +184,8 @@ _BUILT_IN = [
         "model parallel by hand: stages on devices, one process, one device busy at a time",
         builds_on="dp",
         multi_node=False,
-        opt_ins=("pipeline",),
+        opt_ins=("gpt_builtin", "pipeline"),
+        plugins=KERNEL_PLUGINS,
     ),
 ]
 
