@@ -1,4 +1,5 @@
-"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameter count. Both pipeline
+"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameter count (or as the balance
+plug-in weighs the blocks). Both pipeline
 recipes take it (pipeline_naive puts the stages on devices; pipeline runs torch's schedules on them, core/schedules.py).
 
 A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its forward is
@@ -9,7 +10,6 @@ A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequenti
 from __future__ import annotations
 
 import itertools
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -55,26 +55,6 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
         sizes.append(i - cut[s][i])
         i = cut[s][i]
     return sizes[::-1]
-
-
-def block_times(model: nn.Module, sample: torch.Tensor) -> list[float]:
-    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it): split_pipeline's
-    weights for --balance time (rank 0's, sent to every rank, so that all cut alike)."""
-    times, x = [], sample
-    for block in model.blocks:
-        x_in = x.detach().requires_grad_(x.is_floating_point())
-        fastest = float("inf")
-        for _ in range(3):  # the fastest of three: the least disturbed by other work
-            started = time.perf_counter()
-            out = block(x_in)
-            out.float().sum().backward()
-            if out.is_cuda:
-                torch.cuda.synchronize(out.device)
-            fastest = min(fastest, time.perf_counter() - started)
-        block.zero_grad(set_to_none=True)
-        times.append(fastest)
-        x = out.detach()
-    return times
 
 
 def check_pipeline_model(model: nn.Module) -> int:

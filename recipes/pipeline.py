@@ -39,6 +39,7 @@ from core import (
     parallel,
     pipeline,
     schedules,
+    steps,
     trackers,
     weights,
 )
@@ -49,6 +50,7 @@ from core.kernel.log import say
 from core.kernel.options import RecipeError, at_least, option
 from core.kernel.pg import cleanup_pg
 from core.parallel import ShardedPrecision
+from core.plugins.balance import block_times
 from core.plugins.hf import HFExport, write_hf_folder
 from core.plugins.init_from import InitFrom, load_weights
 
@@ -119,7 +121,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     split = dict(num_stages=num_stages)  # stages of about equal parameter count
     if cfg.balance == "time":  # of equal measured time instead: the blocks timed on one micro-batch of inputs
         sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)])
-        split["weights"] = dist.broadcast_object(pipeline.block_times(model, sample))  # rank 0's
+        split["weights"] = dist.broadcast_object(block_times(model, sample))  # rank 0's
     stages = [pipeline.split_pipeline(model, stage_index=i, **split).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
     runners = [PipelineStage(m, i, num_stages, topo.device, group=pp_group) for m, i in zip(stages, stage_ids)]
@@ -158,13 +160,13 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
             # schedule.step: forwards and backwards, stage to stage
-            metrics, stats = schedules.step_pipeline(schedule, micro_batches, **step_options)
+            metrics, grad_norm = schedules.step_pipeline(schedule, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
-            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite, clips=True)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)  # the last stage's; the other stages add zeros
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
-                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
+                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
                 meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
                 window = meter.open_window(totals)  # its sums so far: a resume goes on with them

@@ -105,8 +105,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     run = open_run(cfg, topo, recipe="pipeline_naive", global_batch=global_batch)
     state = dict(model=plain, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
     start = load_checkpoint(run, **state)
-    totals = Tally(topo.device)  # the loss and accuracy of each log window
-    totals.carry(start["window"], writer=run.writer)  # the window open at the checkpoint
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
     placed = [(str(d), len(ix)) for d, ix in model.placement]
     say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
 

@@ -97,13 +97,18 @@ def test_a_plug_in_appends_to_the_seams_and_never_rebinds_a_kernel_name():
 
 
 def test_every_plug_in_is_registered_and_the_package_attaches_exactly_those():
-    """The registry's PLUGINS table names each file of core/plugins/, and the package's recipes on the kernel run
-    with all of them (core/attach.py imports each)."""
+    """The registry's PLUGINS table names each file of core/plugins/; the package's recipes on the kernel run with
+    the shared ones (core/attach.py imports each) and their own, which the recipe's module imports."""
+    from tools.registry import KERNEL_PLUGINS
+
     assert sorted(p.stem for p in PLUGIN_FILES) == sorted(PLUGINS)
     init = (REPO / "core" / "attach.py").read_text()
-    assert sorted(re.findall(r"^    (\w+),$", init, flags=re.M)) == sorted(PLUGINS)
+    assert sorted(re.findall(r"^    (\w+),$", init, flags=re.M)) == sorted(KERNEL_PLUGINS)
     for name in ON_KERNEL:
-        assert plugins_of(RECIPES[name]) == list(PLUGINS), name
+        own = plugins_of(RECIPES[name])[len(KERNEL_PLUGINS) :]
+        assert plugins_of(RECIPES[name])[: len(KERNEL_PLUGINS)] == list(KERNEL_PLUGINS), name
+        source = Path(RECIPES[name].source_file).read_text()
+        assert all(re.search(rf"^from core\.plugins import .*\b{p}\b", source, flags=re.M) for p in own), name
 
 
 def test_an_optional_package_is_imported_inside_the_function_that_uses_it():

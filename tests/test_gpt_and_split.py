@@ -14,7 +14,8 @@ from torch import nn
 from core import gpt, schedules, steps
 from core.kernel.options import RecipeError
 from core.loss import make_loss
-from core.pipeline import block_times, plan_split, split_pipeline
+from core.pipeline import plan_split, split_pipeline
+from core.plugins.balance import block_times
 from tools.cli import run_cli
 
 

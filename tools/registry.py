@@ -122,7 +122,14 @@ _BUILT_IN_PLUGINS = [
         "total); without it a finished run stays finished",
     ),
 ]
-KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
+KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what every recipe on the kernel runs with (core/attach.py)
+_BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists
+    Plugin(
+        "balance",
+        "core.plugins.balance",
+        "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
+    ),
+]
 
 _BUILT_IN = [
     Recipe(

@@ -18,3 +18,9 @@ LOG_FIELDS: list = []  # fn() -> {field: number}: more numbers of a train record
 PAUSES: list = []  # a context manager's factory: time that is not training (evaluation, checkpoints)
 AFTER_JOB: list = []  # fn(cfg, run, model) -> summary fields or None: after the final weights
 ON_FAIL: list = []  # fn(refused): the run ends in an error; refused: one a restart would meet again
+# fn(logits, targets): one RecipeError line where the logits do not line up with the targets (the loss plug-in's
+# check_aligned); core/schedules.py's TokenLoss, the pipeline's loss on its last stage, calls each
+LOSS_CHECKS: list = []
+# fn(cfg, model, train_set) -> each block's weight for the pipeline's cut, or None (the blocks' parameter counts);
+# recipes/pipeline.py asks each in turn (--balance time: the balance plug-in)
+STAGE_WEIGHTS: list = []
