@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
-from core.kernel.loader import to_device
+from core.kernel.loader import make_loader, to_device, total_steps
 from core.kernel.numbers import Tally, summarize
 from core.kernel.options import Options, RecipeError, at_least, option
+from core.kernel.pg import all_gather_object
 from core.kernel.seams import LOSS_CHECKS
 from core.kernel.step import IGNORE, metrics
 
@@ -40,7 +42,7 @@ class StagePrecision(Options):
 
 
 @dataclass(frozen=True)
-class Accumulation(Options):
+class StageAccumulation(Options):
     title = "gradient accumulation and clipping"
     accum: int = option(1, "micro-batches per optimizer step (accumulation)", **at_least(1))
     clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
@@ -78,6 +80,31 @@ def check_pipeline(
         )
 
 
+def pipeline_loaders(cfg, row, train_set, val_set, collate_fn) -> tuple:
+    """(train loader, val loader, optimizer steps) of one pipeline's share (`row`: its dp rank and size): the kernel's
+    loaders, the training one without a smaller last batch (the schedule cuts each batch into equal micro-batches),
+    --accum of its batches a step."""
+    kernel = make_loader(train_set, row, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
+    options = {k: getattr(kernel, k) for k in ("sampler", "generator", "num_workers", "pin_memory", "collate_fn")}
+    train = DataLoader(train_set, cfg.batch_size, drop_last=True, persistent_workers=kernel.num_workers > 0, **options)
+    val = make_loader(val_set, row, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
+    batches = total_steps(train, epochs=1, max_steps=0)  # refuses a share of less than one batch
+    if batches < cfg.accum:
+        raise RecipeError(
+            f"--batch-size {cfg.batch_size} --accum {cfg.accum}: an epoch has only {batches} whole micro-batches per "
+            f"rank; use --accum {batches} or less"
+        )
+    steps = cfg.epochs * (batches // cfg.accum)
+    return train, val, min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def batch_groups(loader, k: int, *, device: torch.device):
+    """The loader's batches K at a time (--accum: one schedule run), on `device`; a short last group is dropped."""
+    batches = iter(loader)
+    while len(group := [to_device(batch, device) for batch in itertools.islice(batches, k)]) == k:
+        yield group
+
+
 class TokenLoss:
     """The last stage's loss, every counted target of the global batch weighing the same (core.exact_loss's rule,
     for a schedule): a micro-batch's cross-entropy SUMMED over its counted targets (not -100), divided by
@@ -108,14 +135,10 @@ def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Token
 
 
 def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """Every stage's tensors, merged on rank 0 into the whole model's state dict ({} elsewhere): a collective.
-
-    Stage keys are the original model's, so the merge is a dict union (data-parallel replicas
-    of a stage send equal tensors; the union keeps one)."""
+    """Every stage's tensors merged, on every rank, into the whole model's state dict (a collective): stage keys are
+    the model's own, so the merge is a dict union (data-parallel replicas of a stage hold equal tensors)."""
     mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else {}
+    return {k: v for part in all_gather_object(mine) for k, v in part.items()}
 
 
 def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:

@@ -189,7 +189,8 @@ _BUILT_IN = [
         "recipes.pipeline",
         "`torch.distributed.pipelining`: GPipe, 1F1B, interleaved; pipeline x data parallel",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "pipeline", "schedules", "amp", "dcp", "trackers"),
+        opt_ins=("gpt_builtin", "pipeline", "schedules", "shard_ckpt"),
+        plugins=(*KERNEL_PLUGINS, "balance"),  # and trackers once its plug-in is on main (helper A's)
     ),
     Recipe(
         "pipeline_naive",
