@@ -95,9 +95,9 @@ _BUILT_IN_PLUGINS = [
     Plugin(
         "checks",
         "core.plugins.checks",
-        "the resume checks beyond the global batch and the checksums: other values of the options that shape training "
-        "(--lr, --seed, --epochs ...), a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss "
-        "scaler on one side only, or holding NaN, inf or a negative average of squares, refused in one line",
+        "the resume checks beyond the global batch, the options and the checksums: a checkpoint of a sharded recipe, "
+        "of a model of other shapes, with fp16's loss scaler on one side only, or holding NaN, inf or a negative "
+        "average of squares, refused in one line",
     ),
     Plugin(
         "fast_writer",
