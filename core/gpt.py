@@ -86,6 +86,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """x -> proj(gelu(fc(x))): the block's MLP (fc widens, proj narrows)."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc, self.proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)

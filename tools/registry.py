@@ -146,6 +146,11 @@ _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module impor
         "core.plugins.watchdog",
         "the hang watchdog (--hang-factor, --hang-min-s: every rank's stack, the rank the others wait for) and --debug",
     ),
+    Plugin(
+        "balance",
+        "core.plugins.balance",
+        "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
+    ),
 ]
 
 _BUILT_IN = [
@@ -209,7 +214,8 @@ _BUILT_IN = [
         "recipes.pipeline",
         "`torch.distributed.pipelining`: GPipe, 1F1B, interleaved; pipeline x data parallel",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "pipeline", "schedules", "amp", "dcp", "trackers"),
+        opt_ins=("gpt_builtin", "pipeline", "schedules", "shard_ckpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "balance"),
     ),
     Recipe(
         "pipeline_naive",
@@ -217,7 +223,8 @@ _BUILT_IN = [
         "model parallel by hand: stages on devices, one process, one device busy at a time",
         builds_on="dp",
         multi_node=False,
-        opt_ins=("pipeline",),
+        opt_ins=("gpt_builtin", "pipeline"),
+        plugins=KERNEL_PLUGINS,
     ),
 ]
 
