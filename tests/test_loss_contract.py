@@ -529,6 +529,7 @@ def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_na
 def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
     """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in core.loss and in
     the pipeline's TokenLoss, where the shapes are compared; the pre-check quotes the same line."""
+    import core.plugins.loss  # noqa: F401 - its line, which TokenLoss asks for (the LOSS_CHECKS seam)
     from core.schedules import TokenLoss
     from tools.precheck import check_step
 

@@ -140,10 +140,16 @@ _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module impor
     ),
     Plugin("tuning", "core.plugins.tuning", "--compile, --activation-checkpointing and --channels-last"),
     Plugin("profile", "core.plugins.profile", "--profile (a torch.profiler trace of a few steps per rank)"),
+    Plugin("blocks", "core.plugins.blocks", "--blocks NAME (the copy shards the repeated blocks it finds)"),
     Plugin(
         "watchdog",
         "core.plugins.watchdog",
         "the hang watchdog (--hang-factor, --hang-min-s: every rank's stack, the rank the others wait for) and --debug",
+    ),
+    Plugin(
+        "balance",
+        "core.plugins.balance",
+        "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
     ),
 ]
 
@@ -186,7 +192,8 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "amp", "exact_loss", "stream", "dcp", "trackers"),
+        opt_ins=("shard", "shard_ckpt", "amp", "exact_loss", "gpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks"),
     ),
     Recipe(
         "tensor_parallel",
@@ -207,7 +214,8 @@ _BUILT_IN = [
         "recipes.pipeline",
         "`torch.distributed.pipelining`: GPipe, 1F1B, interleaved; pipeline x data parallel",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "pipeline", "schedules", "amp", "dcp", "trackers"),
+        opt_ins=("gpt_builtin", "pipeline", "schedules", "shard_ckpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "balance"),
     ),
     Recipe(
         "pipeline_naive",
@@ -215,7 +223,8 @@ _BUILT_IN = [
         "model parallel by hand: stages on devices, one process, one device busy at a time",
         builds_on="dp",
         multi_node=False,
-        opt_ins=("pipeline",),
+        opt_ins=("gpt_builtin", "pipeline"),
+        plugins=KERNEL_PLUGINS,
     ),
 ]
 

@@ -26,3 +26,6 @@ LOSS_COUNTS: list = []  # fn(model, loss) -> forward(model, batch, loss, norm) -
 BEFORE_PG: list = []  # fn(cfg): before the process group exists: checks, the environment c10d reads (ddp_monitored)
 DDP_OPTIONS: list = []  # fn(cfg) -> more DistributedDataParallel keyword arguments (ddp_monitored; --bucket-mb)
 WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wraps it (ddp_monitored; --compile)
+BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
+LOSS_CHECKS: list = []  # fn(logits, targets): one line where they do not line up (core/schedules.py's TokenLoss asks)
+STAGE_WEIGHTS: list = []  # fn(cfg, model, train_set) -> each block's weight for the pipeline's cut, or None (--balance)
