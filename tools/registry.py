@@ -38,7 +38,8 @@ class Recipe:
         return "stream" in self.opt_ins or "stream" in self.plugins
 
     def load(self) -> ModuleType:
-        """The recipe's module; its Config is built, on first import, with its own plug-ins' option groups only."""
+        """The recipe's module, its Config built with its own plug-ins' option groups only (imported before by another
+        path, after other recipes' plug-ins attached: built again)."""
         from core.kernel.seams import OPTION_GROUPS
 
         attach_plugins(self)
@@ -46,7 +47,10 @@ class Recipe:
         attached = list(OPTION_GROUPS)  # every plug-in's, in the order they attached: other recipes' too
         OPTION_GROUPS[:] = [group for group in attached if group.__module__ in mine]
         try:
-            return importlib.import_module(self.module)
+            module = importlib.import_module(self.module)
+            if any(group in attached and group not in OPTION_GROUPS for group in module.Config.__mro__):
+                module = importlib.reload(module)
+            return module
         finally:
             OPTION_GROUPS[:] = attached + [group for group in OPTION_GROUPS if group not in attached]
 
