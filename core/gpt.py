@@ -85,7 +85,9 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
-class MLP(nn.Module):
+class FeedForward(nn.Module):
+    """x -> proj(gelu(fc(x))): the block's MLP (fc widens, proj narrows)."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc, self.proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
@@ -100,7 +102,7 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
-        self.ln2, self.mlp = nn.LayerNorm(dim), MLP(dim, 4 * dim)
+        self.ln2, self.mlp = nn.LayerNorm(dim), FeedForward(dim, 4 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

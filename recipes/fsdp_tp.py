@@ -46,6 +46,7 @@ from core.kernel.pg import cleanup_pg
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.parallel import ShardedPrecision
+from core.plugins import model_plans  # noqa: F401 - a transformers model's own plan
 from core.plugins.hf import HFExport, write_hf_folder
 from core.plugins.init_from import InitFrom, load_weights
 from core.plugins.replicas import replicas_report
@@ -111,8 +112,8 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, plan_dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
-    plan = tp_plan.plan_of(model)  # which Linear layers split by column, which by row
-    with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
+    plan = tp_plan.plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
+    with tp_plan.tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
     policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
     if cfg.blocks:  # --blocks NAME: that nn.ModuleList's blocks

@@ -49,6 +49,7 @@ from core.kernel.pg import cleanup_pg
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.parallel import ShardedPrecision
+from core.plugins import model_plans  # noqa: F401 - a transformers model's own plan
 from core.plugins.hf import HFExport, write_hf_folder
 from core.plugins.init_from import InitFrom, load_weights
 from core.plugins.replicas import replicas_report
@@ -103,9 +104,9 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
     if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its slices of them
         load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
-    plan = tp_plan.plan_of(model, sequence_parallel=cfg.sequence_parallel)  # Linear layers split by column or by row
     tp = device_mesh["tp"].size()
-    with tp_plan.ties_and_heads_kept(model, plan, tp=tp):  # a tied lm_head stays tied
+    plan = tp_plan.plan_of(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # Linear layers by column or row
+    with tp_plan.tp_kept(model, plan, tp=tp):  # a tied lm_head stays tied
         parallelize_module(model, device_mesh["tp"], plan)
     torch.manual_seed(cfg.seed + device_mesh["dp"].get_local_rank())  # one group, one stream: DTensor needs it
     one_group = dataclasses.replace(topo, rank=0, world_size=1)  # every rank loads the group's whole batch

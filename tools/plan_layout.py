@@ -114,8 +114,8 @@ def build_layout(
 
         tp_mesh = device_mesh["tp"]
         sp = getattr(cfg, "sequence_parallel", False)
-        plan = tp_plan.plan_of(model, sequence_parallel=sp)
-        with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
+        plan = tp_plan.plan_of(model, tp=tp_mesh.size(), sequence_parallel=sp)
+        with tp_plan.tp_kept(model, plan, tp=tp_mesh.size()):
             parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":
             return Layout(model, list(model.parameters()), autocast=cfg.precision)

@@ -117,6 +117,14 @@ _BUILT_IN_PLUGINS = [
     Plugin("replicas", "core.plugins.replicas", "the summary's replicas_identical (every rank's tensors compared)"),
 ]
 KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
+_BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists
+    Plugin(
+        "model_plans",
+        "core.plugins.model_plans",
+        "a model's own tensor-parallel plan (a transformers Llama, Qwen, Mistral: config.base_model_tp_plan; the "
+        "copy splits the built-in GPT's layout alone)",
+    ),
+]
 
 _BUILT_IN = [
     Recipe(

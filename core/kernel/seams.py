@@ -20,3 +20,5 @@ LOG_FIELDS: list = []  # fn() -> {field: number}: more numbers of a train record
 PAUSES: list = []  # a context manager's factory: time that is not training (evaluation, checkpoints)
 AFTER_JOB: list = []  # fn(cfg, run, model) -> summary fields or None: after the final weights
 ON_FAIL: list = []  # fn(refused): the run ends in an error; refused: one a restart would meet again
+TP_PLANS: list = []  # fn(model, *, tp) -> a model's own tensor-parallel plan or None; core/tp_plan.py asks each in turn
+AROUND_TP: list = []  # fn(model, plan, *, tp) -> a context manager around core/tp_plan.py's parallelize_module
