@@ -28,8 +28,8 @@ from core.kernel.options import RecipeError
 from core.kernel.seams import AROUND_TP, TP_PLANS
 
 GPT_LAYOUT = (
-    "model.blocks (an nn.Sequential, forward = model.blocks(x)) whose blocks have attn.q/k/v/proj and "
-    "mlp.fc/proj nn.Linear layers, like the built-in GPT"
+    "the built-in GPT's layout (model.blocks, an nn.Sequential run as model.blocks(x), whose blocks have "
+    "attn.q/k/v/proj and mlp.fc/proj nn.Linear layers)"
 )
 
 
@@ -42,8 +42,9 @@ def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> N
     heads_known = all(hasattr(b.attn, "head_dim") for b in blocks)
     if not blocks or not heads_known or not all(isinstance(m, nn.Linear) for m in linear):
         raise RecipeError(
-            f"--model {type(model).__name__}: tensor parallelism needs {GPT_LAYOUT}, or a transformers model's own "
-            f"plan, config.base_model_tp_plan (a copy reads it when made `--with model_plans`); use fsdp for this model"
+            f"--model {type(model).__name__}: tensor parallelism needs a plan: a transformers model's "
+            f"config.base_model_tp_plan (a copy reads it when made `--with model_plans`), or {GPT_LAYOUT}; this model "
+            f"has neither; use fsdp for this model"
         )
     for block in blocks:
         heads = block.attn.q.out_features // block.attn.head_dim
