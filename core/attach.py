@@ -9,6 +9,7 @@ from core.plugins import (  # noqa: F401 - the order they attach in, and so the 
     hf,
     init_from,
     lock,
+    longer,
     loss,
     meter,
     old_checksums,

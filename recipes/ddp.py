@@ -69,8 +69,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     run = open_run(cfg, topo, recipe="ddp", global_batch=global_batch)
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
     start = load_checkpoint(run, **state)
-    totals = Tally(topo.device)  # the loss and accuracy of each log window, summed over the ranks when read
-    totals.carry(start["window"], writer=run.writer)  # the window open at the checkpoint
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
 
     # Train. DDP averages the gradients inside backward(): every replica takes the same step.
     step, skipped, evaluation = start["step"], start["skipped"], {}

@@ -27,7 +27,7 @@ PLUGIN_FILES = sorted((REPO / "core" / "plugins").glob("[a-z]*.py"))
 # Issue 35.5: the lean ddp copy's size. The design asks 450 code lines (650 in all); what the kernel holds beyond the
 # sketch it was measured on (the guarantees every copy carries, the seams) is in docs/copying-and-checking.md "Size".
 # A ratchet: a copy RATCHET code lines under its budget fails until the budget is lowered.
-LEAN_BUDGET = {"ddp": (1140, 740), "dp": (1130, 730)}
+LEAN_BUDGET = {"ddp": (1090, 710), "dp": (1080, 705)}
 RATCHET = 20
 
 
@@ -154,15 +154,17 @@ def test_with_names_the_plug_ins_and_all_in_one_line():
     """35.4: an unknown --with is one line ending `choose from all, A, B, ...`."""
     with pytest.raises(Exception, match=r"--with nosuch: choose from all, init_from, hf, loss, factories, meter"):
         parse_with("nosuch,hf", recipe="ddp")
-    assert parse_with("all", recipe="ddp") == list(PLUGINS) and parse_with("hf,lock", recipe="ddp") == ["hf", "lock"]
+    offered = plugins_of(RECIPES["ddp"])
+    assert parse_with("all", recipe="ddp") == offered and parse_with("hf,lock", recipe="ddp") == ["hf", "lock"]
     bad = CliRunner().invoke(cli, ["cp", "ddp", "x.py", "--standalone", "--with", "nosuch"])
-    assert bad.exit_code == 2 and bad.output.strip().splitlines()[-1].endswith("take_back, replicas")
+    assert bad.exit_code == 2 and bad.output.strip().splitlines()[-1].endswith(", ".join(offered))
 
 
 def test_the_header_names_each_plug_in_left_out_and_the_with_that_adds_it(tmp_path):
     text = join("ddp", str(tmp_path / "train.py"), kept=["hf"])
-    left = re.findall(r"`--with (\w+)` adds it", text.replace("\n# ", " "))
-    assert left == [p for p in PLUGINS if p != "hf"]
+    said = text.replace("\n# ", " ")
+    left = said[said.index("each added by `--with NAME`") :].split(": ", 1)[1].split(".")[0].split(", ")
+    assert left == [p for p in plugins_of(RECIPES["ddp"]) if p != "hf"]
 
 
 @pytest.mark.parametrize("name", ON_KERNEL)

@@ -278,19 +278,25 @@ def test_the_other_recipes_train_longer(recipe, tmp_path):
     assert saved == ["step-000003", "step-000005"]
 
 
-def test_the_standalone_copy_trains_longer(tmp_path):
-    copy = tmp_path / "train.py"
-    run([sys.executable, "-m", "recipes", "cp", "ddp", str(copy), "--standalone"], cwd=REPO, env=ENV)
-    out = tmp_path / "runs"
-    cases = [
-        {"args": ["--max-steps", "3", "--ckpt-every", "0", "--out", str(out)], "cwd": str(tmp_path), "file": str(copy)},
-        {"args": ["--max-steps", "5", "--resume", "auto", "--out", str(out)], "cwd": str(tmp_path), "file": str(copy)},
-    ]
-    for proc in in_one_interpreter(cases, env=user_env(), timeout=300):
+def test_the_standalone_copy_trains_longer_with_the_longer_plug_in_and_stays_finished_without(tmp_path):
+    copies = {"": tmp_path / "lean.py", "longer": tmp_path / "longer.py"}
+    for plugins, copy in copies.items():
+        asked = ["--with", plugins] if plugins else []
+        run([sys.executable, "-m", "recipes", "cp", "ddp", str(copy), "--standalone", *asked], cwd=REPO, env=ENV)
+    cases = []
+    for plugins, copy in copies.items():
+        out = tmp_path / (plugins or "lean")
+        for steps, resume in (("3", []), ("5", ["--resume", "auto"])):
+            args = ["--max-steps", steps, "--ckpt-every", "0", "--out", str(out), *resume]
+            cases.append({"args": args, "cwd": str(tmp_path), "file": str(copy)})
+    procs = in_one_interpreter(cases, env=user_env(), timeout=300)
+    for proc in procs:
         _ok(proc)
-    records = _records(out / "ddp-1")
+    records = _records(tmp_path / "longer" / "ddp-1")
     assert [r["steps"] for r in records if r["kind"] == "summary"] == [3, 5]
     assert {"kind": "extend", "step": 3, "old_total": 3, "new_total": 5} in records
+    lean = _records(tmp_path / "lean" / "ddp-1")  # without it: finished, nothing trained, nothing written
+    assert [r["steps"] for r in lean if r["kind"] == "summary"] == [3] and "already finished" in procs[1].stdout
 
 
 def test_the_final_weights_and_hf_are_written_again_at_the_new_end(tmp_path):

@@ -117,16 +117,16 @@ def merge_imports(statements: list[str]) -> str:
 
 
 def header(name: str, kept: list[str]) -> str:
-    """What the copy is, and one line for each plug-in left out, with the --with that adds it."""
+    """What the copy is, what it left out, and the `--with` names that add those (the README says what each holds)."""
     lines = [
         f"# A standalone copy of torch-dist-recipes' {name} recipe, made by `python -m recipes cp {name} FILE "
         f"--standalone`: the recipe, the kernel (core/kernel/), its opt-ins and the plug-ins asked for, joined as "
         "written.",
         f"# Left out: {LEFT_OUT} (`python -m recipes run {name}` has them).",
     ]
-    for plugin in plugins_of(RECIPES[name]):
-        if plugin not in kept:
-            lines.append(f"# Left out: {PLUGINS[plugin].summary}; `--with {plugin}` adds it.")
+    if left := [plugin for plugin in plugins_of(RECIPES[name]) if plugin not in kept]:
+        added = "each added by `--with NAME` (the README's plug-in table says what)"
+        lines.append(f"# Left out, {added}: {', '.join(left)}.")
     return "\n".join(_wrap(line) for line in lines)
 
 

@@ -95,9 +95,9 @@ _BUILT_IN_PLUGINS = [
     Plugin(
         "checks",
         "core.plugins.checks",
-        "the resume checks beyond the global batch, the options and the checksums: a checkpoint of a sharded recipe, "
-        "of a model of other shapes, with fp16's loss scaler on one side only, or holding NaN, inf or a negative "
-        "average of squares, refused in one line",
+        "the resume checks beyond the global batch and the checksums: other values of the options that shape training "
+        "(--lr, --seed, --epochs ...), a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss "
+        "scaler on one side only, or holding NaN, inf or a negative average of squares, refused in one line",
     ),
     Plugin(
         "fast_writer",
@@ -115,6 +115,12 @@ _BUILT_IN_PLUGINS = [
         "taking back the folder of a run refused at its start (it stays, holding train.log)",
     ),
     Plugin("replicas", "core.plugins.replicas", "the summary's replicas_identical (every rank's tensors compared)"),
+    Plugin(
+        "longer",
+        "core.plugins.longer",
+        "training on from a finished run given a larger --epochs or --max-steps (its cosine stretched over the new "
+        "total); without it a finished run stays finished",
+    ),
 ]
 KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
 _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists

@@ -1,12 +1,5 @@
-"""Checkpoints and the final weights: safetensors files that rank 0 writes atomically, every tensor and the header
-checksummed (XXH3, CRC32) and verified on load, nothing unpickled.
-
-    RUN/ckpt/step-000120.safetensors   model/KEY, optim/INDEX/NAME, rng/RANK/cpu|cuda; JSON metadata for the rest
-    RUN/model.safetensors              the final weights, loadable with safetensors.torch.load_file
-
-Progress is counted in samples of the epoch's global order, so a checkpoint resumes at another world size when the
-global batch is the same.
-"""
+"""Checkpoints and the final weights: safetensors files rank 0 writes atomically, every tensor and the header
+checksummed and verified on load, nothing unpickled (docs/checkpoints.md has the layout)."""
 
 from __future__ import annotations
 
@@ -27,7 +20,7 @@ from torch import nn
 from core.kernel.log import RunFolder, say, show, write_record
 from core.kernel.options import RecipeError
 from core.kernel.pg import all_gather_object, broadcast_object
-from core.kernel.seams import CHECKSUMS, READ_CHECKS, WRITERS
+from core.kernel.seams import CHECKSUMS, ON_RESUME, READ_CHECKS, WRITERS
 
 FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
 START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}  # a new run's progress
@@ -205,21 +198,19 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
         state.setdefault(int(index), {})[name] = value
     groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in rest["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # JSON made AdamW's betas a list
-    saved = json.loads(meta["scheduler"])  # this job's T_max: a finished run given more steps trains longer
+    saved = json.loads(meta["scheduler"])  # with this job's T_max: a run given more steps (--with longer) trains on
     scheduler.load_state_dict(saved | {"T_max": scheduler.T_max})
     mine = f"rng/{dist.get_rank()}/"  # a rank the saving job did not have keeps its seeded generator
     for key in (k for k in tensors if k.startswith(mine)):  # cuda's: set when CUDA is first used (none on a CPU)
         torch.set_rng_state(tensors[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(tensors[key])
     progress = {**START, **json.loads(meta["progress"])}
-    shape = {"world_size": run.config["world_size"], "global_batch": run.config["global_batch"]}
     where = {k: v for k, v in progress.items() if k != "window"}
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where, **shape})
+    where |= {key: run.config[key] for key in ("world_size", "global_batch")}
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    if (old := saved["T_max"]) != scheduler.T_max:  # the cosine over the new total, closed form (docs/checkpoints.md)
-        for group, lr in zip(optimizer.param_groups, scheduler._get_closed_form_lr()):
-            group["lr"] = lr
-        write_record(run, {"kind": "extend", "step": progress["step"], "old_total": old, "new_total": scheduler.T_max})
-    return progress
+    for hook in ON_RESUME:
+        hook(run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
+    return progress | {"window": progress["window"] if run.writer else {}}  # the open log window: rank 0 carries it
 
 
 def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:

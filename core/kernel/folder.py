@@ -1,52 +1,42 @@
-"""The run folder: a new OUT/NAME-N, or the one of the checkpoint a run resumes, and whether that checkpoint can
-continue in this job. Only rank 0 reads and writes it; every rank gets its choice."""
+"""The run folder: a new OUT/NAME-N, or the one of the checkpoint a run resumes; rank 0 chooses, every rank gets it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 from pathlib import Path
 
-from core.kernel.ckpt import list_checkpoints, newest_good, read_metadata
+from core.kernel.ckpt import newest_good, read_metadata
 from core.kernel.log import RunFolder, keep_lines, open_log, os_error_line, say, show
-from core.kernel.options import RecipeError, flag
+from core.kernel.options import RecipeError
 from core.kernel.pg import Topology, broadcast_object
-from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS
-
-# The options that shape what is trained: a resumed run must keep them, or it would be another run. A recipe that
-# does not take one trains as IMPLIED says.
-TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
-IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}
-LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
+from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS, TRAINS_ON
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
-    """The summary of a finished run that --resume (or torchrun's restart) continues, said in one line; None when
-    there is something to train. Decided from the folder alone: a finished run trains nothing and changes no file."""
-    found = broadcast_object(finished_run(cfg.out, cfg.name or recipe, resume_of(cfg), cfg) if topo.rank == 0 else None)
+    """The summary of the finished run --resume continues, said in one line (nothing is touched); else None."""
+    found = broadcast_object(finished_run(cfg, cfg.name or recipe) if topo.rank == 0 else None)
     if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
 
 
-def finished_run(out: str, prefix: str, resume: str, cfg) -> tuple[str, dict] | None:
-    """(the folder, its summary) when `resume` continues a run whose metrics.jsonl ends with its summary record, and
-    its checkpoint was saved with `cfg`'s --epochs and --max-steps (other ones: it trains longer)."""
+def finished_run(cfg, prefix: str) -> tuple[str, dict] | None:
+    """(the run folder, its summary) when --resume continues a run whose metrics.jsonl ends with its summary."""
+    resume = resume_of(cfg)
     if resume == "auto":
-        runs = run_dirs(out, prefix)[-1:]
+        runs = run_dirs(cfg.out, prefix)[-1:]
     else:
         runs = [Path(resume).parent.parent] if Path(resume).parent.name == "ckpt" else []
     try:  # the summary is the last record: nothing is written after it
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
     except (IndexError, OSError, ValueError):  # no run, no record, or a torn last line: not finished
         return None
-    with contextlib.suppress(IndexError, KeyError, RecipeError):  # no checkpoint, or a damaged one: finished as it is
-        saved = read_metadata(Path(resume) if resume != "auto" else list_checkpoints(runs[0] / "ckpt")[-1])["config"]
-        last = {} if any(json.loads(saved)[k] != getattr(cfg, k) for k in LENGTH) else last
-    return (str(runs[0]), {k: v for k, v in last.items() if k != "kind"}) if last.get("kind") == "summary" else None
+    if last.get("kind") != "summary" or any(trains_on(cfg, runs[0], resume) for trains_on in TRAINS_ON):
+        return None
+    return str(runs[0]), {k: v for k, v in last.items() if k != "kind"}
 
 
 def resume_of(cfg) -> str:
@@ -65,8 +55,7 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
             choice = _take_folder(cfg, config)
         except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
             choice = os_error_line(err) if isinstance(err, OSError) else str(err)
-    choice = broadcast_object(choice)
-    if isinstance(choice, str):
+    if isinstance(choice := broadcast_object(choice), str):
         raise RecipeError(choice)
     run = RunFolder(*choice, recipe, config, topo.rank == 0)
     open_log(run)
@@ -93,34 +82,18 @@ def _take_folder(cfg, config: dict) -> tuple[Path, Path | None]:
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
-    """One RecipeError line, naming both sides and the fix, when the checkpoint would train another run here: another
-    global batch, or another value of an option that shapes training."""
-    for check in RESUME_CHECKS:
+    """One line, naming both sides and the fix, when the checkpoint's global batch is not this job's (every later
+    step would differ), or a plug-in's check refuses it."""
+    for check in RESUME_CHECKS:  # --with checks: the options that shape training, the layout ...
         check(path, meta, config)
-    saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
-    if saved_batch and saved_batch != global_batch:  # every later step would differ
-        dp = config["world_size"]
+    saved_batch, global_batch, dp = int(meta.get("global_batch", 0)), config["global_batch"], config["world_size"]
+    if saved_batch and saved_batch != global_batch:
         per_rank, rest = divmod(saved_batch, dp * config.get("accum", 1))  # --accum as it is: the line shows it
         fix = f"a number of ranks that divides {saved_batch}" if rest else f"--batch-size {per_rank} at {dp} rank(s)"
         was = f"saved with global batch {saved_batch} ({meta.get('world_size', '?')} rank(s))"
         accum = f" x --accum {config['accum']}" if "accum" in config else ""
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
-    saved, end = json.loads(meta.get("config", "{}")), json.loads(meta.get("scheduler", "{}"))
-    ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # saved at its run's end: larger ones train on
-    longer = [k for k in LENGTH if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
-    both = [k for k in TRAJECTORY if (k in IMPLIED or (k in saved and k in config)) and k not in longer]
-    old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
-    if differ := [k for k in both if old[k] != new[k]]:
-        recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
-        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
-        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
-        fix = " ".join(f"{flag(k)} {old[k]}" for k in differ)
-        fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
-        raise RecipeError(
-            f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
-            f"options it was started with), or start a new run without --resume"
-        )
 
 
 def run_dirs(out: str, prefix: str) -> list[Path]:

@@ -20,7 +20,7 @@ def seed_all(seed: int) -> None:
 
 
 def to_device(batch, device: torch.device):
-    """A batch's tensors moved to `device`: tensors, tuples (named too), lists and dicts, nested; other values stay."""
+    """A batch's tensors (in tuples, lists and dicts, nested) moved to `device`."""
     if isinstance(batch, Mapping):
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, tuple | list):
@@ -35,9 +35,8 @@ class ResumableSampler(DistributedSampler):
     skip = 0
 
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
-        """Shuffle for `epoch` (the same order on every rank) and leave out this rank's first `skip` samples."""
-        super().set_epoch(epoch)
-        self.skip = skip
+        super().set_epoch(epoch)  # the same shuffle on every rank
+        self.skip = skip  # this rank's samples already trained
 
     def __iter__(self) -> Iterator[int]:
         return iter(list(super().__iter__())[self.skip :])
@@ -47,8 +46,7 @@ class ResumableSampler(DistributedSampler):
 
 
 def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, train: bool = True):
-    """A DataLoader over this rank's share (None for None): shuffled by a seeded DistributedSampler for training,
-    each sample on exactly one rank, in order, for evaluation."""
+    """This rank's share (None for None): shuffled by a seeded sampler to train, each sample once to evaluate."""
     if dataset is None:
         return None
     on_gpu = topo.device.type == "cuda"
@@ -61,8 +59,7 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
 
 
 def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
-    """Every epoch's start. `consumed`: samples of the epoch's global order already trained (a resume), so global step
-    j trains positions [j*GB, (j+1)*GB) of the epoch's shuffle at any world size with the same global batch GB."""
+    """Every epoch's start; `consumed` samples of the epoch's global order were trained already (a resume)."""
     loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
 
 

@@ -1,20 +1,18 @@
-"""The seams: plain tables that a plug-in appends to when it is imported (or joined into a copy); the kernel reads them.
-
-A plug-in never redefines or patches a kernel name: what it adds is an entry here. In a lean copy every table is empty.
-"""
-
-from __future__ import annotations
+"""The seams: plain tables a plug-in appends to when it is imported (or joined into a copy); the kernel reads them.
+A plug-in never redefines or patches a kernel name. In a lean copy every table is empty."""
 
 OPTION_GROUPS: list[type] = []  # option groups (frozen dataclasses) a recipe's Config takes before its own
 FACTORIES: dict = {}  # "model", "data": fn(cfg) that builds it in place of the built-in one (--model, --data)
 LOSS_CHOICES: list = []  # fn(cfg, model, loss) -> the Loss the run takes in place of `loss` (--loss)
 AFTER_BUILD: list = []  # fn(cfg, model): the plain model, built, before DDP wraps it (--init-from)
+TRAINS_ON: list = []  # fn(cfg, run_dir, resume) -> True: a finished run that --resume continues trains on
+ON_OPEN: list = []  # fn(path, config, new): rank 0 chose the run folder, before it writes there (lock, config.json)
 BEFORE_JOB: list = []  # fn(cfg, run): every rank, once the run folder is open
-ON_OPEN: list = []  # fn(run): rank 0 has chosen the run folder, before it writes in it (its lock, config.json)
 RESUME_CHECKS: list = []  # fn(path, meta, config): more reasons a checkpoint cannot continue, each a RecipeError
 READ_CHECKS: list = []  # fn(path, tensors, model): a checkpoint read back whole (model None: not loading it yet)
 CHECKSUMS: dict = {}  # a checksum's prefix -> fn(tensor) that computes it: readers of older formats
 WRITERS: list = []  # fn(file, tensors, metadata): writes a safetensors file with its checksums (the last one wins)
+ON_RESUME: list = []  # fn(run, scheduler_state, optimizer=, scheduler=, step=): a checkpoint's state is loaded
 ON_STEP: list = []  # fn(metrics): after every optimizer step
 LOG_FIELDS: list = []  # fn() -> {field: number}: more numbers of a train record (a collective: every rank calls it)
 PAUSES: list = []  # a context manager's factory: time that is not training (evaluation, checkpoints)

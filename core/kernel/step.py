@@ -1,10 +1,4 @@
-"""The step: how a batch meets the model and its loss, one optimizer step, and the evaluation.
-
-A sample is an `(input, ..., target)` tuple, its target aligned with the model's output (cross-entropy compares
-output[..., t] with target[..., t]), or a dict of tensors called as `model(**batch)`, whose `labels` the model shifts
-itself (transformers). The model returns logits, a tuple (logits first, or `(logits, loss)`), or a dict or ModelOutput
-with `loss` and/or `logits`; its own loss is taken where it computed one. Targets of -100 count nowhere.
-"""
+"""The step: a batch through the model and its loss, one optimizer step, and the evaluation (docs/recipes.md#loss)."""
 
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and t
 
 
 def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:
-    """One optimizer step: forward, backward (where DDP all-reduces the gradients, averaged), step; a step whose
-    gradient norm is not finite is not taken. Returns the batch's metric sums and the norm."""
+    """Forward, backward (DDP all-reduces the gradients there), and a step unless the gradient norm is not finite."""
     optimizer.zero_grad(set_to_none=True)
     loss, sums = forward(model, batch, loss_fn)
     loss.backward()
@@ -38,11 +31,10 @@ def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, los
 
 
 def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
-    """1 when a step with a non-finite gradient norm was skipped (--on-nonfinite skip); with stop, one line, on every
-    rank alike (they all read the same all-reduced norm)."""
+    """1 for a step skipped for its non-finite gradient norm (--on-nonfinite skip); with stop, one line."""
     if math.isfinite(grad_norm):
         return 0
-    if on_nonfinite == "stop":
+    if on_nonfinite == "stop":  # every rank read the same all-reduced norm: they all stop here
         fix = "lower --lr, or pass --on-nonfinite skip"
         raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
     return 1
@@ -50,7 +42,7 @@ def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
-    """val_loss (over every counted target) and val_acc where one exists, each rank's share counted once."""
+    """val_loss and val_acc over every rank's share of the validation set ({} without one)."""
     if loader is None:
         return {}
     was_training, tally = model.training, Tally(device)
@@ -62,12 +54,12 @@ def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -
 
 
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(logits, loss) from what a model returned; either may be None."""
+    """(logits, loss) of logits, a tuple (logits first, or `(logits, loss)`), a dict or a ModelOutput."""
     if isinstance(outputs, torch.Tensor):
         return outputs, None
-    if isinstance(outputs, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
+    if isinstance(outputs, Mapping):  # a transformers ModelOutput is an OrderedDict
         return outputs.get("logits"), outputs.get("loss")
-    if isinstance(outputs, tuple | list) and outputs:  # (logits, ...), (logits, loss): a loss is 0-dim
+    if isinstance(outputs, tuple | list) and outputs:  # a loss is 0-dim
         loss = outputs[1] if len(outputs) > 1 and torch.is_tensor(outputs[1]) and outputs[1].dim() == 0 else None
         return outputs[0], loss
     raise RecipeError(f"the model returned {type(outputs).__name__}; return logits, (logits, loss) or a dict of them")
@@ -75,12 +67,12 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 
 @dataclass(frozen=True)
 class Loss:
-    """How a batch is passed to the model and which loss is taken: the model's own, else cross-entropy."""
+    """The model's own loss where it computed one, else cross-entropy of its logits and the targets."""
 
     shifts: bool = False  # a causal LM: its own loss on a dict's labels compares logits[t] with labels[t + 1]
 
     def call(self, model: nn.Module, batch) -> tuple:
-        """(outputs, targets): model(**batch) for a dict, model(input, ...) for a tuple."""
+        """(outputs, targets): model(**batch) for a dict (its labels), model(*inputs) for a tuple (its last)."""
         if isinstance(batch, Mapping):
             return model(**batch), batch.get("labels")
         *inputs, targets = batch
@@ -94,34 +86,32 @@ class Loss:
 
 
 def make_loss(cfg, model: nn.Module) -> Loss:
-    """The loss of the plain `model`; a transformers decoder that generates shifts its labels (a causal LM)."""
+    """The plain `model`'s loss (or --loss's); a transformers decoder that generates shifts its labels."""
     transformers = sys.modules.get("transformers")  # a torch-only run never imports it
     causal = transformers is not None and isinstance(model, transformers.PreTrainedModel)
     loss = Loss(shifts=causal and model.can_generate() and not model.config.is_encoder_decoder)
-    for choose in LOSS_CHOICES:  # --loss
+    for choose in LOSS_CHOICES:
         loss = choose(cfg, model, loss)
     return loss
 
 
 def forward(model: nn.Module, batch, loss_fn: Loss) -> tuple[torch.Tensor, dict]:
-    """One micro-batch: (its mean loss, to backward; its metrics as sums)."""
+    """One micro-batch: its mean loss (to backward) and its metrics as sums."""
     outputs, targets = loss_fn.call(model, batch)
     logits, mean = loss_fn.logits_and_loss(outputs, targets, batch)
-    shift = loss_fn.shifts and isinstance(batch, Mapping)  # a causal LM's own loss on its labels
+    shift = loss_fn.shifts and isinstance(batch, Mapping)
     known = shift or not isinstance(batch, Mapping) or (logits is not None and logits.dim() == 2)  # else no accuracy
     samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     return mean, metrics(logits if known else None, targets, mean, samples=samples, shift=shift)
 
 
 def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool) -> dict[str, torch.Tensor]:
-    """Sums that add up over batches and ranks: loss_sum, count (counted targets, else samples), samples, and correct
-    where the logits score the targets (after a causal LM's shift)."""
+    """loss_sum, count (counted targets, else samples), samples, and correct where the logits score the targets."""
     n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)
-    if shift and targets is not None:  # the loss compared logits[t] with targets[t + 1]: so are they counted, scored
+    if shift and targets is not None:  # scored as the loss compared them: logits[t] with targets[t + 1]
         logits, targets = logits if logits is None else logits[..., :-1, :], targets[..., 1:]
     count = n if targets is None or targets.is_floating_point() else targets.ne(IGNORE).sum().double()
-    loss_sum = torch.where(count > 0, mean.detach().double() * count, 0.0)  # no target counted: nan * 0, so 0
-    sums = {"loss_sum": loss_sum, "count": count, "samples": n}
+    sums = {"loss_sum": torch.where(count > 0, mean.detach().double() * count, 0.0), "count": count, "samples": n}
     if logits is not None and targets is not None and not targets.is_floating_point():
         if logits.shape[:-1] == targets.shape:
             sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
