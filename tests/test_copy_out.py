@@ -27,7 +27,7 @@ PLUGIN_FILES = sorted((REPO / "core" / "plugins").glob("[a-z]*.py"))
 # Issue 35.5: the lean ddp copy's size. The design asks 450 code lines (650 in all); what the kernel holds beyond the
 # sketch it was measured on (the guarantees every copy carries, the seams) is in docs/copying-and-checking.md "Size".
 # A ratchet: a copy RATCHET code lines under its budget fails until the budget is lowered.
-LEAN_BUDGET = {"ddp": (1090, 710), "dp": (1080, 705)}
+LEAN_BUDGET = {"ddp": (1090, 715), "dp": (1080, 710)}  # +2 code lines: the seams TP_PLANS and AROUND_TP
 RATCHET = 20
 
 
