@@ -112,7 +112,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, plan_dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
-    plan = tp_plan.plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
+    plan = tp_plan.plan_of(model)  # which Linear layers split by column, which by row (the plan checked in check)
     with tp_plan.tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
     policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction

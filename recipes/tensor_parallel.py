@@ -105,7 +105,7 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         load_weights(model, cfg.init_from)
     device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
     tp = device_mesh["tp"].size()
-    plan = tp_plan.plan_of(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # Linear layers by column or row
+    plan = tp_plan.plan_of(model, sequence_parallel=cfg.sequence_parallel)  # Linear layers split by column or by row
     with tp_plan.tp_kept(model, plan, tp=tp):  # a tied lm_head stays tied
         parallelize_module(model, device_mesh["tp"], plan)
     torch.manual_seed(cfg.seed + device_mesh["dp"].get_local_rank())  # one group, one stream: DTensor needs it
