@@ -34,8 +34,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core import data, meter, models, watchdog  # noqa: E402
+from core import data, meter, models  # noqa: E402
 from core.dist import Topology  # noqa: E402
+from core.plugins import watchdog  # noqa: E402
 
 # (label, world size, runner, Config changes): ddp_monitored's comm options as their CLI flags
 VARIANTS = [

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from core.exact_loss import ExactLoss, forward_exact, global_count
 from core.grads import clip_grad_norm
-from core.kernel.loader import to_device
-from core.kernel.options import Options, at_least, option
-from core.steps import check_finite
+from core.kernel.loader import make_loader, to_device
+from core.kernel.options import Options, RecipeError, at_least, option
+from core.kernel.seams import STREAMS
 
 
 @dataclass(frozen=True)
@@ -133,5 +134,47 @@ def step_amp(
 
 
 def check_step(stats: StepStats, *, step: int, on_nonfinite: str) -> int:
-    """core.steps.check_finite for a StepStats: fp16's scaler skipping an overflowing step is routine (0)."""
-    return 0 if stats.scaled else check_finite(stats.grad_norm, step=step, on_nonfinite=on_nonfinite, clips=True)
+    """1 when a step with a non-finite gradient norm was skipped (--on-nonfinite skip); with stop, one line, on every
+    rank alike. fp16's scaler skipping an overflowing step is its routine back-off (0)."""
+    if stats.scaled or math.isfinite(stats.grad_norm):
+        return 0
+    if on_nonfinite == "stop":
+        fix = "lower --lr, set --clip, or pass --on-nonfinite skip"
+        raise RecipeError(
+            f"step {step}: the loss or the gradients are not finite (gradient norm {stats.grad_norm}); {fix}"
+        )
+    return 1
+
+
+def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
+    """(train loader, val loader, optimizer steps): a stream (an IterableDataset) through the stream plug-in, read in
+    order and dealt out by position; map-style data through make_loader's seeded sampler."""
+    for make in STREAMS:  # the stream plug-in
+        if found := make(cfg, topo, train_set, val_set, collate_fn):
+            return found
+    if isinstance(train_set, IterableDataset):
+        raise RecipeError(
+            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one "
+            f"(__len__, __getitem__), or add the stream plug-in (a copy made `--with stream`)"
+        )
+    train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
+    val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
+    return train, val, accum_steps(train, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+
+
+def accum_steps(loader, *, epochs: int, max_steps: int, accum: int) -> int:
+    """Optimizer steps the run takes (the LR schedule's length) at --accum micro-batches a step: --epochs over the
+    loader, or --max-steps; one line when a rank's share of the training set holds less than one step."""
+    share, world, batch = loader.sampler.num_samples, loader.sampler.num_replicas, loader.batch_size
+    if share < batch * accum:
+        samples, what = len(loader.dataset), f"--batch-size {batch}" + (f" --accum {accum}" if accum > 1 else "")
+        if share >= batch:
+            whole = share // batch
+            raise RecipeError(
+                f"{what}: an epoch has only {whole} whole micro-batches per rank; use --accum {whole} or less"
+            )
+        fix = f"use --batch-size {share} or less" if share else f"use fewer than {world} rank(s)"
+        gives = f"the training set ({samples} samples) gives each of {world} rank(s) {share}"
+        raise RecipeError(f"{what}: {gives}, not one whole batch; {fix}")
+    total = epochs * (len(loader) // accum)
+    return min(total, max_steps) if max_steps else total

@@ -1,11 +1,11 @@
 """Asynchronous checkpoints (--ckpt-async): the step waits only while the train state is copied to host memory;
-a thread of rank 0 writes core.ckpt's file while training goes on.
+a thread of rank 0 writes the kernel's checkpoint file while training goes on.
 
-    saver = ckpt_async.CheckpointSaver(background=cfg.ckpt_async)   # background=False: core.ckpt's save, as is
-    saver.save(run, model=model, optimizer=optimizer, progress=progress, keep=cfg.keep, scheduler=scheduler)
+    saver = CheckpointSaver(background=cfg.ckpt_async)   # background=False: the kernel's save_checkpoint, as is
+    saver.save(run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep)
     saver.close()   # the end of the run: the last write lands, or its failure is one line
 
-The file is core.ckpt's (snapshot, then write_checkpoint: atomic, checksummed), byte for byte the one a
+The file is the kernel's (snapshot, then write_tensors: atomic, checksummed), byte for byte the one a
 synchronous save writes. One write is in flight at a time: the next save, and the end of the run, wait for
 it first, and a write that failed is named by its own step. The host copy is kept from save to save (pinned
 memory for a GPU's tensors): fresh memory's page faults cost as much as the copy itself. What it costs: a kill
@@ -14,16 +14,17 @@ during a write loses that checkpoint (the one before stays whole), and rank 0 ho
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from core import ckpt
-from core.dist import broadcast_object
+from core.kernel.ckpt import FORMAT, list_checkpoints, save_checkpoint, write_tensors
+from core.kernel.log import RunFolder
 from core.kernel.options import Options, RecipeError, option
-from core.records import RunFolder
+from core.kernel.pg import all_gather_object, broadcast_object
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,25 @@ def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) ->
     return {key: buffers[key] for key in tensors}  # separate buffers: tied weights are two tensors, as savable makes
 
 
+def snapshot(run: RunFolder, *, model, optimizer, scheduler, progress: dict) -> tuple[dict, dict]:
+    """(tensors, metadata) of the kernel's save_checkpoint, every rank's generators too (a collective)."""
+    mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
+    optim = optimizer.state_dict()  # its state by parameter index: tensors to the file, other values to JSON
+    flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    tensors |= {f"optim/{key}": value for key, value in flat.items() if torch.is_tensor(value)}
+    tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
+    scalars = {key: value for key, value in flat.items() if not torch.is_tensor(value)}
+    metadata = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__}
+    rest = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(rng)}
+    rest |= {"optimizer": {"param_groups": optim["param_groups"], "scalars": scalars}, "progress": progress}
+    rest["scheduler"] = scheduler.state_dict()
+    return tensors, metadata | {key: json.dumps(value) for key, value in rest.items()}
+
+
 class CheckpointSaver:
-    """core.ckpt.save_checkpoint, or (background=True) the same file written by a thread of rank 0."""
+    """The kernel's save_checkpoint, or (background=True) the same file written by a thread of rank 0."""
 
     def __init__(self, *, background: bool):
         self.background = background
@@ -61,14 +79,15 @@ class CheckpointSaver:
         self.error: BaseException | None = None
         self.writing: tuple[Path, int] | None = None  # the file in flight and its step: what an error names
 
-    def save(self, run: RunFolder, *, model, optimizer, progress: dict, keep: int, **state) -> Path:
+    def save(self, run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
         """Every --ckpt-every steps, on every rank (the RNG gather is a collective): RUN/ckpt/step-N.safetensors.
-        Waits for the previous write first. `state`: the scheduler (core.ckpt.snapshot's `stateful`)."""
+        Waits for the previous write first."""
+        state = dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
         if not self.background:
-            return ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=progress, keep=keep, **state)
+            return save_checkpoint(run, **state, keep=keep)
         self.wait()
-        tensors, metadata = ckpt.snapshot(run, model=model, optimizer=optimizer, progress=progress, **state)
-        path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"  # core.ckpt.save_checkpoint's name
+        tensors, metadata = snapshot(run, **state)
+        path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"  # the kernel's save_checkpoint's name
         if run.writer:
             copy = stage(tensors, self.buffers)
             self.writing = path, progress["step"]
@@ -78,7 +97,10 @@ class CheckpointSaver:
 
     def _write(self, path: Path, tensors: dict, metadata: dict, keep: int) -> None:
         try:
-            ckpt.write_checkpoint(path, tensors, metadata, keep=keep)
+            path.parent.mkdir(exist_ok=True)
+            write_tensors(path, tensors, metadata)
+            for old in list_checkpoints(path.parent)[:-keep]:  # only once the new one is in place
+                old.unlink(missing_ok=True)
         except BaseException as err:  # said in the training thread, at the next save or close
             self.error = err
 

@@ -18,12 +18,11 @@ import re
 from pathlib import Path
 
 from core.dist import Topology, broadcast_object
-from core.kernel.folder import new_run_dir, run_dirs
+from core.kernel.folder import LENGTH, new_run_dir, run_dirs
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError, flag
 from core.kernel.seams import BEFORE_JOB
 from core.plugins.lock import remove_stale_temporaries, take_lock
-from core.plugins.longer import LENGTH
 from core.plugins.records import write_config
 from core.records import RunFolder
 

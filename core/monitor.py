@@ -1,13 +1,11 @@
-"""Where each step's time goes, for the train records: a clock driven by hooks, the numbers read from it, and
---profile's trace.
+"""Where each step's time goes, for the train records: a clock driven by hooks, and the numbers read from it.
 
-    timer = monitor.StepClock(topo.device)
+    timer = StepClock(topo.device)
     timer.attach(train_model, optimizer)                          # hooks: no code in the step, no host sync
     ... every --log-every steps (a collective):
-    meter.log_train(run, totals, ..., **monitor.breakdown(timer.take(), device=..., global_batch=...))
-    with meter.paused(totals):                                    # evaluation, checkpoints: not a step
-        with monitor.paused(timer, watch):
-            ...
+    log_train(run, totals, ..., **breakdown(timer.take(), device=..., global_batch=...))
+    with not_training(), paused(timer):                           # evaluation, checkpoints: not a step
+        ...
 
 Each rank times its own steps; `breakdown` gathers every rank's sums in one collective, so the record speaks
 for the job: the phases averaged over ranks, the slowest rank's step (the pace the others wait for), the fullest
@@ -18,14 +16,11 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from core.dist import Topology, all_gather_object
+from core.kernel.pg import all_gather_object
 from core.metrics import peak_memory_mb
-from core.watchdog import Watchdog
 
 PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
 
@@ -126,33 +121,9 @@ def breakdown(
 
 
 @contextmanager
-def paused(timer: StepClock, watch: Watchdog):
-    """Evaluation or a checkpoint: not a step, for neither the step clock nor the watchdog's median.
-
-    The watchdog still reports a pause that reaches its cap, near the collective timeout."""
-    watch.hold()
+def paused(timer: StepClock):
+    """Evaluation or a checkpoint: not a step for the step clock."""
     try:
         yield
     finally:
         timer.skip_gap()
-        watch.beat(watch.step, timed=False)
-
-
-def profiler(run_dir: Path, topo: Topology, *, enabled: bool):
-    """torch.profiler over 3 steps after the first 5, a Chrome trace per rank in run_dir/profile/.
-
-    Call `start()`, `step()` after every step, `stop()`. Disabled: a stand-in whose start, step and stop do
-    nothing."""
-    if not enabled:
-        return SimpleNamespace(start=lambda: None, step=lambda: None, stop=lambda: None)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if topo.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    folder = Path(run_dir) / "profile"
-    folder.mkdir(parents=True, exist_ok=True)
-    return torch.profiler.profile(
-        activities=activities,
-        record_shapes=True,
-        schedule=torch.profiler.schedule(skip_first=5, wait=0, warmup=1, active=3, repeat=1),
-        on_trace_ready=lambda prof: prof.export_chrome_trace(str(folder / f"rank{topo.rank}.json")),
-    )

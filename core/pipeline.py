@@ -1,23 +1,21 @@
-"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameters or measured time.
-Both pipeline recipes take it; core.schedules runs torch's schedules on the stages (the pipeline recipe).
+"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameter count (or as the balance
+plug-in weighs the blocks). Both pipeline
+recipes take it (pipeline_naive puts the stages on devices; pipeline runs torch's schedules on them, core/schedules.py).
 
-A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its
-forward is `model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the
-blocks' original names (`blocks.3.attn.q.weight`), so the stages' state dicts merged are the
-whole model's state dict.
+A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its forward is
+`model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the blocks' original names
+(`blocks.3.attn.q.weight`), so the stages' state dicts merged are the whole model's state dict.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from core.dist import broadcast_object
 from core.kernel.options import RecipeError
 
 
@@ -57,26 +55,6 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
         sizes.append(i - cut[s][i])
         i = cut[s][i]
     return sizes[::-1]
-
-
-def block_times(model: nn.Module, sample: torch.Tensor) -> list[float]:
-    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it), rank 0's on every
-    rank so that all cut alike: split_pipeline's weights for --balance time."""
-    times, x = [], sample
-    for block in model.blocks:
-        x_in = x.detach().requires_grad_(x.is_floating_point())
-        fastest = float("inf")
-        for _ in range(3):  # the fastest of three: the least disturbed by other work
-            started = time.perf_counter()
-            out = block(x_in)
-            out.float().sum().backward()
-            if out.is_cuda:
-                torch.cuda.synchronize(out.device)
-            fastest = min(fastest, time.perf_counter() - started)
-        block.zero_grad(set_to_none=True)
-        times.append(fastest)
-        x = out.detach()
-    return broadcast_object(times)
 
 
 def check_pipeline_model(model: nn.Module) -> int:

@@ -1,6 +1,6 @@
-"""torch's pipeline schedules on core.pipeline's stages: what a job may refuse before launch, the last stage's
-loss, the pipeline recipe's step (schedule.step, then the gradients averaged over the data-parallel pipelines and
-clipped over the stages), its evaluation (schedule.eval), and the stages' weights gathered on rank 0.
+"""torch's pipeline schedules on core.pipeline's stages: the pipeline recipe's options and what a job may refuse before
+launch, the last stage's loss, the step (schedule.step, then the gradients averaged over the data-parallel pipelines
+and clipped over the stages), the evaluation (schedule.eval), and the stages' weights gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -8,19 +8,44 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
-from core.amp import StepStats, autocast
-from core.grads import clip_grad_norm
-from core.kernel.loader import to_device
-from core.kernel.options import RecipeError
-from core.loss import IGNORE, check_aligned, metrics
-from core.meter import Tally, summarize
+from core.kernel.loader import make_loader, to_device, total_steps
+from core.kernel.numbers import Tally, summarize
+from core.kernel.options import Options, RecipeError, at_least, option
+from core.kernel.pg import all_gather_object
+from core.kernel.seams import LOSS_CHECKS
+from core.kernel.step import IGNORE, metrics
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+@dataclass(frozen=True)
+class Pipelining(Options):
+    title = "pipeline parallelism"
+    pp: int = option(0, "ranks per pipeline (0: all of them); the rest is data parallel", **at_least(0))
+    schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULES)
+    microbatches: int = option(4, "micro-batches per batch (must divide the batch size)", **at_least(1))
+
+
+@dataclass(frozen=True)
+class StagePrecision(Options):
+    title = "mixed precision"
+    precision: str = option(
+        "fp32", "compute precision (bf16: the stages' forwards under autocast)", choices=("fp32", "bf16")
+    )
+
+
+@dataclass(frozen=True)
+class StageAccumulation(Options):
+    title = "gradient accumulation and clipping"
+    accum: int = option(1, "micro-batches per optimizer step (accumulation)", **at_least(1))
+    clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
 
 
 def check_pipeline(
@@ -55,6 +80,31 @@ def check_pipeline(
         )
 
 
+def pipeline_loaders(cfg, row, train_set, val_set, collate_fn) -> tuple:
+    """(train loader, val loader, optimizer steps) of one pipeline's share (`row`: its dp rank and size): the kernel's
+    loaders, the training one without a smaller last batch (the schedule cuts each batch into equal micro-batches),
+    --accum of its batches a step."""
+    kernel = make_loader(train_set, row, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
+    options = {k: getattr(kernel, k) for k in ("sampler", "generator", "num_workers", "pin_memory", "collate_fn")}
+    train = DataLoader(train_set, cfg.batch_size, drop_last=True, persistent_workers=kernel.num_workers > 0, **options)
+    val = make_loader(val_set, row, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
+    batches = total_steps(train, epochs=1, max_steps=0)  # refuses a share of less than one batch
+    if batches < cfg.accum:
+        raise RecipeError(
+            f"--batch-size {cfg.batch_size} --accum {cfg.accum}: an epoch has only {batches} whole micro-batches per "
+            f"rank; use --accum {batches} or less"
+        )
+    steps = cfg.epochs * (batches // cfg.accum)
+    return train, val, min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def batch_groups(loader, k: int, *, device: torch.device):
+    """The loader's batches K at a time (--accum: one schedule run), on `device`; a short last group is dropped."""
+    batches = iter(loader)
+    while len(group := [to_device(batch, device) for batch in itertools.islice(batches, k)]) == k:
+        yield group
+
+
 class TokenLoss:
     """The last stage's loss, every counted target of the global batch weighing the same (core.exact_loss's rule,
     for a schedule): a micro-batch's cross-entropy SUMMED over its counted targets (not -100), divided by
@@ -66,7 +116,8 @@ class TokenLoss:
     normalizer = torch.ones(())  # each instance's own once step_pipeline or evaluate_pipeline sets it
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        check_aligned(logits, targets)  # output[..., t] against target[..., t], as core.loss compares them
+        for check in LOSS_CHECKS:  # output[..., t] against target[..., t], as the kernel's loss compares them
+            check(logits, targets)
         flat, total = logits.flatten(0, -2).float(), targets.flatten()
         summed = nn.functional.cross_entropy(flat, total, ignore_index=IGNORE, reduction="sum")
         return summed / self.normalizer.to(summed.device)
@@ -84,14 +135,10 @@ def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Token
 
 
 def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """Every stage's tensors, merged on rank 0 into the whole model's state dict ({} elsewhere): a collective.
-
-    Stage keys are the original model's, so the merge is a dict union (data-parallel replicas
-    of a stage send equal tensors; the union keeps one)."""
+    """Every stage's tensors merged, on every rank, into the whole model's state dict (a collective): stage keys are
+    the model's own, so the merge is a dict union (data-parallel replicas of a stage hold equal tensors)."""
     mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else {}
+    return {k: v for part in all_gather_object(mine) for k, v in part.items()}
 
 
 def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:
@@ -102,6 +149,21 @@ def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)  # gloo has no AVG: sum, then divide
                 p.grad /= size
+
+
+@torch.no_grad()
+def clip_over_stages(params: list[nn.Parameter], max_norm: float, *, group) -> torch.Tensor:
+    """The norm of the gradients of all stages, each rank holding its own (sqrt of the sum of their squares over
+    `group`), and the gradients clipped to `max_norm` by it (0: not clipped)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if group is not None and dist.get_world_size(group) > 1:  # disjoint stages: sqrt(sum of squares)
+        norm = norm.pow(2.0)
+        dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=group)
+        norm = norm.pow(1.0 / 2.0)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)
+    return norm
 
 
 def step_pipeline(
@@ -115,15 +177,14 @@ def step_pipeline(
     clip: float = 0.0,
     dp_group=None,
     pp_group=None,
-) -> tuple[dict[str, torch.Tensor], StepStats]:
-    """One optimizer step through the pipeline: core.amp.step_amp's shape for a schedule. Every rank passes the
-    whole batch (the first stage reads the inputs, the last the targets); the schedule cuts it into micro-batches
-    and sums their gradients, each micro-batch's loss divided by the global batch's counted targets (`loss_fn`,
-    the schedule's: one all-reduce over dp_group), so the step is the whole global batch's. --accum K: K batches to a
-    schedule built for K x --microbatches, run as one. Then the gradients are averaged over the dp pipelines
-    (dp_group), their norm taken over all stages (pp_group: the dp replicas hold equal gradients, not counted
-    again) and clipped; a step whose gradients are not finite is not taken. precision "bf16": the stages' forwards
-    under autocast. Returns the batch's metric sums (zeros but on the last stage) and the StepStats."""
+) -> tuple[dict[str, torch.Tensor], float]:
+    """One optimizer step through the pipeline. Every rank passes the whole batch (the first stage reads the inputs,
+    the last the targets); the schedule cuts it into micro-batches and sums their gradients, each micro-batch's loss
+    divided by the global batch's counted targets (`loss_fn`: one all-reduce over dp_group), so the step is the
+    whole global batch's. --accum K: K batches to a schedule built for K x --microbatches, run as one. Then the
+    gradients are averaged over the dp pipelines (dp_group), their norm taken over all stages (pp_group) and
+    clipped; a step whose gradient norm is not finite is not taken. precision "bf16": the forwards under autocast.
+    Returns the batch's metric sums (zeros but on the last stage) and the gradient norm."""
     inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
     if targets.is_floating_point():  # every rank holds the targets: all refuse at once, none waits for another
         raise RecipeError(
@@ -137,19 +198,19 @@ def step_pipeline(
     loss_fn.normalizer = (counted.clamp(min=1) / dp).float()  # DDP's rule: the dp average below divides by dp
     optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
-    with autocast(precision, device=inputs.device):
+    bf16 = precision == "bf16"  # the weights stay fp32 either way
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16 if bf16 else None, enabled=bf16):
         outputs = schedule.step(inputs, target=targets, losses=losses)  # forwards and backwards, stage to stage
     params = [p for group in optimizer.param_groups for p in group["params"]]
     average_gradients(params, group=dp_group)
-    norm = float(clip_grad_norm(params, clip, group=pp_group))  # the step's one host sync
-    stats = StepStats(norm, skipped=not math.isfinite(norm))
-    if not stats.skipped:
+    norm = float(clip_over_stages(params, clip, group=pp_group))  # the step's one host sync
+    if math.isfinite(norm):
         optimizer.step()
-    if not holds_last:  # nothing to add to the job's sums, under the keys core.meter reads
+    if not holds_last:  # nothing to add to the job's sums, under the keys the kernel's Tally reads
         zero = torch.zeros((), dtype=torch.float64, device=inputs.device)
-        return {"loss_sum": zero, "count": zero, "samples": zero}, stats
+        return {"loss_sum": zero, "count": zero, "samples": zero}, norm
     loss_sum = torch.stack(losses).detach().double().sum() * loss_fn.normalizer.double()  # back to a plain sum
-    return metrics(outputs, targets, loss_sum, samples=len(targets)) | {"loss_sum": loss_sum}, stats
+    return metrics(outputs, targets, loss_sum, samples=len(targets), shift=False) | {"loss_sum": loss_sum}, norm
 
 
 @torch.no_grad()
@@ -175,7 +236,8 @@ def evaluate_pipeline(
         outputs = schedule.eval(inputs, target=targets, losses=losses)
         if holds_last:
             loss_sum = torch.stack(losses).double().sum()
-            tally.add(metrics(outputs[:real], targets[:real], loss_sum, samples=real) | {"loss_sum": loss_sum})
+            sums = metrics(outputs[:real], targets[:real], loss_sum, samples=real, shift=False)
+            tally.add(sums | {"loss_sum": loss_sum})
     for stage in stages:
         stage.train()  # the stages train between evaluations
     return summarize(tally.reduce(), prefix="val_")

@@ -16,107 +16,71 @@ process takes on batch size x world size x K samples, padded sequences included.
 total gradient norm over all ranks. Streams (an IterableDataset) are dealt out by position.
 """
 
+from __future__ import annotations
+
 import itertools
 from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from core import (
-    amp,
-    ckpt,
-    data,
-    dist,
-    exact_loss,
-    folder,
-    meter,
-    models,
-    steps,
-    stream,
-    trackers,
-    weights,
-)
-from core.amp import Accumulation, Precision
-from core.config import Checkpointing, DDPOptions, Training, cli_main, with_default
+import core.attach  # noqa: F401 - the package runs ddp_amp with every plug-in; a standalone copy joins its --with ones
+from core.amp import Accumulation, Precision, check_step, make_loaders, make_scaler, micro_batch_groups, step_amp
+from core.exact_loss import make_exact_loss
+from core.kernel.builtin import build_data, build_model
+from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
+from core.kernel.folder import finished, open_run
 from core.kernel.loader import seed_all, set_epoch
-from core.kernel.options import RecipeError
-from core.kernel.pg import cleanup_pg
-from core.loss import make_loss
-from core.loss_options import choose_loss
-from core.plugins.hf import HFExport, write_hf_folder
-from core.plugins.init_from import InitFrom, load_weights
-from core.plugins.replicas import replicas_report
-
-
-@dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, Precision, Accumulation, trackers.Tracking, InitFrom, HFExport):
-    """ddp's options, and precision, accumulation, clipping and trackers."""
-
-    epochs: int = with_default(Training, "epochs", 10)  # --accum 4 takes 4x fewer steps per epoch than ddp
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.static_graph and self.accum > 1:  # DDP's static graph asserts (or skips the all-reduce) in no_sync()
-            raise RecipeError(
-                f"--static-graph with --accum {self.accum}: DDP's static graph breaks under no_sync() "
-                f"(pytorch/pytorch#143580); drop --static-graph or use --accum 1"
-            )
+from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
+from core.kernel.options import Checkpointing, Options, RecipeError, Training, at_least, cli_main, option
+from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.step import evaluate, make_loss
+from core.plugins import loss_counts, stream, trackers  # noqa: F401 - its own plug-ins (tools/registry.py)
 
 
 def main(cfg: Config) -> dict:
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
+    topo = init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
     try:
         return train(cfg, topo)
     finally:
         cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology) -> dict:
-    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
-    if done := folder.finished(cfg, topo, recipe="ddp_amp", header=ckpt.read_metadata):
+def train(cfg: Config, topo: Topology) -> dict:
+    if done := finished(cfg, topo, recipe="ddp_amp"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
 
     # Build. The same seed on every rank gives every replica the same initial weights.
     seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
-    train_set, val_set, collate = data.build_data(cfg.data)
-    model = models.build_model(cfg.model).to(topo.device)
-    if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
-        load_weights(model, cfg.init_from)
-    if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only; the pre-check says so on CPU)
+    train_set, val_set, collate = build_data(cfg)
+    model = build_model(cfg).to(topo.device)
+    for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from)
+        hook(cfg, model)
+    if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp_model = DistributedDataParallel(
-        model,
-        device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
-        find_unused_parameters=cfg.find_unused_parameters,
-        static_graph=cfg.static_graph,
-    )
+    ids = [topo.device.index] if topo.device.type == "cuda" else None  # its GPU, or the CPU
+    unused, static = cfg.find_unused_parameters, cfg.static_graph
+    ddp_model = DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused, static_graph=static)
     torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
-    if stream.is_stream(train_set):  # an IterableDataset: read in order and dealt out by position, no sampler
-        train_loader = stream.make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate)
-        val_loader = stream.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
-        total = stream.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
-    else:
-        train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
-        val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
-        total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
+    train_loader, val_loader, total = make_loaders(cfg, topo, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    scaler = amp.make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
-    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
-    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
-    # Every counted target of the global batch weighs the same, across ranks and micro-batches.
-    loss_fn = exact_loss.make_exact_loss(loss_fn, model=model)
+    scaler = make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
+    # The model's own loss, else cross-entropy; every counted target of the global batch weighs the same, across
+    # ranks and micro-batches.
+    loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
 
-    # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), the
-    # checkpoint's state, and the trackers --log-to names, which continue from the checkpoint's step.
-    run = folder.open_run(
-        cfg, topo, recipe="ddp_amp", global_batch=global_batch, newest=ckpt.newest_good, header=ckpt.read_metadata
-    )
-    start = ckpt.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    run = trackers.attach(run, cfg, step=start["step"], header=ckpt.read_metadata)
+    # The run folder: a new one, or the one of the checkpoint --resume names, refused before it is touched when
+    # the checkpoint cannot continue in this job. Then that checkpoint's state, every rank's own generator too.
+    run = open_run(cfg, topo, recipe="ddp_amp", global_batch=global_batch)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
+    start = load_checkpoint(run, **state)
+    if "scaler" in start:  # fp16's loss scale goes on where it was
+        scaler.load_state_dict(start["scaler"])
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
 
     # Train. K micro-batches a step; DDP all-reduces in the last one's backward only (no_sync before).
     step, skipped, evaluation = start["step"], start["skipped"], {}
@@ -126,36 +90,55 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         set_epoch(train_loader, epoch, consumed=consumed)
-        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = amp.step_amp(ddp_model, micro_batches, **step_options)
+            metrics, stats = step_amp(ddp_model, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
-            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
+            for hook in ON_STEP:  # the training clock
+                hook(metrics)
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
-                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
-                scale = {"loss_scale": stats.scale} if stats.scaled else {}  # fp16: the scaler's current scale
-                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **scale)
+                numbers = dict(lr=scheduler.get_last_lr()[0], grad_norm=stats.grad_norm, skipped=skipped)
+                numbers |= {"loss_scale": stats.scale} if stats.scaled else {}  # fp16: the scaler's current scale
+                log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
-                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(totals):
-                    state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-                    ckpt.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(totals):  # each rank evaluates its share of the validation set; the sums are all-reduced
-            evaluation = steps.evaluate(
-                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
-            )
-        meter.log_eval(run, evaluation, step=step, epoch=epoch)
+                with not_training():
+                    progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
+                    progress |= {"scaler": scaler.state_dict()} if scaler.is_enabled() else {}  # fp16's scale
+                    save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
+        with not_training():  # each rank evaluates its share of the validation set; the sums are all-reduced
+            evaluation = evaluate(model, val_loader, loss_fn=loss_fn.loss, device=topo.device)
+        log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Rank 0 alone writes the weights; every rank vouches that it holds the same ones.
-    saved = weights.write_weights(run, model.state_dict())
-    write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    report = replicas_report(model.state_dict())  # whether every rank holds the same weights
-    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **report)
-    trackers.close(run)
-    return summary
+    # Rank 0 alone writes the weights.
+    saved = write_weights(run, model.state_dict())
+    return log_summary(cfg, run, model, totals, evaluation, steps=step, skipped_steps=skipped, weights=str(saved))
+
+
+# Options and start: in a standalone copy these come last, after everything they use.
+@dataclass(frozen=True)
+class DDPOptions(Options):
+    title = "DistributedDataParallel"
+    find_unused_parameters: bool = option(False, "let DDP find parameters forward did not use (costs a graph walk)")
+    static_graph: bool = option(False, "tell DDP the graph is the same every step (also fixes unused parameters)")
+    sync_batchnorm: bool = option(False, "BatchNorm statistics over all ranks (SyncBatchNorm; GPUs)")
+
+
+@dataclass(frozen=True)
+class Config(Training, Checkpointing, DDPOptions, Precision, Accumulation, *OPTION_GROUPS):
+    """ddp_amp's options, and those of the plug-ins it was joined with: --help lists them."""
+
+    epochs: int = option(10, "passes over the training set", **at_least(0))  # --accum 4: 4x fewer steps an epoch
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.static_graph and self.accum > 1:  # DDP's static graph asserts (or skips the all-reduce) in no_sync()
+            raise RecipeError(
+                f"--static-graph with --accum {self.accum}: DDP's static graph breaks under no_sync() "
+                f"(pytorch/pytorch#143580); drop --static-graph or use --accum 1"
+            )
 
 
 if __name__ == "__main__":

@@ -20,55 +20,44 @@ norm over all stages; --precision bf16 runs the stages under autocast. Checkpoin
 (every rank writes its stages).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
-from core import (
-    amp,
-    data,
-    dcp,
-    dist,
-    folder,
-    meter,
-    models,
-    parallel,
-    pipeline,
-    schedules,
-    trackers,
-    weights,
-)
-from core.amp import Accumulation
-from core.config import Checkpointing, Training, cli_main, with_default
+import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
+from core.gpt_builtin import build_gpt, build_text, gpt_defaults
+from core.kernel.ckpt import write_weights
+from core.kernel.folder import finished, open_run
 from core.kernel.loader import seed_all, set_epoch
 from core.kernel.log import say
-from core.kernel.options import RecipeError, at_least, option
-from core.kernel.pg import cleanup_pg
-from core.parallel import ShardedPrecision
-from core.plugins.hf import HFExport, write_hf_folder
-from core.plugins.init_from import InitFrom, load_weights
-
-
-@dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, InitFrom, HFExport):
-    """The shared options and the pipeline's shape; the tiny GPT on the embedded text by default."""
-
-    title = "pipeline parallelism"
-
-    model: str = with_default(Training, "model", "gpt")
-    data: str = with_default(Training, "data", "text")
-    epochs: int = with_default(Training, "epochs", 1)
-    lr: float = with_default(Training, "lr", 3e-3)
-    pp: int = option(0, "ranks per pipeline (0: all of them); the rest is data parallel", **at_least(0))
-    schedule: str = option("1f1b", "pipeline schedule", choices=schedules.SCHEDULES)
-    microbatches: int = option(4, "micro-batches per batch (must divide the batch size)", **at_least(1))
-    balance: str = option(
-        "params", "balance the stages by parameter count or measured time", choices=("params", "time")
-    )
+from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
+from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
+from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS, STAGE_WEIGHTS
+from core.kernel.step import check_finite
+from core.pipeline import check_pipeline_model, root_module, split_pipeline
+from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
+from core.schedules import (
+    Pipelining,
+    StageAccumulation,
+    StagePrecision,
+    TokenLoss,
+    batch_groups,
+    build_schedule,
+    check_pipeline,
+    evaluate_pipeline,
+    gather_state_dict,
+    pipeline_loaders,
+    step_pipeline,
+)
+from core.shard_ckpt import load_sharded, save_sharded
 
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
@@ -79,70 +68,64 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 def check(cfg: Config) -> None:
     """Everything refusable, before any process starts: the loss, the mesh and the model's blocks."""
-    if cfg.loss not in ("auto", "ce"):  # the schedule calls loss_fn(logits, targets) on the last stage
+    if getattr(cfg, "loss", "auto") not in ("auto", "ce"):  # the schedule calls loss_fn(logits, targets) at the end
         raise RecipeError(f"--loss {cfg.loss}: pipeline computes cross-entropy on the last stage; use --loss ce")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with torch.device("meta"):  # shapes only: every parameter must be in model.blocks
-        blocks = pipeline.check_pipeline_model(models.build_model(cfg.model))
+        blocks = check_pipeline_model(build_gpt(cfg))
     shape = dict(world_size=world, pp=cfg.pp or world, schedule=cfg.schedule, num_blocks=blocks)
     for k in sorted({1, cfg.accum}):  # --accum K runs a schedule of K x --microbatches micro-batches
-        schedules.check_pipeline(**shape, batch_size=cfg.batch_size * k, microbatches=cfg.microbatches * k)
+        check_pipeline(**shape, batch_size=cfg.batch_size * k, microbatches=cfg.microbatches * k)
 
 
 def main(cfg: Config) -> dict:
     check(cfg)  # a copy has no pre-check: the same refusals here
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
+    topo = init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
     try:
         return train(cfg, topo)
     finally:
         cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology) -> dict:
-    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
-    if done := folder.finished(cfg, topo, recipe="pipeline", header=dcp.read_metadata):
+def train(cfg: Config, topo: Topology) -> dict:
+    if done := finished(cfg, topo, recipe="pipeline"):  # resumed, finished: nothing is touched
         return done
-    device_mesh = parallel.build_mesh(topo, mesh(cfg, topo.world_size))
-    dp, pp, pp_rank = device_mesh["dp"].size(), device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
+    dims = mesh(cfg, topo.world_size)
+    device_mesh = init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    dp, pp, pp_rank = dims["dp"], dims["pp"], device_mesh["pp"].get_local_rank()
     dp_rank, global_batch = device_mesh["dp"].get_local_rank(), cfg.batch_size * dp * cfg.accum
 
     # Build: the same weights on every rank, cut into stages; this rank keeps its own (two, looped, for
     # interleaved1f1b), each wrapped in a PipelineStage that sends and receives between neighbouring ranks.
     seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
-    train_set, val_set, collate = data.build_data(cfg.data)
-    model = models.build_model(cfg.model)
-    if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its stages of them
-        load_weights(model, cfg.init_from)
+    train_set, val_set, collate = build_text(cfg)
+    model = build_gpt(cfg)
+    for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its stages
+        hook(cfg, model)
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
-    split = dict(num_stages=num_stages)  # stages of about equal parameter count
-    if cfg.balance == "time":  # of equal measured time instead: the blocks timed on one micro-batch of inputs
-        sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)])
-        split["weights"] = pipeline.block_times(model, sample)
-    stages = [pipeline.split_pipeline(model, stage_index=i, **split).to(topo.device) for i in stage_ids]
+    weights = None  # the blocks' parameter counts: stages of about equal size
+    for hook in STAGE_WEIGHTS:  # --balance time: of equal measured time
+        weights = hook(cfg, model, train_set) or weights
+    cut = dict(num_stages=num_stages, weights=weights)
+    stages = [split_pipeline(model, stage_index=i, **cut).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
     runners = [PipelineStage(m, i, num_stages, topo.device, group=pp_group) for m, i in zip(stages, stage_ids)]
     micro = cfg.microbatches * cfg.accum  # --accum K: K batches as one schedule run
-    loss_fn = schedules.TokenLoss()  # on the last stage: summed cross-entropy over the global batch's counted targets
-    schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
+    loss_fn = TokenLoss()  # on the last stage: summed cross-entropy over the global batch's counted targets
+    schedule = build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = stage_ids[-1] == num_stages - 1
     torch.manual_seed(cfg.seed + dp_rank)  # from here each pipeline draws its own dropout, as one process would
     my_row = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # the stages of one pipeline share its batches
-    train_loader = data.make_loader(  # the schedule cuts every batch into equal micro-batches: no smaller last one
-        train_set, my_row, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate, drop_last=True
-    )
-    val_loader = data.make_loader(val_set, my_row, batch_size=cfg.batch_size, train=False, collate_fn=collate)
-    total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    train_loader, val_loader, total = pipeline_loaders(cfg, my_row, train_set, val_set, collate)
     optimizer = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
 
-    # The run folder, new or resumed, the checkpoint's state (every rank reads its stages), and the trackers.
-    checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
-    run = folder.open_run(cfg, topo, recipe="pipeline", global_batch=global_batch, dp=dp, **checkpoints)
-    start = dcp.load_checkpoint(run, model=pipeline.root_module(stages), optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
+    # The run folder, new or resumed, and the checkpoint's state: every rank reads its own stages.
+    run = open_run(cfg, topo, recipe="pipeline", global_batch=global_batch)
+    state = dict(model=root_module(stages), optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds
+    start = load_sharded(run, **state)
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
     say(run, f"pipeline: {cfg.schedule}, {num_stages} stages on pp={pp} x dp={dp} ranks, {micro} micro-batches")
 
     # Train. Every rank calls the schedule with the whole batch; the first stage reads the inputs, the last the targets.
@@ -155,37 +138,38 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         set_epoch(train_loader, epoch, consumed=consumed)
-        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
-        for micro_batches in itertools.islice(groups, total - step):
+        for micro_batches in itertools.islice(batch_groups(train_loader, cfg.accum, device=topo.device), total - step):
             # schedule.step: forwards and backwards, stage to stage
-            metrics, stats = schedules.step_pipeline(schedule, micro_batches, **step_options)
+            metrics, grad_norm = step_pipeline(schedule, micro_batches, **step_options)
             step, consumed = step + 1, consumed + global_batch
-            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)  # the last stage's; the other stages add zeros
+            for hook in ON_STEP:  # the training clock
+                hook(metrics)
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
-                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
-                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
+                lr = scheduler.get_last_lr()[0]
+                log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
-                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(totals):  # every rank writes its own stages
-                    state = {"model": pipeline.root_module(stages), "optimizer": optimizer, "scheduler": scheduler}
-                    dcp.save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(totals):  # forward only, through the same schedule: K batches a run, the smaller last one too
-            evaluation = schedules.evaluate_pipeline(schedule, val_loader, **eval_options)
-        meter.log_eval(run, evaluation, step=step, epoch=epoch)
+                with not_training():  # every rank writes its own stages
+                    progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
+                    save_sharded(run, **state, progress=progress, keep=cfg.keep)
+        with not_training():  # forward only, through the same schedule: K batches a run, the smaller last one too
+            evaluation = evaluate_pipeline(schedule, val_loader, **eval_options)
+        log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # The stages' tensors, merged on rank 0 into the plain model's state dict and written as one file (and a
-    # Hugging Face folder for a transformers model: a meta-device model lends its config and class).
-    full = schedules.gather_state_dict(stages)
-    saved = weights.write_weights(run, full)
-    with torch.device("meta"):
-        lender = models.build_model(cfg.model)
-    write_hf_folder(run, lender, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, pp=pp, dp=dp)
-    trackers.close(run)
-    return summary
+    # Every rank gathers the stages' tensors into the plain model (the summary's plug-ins read it); rank 0 writes them.
+    model.load_state_dict(gather_state_dict(stages))
+    saved = write_weights(run, model.state_dict())
+    return log_summary(
+        cfg, run, model, totals, evaluation, steps=step, skipped_steps=skipped, weights=str(saved), pp=pp, dp=dp
+    )
+
+
+# Options and start: in a standalone copy these come last, after everything they use.
+@dataclass(frozen=True)
+class Config(*gpt_defaults([Pipelining, Training, Checkpointing, StagePrecision, StageAccumulation, *OPTION_GROUPS])):
+    """pipeline's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 
 if __name__ == "__main__":

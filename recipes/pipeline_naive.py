@@ -14,6 +14,8 @@ runs across nodes. On a CPU-only machine (or one GPU) this is plain single-devic
 Defaults: --model gpt --data text (any model whose forward is `model.blocks(x)` works). Builds on dp.
 """
 
+from __future__ import annotations
+
 import itertools
 import os
 from dataclasses import dataclass
@@ -21,26 +23,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import ckpt, data, dist, folder, meter, models, pipeline, steps, weights
-from core.config import Checkpointing, Training, cli_main, with_default
-from core.kernel.loader import seed_all, set_epoch, to_device
+import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
+from core.gpt_builtin import build_gpt, build_text, gpt_defaults
+from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
+from core.kernel.folder import finished, open_run
+from core.kernel.loader import make_loader, seed_all, set_epoch, to_device, total_steps
 from core.kernel.log import say
-from core.kernel.options import RecipeError
-from core.kernel.pg import cleanup_pg
-from core.loss import make_loss
-from core.loss_options import choose_loss
-from core.plugins.hf import HFExport, write_hf_folder
-from core.plugins.init_from import InitFrom, load_weights
-
-
-@dataclass(frozen=True)
-class Config(Training, Checkpointing, InitFrom, HFExport):
-    """The shared training and checkpoint options; the tiny GPT on the embedded text by default."""
-
-    model: str = with_default(Training, "model", "gpt")
-    data: str = with_default(Training, "data", "text")
-    epochs: int = with_default(Training, "epochs", 1)
-    lr: float = with_default(Training, "lr", 3e-3)
+from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
+from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
+from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.step import check_finite, evaluate, make_loss, step_plain
+from core.pipeline import check_pipeline_model, plan_split
 
 
 class PipelineParallelModel(nn.Module):
@@ -49,9 +43,9 @@ class PipelineParallelModel(nn.Module):
     def __init__(self, module: nn.Module, devices: list[torch.device]):
         super().__init__()
         self.module = module
-        count = pipeline.check_pipeline_model(module)
+        count = check_pipeline_model(module)
         weights = [float(sum(p.numel() for p in b.parameters())) for b in module.blocks]
-        sizes = pipeline.plan_split(weights, min(len(devices), count))
+        sizes = plan_split(weights, min(len(devices), count))
         ends = itertools.accumulate(sizes)
         self.placement = [(device, range(end - n, end)) for device, n, end in zip(devices, sizes, ends)]
         for device, indices in self.placement:
@@ -74,47 +68,44 @@ def check(cfg: Config) -> None:
             f"`python -m recipes run pipeline_naive`, or use the pipeline recipe for several processes"
         )
     with torch.device("meta"):
-        pipeline.check_pipeline_model(models.build_model(cfg.model))
+        check_pipeline_model(build_gpt(cfg))
 
 
 def main(cfg: Config) -> dict:
     check(cfg)  # a copy has no pre-check: the same refusals here
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # a world of one: the shared helpers work unchanged
+    topo = init_pg(timeout_s=cfg.timeout_s)  # a world of one: the kernel works unchanged
     try:
         return train(cfg, topo)
     finally:
         cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology) -> dict:
-    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
-    if done := folder.finished(cfg, topo, recipe="pipeline_naive", header=ckpt.read_metadata):
+def train(cfg: Config, topo: Topology) -> dict:
+    if done := finished(cfg, topo, recipe="pipeline_naive"):  # resumed, finished: nothing is touched
         return done
     global_batch = cfg.batch_size  # one process
 
     # Build: the plain model's blocks spread over the GPUs (the CPU alone without them).
     seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
-    train_set, val_set, collate = data.build_data(cfg.data)
-    plain = models.build_model(cfg.model)
-    if cfg.init_from:  # a new run from earlier weights (a resumed run then takes its checkpoint's)
-        load_weights(plain, cfg.init_from)
+    train_set, val_set, collate = build_text(cfg)
+    plain = build_gpt(cfg)
+    for hook in AFTER_BUILD:  # the plain model, before its blocks are placed (--init-from)
+        hook(cfg, plain)
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
     model = PipelineParallelModel(plain, devices)
     output_device = model.placement[-1][0]  # targets meet the logits on the last device
-    train_loader = data.make_loader(train_set, topo, batch_size=cfg.batch_size, seed=cfg.seed, collate_fn=collate)
-    val_loader = data.make_loader(val_set, topo, batch_size=cfg.batch_size, train=False, collate_fn=collate)
+    train_loader = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate, seed=cfg.seed)
+    val_loader = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate, train=False)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr)
-    total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
+    total = total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_loss(model=plain)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
-    loss_fn = choose_loss(cfg.loss, loss_fn, model=plain)  # --loss ce, mse, model or module:function
+    loss_fn = make_loss(cfg, plain)  # the model's own loss, else cross-entropy on the logits
 
     # The run folder, new or resumed, and the checkpoint's state (of the plain model: its own names).
-    checkpoints = dict(newest=ckpt.newest_good, header=ckpt.read_metadata)  # how a resume finds and reads one
-    run = folder.open_run(cfg, topo, recipe="pipeline_naive", global_batch=global_batch, **checkpoints)
-    start = ckpt.load_checkpoint(run, model=plain, optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
+    run = open_run(cfg, topo, recipe="pipeline_naive", global_batch=global_batch)
+    state = dict(model=plain, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
+    start = load_checkpoint(run, **state)
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
     placed = [(str(d), len(ix)) for d, ix in model.placement]
     say(run, f"pipeline_naive: blocks per device {placed}; one device busy at a time")
 
@@ -127,30 +118,34 @@ def train(cfg: Config, topo: dist.Topology) -> dict:
         set_epoch(train_loader, epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
             batch = to_device(batch, output_device)  # forward moves the inputs to the first device itself
-            metrics, grad_norm = steps.step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
+            metrics, grad_norm = step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
             step, consumed = step + 1, consumed + global_batch
-            skipped += steps.check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
+            skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
+            for hook in ON_STEP:  # the training clock
+                hook(metrics)
             if step % cfg.log_every == 0 or step == total:
-                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "skipped": skipped}
-                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
+                lr = scheduler.get_last_lr()[0]
+                log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
-                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(totals):
-                    state = {"optimizer": optimizer, "scheduler": scheduler}  # the train state besides the model
-                    ckpt.save_checkpoint(run, model=plain, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(totals):
-            evaluation = steps.evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
-        meter.log_eval(run, evaluation, step=step, epoch=epoch)
+                with not_training():
+                    progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
+                    save_checkpoint(run, **state, progress=progress, keep=cfg.keep)
+        with not_training():
+            evaluation = evaluate(model, val_loader, loss_fn=loss_fn, device=output_device)
+        log_eval(run, evaluation, step=step, epoch=epoch)
 
     # The plain model's weights.
-    saved = weights.write_weights(run, plain.state_dict())
-    write_hf_folder(run, plain, plain.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    return meter.log_summary(
-        run, totals, evaluation, steps=step, skipped=skipped, weights=saved, devices=len(model.placement)
-    )
+    saved = write_weights(run, plain.state_dict())
+    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), devices=len(model.placement))
+    return log_summary(cfg, run, plain, totals, evaluation, **numbers)
+
+
+# Options and start: in a standalone copy these come last, after everything they use.
+@dataclass(frozen=True)
+class Config(*gpt_defaults([Training, Checkpointing, *OPTION_GROUPS])):
+    """pipeline_naive's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 
 if __name__ == "__main__":

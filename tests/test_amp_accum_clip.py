@@ -23,14 +23,16 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt
-from core.amp import grad_sync, make_scaler, micro_batch_groups, step_amp
-from core.data import too_few_batches
+from core.amp import accum_steps, grad_sync, make_scaler, micro_batch_groups, step_amp
 from core.datasets import digits
 from core.exact_loss import make_exact_loss
 from core.grads import clip_grad_norm
-from core.loss import Loss
-from core.records import RunFolder
+from core.kernel.ckpt import load_checkpoint, save_checkpoint
+from core.kernel.loader import make_loader
+from core.kernel.log import RunFolder
+from core.kernel.options import RecipeError
+from core.kernel.pg import Topology
+from core.plugins.loss import ChosenLoss
 from core.steps import step_plain
 from helpers import REPO, in_one_interpreter, recipes_cli, run, user_env
 from world import GlooWorld
@@ -76,7 +78,7 @@ def _micro_batches(x, y, *, rank: int, world: int, sizes: list[int]):
 def _ce(model: nn.Module):
     """--loss ce for step_amp (every counted target of the global batch weighs the same)."""
     plain = getattr(model, "module", model)
-    return make_exact_loss(Loss("ce"), model=plain)
+    return make_exact_loss(ChosenLoss(spec="ce"), model=plain)
 
 
 def cross_entropy(logits, targets):
@@ -120,7 +122,7 @@ def test_accumulation_equals_one_global_batch(world4, world, sizes):
     expected = []
     for step in range(steps):
         batch = _data(seed + step, world * sum(sizes))
-        step_plain(reference, batch, optimizer=optimizer, loss_fn=Loss("ce"))
+        step_plain(reference, batch, optimizer=optimizer, loss_fn=ChosenLoss(spec="ce"))
         expected.append(_grads(reference))
     for result in world4.run(accumulate_on_subworld, seed, world, sizes, steps)[:world]:
         grads, params = result
@@ -425,7 +427,12 @@ def test_a_data_set_smaller_than_one_batch_advises_what_fits(refused):
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "(1 samples) gives each of 1 rank(s) 1, not one whole batch" in line, proc.stderr
     assert line.endswith("use --batch-size 1 or less")
-    line = too_few_batches(1, batch_size=32, accum=2, world=2)  # on 2 ranks the one sample is dropped
+    on_two = Topology(0, 2, CPU)  # on 2 ranks the one sample is dropped
+    with pytest.raises(RecipeError) as refused:
+        accum_steps(
+            make_loader(one_sample()[0], on_two, batch_size=32, collate_fn=None), epochs=1, max_steps=0, accum=2
+        )
+    line = str(refused.value)
     assert "(1 samples) gives each of 2 rank(s) 0, not one whole batch; use fewer than 2 rank(s)" in line
     assert "--accum 0" not in line
 
@@ -446,12 +453,20 @@ def test_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     fp16 = dict(optimizer=optimizer, loss_fn=_ce(model), precision="fp16", scaler=scaler)
     step_amp(model, [(x, y)], **fp16)
     step_amp(model, [_data(1, 4)], **fp16)
-    run = RunFolder(tmp_path, None, "ddp_amp", {"global_batch": 4}, True)
-    progress = {"epoch": 0, "samples": 8, "step": 2}
-    path = ckpt.save_checkpoint(run, model=model, optimizer=optimizer, scaler=scaler, progress=progress, keep=2)
+    run = RunFolder(tmp_path, None, "ddp_amp", {"global_batch": 4, "world_size": 1}, True)
+    state = dict(optimizer=optimizer, scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=4))
+    progress = {"epoch": 0, "samples": 8, "step": 2, "scaler": scaler.state_dict()}  # as ddp_amp saves fp16's
     fresh, other = make_scaler("fp16", device=CPU), _model(1)
-    resumed = RunFolder(tmp_path, path, "ddp_amp", {"global_batch": 4, "world_size": 1}, True)
-    ckpt.load_checkpoint(resumed, model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), scaler=fresh)
+    optimizer2 = torch.optim.SGD(other.parameters(), lr=0.1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        path = save_checkpoint(run, model=model, **state, progress=progress, keep=2)
+        resumed = RunFolder(tmp_path, path, "ddp_amp", run.config, True)
+        scheduler2 = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer2, T_max=4)
+        start = load_checkpoint(resumed, model=other, optimizer=optimizer2, scheduler=scheduler2)
+    finally:
+        torch.distributed.destroy_process_group()
+    fresh.load_state_dict(start["scaler"])  # as ddp_amp loads it
     assert fresh.state_dict() == scaler.state_dict() and fresh.get_scale() == 2.0**11
 
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from core import comm, parallel, pipeline, tp_plan, tuning
+from core import comm, parallel, pipeline, shard, tp_plan, tuning
 from core.gpt import GPT
 from core.kernel.builtin import MLP
 from core.kernel.options import RecipeError
+from core.plugins import blocks
 from core.plugins.replicas import replicas_report
 from world import GlooWorld
 
@@ -63,18 +64,20 @@ class NoBlocks(nn.Module):
     [(gpt2, "transformer.h"), (llama, "model.layers"), (NanoGPT, "transformer.h"), (GPT, "blocks"), (MLP, "blocks")],
 )
 def test_find_blocks_finds_the_repeated_layers(build, path):
-    name, blocks = parallel.find_blocks(build())
-    assert name == path and len(blocks) >= 2
+    for find_blocks in (parallel.find_blocks, shard.find_blocks):  # core.parallel's (until the sweep) and fsdp's
+        name, blocks = find_blocks(build())
+        assert name == path and len(blocks) >= 2
 
 
 @pytest.mark.fast
 def test_find_blocks_by_name_and_a_bad_name():
     model = gpt2()
-    assert parallel.named_blocks(model, "transformer.h")[0] == "transformer.h"
-    with pytest.raises(RecipeError, match=r"--blocks transformer\.blocks: .*candidates: transformer\.h") as err:
-        parallel.named_blocks(model, "transformer.blocks")
-    assert "\n" not in str(err.value)
-    assert parallel.find_blocks(NoBlocks()) is None
+    for named_blocks in (parallel.named_blocks, blocks.named_blocks):  # core.parallel's, the blocks plug-in's
+        assert named_blocks(model, "transformer.h")[0] == "transformer.h"
+        with pytest.raises(RecipeError, match=r"--blocks transformer\.blocks: .*candidates: transformer\.h") as err:
+            named_blocks(model, "transformer.blocks")
+        assert "\n" not in str(err.value)
+    assert parallel.find_blocks(NoBlocks()) is None and shard.find_blocks(NoBlocks()) is None
 
 
 @pytest.mark.fast

@@ -9,6 +9,7 @@ world of one against the plain recipe.
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,12 +17,11 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core import comm, tuning
-from core.config import parse_args
 from core.kernel.builtin import MLP
-from core.kernel.options import RecipeError, UsageError
+from core.kernel.options import RecipeError, UsageError, parse_args
 from core.loss import Loss
 from core.models import CNN
+from core.plugins import comm_hook, tuning
 from core.steps import step_plain
 from recipes import ddp, ddp_monitored
 from recipes.ddp_monitored import Config
@@ -59,7 +59,7 @@ def train_ddp(topo, hook, ddp_options):
     model = MLP(hidden=256, depth=2)
     ddp_model = DistributedDataParallel(model, **ddp_options)
     if hook is not None:
-        comm.register(ddp_model, hook, backend=topo.backend)
+        comm_hook.register(SimpleNamespace(comm_hook=hook), ddp_model)  # as the plug-in registers --comm-hook
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
     loss_fn = Loss("ce")
     share = GLOBAL_BATCH // topo.world_size
@@ -111,11 +111,11 @@ def test_lossy_hooks_stay_within_tolerance_of_the_uncompressed_run(world2, refer
 
 def test_bf16_hook_on_gloo_is_one_clear_line():
     with pytest.raises(RecipeError, match="--comm-hook bf16 needs the nccl backend.*use --comm-hook fp16"):
-        comm.check_hook("bf16", backend="gloo")
+        comm_hook.check_hook("bf16", backend="gloo")
 
 
 def test_options_are_cli_flags():
-    cfg, _ = parse_args(Config, ["--compile", "--grad-as-bucket-view", "--bucket-mb", "4", "--comm-hook", "fp16"])
+    cfg = parse_args(Config, ["--compile", "--grad-as-bucket-view", "--bucket-mb", "4", "--comm-hook", "fp16"])
     assert cfg.compile is True and cfg.grad_as_bucket_view is True
     assert cfg.static_graph is False and cfg.bucket_mb == 4.0 and cfg.comm_hook == "fp16"
     with pytest.raises(UsageError, match="zstd"):  # the CLI's exit status 2

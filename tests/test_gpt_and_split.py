@@ -3,6 +3,7 @@ model-parallel recipes raise before any process group or training exists."""
 
 import functools
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from torch import nn
 from core import gpt, schedules, steps
 from core.kernel.options import RecipeError
 from core.loss import make_loss
-from core.pipeline import block_times, plan_split, split_pipeline
+from core.pipeline import plan_split, split_pipeline
+from core.plugins.balance import block_times
 from tools.cli import run_cli
 
 
@@ -203,6 +205,13 @@ def test_gpt_trains_under_the_ddp_recipe(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.glob("*/model.safetensors"))
 
 
+def _left_out(text: str, feature: str) -> bool:
+    """A copy's header names `feature` as left out: a joined copy's one sentence, or a generated copy's line each."""
+    head = text[: text.index("\nfrom __future__")].replace("\n# ", " ")
+    joined = re.search(rf"each added by `--with NAME`[^:]*:[^.]*\b{feature}\b", head)
+    return bool(joined) or f"`--with {feature}` adds it" in head
+
+
 def test_lean_copies_leave_balance_blocks_digits_file_and_loss_counts_to_their_features():
     """A lean copy cuts the stages by parameter count (no --balance, no block_times), shards the blocks it finds (no
     --blocks), calls sklearn's load_digits, and weighs the model's own loss as a mean; each `--with` brings its code
@@ -217,14 +226,14 @@ def test_lean_copies_leave_balance_blocks_digits_file_and_loss_counts_to_their_f
         ("pipeline", "balance", "def block_times("),
         ("fsdp", "blocks", "def named_blocks("),
         ("fsdp_tp", "blocks", "def named_blocks("),
-        ("ddp_amp", "digits_file", "def _digits_table("),  # ddp's and dp's copies: the kernel's digits(), sklearn's
-        ("fsdp", "loss_counts", "def _forward_own("),
-        ("tensor_parallel", "loss_counts", "def _own_counts("),
     ]
     for name, feature, code in cases:
         lean, kept = copy(name), copy(name, feature)
-        assert code not in lean and f"`--with {feature}` adds it" in lean, (name, feature)
-        assert code in kept and f"`--with {feature}` adds it" not in kept, (name, feature)
-    assert "--balance" not in copy("pipeline").split('"""', 2)[2].split("# the pipeline recipe")[1]
-    assert "def sklearn_digits(" in copy("ddp_amp") and "load_digits(return_X_y=True)" in copy("ddp_amp")
+        assert code not in lean and _left_out(lean, feature), (name, feature)
+        assert code in kept and not _left_out(kept, feature), (name, feature)
+    lean, kept = copy("ddp_amp"), copy("ddp_amp", "loss_counts")  # a recipe on the kernel: the plug-in's file, joined
+    assert "def forward_counted(" not in lean and _left_out(lean, "loss_counts")
+    assert "def forward_counted(" in kept and not _left_out(kept, "loss_counts")
+    assert "balance: str = option(" not in copy("pipeline")  # no --balance: the lean copy names only what it has
+    assert "load_digits(return_X_y=True)" in copy("ddp_amp")  # on the kernel: its digits(), sklearn's, as ddp's
     assert "load_digits(return_X_y=True)" in copy("ddp") and "def _digits_table(" not in copy("ddp", "all")

@@ -4,6 +4,7 @@ ranks and micro-batches (core.exact_loss, core.amp); throughput from the steps' 
 import dataclasses
 import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,11 +15,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
+import core.plugins.loss  # noqa: F401 - --loss, as the package runs
+import core.plugins.loss_counts  # noqa: F401 - num_items_in_batch, as the package runs
 from core.amp import step_amp
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
 from core.kernel.options import RecipeError
+from core.kernel.step import make_loss as kernel_make_loss
 from core.loss import forward, make_loss, split_outputs
-from core.loss_options import choose_loss, split_any
+from core.loss_options import split_any
 from core.meter import Meter
 from core.steps import evaluate, step_plain
 from world import GlooWorld
@@ -154,8 +158,8 @@ class Regressor(nn.Module):
 
 
 def loss_for(spec: str, model):
-    """--loss spec as the recipes take it: core.loss's base, then core.loss_options (the opt-in)."""
-    return choose_loss(spec, make_loss(model=model), model=model)
+    """--loss spec as the recipes take it: the kernel's make_loss, then the loss plug-in's choice."""
+    return kernel_make_loss(SimpleNamespace(loss=spec), model)
 
 
 def exact(model, batch, spec="auto", normalizer=1.0):
@@ -277,7 +281,10 @@ def test_no_logits_no_accuracy():
 def test_transformers_causal_lm_dict_batch():
     model, batch = gpt2(), lm_batch([8, 3, 6], seed=2)
     loss_fn = make_exact_loss(loss_for("auto", model), model=model)
-    assert (loss_fn.takes_count, loss_fn.loss.shifts) == (True, True)  # takes num_items_in_batch; shifts its labels
+    assert (loss_fn.counted is not None, loss_fn.loss.shifts) == (
+        True,
+        True,
+    )  # takes num_items_in_batch; shifts its labels
     loss, metrics = forward_exact(model, batch, loss_fn, normalizer=4.0)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     shifted = batch["labels"][:, 1:]
@@ -289,7 +296,7 @@ def test_transformers_causal_lm_dict_batch():
     mean, plain = forward(model, batch, loss_for("auto", model))  # the base (ddp) knows the shift too (review4)
     assert plain["count"].item() == 14 and plain["correct"].item() == correct.item()
     torch.testing.assert_close(plain["loss_sum"], total.double(), rtol=1e-6, atol=1e-6)  # the mean x shifted count
-    lean = dataclasses.replace(loss_fn, takes_count=False)  # a copy without loss_counts: the mean, weighed alike
+    lean = dataclasses.replace(loss_fn, counted=None)  # a copy without loss_counts: the mean, weighed alike
     loss3, metrics3 = forward_exact(model, batch, lean, normalizer=4.0)
     torch.testing.assert_close(loss3.double(), total.double() / 4)
     assert metrics3["count"].item() == 14 and metrics3["correct"].item() == correct.item()
@@ -302,7 +309,10 @@ def test_transformers_causal_lm_dict_batch():
 def test_transformers_sequence_classifier():
     model = bert()
     loss_fn = make_exact_loss(loss_for("auto", model), model=model)
-    assert (loss_fn.takes_count, loss_fn.loss.shifts) == (False, False)  # **kwargs, but its loss ignores num_items
+    assert (loss_fn.counted is not None, loss_fn.loss.shifts) == (
+        False,
+        False,
+    )  # **kwargs, but its loss ignores num_items
     ids = torch.randint(V, (4, T))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, -100, 1])}
     loss, metrics = forward_exact(model, batch, loss_fn, normalizer=3.0)
@@ -519,6 +529,7 @@ def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_na
 def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
     """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in core.loss and in
     the pipeline's TokenLoss, where the shapes are compared; the pre-check quotes the same line."""
+    import core.plugins.loss  # noqa: F401 - its line, which TokenLoss asks for (the LOSS_CHECKS seam)
     from core.schedules import TokenLoss
     from tools.precheck import check_step
 
@@ -609,9 +620,9 @@ def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
 def test_a_lean_copy_without_check_aligned_still_refuses_logits_that_do_not_line_up(monkeypatch):
     """A copy without `--with loss` has no check_aligned (tools/features.py): torch's own shape error then, never a
     loss over the wrong positions."""
-    import core.loss
+    import core.plugins.loss
 
-    monkeypatch.setattr(core.loss, "check_aligned", lambda logits, targets: None)
+    monkeypatch.setattr(core.plugins.loss, "check_aligned", lambda logits, targets: None)
     model, batch = NanoGPTInference(), lm_batch([8, 8], seed=2, pairs=True)
     with pytest.raises(ValueError, match="Expected input batch_size"):
         forward(model, batch, loss_for("ce", model))

@@ -261,6 +261,7 @@ def test_a_checkpoint_under_another_recipe_or_precision_is_refused_in_one_line(w
     """14.7: the pre-check names both sides: an fsdp checkpoint under tensor_parallel, a bf16 one resumed in fp32."""
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=2, precision="bf16")
     path = unfinished(Path(world2.run(run_recipe, "fsdp", cfg)[0]["weights"]).parent) / "ckpt" / "step-000002"
+    path = path.with_suffix(".safetensors")  # the kernel's file beside the shards' folder (core/shard_ckpt.py)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="a checkpoint of recipe fsdp, and this run is tensor_parallel.*with fsdp"):
         _check_resume("tensor_parallel", config("tensor_parallel", out=str(tmp_path), resume=str(path)))
@@ -280,22 +281,22 @@ def refused_resume(topo, name: str, cfg) -> str:
 def test_a_missing_shard_is_skipped_by_auto_and_named_for_a_path(world2, tmp_path, monkeypatch, capsys):
     """Issue 20.8: step 2 loses a shard file. --resume auto warns and continues from step 1, to the weights of the
     run that never stopped; --resume step-2 is one line naming the file, before launch and in the run itself."""
-    from core import dcp
+    from core.kernel.ckpt import newest_good
 
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=1, keep=5)
     finished = world2.run(run_recipe, "fsdp", cfg)[0]
     run_dir = unfinished(Path(finished["weights"]).parent)  # as if the job had died: it resumes
     lost = sorted((run_dir / "ckpt" / "step-000002").glob("shard-*.safetensors"))[1]
     lost.unlink()
-    explicit = dataclasses.replace(cfg, resume=str(run_dir / "ckpt" / "step-000002"))
+    explicit = dataclasses.replace(cfg, resume=str(run_dir / "ckpt" / "step-000002.safetensors"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match=f"shard file {lost.name} is missing") as refused:
         _check_resume("fsdp", explicit)
     assert "\n" not in str(refused.value)
     errors = world2.run(refused_resume, "fsdp", explicit)
     assert errors[0] == errors[1] and f"shard file {lost.name} is missing" in errors[0], errors
-    assert dcp.newest_good(run_dir) == run_dir / "ckpt" / "step-000001"
-    warning = f"skipping {run_dir / 'ckpt' / 'step-000002'}, damaged (shard file {lost.name} is missing)"
+    assert newest_good(run_dir) == run_dir / "ckpt" / "step-000001.safetensors"
+    warning = f"skipping {run_dir / 'ckpt' / 'step-000002.safetensors'}, damaged (shard file {lost.name} is missing)"
     assert warning in capsys.readouterr().err
     resumed = world2.run(run_recipe, "fsdp", dataclasses.replace(cfg, resume="auto"))[0]
     assert resumed["steps"] == 2 and _same(load_file(resumed["weights"]), load_file(finished["weights"]))

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, folder, meter, monitor, records, watchdog
+from core import ckpt, folder, meter, monitor, records
 from core.kernel.builtin import MLP
 from core.loss import Loss
+from core.plugins import watchdog
 from core.steps import step_plain
 from helpers import REPO, run, user_env
 from recipes import ddp_monitored

@@ -146,9 +146,11 @@ def test_copy_is_one_whole_file(project, linted, name, variant):
     assert f"`python -m recipes run {name}` has them" in header and "# Left out: the pre-launch checks" in header
     have = offered(name)
     kept = have if variant == "all" else [variant] if variant else []
-    flat = header.replace("\n# ", " ")  # the header's lines are wrapped at 118 columns
-    for feature in have:  # what it left out, each with the --with that brings it back
-        assert (f"`--with {feature}` adds it" in flat) == (feature not in kept), (feature, header)
+    flat = header.replace("\n# ", " ")  # the header's lines are wrapped at 120 columns
+    left = set(re.findall(r"`--with (\w+)` adds it", flat))  # the generator's copies: a line each
+    if "each added by `--with NAME`" in flat:  # a joined copy: the names in one sentence
+        left |= set(flat.split("each added by `--with NAME`")[1].split(": ", 1)[1].split(".\n")[0].split(", "))
+    assert left == {feature for feature in have if feature not in kept}, header  # each with the --with that adds it
 
 
 # The budgets of the lean copies: (lines, code lines), what today's guarantees cost, rounded up to ten. DESIGN.md
@@ -160,9 +162,9 @@ def test_copy_is_one_whole_file(project, linted, name, variant):
 # table prints each lean copy's size and each feature's cost: tests hold it exact, and
 # `TDR_SIZES=rewrite pytest tests/test_standalone.py -k readme` rewrites it after a change of the code.
 BUDGET = {
-    "ddp": (1090, 715), "dp": (1080, 710), "pipeline_naive": (1420, 930), "ddp_amp": (1500, 970),
-    "fsdp": (1740, 1130), "tensor_parallel": (1770, 1160), "fsdp_tp": (1820, 1200), "pipeline": (1700, 1130),
-    "ddp_monitored": (1750, 1200),
+    "ddp": (1100, 740), "dp": (1090, 735), "pipeline_naive": (1420, 930), "ddp_amp": (1410, 920),
+    "fsdp": (1850, 1200), "tensor_parallel": (1770, 1160), "fsdp_tp": (1820, 1200), "pipeline": (1800, 1200),
+    "ddp_monitored": (1440, 960),
 }  # fmt: skip
 RATCHET = 20
 SIZE_COLUMNS = ("its lean standalone copy: lines (code)", "code lines each `--with FEATURE` adds")
@@ -246,7 +248,8 @@ def test_lean_copies_leave_out_the_checkpoint_and_meter_code_of_their_features(p
     copy = {n: (project / "project" / f"{n}.py").read_text() for n in ("ddp", "ddp_all", "fsdp", "fsdp_all")}
     kept = ("def clock_paused(", "def remove_stale_temporaries(", "class InitFrom(")  # ddp: the plug-ins' files
     assert all(word in copy["ddp_all"] and word not in copy["ddp"] for word in kept)
-    sharded = ("run.sinks", "def _check_saved(", "def non_finite(", "with paused(totals):")
+    # fsdp: the trackers' sink, the NaN checks that `checks` runs on each shard file too, the clock's pause
+    sharded = ("LOG_SINKS.append(", "def check_read(", "def clock_paused(")
     assert all(word in copy["fsdp_all"] and word not in copy["fsdp"] for word in sharded)
     # ddp takes no --log-to: no copy of it, --with all too, carries the trackers' code (a feature it does not have)
     assert "run.sinks" not in copy["ddp"] + copy["ddp_all"] and "--with trackers" not in copy["ddp"]
@@ -688,11 +691,10 @@ def test_a_lean_copy_refuses_another_global_batch_and_other_options_and_only_che
     for check in (checked["check_continues"], check_continues):
         with pytest.raises(Exception, match="a checkpoint of recipe fsdp"):
             _on_2_ranks(check, Path("c"), sharded, config)
-    header = (project / "project" / "ddp.py").read_text().replace("\n# ", " ")
-    assert (
-        "a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss scaler on one side only"
-        in header
-    )
+    header = (project / "project" / "ddp.py").read_text().replace("\n# ", " ")  # it names checks as left out,
+    assert re.search(r"each added by `--with NAME` .*: .*\bchecks\b", header)  # and the docs' table says what that is
+    row = next(line for line in (REPO / "docs" / "copying-and-checking.md").open() if line.startswith("| `checks` |"))
+    assert "a checkpoint of another layout (a sharded recipe's)" in row
 
 
 def _on_2_ranks(check, path: Path, meta: dict, config: dict) -> None:
@@ -742,33 +744,39 @@ def test_a_copy_without_stream_takes_map_style_data_and_refuses_a_stream_in_one_
         assert "is_stream" not in text and "StreamLoader" not in text, name
         assert "is_stream(" in (project / "project" / f"{name}_all.py").read_text()
     lean = runpy.run_path(str(project / "project" / "ddp_amp.py"), run_name="lean_copy")
-    for make_loader, error in ((lean["make_loader"], lean["RecipeError"]), (data.make_loader, data.RecipeError)):
-        with pytest.raises(error, match=r"a stream \(Numbers, an IterableDataset\).*--with stream"):
-            make_loader(Numbers(), topo, batch_size=2)
+    cfg = SimpleNamespace(batch_size=2, seed=0, epochs=1, max_steps=0, accum=1)
+    with pytest.raises(lean["RecipeError"], match=r"a stream \(Numbers, an IterableDataset\).*--with stream"):
+        lean["make_loaders"](cfg, topo, Numbers(), None, None)  # ddp_amp's copy, on the kernel
+    with pytest.raises(data.RecipeError, match=r"a stream \(Numbers, an IterableDataset\).*--with stream"):
+        data.make_loader(Numbers(), topo, batch_size=2)
 
 
 def test_a_ddp_amp_copy_without_loss_counts_takes_the_models_own_loss_as_a_mean_per_micro_batch(project):
     """`loss_counts` left out, the copy's make_exact_loss reads no traits of the model's own loss; the package and
     the `--with all` copy hand a forward that names num_items_in_batch the global batch's count."""
     import runpy
+    from types import SimpleNamespace
 
+    import core.plugins.loss_counts  # noqa: F401 - as the package runs ddp_amp
     from core.exact_loss import make_exact_loss
-    from core.loss import make_loss
+    from core.kernel.step import make_loss
 
     class Counts(torch.nn.Module):  # a user model that divides its own summed loss by num_items_in_batch
         def forward(self, x, targets=None, num_items_in_batch=None):
             return x
 
     lean_text = (project / "project" / "ddp_amp.py").read_text()
-    assert "_takes_count" not in lean_text and "--with loss_counts" in lean_text
+    left_out = lean_text.replace("\n# ", " ").split("each added by `--with NAME`", 1)[1].split(".")[0]
+    assert "def forward_counted(" not in lean_text and "loss_counts" in left_out
     lean = runpy.run_path(str(project / "project" / "ddp_amp.py"), run_name="lean_copy")
     full = runpy.run_path(str(project / "project" / "ddp_amp_all.py"), run_name="lean_copy")
+    cfg = SimpleNamespace(loss="auto")
     for (exact, loss), takes in (
         ((make_exact_loss, make_loss), True),
         ((full["make_exact_loss"], full["make_loss"]), True),
         ((lean["make_exact_loss"], lean["make_loss"]), False),
     ):
-        assert exact(loss(model=Counts()), model=Counts()).takes_count is takes
+        assert (exact(loss(cfg, Counts()), model=Counts()).counted is not None) is takes
 
 
 @pytest.mark.fast

@@ -1,4 +1,5 @@
-"""core.trackers: TensorBoard read back by its own reader, W&B offline read back from the .wandb files it writes.
+"""The trackers plug-in (core/plugins/trackers.py): TensorBoard read back by its own reader, W&B offline read back
+from the .wandb files it writes.
 
 A "crash" below is a job that logged past its last checkpoint; the resumed job reopens the same run folder
 at the checkpoint's step and logs those steps again, with other numbers, so that which ones a reader sees
@@ -14,10 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
-from core.config import Training, parse_args
-from core.kernel.options import RecipeError
-from core.trackers import WANDB_FILE, ThreadErrors, Trackers, Tracking, check_trackers, open_trackers
+from core.kernel.options import RecipeError, Training, parse_args
+from core.plugins.trackers import (
+    OPENED,
+    WANDB_FILE,
+    ThreadErrors,
+    Trackers,
+    Tracking,
+    check_trackers,
+    close_logs,
+    log_record,
+    open_logs,
+    open_trackers,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -90,9 +102,9 @@ class Config(Training, Tracking):
 
 
 def test_a_recipe_takes_the_options_from_its_command_line():
-    cfg, _ = parse_args(Config, ["--log-to", "tensorboard,wandb", "--wandb-project", "mnist"])
+    cfg = parse_args(Config, ["--log-to", "tensorboard,wandb", "--wandb-project", "mnist"])
     assert (cfg.log_to, cfg.wandb_project) == ("tensorboard,wandb", "mnist")
-    assert parse_args(Config, [])[0].log_to == ""  # off unless asked for
+    assert parse_args(Config, []).log_to == ""  # off unless asked for
     with pytest.raises(RecipeError, match="--log-to mlflow: no tracker named 'mlflow'"):
         parse_args(Config, ["--log-to", "mlflow"])
 
@@ -245,24 +257,79 @@ def test_both_trackers_at_once(wandb_offline):
     assert fragments(run_dir)[-1]["rows"][-1]["train/loss"] == 0.125
 
 
-def test_a_tracker_that_cannot_open_on_resume_leaves_metrics_as_they_were(tmp_path):
-    """Issue 27 item 7: an unwritable RUN/tensorboard refused the resumed run after it had appended its `resume`
-    record to metrics.jsonl. The refused run takes it back; the error is one line naming the folder."""
-    from core.kernel.log import os_error_line
-    from core.records import RunFolder, write_record
-    from core.trackers import attach
+def _checkpoint(run_dir: Path, step: int) -> Path:
+    """A checkpoint of the kernel's format at `step` in RUN/ckpt (what the trackers read of it: its progress)."""
+    from core.kernel.ckpt import FORMAT, write_tensors
 
-    checkpoint = tmp_path / "ckpt" / "step-000004.safetensors"
+    path = run_dir / "ckpt" / f"step-{step:06d}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_tensors(path, {"model/w": torch.zeros(2)}, {"format": FORMAT, "progress": json.dumps({"step": step})})
+    return path
+
+
+def test_a_tracker_that_cannot_open_on_resume_refuses_the_run_before_it_writes_a_record(tmp_path):
+    """Issue 27 item 7: an unwritable RUN/tensorboard refused the resumed run after it had appended its `resume`
+    record to metrics.jsonl. The plug-in opens the trackers where the run folder is chosen (the kernel's BEFORE_JOB,
+    before load_checkpoint writes that record): refused there, metrics.jsonl is as it was; one line names the folder."""
+    from core.kernel.log import RunFolder, os_error_line, write_record
+
+    checkpoint = _checkpoint(tmp_path, 4)
     run = RunFolder(tmp_path, checkpoint, "ddp_amp", {}, True)
     write_record(run, train(4, 0.5))
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    write_record(run, {**RESUME, "checkpoint": str(checkpoint)})  # as core.ckpt.load_checkpoint writes it
     (tmp_path / "tensorboard").write_text("not a folder")
-    cfg, _ = parse_args(Tracking, ["--log-to", "tensorboard"])
     with pytest.raises(OSError) as caught:
-        attach(run, cfg, step=4, header=lambda path: {})
-    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+        open_logs(Tracking(log_to="tensorboard"), run)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before and "trackers" not in OPENED
     assert os_error_line(caught.value).startswith(f"{tmp_path / 'tensorboard'}: ")
+
+
+def test_the_plug_in_logs_the_runs_records_from_the_checkpoints_step_and_closes_with_the_summary(tmp_path):
+    """At the kernel's seams: the records write_record writes go to the trackers (rank 0), a resumed run's from its
+    checkpoint's step on (TensorBoard purges the crashed job's later steps), and the summary closes them."""
+    from core.kernel.log import RunFolder, write_record
+
+    first = RunFolder(tmp_path, None, "ddp_amp", {}, True)
+    open_logs(Tracking(log_to="tensorboard"), first)
+    for record in (train(10, 1.0), train(20, 0.5), train(30, 9.0)):
+        write_record(first, record)
+    close_logs(refused=False)  # the job dies after step 30: ON_FAIL
+    assert "trackers" not in OPENED
+    resumed = RunFolder(tmp_path, _checkpoint(tmp_path, 20), "ddp_amp", {}, True)
+    open_logs(Tracking(log_to="tensorboard"), resumed)
+    for record in (RESUME, train(30, 0.25), SUMMARY):
+        write_record(resumed, record)
+    assert "trackers" not in OPENED  # the summary closed them
+    assert scalars(tmp_path)["train/loss"] == [(10, 1.0), (20, 0.5), (30, 0.25)]
+    assert scalars(tmp_path)["summary/val_loss"] == [(40, 0.125)]
+
+
+def test_a_run_without_log_to_opens_nothing_and_a_writer_alone_opens(tmp_path):
+    """Tests import several recipes in one process: a recipe whose Config has no --log-to opens no tracker, and a
+    rank other than 0 never does."""
+    from core.kernel.log import RunFolder
+    from core.kernel.options import Training
+
+    open_logs(Training(), RunFolder(tmp_path, None, "ddp", {}, True))
+    open_logs(Tracking(log_to="tensorboard"), RunFolder(tmp_path, None, "ddp_amp", {}, False))
+    assert "trackers" not in OPENED and not (tmp_path / "tensorboard").exists()
+    log_record(None, train(1, 0.5))  # nothing open: nothing to do
+
+
+def test_a_resumed_run_continues_the_wandb_run_its_checkpoints_folder_was_logged_to(wandb_offline):
+    """The W&B run id lives in RUN/wandb-run.json: a run resumed from another folder's checkpoint continues it."""
+    from core.kernel.log import RunFolder
+
+    first = open_trackers(["wandb"], run_dir=wandb_offline, config={}, resume_state=None, step=0)
+    state = first.state()
+    first.close()
+    elsewhere = wandb_offline.parent / "ddp-2"
+    elsewhere.mkdir()
+    resumed = RunFolder(elsewhere, _checkpoint(wandb_offline, 20), "ddp_amp", {}, True)
+    open_logs(Tracking(log_to="wandb"), resumed)
+    assert OPENED["trackers"].state() == state
+    close_logs(refused=False)
+    assert json.loads((elsewhere / WANDB_FILE).read_text()) == state
 
 
 def test_wandb_leaves_no_folder_in_tmpdir(wandb_offline):
@@ -309,12 +376,12 @@ def test_tensorboards_writer_thread_failing_at_open_is_said_once_by_the_run(fail
 def test_an_unwritable_tensorboard_folder_is_refused_before_its_writer_starts(monkeypatch, tmp_path):
     """The issue's case (RUN/tensorboard not writable, which chmod cannot make for root): found by the main thread,
     naming the folder, before TensorBoard's writer thread exists."""
-    import core.trackers
+    import core.plugins.trackers
 
     def denied(dir):
         raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / "tmpabc"))
 
-    monkeypatch.setattr(core.trackers.tempfile, "TemporaryFile", denied)
+    monkeypatch.setattr(core.plugins.trackers.tempfile, "TemporaryFile", denied)
     monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
     threads = threading.active_count()
     with pytest.raises(PermissionError) as caught:

@@ -2,16 +2,8 @@
 
     python -m recipes check ddp --model mypkg.models:build --data mypkg.data:build
 
-Two parts. Probes, in this process with no process group, on one batch of the data: what
-usually breaks the equivalence of N ranks and one process, named with its fix (parameters
-that get no gradient, BatchNorm, randomness in the forward, non-deterministic ops). Then the
-recipe itself, run for a few steps twice: under torchrun on N processes, and as one process on
-the same global batch; the final weights and the training loss are compared.
-
-Why the recipe under torchrun, not a spawned gloo world around DDP: it checks what the user
-will run (the recipe's own wrapper, DDP, FSDP, tensor or pipeline parallel, its sampler, loss
-and schedule), for every registered recipe, plugins included; a model DDP can't train fails
-with DDP's own error. The price is two launches: seconds on CPU, not minutes.
+Probes one batch here, then compares the recipe's weights and loss on N processes and on one, on the same global
+batch (docs/copying-and-checking.md).
 """
 
 from __future__ import annotations
@@ -23,7 +15,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,11 +30,9 @@ from core.models import build_model
 from tools.precheck import check_data, check_model, unequal_counts
 from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
 
-# Tolerances. N ranks add a batch's gradient up in another order than one process: ~1e-7 relative in
-# float32, which leaves the weights ~1e-5..1e-4 of the distance training moved them apart (see
-# compare_weights) and the losses ~1e-7 apart. A real break (BatchNorm, dropout) is ~1e-2 and more.
+# N ranks sum a gradient in another order: float32 weights end ~1e-5..1e-4 of their training distance apart, a
+# real break (BatchNorm, dropout) ~1e-2 and more; bf16/fp16 round partial sums ~1e-2 apart.
 REL_TOL, LOSS_RTOL = 1e-3, 1e-5
-# bf16/fp16 keep 8/11 significant bits: a batch split over ranks rounds its partial sums elsewhere, ~1e-2 apart.
 HALF_REL_TOL, HALF_LOSS_RTOL = 5e-2, 1e-3
 
 
@@ -60,8 +49,7 @@ class Report:
 
 
 def _error_line(stderr: str) -> str:
-    """The line that says why a run failed: its `error:` line, whole, or the first exception raised in it (without
-    torchrun's rank prefix, cut after a sentence, or else between words: DDP's own messages run to a paragraph)."""
+    """Why a run failed: its `error:` line, or its first exception cut to a sentence (DDP's run to a paragraph)."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line.strip()) for line in stderr.splitlines()]
     lines = [re.sub(r"^error: rank \d+: ", "", line) for line in lines]  # an uncaught exception: cut as one raised
     mine = [line for line in lines if line.startswith("error: ")]
@@ -77,7 +65,7 @@ def _error_line(stderr: str) -> str:
 
 @dataclass(frozen=True)
 class Crash:
-    """A run that ended without a summary: which, how ("crashed", "hung"), its error line, how to rerun it alone."""
+    """A run that ended without a summary: which, how ("crashed", "hung"), its error line, its command alone."""
 
     who: str
     how: str
@@ -112,8 +100,7 @@ def _finish(proc: subprocess.Popen, *, out: str, timeout_s: float) -> tuple[dict
 
 
 def run_summary(out: str | Path) -> dict | None:
-    """The last summary record of the newest run under `out` (a run trained longer has one per end), with its folder
-    (`run_dir`); None when it has none."""
+    """The last summary record of the newest run under `out`, with its folder (`run_dir`); None without one."""
     runs = sorted(Path(out).glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in runs[-1].read_text().splitlines() if line.strip()] if runs else []
     summary = next((r for r in reversed(records) if r.get("kind") == "summary"), None)
@@ -128,12 +115,8 @@ class Comparison:
 
 
 def compare_weights(distributed: Path, single: Path, initial: Path) -> Comparison:
-    """How far apart the two runs' weights are, measured against how far training moved them.
-
-    An element-wise tolerance can't tell noise from a real break under AdamW: it divides by
-    sqrt(v) + eps, so where a gradient is ~0 (an attention key bias, whose true gradient is 0) a
-    1e-10 rounding difference becomes a step of ~lr/100. A few such elements barely count in
-    the norm over all weights, while a real break (BatchNorm, dropout) moves nearly all of them."""
+    """How far apart the two runs' weights are, against how far training moved them: AdamW turns rounding noise
+    on a ~0 gradient into a step of ~lr/100, which an element-wise tolerance would take for a break."""
     a, b, start = load_file(distributed), load_file(single), load_file(initial)
     if a.keys() != b.keys():
         return Comparison(float("inf"), f"different parameter names: {few(sorted(a.keys() ^ b.keys()))}", float("inf"))
@@ -146,13 +129,12 @@ def compare_weights(distributed: Path, single: Path, initial: Path) -> Compariso
     return Comparison(diffs[where].abs().max().item() if where else 0.0, where, relative)
 
 
-def check_recipe(recipe, **options) -> Report:
-    """Probe the model, then run `recipe` on `nproc` processes and on one, on the same global batch (see _check).
-
-    Every problem is a Report or one RecipeError line, never a traceback: a factory, the data, one training step
-    before any launch; a run that crashes is in the report, with its error line."""
+def check_recipe(recipe, *, timeout_s: float = 600.0, **options) -> Report:
+    """Probe the model, then run `recipe` on `nproc` processes and on one; every problem is a Report or one line."""
     try:
-        return _check(recipe, **options)
+        plan = prepare(recipe, timeout_s=timeout_s, **options)
+        with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
+            return conclude(plan, *_three_runs(plan, tmp=tmp, timeout_s=timeout_s))
     except RecipeError:
         raise
     except Exception as err:  # anything else (a plugin that does not import, a run folder gone): still one line
@@ -160,9 +142,8 @@ def check_recipe(recipe, **options) -> Report:
 
 
 @dataclass
-class Plan:
-    """One check before its runs: the report so far (the probes' findings), the recipe's command line after
-    `python -m` (`args`, `quiet`: options not shown in a rerun command), the runs' environment, and how to judge."""
+class CheckPlan:
+    """One check before its runs: the report so far, the runs' command line (`quiet`: not shown) and environment."""
 
     report: Report
     args: list[str]
@@ -184,37 +165,15 @@ class Plan:
         return self.batch_size * self.nproc
 
 
-def _check(recipe, *, timeout_s: float = 600.0, **options) -> Report:
-    plan = prepare(recipe, timeout_s=timeout_s, **options)
-    with tempfile.TemporaryDirectory(prefix="tdr-check-") as tmp:  # the user's cwd stays: their modules import
-        runs, crash = _three_runs(plan, tmp=tmp, timeout_s=timeout_s)
-        return conclude(plan, runs, crash)
-
-
 def prepare(
-    recipe,
-    *,
-    model: str | None = None,
-    data: str | None = None,
-    nproc: int = 2,
-    steps: int = 3,
-    batch_size: int = 8,
-    seed: int = 0,
-    loss: str = "auto",
-    options: Sequence[str] = (),
-    timeout_s: float = 600.0,
-) -> Plan:
-    """`model`, `data`: None for the recipe's default; `loss`: its --loss; `options`: more of its own options for
-    every run (--static-graph, say). Probes the model; _three_runs runs it (tests share runs of several checks)."""
+    recipe, *, model=None, data=None, nproc=2, steps=3, batch_size=8, seed=0, loss="auto", options=(), timeout_s=600.0
+) -> CheckPlan:
+    """Probe the model (None: the recipe's default) and plan the runs; `options`: more of the recipe's own."""
     config = recipe.load().Config
     model, data = model or config().model, data or config().data  # None: the recipe's own default
     own = [*(["--loss", loss] if loss != "auto" else []), *options]
-    report = Report(
-        [
-            f"check {recipe.name} --model {model} --data {data}{''.join(' ' + o for o in own)}: {steps} "
-            f"steps on {nproc} processes against 1 process on the same global batch"
-        ]
-    )
+    said = f"check {recipe.name} --model {model} --data {data}{''.join(' ' + o for o in own)}"
+    report = Report([f"{said}: {steps} steps on {nproc} processes against 1 process on the same global batch"])
     report.findings = probe_spec(
         recipe, model=model, data=data, loss=loss, batch_size=batch_size, seed=seed, nproc=nproc
     )
@@ -223,21 +182,18 @@ def prepare(
     if dropout:  # compare the runs bit for bit with the masks off; with them on, they agree in distribution only
         report.findings.remove(dropout)
         env = {"TDR_CHECK_MODEL": model}  # the runs take check's factory below; what is shown names the user's
-        report.lines.append(
-            f"  dropout ({few(list(dropout.layers))}) is off (p=0) in both runs: with it on, each rank draws its own "
-            f"masks (seed + rank), as one process draws them over the whole batch: equal in distribution, not bit "
-            f"for bit"
-        )
+        off = f"  dropout ({few(list(dropout.layers))}) is off (p=0) in both runs"
+        on = "with it on, each rank draws its own masks (seed + rank), as one process draws them over the whole batch"
+        report.lines.append(f"{off}: {on}: equal in distribution, not bit for bit")
     runs_model = f"{__name__}:without_dropout" if dropout else model
     args = ["recipes", "run", recipe.name, "--model", runs_model, "--data", data, "--seed", str(seed), *own]
     quiet = ["--log-every", str(steps), "--timeout-s", str(min(timeout_s, 300.0))]  # not shown in a rerun command
     half = "--precision" in own and own[own.index("--precision") + 1] in ("bf16", "fp16")
-    return Plan(report, args, quiet, env, nproc, steps, batch_size, model, runs_model, half)
+    return CheckPlan(report, args, quiet, env, nproc, steps, batch_size, model, runs_model, half)
 
 
-def conclude(plan: Plan, runs: list[dict], crash: Crash | None) -> Report:
-    """The report on a check's three runs (distributed, single, initial: their summaries), or on the one that
-    crashed."""
+def conclude(plan: CheckPlan, runs: list[dict], crash: Crash | None) -> Report:
+    """The report on a check's three runs (distributed, single, initial: their summaries), or on a crash."""
     if crash:
         return _verdict(plan.report, crash=_as_named(crash, plan.model, plan.runs_model) if plan.dropout else crash)
     found = compare_weights(*(Path(r["run_dir"], "model.safetensors") for r in runs))
@@ -249,9 +205,8 @@ def conclude(plan: Plan, runs: list[dict], crash: Crash | None) -> Report:
 def judge(report: Report, distributed: dict, single: dict, found: Comparison, *, half: bool, distribution: bool):
     """The verdict on two runs' summaries and weights: equal within the tolerance of their precision, or not."""
     if None in (distributed["train_loss"], single["train_loss"]):  # a summary writes nan or inf as null
-        which = " and ".join(
-            n for n, r in (("distributed", distributed), ("one-process", single)) if r["train_loss"] is None
-        )
+        named = (("distributed", distributed), ("one-process", single))
+        which = " and ".join(n for n, r in named if r["train_loss"] is None)
         why = "nan or inf, or no target counted: every one -100"
         return _verdict(report, mismatch=f"the {which} run's training loss is not a number ({why})")
     rel_tol, loss_rtol = (HALF_REL_TOL, HALF_LOSS_RTOL) if half else (REL_TOL, LOSS_RTOL)
@@ -266,16 +221,11 @@ def judge(report: Report, distributed: dict, single: dict, found: Comparison, *,
         f"{single['train_loss']:.6g}); tolerance {loss_tol:.3g}: {'within' if loss_diff <= loss_tol else 'OUTSIDE'}",
     ]
     if distributed.get("replicas_identical") is False:  # the recipe's own end-of-run comparison of the ranks
-        report.lines.append(
-            "  replicas identical at the end: no"
-            + (f" ({distributed['replicas_differ']})" if distributed.get("replicas_differ") else "")
-        )
+        differ = distributed.get("replicas_differ")
+        report.lines.append("  replicas identical at the end: no" + (f" ({differ})" if differ else ""))
     report.equivalent = found.relative <= rel_tol and loss_diff <= loss_tol
-    return _verdict(
-        report,
-        mismatch=None if report.equivalent else "the weights or the loss differ beyond the tolerance",
-        distribution=distribution,
-    )
+    mismatch = None if report.equivalent else "the weights or the loss differ beyond the tolerance"
+    return _verdict(report, mismatch=mismatch, distribution=distribution)
 
 
 def _as_named(crash: Crash, model: str, runs_model: str) -> Crash:
@@ -289,8 +239,7 @@ def _as_named(crash: Crash, model: str, runs_model: str) -> Crash:
 
 
 def without_dropout() -> nn.Module:
-    """`check`'s --model for a model with dropout: the user's (TDR_CHECK_MODEL) with every dropout layer at p=0, so
-    that the runs compare bit for bit everything the masks leave alone."""
+    """`check`'s --model for a model with dropout: the user's (TDR_CHECK_MODEL) with every dropout at p=0."""
     model = build_model(os.environ["TDR_CHECK_MODEL"])
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
@@ -298,12 +247,9 @@ def without_dropout() -> nn.Module:
     return model
 
 
-def probe_spec(
-    recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int, nproc: int = 2
-) -> list[Finding]:
-    """Build the model and two batches as the recipe does (the pre-check's factory checks), and probe them; any
-    failure is one RecipeError line. A recipe that averages its replicas' mean losses (ddp) also gets the
-    pre-check's line on samples that count unequal targets (-100 padding): it is why such runs differ."""
+def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int, nproc: int) -> list[Finding]:
+    """Build the model and two batches as the recipe does, and probe them (and, for a recipe that averages its
+    replicas' mean losses, targets counted unequally); any failure is one RecipeError line."""
     seed_all(seed)  # as the recipes seed: a factory that shuffles with random or numpy too
     built = check_model(model)
     loss_fn = choose_loss(loss, make_loss(model=built), model=built)  # a bad --loss: one RecipeError line, as below
@@ -325,14 +271,13 @@ def probe_spec(
         raise RecipeError(f"{where}: one training step fails ({one_line(err)}); {fix}") from None
 
 
-def distributed_args(plan: Plan) -> list[str]:
+def distributed_args(plan: CheckPlan) -> list[str]:
     """The distributed run's command line after `python -m torch.distributed.run ... -m` (without `quiet`)."""
     return [*plan.args, "--max-steps", str(plan.steps), "--batch-size", str(plan.batch_size)]
 
 
-def one_process_args(plan: Plan, distributed: dict) -> dict[str, list[str]]:
-    """The command lines after `python -m` (without `quiet`) of the run on one process with the distributed run's
-    global batch ("single") and of the weights before any step ("initial", --epochs 0)."""
+def one_process_args(plan: CheckPlan, distributed: dict) -> dict[str, list[str]]:
+    """The command lines of the one-process run on the global batch ("single") and of the initial weights."""
     args = plan.args
     accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
     global_batch = distributed.get("global_batch", plan.global_batch)
@@ -344,7 +289,7 @@ def one_process_args(plan: Plan, distributed: dict) -> dict[str, list[str]]:
     }
 
 
-def _three_runs(plan: Plan, *, tmp: str, timeout_s: float) -> tuple[list[dict], Crash | None]:
+def _three_runs(plan: CheckPlan, *, tmp: str, timeout_s: float) -> tuple[list[dict], Crash | None]:
     """The recipe on `nproc` processes, on one with the global batch, and its weights before any step."""
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.nproc)]
     command, env, quiet = [*torchrun, "-m", *distributed_args(plan)], plan.env, plan.quiet
@@ -370,20 +315,14 @@ def _three_runs(plan: Plan, *, tmp: str, timeout_s: float) -> tuple[list[dict], 
     return [distributed, done["single"][0], done["initial"][0]], None
 
 
-def _verdict(
-    report: Report, *, mismatch: str | None = None, crash: Crash | None = None, distribution: bool = False
-) -> Report:
+def _verdict(report: Report, *, mismatch: str | None = None, crash: Crash | None = None, distribution=False) -> Report:
     """The closing lines: equivalent or not, and why. `distribution`: the runs were compared with dropout off."""
     if mismatch is None and crash is None:
-        report.lines.append(
-            (
-                "equivalent: in distribution, not bit for bit: with dropout off the runs match; with it on each rank "
-                "draws its own masks, as one process would"
-                if distribution
-                else "equivalent: yes: distributed training of this model matches one process"
-            )
-            + (" (but see the warnings)" if report.findings else "")
-        )
+        said = "yes: distributed training of this model matches one process"
+        if distribution:
+            masks = "with dropout off the runs match; with it on each rank draws its own masks, as one process would"
+            said = f"in distribution, not bit for bit: {masks}"
+        report.lines.append(f"equivalent: {said}" + (" (but see the warnings)" if report.findings else ""))
         report.lines += [f"warning: {f.cause}: {f.detail}" for f in report.findings]
         return report
     if crash is not None:  # nothing was compared: the error is the news, and only a cause that crashes explains it

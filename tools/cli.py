@@ -83,8 +83,8 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         return
     from tools.join import join
 
-    if "watchdog" in recipe.opt_ins:  # c10d reads --debug's environment when join below makes the group
-        from core.watchdog import prepare_env
+    if "watchdog" in recipe.plugins:  # c10d reads --debug's environment when join below makes the group
+        from core.plugins.watchdog import prepare_env
 
         prepare_env(debug=cfg.debug, out=cfg.out, watchdog=cfg.hang_factor > 0)
     join(timeout_s=cfg.timeout_s)  # under the single-node launcher: the workers' store on loopback only

@@ -1,9 +1,5 @@
-"""The package's runner joins the job before the recipe's main: what a copied recipe leaves to torch's defaults.
-
-Under launch_single_node.sh (no MASTER_PORT) torchrun lets the workers host their own store on 127.0.0.1;
-torch's TCPStore would listen on every interface, with no authentication, so rank 0 binds the socket itself,
-to loopback only, and hands it over. core.dist.init_pg then finds the group joined and uses it.
-"""
+"""The package's runner joins the job before the recipe's main: the workers' store bound to loopback only, where
+torch's TCPStore would listen on every interface (docs/security.md); the recipe's init_pg then finds the group."""
 
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ def check_nodes_alike() -> None:
 
 
 def loopback_store(*, timeout_s: float) -> dist.Store | None:
-    """The workers' TCPStore bound to loopback only, where torchrun lets the workers host it on 127.x; None where
-    the agent hosts the store (torchrun's default) or the master is another host (multi-node)."""
+    """The workers' TCPStore bound to loopback, where torchrun lets them host it on 127.x; else None."""
     addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0") or 0)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False" or not port:
         return None
@@ -40,15 +35,10 @@ def loopback_store(*, timeout_s: float) -> dist.Store | None:
     except ValueError:
         return None  # a host name: multi-node, the store must be reachable from the other nodes
     rank, world_size = env_number("RANK", 0), env_number("WORLD_SIZE", 1)
-    sock = socket.create_server((addr, port), backlog=max(world_size, 128)) if rank == 0 else None
-    return dist.TCPStore(
-        addr,
-        port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=timeout_s),
-        master_listen_fd=None if sock is None else sock.detach(),  # the store owns the socket from here
-    )
+    # rank 0 binds the socket itself, to loopback only, and the store owns it from there
+    listening = socket.create_server((addr, port), backlog=max(world_size, 128)).detach() if rank == 0 else None
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listening)
 
 
 def join(*, timeout_s: float) -> None:

@@ -2,29 +2,36 @@
 
     python -m recipes plan fsdp --model mypkg:llama --batch-size 8 --nproc 8 --device-memory 80
 
-For every rank: parameters, gradients, optimizer state (exact: bytes from the shapes and dtypes that rank holds),
-the activations the forwards keep for backward, and the step's peak, for the layout the recipe builds
-(tools.plan_layout) and a training step of its own step carrying AdamW's state (tools.plan_step), on fake tensors
-in a fake process group, their live bytes counted as torch's MemTracker counts them: no memory is allocated,
-whatever the model's size. Not seen by any tracker, so not in the plan's tensors: the CUDA context, cuBLAS's
-workspace, NCCL's buffers and the allocator's slack, a GPU process's fixed terms (tools.plan_fixed,
-docs/memory-plan.md). tools.plan_report prints the plan with them and says what would fit.
+Each rank's layout (plan_layout) takes a step (plan_step) on fake tensors in a fake process group; plan_fixed adds
+what no tracker sees, plan_report prints the plan and what would fit (docs/memory-plan.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils import _pytree as pytree
 
+from core.exact_loss import make_exact_loss
 from core.kernel.options import RecipeError
+from core.kernel.pg import Topology
+from core.loss import make_loss
+from core.loss_options import choose_loss
+from tools.plan_fixed import GIB
 from tools.plan_layout import EXACT_LOSS, build_layout, mesh_dims, pipeline_buffers, schedule_order, unplannable
 from tools.plan_step import planned_steps, quiet
-
-GIB = 2**30
+from tools.precheck import check_data, check_model
+from tools.probes import collated, first_samples
+from tools.registry import RECIPES
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,9 @@ class Plan:
 
 
 def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> Plan:
-    """The plan of recipe `name` with options `cfg` on `world_size` ranks. `gpu`: plan for GPUs (AdamW's
-    multi-tensor step, the caching allocator's 512-byte unit); default: whether this machine has one."""
-    reason = unplannable(name, cfg)
-    if reason:
+    """The plan of recipe `name` with options `cfg` on `world_size` ranks; `gpu` (default: this machine's) plans
+    AdamW's multi-tensor step and the caching allocator's 512-byte unit."""
+    if reason := unplannable(name, cfg):
         raise RecipeError(f"plan: cannot plan {reason}")
     _recipe_check(name, cfg, world_size=world_size)
     if name in ("dp", "pipeline_naive") and world_size != 1:
@@ -70,34 +76,22 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
     dims = mesh_dims(name, cfg, world_size)
     batch = first_batch(cfg)
     pp = dims.get("pp", 1)
-    planned = {
-        r: _plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, gpu=gpu) for r in range(pp)
-    }  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
+    # the pipeline's ranks differ by stage; every other layout's ranks hold alike
+    planned = [_plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, gpu=gpu) for r in range(pp)]
     ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
     return Plan(name, world_size, ranks)
 
 
 def _recipe_check(name: str, cfg, *, world_size: int) -> None:
-    """The recipe's own structural checks (mesh sizes, heads and stages, the model's plan) at this world size,
-    which they read from WORLD_SIZE as the launchers set it: a layout the run would refuse is never planned."""
-    from tools.registry import RECIPES
-
+    """The recipe's own checks (mesh sizes, heads, stages) at this WORLD_SIZE: what it would refuse is not planned."""
     module = RECIPES[name].load()
-    if not hasattr(module, "check"):
-        return
-    saved = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world_size)
-    try:
-        module.check(cfg)
-    finally:
-        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
+    if hasattr(module, "check"):
+        with mock.patch.dict(os.environ, WORLD_SIZE=str(world_size)):
+            module.check(cfg)
 
 
 def first_batch(cfg):
     """One rank's first batch, as the recipe's loader collates it: the shapes the plan runs on."""
-    from tools.precheck import check_data
-    from tools.probes import collated, first_samples
-
     found = check_data(cfg.data, streams=True, recipe="plan")  # the pre-check's one-line refusals of a factory
     train, collate = found["train"], found["collate"]
     samples = first_samples(train, cfg.batch_size, spec=cfg.data)
@@ -107,15 +101,11 @@ def first_batch(cfg):
 
 
 def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict, gpu: bool) -> RankPlan:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from core.dist import Topology
-    from tools.precheck import check_model
+    from tools.plan_layout import held_bytes
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        topo = Topology(rank, world_size, torch.device("cpu"), "fake")
+        topo = Topology(rank, world_size, torch.device("cpu"))
         mesh = None
         if dims:  # before fake mode: init_device_mesh reads the ranks' values
             from core import parallel
@@ -123,32 +113,31 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
             mesh = parallel.build_mesh(topo, dims)
         with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             with _mesh_math_on_real_tensors():
-                layout = _built(name, cfg, mesh=mesh, rank=rank, world_size=world_size, build=check_model)
-            fake = _fake(batch, mode)
+                layout = _built(name, cfg, mesh=mesh, build=check_model)
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
             micro_batches = [fake] * getattr(cfg, "accum", 1)
             order = None
             if name == "pipeline":
                 count = cfg.microbatches * cfg.accum
                 if isinstance(fake, dict):  # as core.schedules.step_pipeline: the schedule takes (input, target)
                     raise RecipeError(f"--data {cfg.data}: pipeline trains on (input, target) pairs, not dicts")
-                first = fake[0]
-                pipeline_buffers(layout, first.chunk(cfg.microbatches)[0], microbatches=count)
-                group = mesh["pp"].get_group()
-                order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=group)
+                pipeline_buffers(layout, fake[0].chunk(cfg.microbatches)[0], microbatches=count)
+                order = schedule_order(cfg, layout, pp_rank=rank, microbatches=count, group=mesh["pp"].get_group())
             loss_fn = recipe_loss(name, cfg, layout.model)
-            step = lambda: planned_steps(  # noqa: E731
-                name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
+            step = functools.partial(
+                planned_steps, name, layout, micro_batches, cfg=cfg, loss_fn=loss_fn, gpu=gpu, order=order
             )
-            planned = _rank_plan(layout, rank=rank, **_traced(step, layout.modules))
-            return dataclasses.replace(planned, notes=_notes(name, layout, order))
+            terms = _traced(step, layout.modules)  # the step's peak, and its grads, optimizer and activations bytes
+            params = held_bytes([p for m in layout.modules for p in m.parameters()])  # exact, from shapes and dtypes
+            return RankPlan(rank, params, **terms, buffers_bytes=layout.bucket_bytes, notes=_notes(name, layout, order))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def _built(name: str, cfg, *, mesh, rank: int, world_size: int, build):
+def _built(name: str, cfg, *, mesh, build):
     """The layout on fake tensors, or one line naming the step of the build that fake tensors could not take."""
     try:
-        return build_layout(name, cfg, device_mesh=mesh, rank=rank, world_size=world_size, build=build)
+        return build_layout(name, cfg, device_mesh=mesh, build=build)
     except RecipeError:
         raise
     except Exception as err:
@@ -159,25 +148,15 @@ def _built(name: str, cfg, *, mesh, rank: int, world_size: int, build):
         ) from None
 
 
-@contextlib.contextmanager
 def _mesh_math_on_real_tensors():
-    """fully_shard over a tensor-parallel model joins the dp and tp meshes, and a DeviceMesh finds its rank's
-    coordinates with nonzero(), which fake tensors cannot answer: that arithmetic on the (real, small) mesh runs
-    outside fake mode, as it does before fake mode for the meshes build_mesh makes."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
+    """A DeviceMesh that fully_shard joins finds its coordinates with nonzero(): on the real, small mesh tensor."""
     original = DeviceMesh._compute_coordinate_on_dim
 
     def on_real_tensors(self):
         with unset_fake_temporarily():
             return original(self)
 
-    DeviceMesh._compute_coordinate_on_dim = on_real_tensors
-    try:
-        yield
-    finally:
-        DeviceMesh._compute_coordinate_on_dim = original
+    return mock.patch.object(DeviceMesh, "_compute_coordinate_on_dim", on_real_tensors)
 
 
 def _notes(name: str, layout, order) -> tuple[str, ...]:
@@ -192,26 +171,15 @@ def _notes(name: str, layout, order) -> tuple[str, ...]:
 
 
 def recipe_loss(name: str, cfg, model):
-    """The recipe's loss, taken as its recipe takes it (core.loss, then --loss's other choices, then exact weights)."""
+    """The recipe's loss, taken as the recipe takes it."""
     if name == "pipeline":
         return None
-    from core.loss import make_loss
-    from core.loss_options import choose_loss
-
     loss = choose_loss(cfg.loss, make_loss(model=model), model=model)
-    if name in EXACT_LOSS:
-        from core.exact_loss import make_exact_loss
-
-        return make_exact_loss(loss, model=model)
-    return loss
+    return make_exact_loss(loss, model=model) if name in EXACT_LOSS else loss
 
 
 def _traced(run, modules: list):
-    """The plan's step, or one line naming the part fake tensors could not follow: the innermost module whose
-    forward was running (or the backward), and what it did (read a value, a data-dependent shape, an operator
-    with no fake kernel). Never a number from a step that did not run whole."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
+    """The plan's step, or one line naming the innermost module (or the backward) that fake tensors could not follow."""
     names = {m: f"{n or 'the model'} ({type(m).__name__})" for root in modules for n, m in root.named_modules()}
     running: list[str] = []
 
@@ -236,23 +204,3 @@ def _traced(run, modules: list):
     finally:
         pre.remove()
         post.remove()
-
-
-def _fake(batch, mode):
-    if torch.is_tensor(batch):
-        return mode.from_tensor(batch)
-    if isinstance(batch, dict):
-        return {k: _fake(v, mode) for k, v in batch.items()}
-    if isinstance(batch, tuple | list):
-        parts = [_fake(v, mode) for v in batch]
-        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
-    return batch
-
-
-def _rank_plan(layout, *, rank: int, peak: int, grads: int, optimizer: int, activations: int) -> RankPlan:
-    """The exact terms from the shapes and dtypes this rank holds; activations: the most the forwards keep for
-    their backwards at once (the micro-batches a pipeline schedule keeps in flight, FSDP's gathered blocks)."""
-    from tools.plan_layout import held_bytes
-
-    params = held_bytes([p for m in layout.modules for p in m.parameters()])
-    return RankPlan(rank, params, grads, optimizer, activations, peak, layout.bucket_bytes)

@@ -1,23 +1,15 @@
-"""What a GPU process holds that no tracker sees, beside the plan's tensors: the fixed terms.
-
-    CUDA context        0.3 GiB with lazy module loading (torch's default), 0.7 GiB with CUDA_MODULE_LOADING=EAGER
-    cuBLAS workspace    torch's default CUBLAS_WORKSPACE_CONFIG: 32 MiB on Hopper (and newer, or a GPU not known here),
-                        8.125 MiB on older GPUs
-    NCCL buffers        0.7 GiB per communicator: one for the job's group, one more for each mesh dimension's own
-    allocator headroom  10% of the rank's peak: the caching allocator's slack (reserved, not allocated)
-
-The defaults come from published measurements (docs/memory-plan.md names them); `plan --fixed TERM=VALUE,...` or
-TDR_FIXED (the launchers' pre-check reads it) sets any of them: context, workspace and nccl in GiB (nccl per
-communicator), headroom as a fraction of the peak; `--fixed none` sets them all to 0 (the tensors alone). They hold
-for GPU jobs: a CPU job's pre-check compares the plan with the machine's available memory alone.
-"""
+"""What a GPU process holds that no tracker sees, beside the plan's tensors: the fixed terms (CUDA context, cuBLAS
+workspace, NCCL buffers, allocator headroom), from published measurements (docs/memory-plan.md); `plan --fixed
+TERM=VALUE,...` or TDR_FIXED sets any of them, `none` all to 0."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from core.config import UsageError
+import torch
+
+from core.kernel.options import UsageError
 
 GIB, MIB, KIB = 2**30, 2**20, 2**10
 CONTEXT_GIB = {"lazy": 0.3, "eager": 0.7}  # pytorch/pytorch#86509: 287,047,680 bytes lazy, 666,632,192 eager
@@ -26,12 +18,7 @@ OTHER_WORKSPACE = ":4096:2:16:8"  # on other GPUs: 2 of 4096 KiB and 8 of 16 KiB
 NCCL_GIB = 0.7  # per communicator: NVIDIA/nccl#964 measured 544 MB (2 ranks) and 688 MB (3-4); #864 about 1.6 GB
 HEADROOM = 0.10  # of the peak: the allocator's slack, which expandable_segments shrinks (meta-pytorch/torchtune#1185)
 TERMS = ("context", "workspace", "nccl", "headroom")
-LABELS = {
-    "context": "CUDA context",
-    "workspace": "cuBLAS workspace",
-    "nccl": "NCCL buffers",
-    "headroom": "allocator headroom",
-}
+LABELS = dict(zip(TERMS, ("CUDA context", "cuBLAS workspace", "NCCL buffers", "allocator headroom")))
 
 
 @dataclass(frozen=True)
@@ -60,7 +47,7 @@ class Fixed:
         return peak + self.total(peak)
 
     def to_json(self, peak: int) -> dict:
-        """The terms as their own keys (`plan --json`'s "fixed"): bytes, the headroom for the largest rank's peak."""
+        """The terms as `plan --json`'s "fixed" keys, the headroom for `peak`."""
         return {
             "context_bytes": self.context_bytes,
             "workspace_bytes": self.workspace_bytes,
@@ -73,22 +60,16 @@ class Fixed:
 
     def block(self, peak: int, *, rank: int, gib) -> list[str]:
         """The labelled lines the plan prints under its table; `gib(bytes)`: a number of GiB as the table writes it."""
-        values = {
-            "context": self.context_bytes,
-            "workspace": self.workspace_bytes,
-            "nccl": self.nccl_bytes,
-            "headroom": self.headroom_bytes(peak),
-        }
+        sizes = (self.context_bytes, self.workspace_bytes, self.nccl_bytes, self.headroom_bytes(peak))
         lines = ["fixed per process on a GPU, not in the table (docs/memory-plan.md; --fixed TERM=VALUE sets one):"]
-        lines += [f"  {LABELS[t]:<19} {gib(values[t]):>7} GiB  {self.why[t]}" for t in TERMS]
+        lines += [f"  {LABELS[t]:<19} {gib(size):>7} GiB  {self.why[t]}" for t, size in zip(TERMS, sizes)]
         need, total = gib(self.need(peak)), gib(self.total(peak))
         lines.append(f"  rank {rank} needs {need} GiB of its GPU: its peak {gib(peak)} + these {total}")
         return lines
 
 
 def parse_fixed(spec: str, *, option: str = "--fixed") -> dict[str, float]:
-    """`TERM=VALUE,...`, `none` (every term 0) or `none,TERM=VALUE,...`: {term: value}; one line for a term or a
-    value it does not take."""
+    """`TERM=VALUE,...`, `none` (every term 0) or `none,TERM=VALUE,...` as {term: value}; a bad one is one line."""
     said = f"{option} {spec}" if option.startswith("--") else f"{option}={spec}"
     fix = f"give TERM=VALUE,... with TERM one of {', '.join(TERMS)} (e.g. nccl=1.6,headroom=0.2), or none"
     values = {}
@@ -117,21 +98,16 @@ def workspace_bytes(config: str) -> int:
 
 
 def communicators(dims: dict[str, int], world_size: int) -> int:
-    """The NCCL communicators a process makes: the job's group (any collective, the barrier at the end), and each
-    mesh dimension smaller than the job its own; none for one process."""
-    if world_size < 2:
-        return 0
-    return 1 + sum(1 for size in dims.values() if 1 < size < world_size)
+    """The NCCL communicators a process makes: the job's group, and one per mesh dimension smaller than the job."""
+    return 0 if world_size < 2 else 1 + sum(1 for size in dims.values() if 1 < size < world_size)
 
 
 def fixed_terms(*, dims: dict[str, int], world_size: int, spec: str | None = None, major: int | None = None) -> Fixed:
-    """The fixed terms of one process of a GPU job of `world_size` ranks on a mesh of `dims`. `spec`: --fixed
-    (default: TDR_FIXED), `major`: the GPU's compute capability (default: this machine's GPU's; none: not known)."""
+    """The fixed terms of one process of a GPU job on a mesh of `dims`; `spec`: --fixed (default: TDR_FIXED),
+    `major`: the GPU's compute capability (default: this machine's)."""
     option = "--fixed" if spec is not None else "TDR_FIXED"
     told = parse_fixed(os.environ.get("TDR_FIXED", "") if spec is None else spec, option=option)
-    if major is None and _cuda():
-        import torch
-
+    if major is None and gpu_job():
         major = torch.cuda.get_device_capability()[0]
     eager = os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER"
     default = OTHER_WORKSPACE if major is not None and major < 9 else HOPPER_WORKSPACE  # unknown, newer: the larger
@@ -151,9 +127,8 @@ def fixed_terms(*, dims: dict[str, int], world_size: int, spec: str | None = Non
     return Fixed(int(context * GIB), workspace, int(each * GIB), count, told.get("headroom", HEADROOM), why)
 
 
-def _cuda() -> bool:
-    import torch
-
+def gpu_job() -> bool:
+    """Whether the job's ranks run on this machine's GPUs (core.dist.pick_device's choice)."""
     return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
 
 

@@ -1,14 +1,9 @@
-"""The memory plan's layouts: what one rank of a recipe holds, built with the recipe's own core functions.
-
-Each recipe's build lines (models.build_model, DistributedDataParallel's buckets, parallel.shard_units and
-fully_shard, the TP plan and parallelize_module, pipeline.split_pipeline and the schedule) are mirrored here
-call for call, on whatever tensors are current: fake ones for a plan (FakeTensorMode, a fake process group),
-real ones when tests and bench/ measure a run. The recipes' `train()` builds and trains in one function, so it
-cannot be called for its build alone; the lines below are the same calls in the same order.
-"""
+"""The memory plan's layouts: what one rank of a recipe holds, built call for call as the recipe builds it, on
+whatever tensors are current (fake ones for a plan, real ones for tools/plan_measure.py)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from core import amp, models, pipeline, schedules
 from core.kernel.options import RecipeError
+from tools.registry import RECIPES
 
-# The recipes whose rank holds a whole replica (DDP's all-reduce buckets besides), and the other layouts.
-REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")
+REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")  # a whole replica on each rank, and DDP's buckets
 EXACT_LOSS = ("ddp_amp", "fsdp", "tensor_parallel", "fsdp_tp")  # core.exact_loss's step (amp.step_amp)
 
 
@@ -46,8 +41,6 @@ class Layout:
 def mesh_dims(name: str, cfg, world_size: int) -> dict[str, int]:
     """The device mesh the recipe builds (its own `mesh` where it has one); {} for DDP and one process."""
     if name in ("fsdp", "tensor_parallel", "fsdp_tp", "pipeline"):
-        from tools.registry import RECIPES
-
         return RECIPES[name].load().mesh(cfg, world_size)
     return {}
 
@@ -67,8 +60,7 @@ def unplannable(name: str, cfg) -> str | None:
 
 
 def held_bytes(params) -> int:
-    """Bytes of the distinct storages these tensors' local parts hold (a DTensor's shard, FSDP2's padding, a DDP
-    bucket once for all the gradients that are views into it)."""
+    """Bytes of the distinct storages these tensors' local parts hold (a DDP bucket once for its gradient views)."""
     seen, total = set(), 0
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -80,12 +72,8 @@ def held_bytes(params) -> int:
     return total
 
 
-def build_layout(
-    name: str, cfg, *, device_mesh, rank: int, world_size: int, build=models.build_model, device=None
-) -> Layout:
-    """Rank `rank`'s layout of recipe `name`, built on the current tensors (call under FakeTensorMode to plan).
-    `build`: the model factory's caller (the plan passes the pre-check's, whose refusals are one line); `device`:
-    where a measured run puts it (the plan's fake tensors stay on the CPU: their bytes are the same)."""
+def build_layout(name: str, cfg, *, device_mesh, build=models.build_model, device=None) -> Layout:
+    """Rank `rank`'s layout of recipe `name`, built on the current tensors (`device`: where a measured run puts it)."""
     model = build(cfg.model)
     if device is not None and name != "pipeline":  # the pipeline moves its stages after the split, as below
         model = model.to(device)
@@ -99,8 +87,7 @@ def build_layout(
 
             checkpoint_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        # DDP's buckets, one copy of the gradients, at any world size (one too). With --grad-as-bucket-view the
-        # gradients become views into them after the reduction, but backward still makes each one first: measured.
+        # DDP's buckets: one copy of the gradients at any world size (backward makes each gradient, views or not)
         buckets = held_bytes(params) if name in REPLICAS else 0
         return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
     from core import parallel, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
@@ -134,16 +121,14 @@ def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
 
     from core import parallel
 
-    for block in parallel.shard_units(
-        model, parallel.named_blocks(model, blocks) if blocks else parallel.find_blocks(model)
-    ):
+    found = parallel.named_blocks(model, blocks) if blocks else parallel.find_blocks(model)
+    for block in parallel.shard_units(model, found):  # as the recipes shard: each block, then the root
         fully_shard(block, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
 
 
 def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int, device=None) -> Layout:
-    """The recipe's stages for this pipeline rank (two, looped, for interleaved1f1b), and the whole model kept
-    for the shapes that flow between stages."""
+    """This pipeline rank's stages (two for interleaved1f1b); the whole model kept for the shapes between them."""
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
     stages = [pipeline.split_pipeline(model, stage_index=i, num_stages=num_stages) for i in stage_ids]
@@ -153,8 +138,7 @@ def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int, device=Non
 
 
 def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, group) -> list[tuple]:
-    """This rank's forwards and backwards in the order torch's schedule runs them: [("F"|"B", stage, mb), ...].
-    GPipe and 1F1B as their _step_microbatches loops run them; interleaved as its runtime reads pipeline_order."""
+    """This rank's forwards and backwards in the order torch's schedule runs them: [("F"|"B", stage, mb), ...]."""
     m = microbatches
     if cfg.schedule != "interleaved1f1b":
         stage = layout.stages[0][0]
@@ -167,22 +151,17 @@ def schedule_order(cfg, layout: Layout, *, pp_rank: int, microbatches: int, grou
         return order
     from torch.distributed.pipelining import PipelineStage
 
-    runners = [
-        PipelineStage(module, i, layout.num_stages, torch.device("cpu"), group=group) for i, module in layout.stages
-    ]
+    cpu = torch.device("cpu")
+    runners = [PipelineStage(module, i, layout.num_stages, cpu, group=group) for i, module in layout.stages]
     schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=m, loss_fn=None)
-    kinds = {"F": "F", "B": "B"}  # torch's _ComputationType values: forward, full backward
-    return [
-        (kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
-        for a in schedule.pipeline_order[pp_rank]
-        if a is not None and a.computation_type.value in kinds
-    ]
+    kinds = ("F", "B")  # torch's _ComputationType values: forward, full backward
+    actions = [a for a in schedule.pipeline_order[pp_rank] if a is not None and a.computation_type.value in kinds]
+    return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions]
 
 
 @torch.no_grad()
 def pipeline_buffers(layout: Layout, micro_input: torch.Tensor, *, microbatches: int) -> None:
-    """torch's PipelineStage receive buffers, one per micro-batch: the inputs of every stage but the first, the
-    output gradients of every stage but the last, in the shapes that flow between the stages."""
+    """PipelineStage's receive buffers per micro-batch: inputs (but the first stage's), gradients (but the last's)."""
     starts = {stage.indices[0]: index for index, stage in layout.stages}
     x, entering = micro_input, {}
     for i, block in enumerate(layout.model.blocks):  # fake tensors: shapes only
@@ -197,8 +176,7 @@ def pipeline_buffers(layout: Layout, micro_input: torch.Tensor, *, microbatches:
 
 
 def gathered_bytes(model: nn.Module) -> int:
-    """FSDP2: the largest unit's parameters gathered whole (in the policy's compute dtype), what a rank holds at
-    once beyond its shards while that unit runs; 0 for a model fully_shard did not wrap."""
+    """FSDP2: the bytes of the largest unit's parameters gathered whole (in the compute dtype); 0 without FSDP."""
     from torch.distributed.fsdp import FSDPModule
 
     largest = 0
@@ -212,8 +190,4 @@ def gathered_bytes(model: nn.Module) -> int:
 
 def in_flight(order: list[tuple]) -> int:
     """The most micro-batches whose forward has run and backward not yet, in this rank's schedule order."""
-    held = most = 0
-    for kind, _, _ in order:
-        held += 1 if kind == "F" else -1
-        most = max(most, held)
-    return most
+    return max(itertools.accumulate(1 if kind == "F" else -1 for kind, _, _ in order), default=0)

@@ -1,34 +1,31 @@
-"""The plan's check: a recipe's real training steps on this rank, measured by torch's MemTracker.
-
-Called on every rank of a real process group (tests' gloo worlds, bench/bench_plan.py, bench/gpu_check.sh): the
-layout is built with real tensors by the plan's own builder, wrapped as the recipe wraps it (DDP, DataParallel,
-the pipeline's PipelineStage and schedule), and two steps run through the recipe's own step function
-(core.steps.step_plain, core.amp.step_amp, core.schedules.step_pipeline). The tracker sees every tensor made in
-its context, the reducer's buckets included; it returns the peak of live tensor bytes.
-"""
+"""The plan's check: a recipe's real training steps on this rank (the plan's layout on real tensors, wrapped as
+the recipe wraps it), measured by torch's MemTracker."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import amp, parallel, schedules, steps
-from core.config import parse_args
-from core.dist import Topology
 from core.kernel.loader import to_device
+from core.kernel.options import parse_args
+from core.kernel.pg import Topology
+from tools.plan import first_batch, recipe_loss
 from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
-from tools.plan_step import quiet
+from tools.plan_step import quiet, tensors
+from tools.registry import RECIPES
 
 
 def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
-    """Two real training steps of recipe `name` with `args` on this rank: the peak of live tensor bytes, and the
-    bytes this rank's parameters, gradients and optimizer state hold after them (from the real tensors)."""
-    from tools.plan import first_batch, recipe_loss
-    from tools.registry import RECIPES
-
-    cfg, _ = parse_args(RECIPES[name].load().Config, list(args), prog=name, description="")
+    """Two real training steps of recipe `name` with `args` on this rank: the peak of live tensor bytes, and what
+    its parameters, gradients and optimizer state hold after them."""
+    cfg = parse_args(RECIPES[name].load().Config, list(args))
     torch.manual_seed(cfg.seed)
     if topo.device.type == "cuda":  # the allocator's own peak, from here: bench/gpu_check.sh compares it too
         torch.cuda.empty_cache()
@@ -38,32 +35,24 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
     batch = to_device(first_batch(cfg), topo.device)
     micro_batches = [batch] * getattr(cfg, "accum", 1)
     with quiet():
-        where = {"device_mesh": mesh, "rank": topo.rank, "world_size": topo.world_size, "device": topo.device}
-        layout = build_layout(name, cfg, **where)
-        optimizer_params = layout.params
+        layout = build_layout(name, cfg, device_mesh=mesh, device=topo.device)
         if name == "pipeline":
             optimizer, peak = _measure_pipeline(cfg, layout, micro_batches, mesh=mesh, device=topo.device)
             return _held(layout, optimizer, peak)
-        tracker = track([*layout.modules, *(t for b in micro_batches for t in _tensors(b))])
+        tracker = track([*layout.modules, *tensors(micro_batches)])
         with tracker:
             model = _wrapped(name, layout.model, cfg)  # inside: the tracker sees DDP's buckets made
-            optimizer = torch.optim.AdamW(optimizer_params, lr=cfg.lr)
+            optimizer = torch.optim.AdamW(layout.params, lr=cfg.lr)
             loss_fn = recipe_loss(name, cfg, layout.model)
+            if name in EXACT_LOSS:
+                dp_group = mesh["dp"].get_group() if mesh is not None else None
+                how = {"precision": layout.autocast, "sync": layout.sync, "dp_group": dp_group}
+                step = functools.partial(amp.step_amp, model, micro_batches, **how)
+            else:
+                step = functools.partial(steps.step_plain, model, micro_batches[0])
             for _ in range(2):
-                if name in EXACT_LOSS:
-                    group = mesh["dp"].get_group() if mesh is not None else None
-                    amp.step_amp(
-                        model,
-                        micro_batches,
-                        optimizer=optimizer,
-                        loss_fn=loss_fn,
-                        precision=layout.autocast,
-                        sync=layout.sync,
-                        dp_group=group,
-                    )
-                else:
-                    steps.step_plain(model, micro_batches[0], optimizer=optimizer, loss_fn=loss_fn)
-        return _held(layout, optimizer, peak_of(tracker)[0])
+                step(optimizer=optimizer, loss_fn=loss_fn)
+        return _held(layout, optimizer, peak_of(tracker))
 
 
 def _held(layout, optimizer, peak: int) -> dict[str, int]:
@@ -87,56 +76,33 @@ def _held(layout, optimizer, peak: int) -> dict[str, int]:
 def _wrapped(name: str, model, cfg):
     """The recipe's wrapper with its options: DDP as ddp, ddp_amp and ddp_monitored make it; DataParallel."""
     if name in REPLICAS:
-        from torch.nn.parallel import DistributedDataParallel
-
         device = next(model.parameters()).device
         options = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
         if name == "ddp_monitored":
             options |= {"bucket_cap_mb": cfg.bucket_mb, "gradient_as_bucket_view": cfg.grad_as_bucket_view}
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
-    if name == "dp":
-        return torch.nn.DataParallel(model)
-    return model
+    return torch.nn.DataParallel(model) if name == "dp" else model
 
 
 def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tuple:
-    from torch.distributed.pipelining import PipelineStage
-
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     runners = [PipelineStage(m, i, layout.num_stages, device, group=pp_group) for i, m in layout.stages]
     loss_fn = schedules.TokenLoss()
     micro = cfg.microbatches * cfg.accum
     schedule = schedules.build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = layout.stages[-1][0] == layout.num_stages - 1
-    tracker = track([*layout.modules, *(t for b in micro_batches for t in _tensors(b))])
+    how = dict(holds_last=holds_last, precision=cfg.precision, clip=cfg.clip, dp_group=dp_group, pp_group=pp_group)
+    tracker = track([*layout.modules, *tensors(micro_batches)])
     with tracker:
         optimizer = torch.optim.AdamW(layout.params, lr=cfg.lr)
         for _ in range(2):
-            schedules.step_pipeline(
-                schedule,
-                micro_batches,
-                loss_fn=loss_fn,
-                optimizer=optimizer,
-                holds_last=holds_last,
-                precision=cfg.precision,
-                clip=cfg.clip,
-                dp_group=dp_group,
-                pp_group=pp_group,
-            )
-    return optimizer, peak_of(tracker)[0]
-
-
-def _tensors(batch) -> list[torch.Tensor]:
-    if torch.is_tensor(batch):
-        return [batch]
-    values = batch.values() if isinstance(batch, dict) else batch
-    return [t for t in values if torch.is_tensor(t)]
+            schedules.step_pipeline(schedule, micro_batches, loss_fn=loss_fn, optimizer=optimizer, **how)
+    return optimizer, peak_of(tracker)
 
 
 class StepTracker(MemTracker):
-    """torch's MemTracker without its per-module hooks: the same tensors, categories and peak, but no module
-    statistics, so a module may run many times in one step (accumulation, a pipeline's micro-batches) and
-    pipelining's backward (autograd.grad on its stages' inputs) meets no hook of the tracker's."""
+    """torch's MemTracker without its per-module hooks, which a module run many times in one step (accumulation,
+    micro-batches) or pipelining's autograd.grad would trip over."""
 
     def __init__(self, modules) -> None:
         super().__init__()
@@ -166,14 +132,6 @@ def track(tensors) -> StepTracker:
     return tracker
 
 
-def peak_of(tracker: MemTracker) -> tuple[int, dict[str, int]]:
-    """The tracker's peak over every device, and its categories at the peak (Parameter, Gradient, ...)."""
-    total, parts = 0, {}
-    for snapshot in tracker.get_tracker_snapshot("peak").values():
-        for key, value in snapshot.items():
-            name = key if isinstance(key, str) else key.value
-            if name == "Total":
-                total += value
-            else:
-                parts[name] = parts.get(name, 0) + value
-    return total, parts
+def peak_of(tracker: MemTracker) -> int:
+    """The tracker's peak over every device."""
+    return sum(snapshot.get("Total", 0) for snapshot in tracker.get_tracker_snapshot("peak").values())

@@ -1,26 +1,26 @@
-"""The memory plan for people and for the launchers: the table, whether it fits, and what would fit instead.
-
-What would fit is re-planned, never guessed: a smaller --batch-size with more --accum (the same global batch),
-fsdp instead of a replicated recipe, more ranks for a sharded one, activation checkpointing (ddp_monitored).
-"""
+"""The memory plan for people and for the launchers: the table, whether it fits, and what would fit instead
+(re-planned, never guessed)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import math
 import os
 import sys
 
 import torch
 
-from core.config import parse_args
-from core.kernel.options import RecipeError
-from tools.plan import GIB, Plan, plan_recipe
-from tools.plan_fixed import Fixed, fixed_terms, over, parse_fixed
+from core.dist import env_number
+from core.kernel.options import RecipeError, UsageError, parse_args
+from tools.plan import Plan, plan_recipe
+from tools.plan_fixed import GIB, Fixed, fixed_terms, gpu_job, over, parse_fixed
 from tools.plan_layout import REPLICAS, mesh_dims
+from tools.registry import RECIPES
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline")
 MAX_NPROC = 2**16  # the largest job the plan takes (--nproc, or the launcher's WORLD_SIZE)
-PARTS = (("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"))
 
 
 def gib(n: int) -> str:
@@ -37,13 +37,12 @@ def table(plan: Plan) -> str:
     rows = [("ranks", "params", "grads", "optimizer", "activations", "buckets", "peak", "dominated by")]
     notes: list[str] = []
     for _, ranks in sorted(groups.items(), key=lambda item: (-item[0][5], item[1][0])):
-        r = dataclasses.replace(plan.ranks[ranks[0]])
-        terms = {name: getattr(r, k) for k, name in PARTS} | {"activations": r.activations_bytes}
-        terms["DDP buckets"] = r.buffers_bytes
+        r = plan.ranks[ranks[0]]
+        values = (r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.activations_bytes, r.buffers_bytes)
+        terms = dict(zip(("params", "grads", "optimizer", "activations", "DDP buckets"), values))
         top = max(terms, key=terms.get)
-        cells = [gib(r.params_bytes), gib(r.grads_bytes), gib(r.optimizer_bytes), gib(r.activations_bytes)]
         share = f"{top} ({100 * terms[top] / max(r.peak_bytes, 1):.0f}%)"
-        rows.append((_span(ranks), *cells, gib(r.buffers_bytes), gib(r.peak_bytes), share))
+        rows.append((_span(ranks), *map(gib, values), gib(r.peak_bytes), share))
         notes += [f"  rank{'s' * (len(ranks) > 1)} {_span(ranks)}: {note}" for note in r.notes]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
@@ -55,13 +54,9 @@ def table(plan: Plan) -> str:
 
 
 def _span(ranks: list[int]) -> str:
-    return (
-        str(ranks[0])
-        if len(ranks) == 1
-        else f"{ranks[0]}-{ranks[-1]}"
-        if ranks == list(range(ranks[0], ranks[-1] + 1))
-        else ",".join(map(str, ranks))
-    )
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
 
 
 def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, object, int]]:
@@ -76,17 +71,12 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
                 changes["microbatches"] = min(cfg.microbatches, b)
             found.append((f"--batch-size {b} --accum {k}", name, dataclasses.replace(cfg, **changes), world_size))
     if name in REPLICAS or name == "dp":
-        from tools.registry import RECIPES
-
-        fsdp = RECIPES["fsdp"].load()
         args = ["--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--loss", cfg.loss]
-        args += ["--precision", "bf16"] if getattr(cfg, "precision", "fp32") != "fp32" else []
-        args += ["--accum", str(cfg.accum)] if hasattr(cfg, "accum") else []
-        found.append(("fsdp", "fsdp", parse_args(fsdp.Config, args, prog="fsdp")[0], world_size))
+        bf16 = ["--precision", "bf16"] if getattr(cfg, "precision", "fp32") != "fp32" else []
+        accum = ["--accum", str(cfg.accum)] if hasattr(cfg, "accum") else []
+        found.append(("fsdp", "fsdp", parse_args(RECIPES["fsdp"].load().Config, [*args, *bf16, *accum]), world_size))
         if name != "dp":
-            monitored = RECIPES["ddp_monitored"].load()
-            args = ["--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--loss", cfg.loss]
-            checkpointed = parse_args(monitored.Config, [*args, "--activation-checkpointing"], prog="ddp_monitored")[0]
+            checkpointed = parse_args(RECIPES["ddp_monitored"].load().Config, [*args, "--activation-checkpointing"])
             found.append(("ddp_monitored --activation-checkpointing", "ddp_monitored", checkpointed, world_size))
     if name in SHARDED:  # a layout more ranks do not allow (heads, stages) is refused by the recipe's check
         found += [(f"--nproc {world_size * f}", name, cfg, world_size * f) for f in (2, 4)]
@@ -96,8 +86,7 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
 def what_fits(
     name: str, cfg, *, world_size: int, device_bytes: int, gpu: bool | None = None, fixed: str | None = None
 ) -> tuple[list[str], list[str]]:
-    """Each alternative re-planned, as 'LABEL (NEED GiB)' (its largest peak, and with `fixed` its fixed terms): the
-    first that fits of each kind, and of each kind with none that fits the one that comes closest."""
+    """Each alternative re-planned, as 'LABEL (NEED GiB)': the first that fits of each kind, else the closest."""
     fits, misses, done = [], [], set()
     for label, recipe, other, world in alternatives(name, cfg, world_size=world_size):
         kind = label.split()[0]
@@ -113,18 +102,14 @@ def what_fits(
             done.add(kind)
         else:
             misses.append((kind, f"{label} ({gib(need)} GiB)"))
-    best = {}
-    for kind, text in misses:  # the last tried of each kind (the smallest batch, the most ranks): how far it is
-        if kind not in done:
-            best[kind] = text
-    return fits, list(best.values())
+    closest = {kind: text for kind, text in misses if kind not in done}  # the last tried: smallest batch, most ranks
+    return fits, list(closest.values())
 
 
 def refuse_if_over(
     name: str, cfg, plan: Plan, *, device_bytes: int, where: str, gpu: bool | None = None, fixed: str | None = None
 ) -> None:
-    """One line naming the largest rank's peak (with `fixed`, a --fixed spec or "" for the defaults: plus its fixed
-    terms), the device's memory and what would fit, when it does not fit."""
+    """When the largest rank's peak (plus, with `fixed`, its fixed terms) does not fit: one line saying what would."""
     top = plan.largest
     terms = None if fixed is None else fixed_of(name, cfg, world_size=plan.world_size, spec=fixed)
     if not over(top.peak_bytes, terms, device_bytes):
@@ -140,26 +125,18 @@ def refuse_if_over(
 
 
 def fixed_of(name: str, cfg, *, world_size: int, spec: str) -> Fixed:
-    """The fixed terms of one process of recipe `name`'s job (its mesh: the NCCL communicators); `spec`: --fixed, or
-    "" for TDR_FIXED's (the defaults when it is not set)."""
+    """The fixed terms of one process of recipe `name`'s job; `spec`: --fixed, or "" for TDR_FIXED's (or defaults)."""
     return fixed_terms(dims=mesh_dims(name, cfg, world_size), world_size=world_size, spec=spec or None)
 
 
-def gpu_job() -> bool:
-    """Whether the job's ranks run on this machine's GPUs (core.dist.pick_device's choice)."""
-    return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
-
-
 def free_bytes(*, world_size: int) -> tuple[int, str, int]:
-    """(bytes free for one rank, what that is, how many ranks share it): GPU memory per device, or the CPU's
-    available memory, shared by this node's ranks."""
+    """(bytes free, what that is, how many ranks share it): the least free GPU, or the CPU's available memory."""
     if gpu_job():
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
         return free, "the free memory of the GPUs", 1
     named = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or ""  # a node's ranks, if said
     local = int(named) if named.isdigit() and int(named) > 0 else world_size
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    available = _mem_available() or pages
+    available = _mem_available() or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return available, f"this machine's available memory for {local} rank{'s' * (local > 1)}", local
 
 
@@ -172,16 +149,14 @@ def _mem_available() -> int:
 
 
 def precheck_memory(name: str, cfg, *, world_size: int) -> None:
-    """The launchers' memory check: print the plan's largest peak, refuse a job whose plan exceeds free memory.
-    A job the plan cannot follow (torch.compile, a plugin recipe) is not refused for that: one line says so."""
+    """The launchers' memory check: print the plan's largest peak, refuse a job whose plan exceeds free memory."""
     talk = os.environ.get("RANK", "0") == "0"
     try:
         plan = plan_recipe(name, cfg, world_size=world_size)
     except Exception as err:  # a job the plan cannot follow (or a fault of the plan's) is not refused for it
         if talk:
-            said = (
-                str(err).removeprefix("plan: ") if isinstance(err, RecipeError) else f"the plan failed ({err!r:.200})"
-            )
+            said = f"the plan failed ({err!r:.200})"
+            said = str(err).removeprefix("plan: ") if isinstance(err, RecipeError) else said
             print(f"warning: {' '.join(said.split())}; memory not checked", file=sys.stderr, flush=True)
         return
     free, where, sharing = free_bytes(world_size=world_size)
@@ -190,21 +165,13 @@ def precheck_memory(name: str, cfg, *, world_size: int) -> None:
     if talk:
         terms = "" if fixed is None else fixed_of(name, cfg, world_size=world_size, spec=fixed).total(top.peak_bytes)
         terms = terms and f" + fixed terms {gib(terms)} GiB"
-        print(
-            f"plan: largest peak {gib(top.peak_bytes)} GiB per rank (rank {top.rank}){terms}; {where}: {gib(free)} GiB",
-            file=sys.stderr,
-            flush=True,
-        )
+        peak = f"largest peak {gib(top.peak_bytes)} GiB per rank (rank {top.rank}){terms}"
+        print(f"plan: {peak}; {where}: {gib(free)} GiB", file=sys.stderr, flush=True)
     refuse_if_over(name, cfg, plan, device_bytes=free // sharing, where=where, fixed=fixed)
 
 
 def plan_options(args: list[str]) -> tuple[dict, list[str]]:
-    """The plan's own options out of a recipe's command line: ({nproc, device_memory, as_json}, the rest)."""
-    import argparse
-    import math
-
-    from core.kernel.options import UsageError
-
+    """The plan's own options out of a recipe's command line: ({nproc, device_memory, as_json, fixed}, the rest)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--nproc", default=None)
     parser.add_argument("--device-memory", default=None)
@@ -213,8 +180,6 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
     own, rest = parser.parse_known_args(args)
     parse_fixed(own.fixed)  # a term or value it does not take: one line, before anything is planned
     if own.nproc is None:  # the launcher's WORLD_SIZE, or one process
-        from core.dist import env_number
-
         nproc, said = env_number("WORLD_SIZE", 1), f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}"
     else:
         nproc, said = int(own.nproc) if own.nproc.strip().isdigit() else None, f"--nproc {own.nproc}"
@@ -234,10 +199,7 @@ def plan_options(args: list[str]) -> tuple[dict, list[str]]:
 
 
 def show_plan(name: str, cfg, *, nproc: int, device_memory: float | None, as_json: bool, echo, fixed: str = "") -> None:
-    """`python -m recipes plan`: the plan as a table or JSON, with the fixed terms of a GPU process (`fixed`:
-    --fixed, "" for TDR_FIXED or the defaults), then one error line when it and they do not fit --device-memory."""
-    import json
-
+    """`python -m recipes plan`: the plan and a GPU process's fixed terms, then one line when they do not fit."""
     gpu = True if device_memory is not None else None  # --device-memory plans for a GPU: foreach, 512-byte blocks
     plan = plan_recipe(name, cfg, world_size=nproc, gpu=gpu)
     top = plan.largest

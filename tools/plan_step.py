@@ -1,16 +1,10 @@
-"""The memory plan's step: the recipe's training step on one rank's layout, its live tensor bytes tracked.
-
-The step planned is training's second, the one that carries AdamW's state through the forward and backward and
-then steps: its peak is the run's (the first step holds less, its optimizer step as much). Under fake tensors
-AdamW's own step cannot run (it reads its step count as a number), so PlanAdamW creates what torch's step creates
-(exp_avg and exp_avg_sq like each parameter, a scalar step) and the temporaries of its implementation: per
-parameter on CPU (two of the largest), for all parameters at once with foreach (torch's choice on GPUs).
-"""
+"""The memory plan's step: the recipe's training step on one rank's layout, its live tensor bytes tracked (the
+second step, which carries AdamW's state: the run's peak)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import warnings
 import weakref
 
 import torch
@@ -26,7 +20,7 @@ from tools.plan_layout import EXACT_LOSS, Layout, held_bytes
 
 
 class PlanAdamW(torch.optim.AdamW):
-    """AdamW whose step makes the state and temporaries torch's step makes, reading no value (fake tensors)."""
+    """AdamW whose step makes the state and temporaries torch's step makes (per parameter, or foreach on GPUs)."""
 
     def __init__(self, params, *, foreach: bool):
         super().__init__(params, lr=1e-3)
@@ -43,23 +37,16 @@ class PlanAdamW(torch.optim.AdamW):
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
         params = [p for p in trained if p.grad is not None]
-        if not params:
-            return None
-        if self.plan_foreach:  # _multi_tensor_adamw: sqrt(exp_avg_sq) for every parameter at once
-            temporaries = [torch.empty_like(p) for p in params]
-        else:  # _single_tensor_adamw: sqrt(exp_avg_sq) / bias_correction, one parameter at a time
+        if params:  # sqrt(exp_avg_sq) (/ bias_correction): of every parameter at once (foreach), or of each in turn
             largest = max(params, key=lambda p: p.numel())
-            temporaries = [torch.empty_like(largest), torch.empty_like(largest)]
-        del temporaries
+            temporaries = [torch.empty_like(p) for p in (params if self.plan_foreach else [largest, largest])]
+            del temporaries
         return None
 
 
 class LiveBytes(TorchDispatchMode):
-    """The bytes of live tensor storages and their peak, as torch's MemTracker counts them (every storage an op
-    makes under it, and those it is given; FSDP2's storage resizes; a DTensor as its local shard; CUDA's
-    512-byte allocation unit with `unit=512`), without MemTracker's per-module statistics, whose import alone
-    takes a second of CPU: the launchers' pre-check plans before every job. tools/plan_measure.py measures
-    real runs with MemTracker itself, and the tests hold the two together."""
+    """The bytes of live tensor storages and their peak, as torch's MemTracker counts them, without its import's
+    second of CPU (the launchers' pre-check plans before every job); the tests hold the two together."""
 
     def __init__(self, *, unit: int = 1) -> None:
         super().__init__()
@@ -132,12 +119,12 @@ def _storages(t) -> list:
 
 
 def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_fn, gpu: bool, order=None) -> dict:
-    """The recipe's step on fake tensors, AdamW's state made first, tracked: its peak bytes, the most the forwards
-    keep for their backwards, and the bytes of the gradients and of AdamW's state it leaves."""
+    """The recipe's step on fake tensors, tracked: its peak, the most the forwards keep for their backwards, and
+    the bytes of the gradients and of AdamW's state it leaves."""
     optimizer = PlanAdamW(layout.params, foreach=gpu)  # torch's AdamW takes foreach on GPUs
     tracker = LiveBytes(unit=512 if gpu else 1)  # CUDA's caching allocator hands out multiples of 512 bytes
     held = [t for m in layout.modules for t in (*m.parameters(), *m.buffers())]
-    tracker.add(*held, *(t for b in micro_batches for t in _tensors(b)))
+    tracker.add(*held, *tensors(micro_batches))
     tracker.add(*(t for bufs in (*layout.recv.values(), *layout.grad_recv.values()) for t in bufs))
     buckets = torch.empty(layout.bucket_bytes, dtype=torch.uint8) if layout.bucket_bytes else None
     tracker.add(*([buckets] if buckets is not None else []))  # the reducer's: made when DDP wraps the model
@@ -158,31 +145,26 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
     grads = [p.grad for p in layout.params if p.grad is not None]  # as the step left them: shards, or whole
     state = [t for s in optimizer.state.values() for t in s.values()]
     return {
-        "peak": tracker.peak,
-        "grads": held_bytes(grads),
-        "optimizer": held_bytes(state),
-        "activations": held_for_backward[0],
+        "grads_bytes": held_bytes(grads),
+        "optimizer_bytes": held_bytes(state),
+        "activations_bytes": held_for_backward[0],
+        "peak_bytes": tracker.peak,
     }
 
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
     """amp.step_amp's forwards and backwards (or core.steps.step_plain's one), without reading any value."""
-    exact, normalizer = name in EXACT_LOSS, torch.ones(())
+    step = functools.partial(forward_exact, normalizer=torch.ones(())) if name in EXACT_LOSS else forward
     for i, batch in enumerate(micro_batches):
         with layout.sync(layout.model, enabled=i == len(micro_batches) - 1):
             with amp.autocast(layout.autocast, device=torch.device("cpu")):
-                if exact:
-                    loss, _ = forward_exact(layout.model, batch, loss_fn, normalizer=normalizer)
-                else:
-                    loss, _ = forward(layout.model, batch, loss_fn)
+                loss, _ = step(layout.model, batch, loss_fn)
             after_forward()
             loss.backward()
 
 
 def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple], after_forward=lambda: None) -> None:
-    """One schedule step on this rank's stages, in the schedule's order: what torch's PipelineStage keeps (a
-    receive buffer per micro-batch for the inputs and for the gradients, every forward's graph until its
-    backward, the last stage's outputs until the step returns) is kept here as long."""
+    """One schedule step on this rank's stages, in the schedule's order, keeping what PipelineStage keeps as long."""
     inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
     count = max(b for _, _, b in order) + 1
     xs, ys = inputs.chunk(count), targets.chunk(count)
@@ -208,22 +190,13 @@ def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple
             else:
                 out.backward(layout.grad_recv[stage][mb])
     if outputs:  # the schedule merges the last stage's outputs; step_pipeline's metrics read them
-        merged = torch.cat(outputs)
-        metrics(merged, targets, torch.zeros(()), samples=len(targets))
+        metrics(torch.cat(outputs), targets, torch.zeros(()), samples=len(targets))
 
 
-def _tensors(batch) -> list[torch.Tensor]:
-    if torch.is_tensor(batch):
-        return [batch]
-    values = batch.values() if isinstance(batch, dict) else batch
-    return [t for t in values if torch.is_tensor(t)]
+def tensors(batch) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(batch) if torch.is_tensor(t)]
 
 
-@contextlib.contextmanager
 def quiet():
     """fully_shard's warnings about views: the plan builds, it does not edit outputs in place."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    return warnings.catch_warnings(action="ignore")

@@ -29,12 +29,12 @@ def read_records(run_dir: str | Path) -> list[dict]:
     return records
 
 
-def series(records: list[dict], kind: str, key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of `key` in the records of `kind`; tokens/s stands in for samples/s where logged."""
+def series(records: list[dict], kind: str, key: str) -> tuple[str, list[float], list[float]]:
+    """(the key read, steps, values) of `key` in the records of `kind`; tokens/s stands in for samples/s if logged."""
     if key == "samples_per_s" and any("tokens_per_s" in r for r in records):
         key = "tokens_per_s"
     points = [(r["step"], r[key]) for r in records if r.get("kind") == kind and key in r and "step" in r]
-    return [p[0] for p in points], [p[1] for p in points]
+    return key, [p[0] for p in points], [p[1] for p in points]
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
@@ -58,15 +58,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
     for ax, (kind, key, title) in zip(axes, PANELS):
         for name, records in runs.items():
-            steps, values = series(records, kind, key)
-            tokens = key == "samples_per_s" and any("tokens_per_s" in r for r in records)
+            read, steps, values = series(records, kind, key)
             if steps:
-                ax.plot(
-                    steps,
-                    values,
-                    marker="o" if len(steps) < 20 else None,
-                    label=f"{name} (tokens/s)" if tokens else name,
-                )
+                label = f"{name} (tokens/s)" if read == "tokens_per_s" else name
+                ax.plot(steps, values, marker="o" if len(steps) < 20 else None, label=label)
         ax.set(title=title, xlabel="step")
         if ax.get_legend_handles_labels()[0]:  # a panel with no data (no eval records) gets no legend
             ax.legend(fontsize="small")

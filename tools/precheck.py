@@ -22,6 +22,7 @@ from torch import nn
 from core import ckpt, data, folder, models, stream
 from core.dist import Topology
 from core.factory import resolve_factory
+from core.kernel.ckpt import read_checkpoint
 from core.kernel.folder import run_dirs
 from core.kernel.loader import to_device
 from core.kernel.options import RecipeError
@@ -305,8 +306,11 @@ def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -
     global_batch = cfg.batch_size * dp * getattr(cfg, "accum", 1)
     config = {"recipe": recipe, "world_size": world_size, "global_batch": global_batch, **cfg.to_dict()}
     if dcp is None:  # whole, undamaged, and this model, then the header's options
-        tensors, _ = ckpt.read_checkpoint(path)
-        ckpt.check_shapes(path, tensors, model)
+        tensors, meta = ckpt.read_checkpoint(path)
+        if "shards" in meta:  # core/shard_ckpt.py's file beside its shards: they are checked by its READ_CHECKS entry
+            read_checkpoint(path)
+        else:
+            ckpt.check_shapes(path, tensors, model)
     else:
         dcp.check_shapes(path, model)
     folder.check_continues(path, header(path), config, dp=dp)

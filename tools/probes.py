@@ -1,10 +1,5 @@
-"""One training step on the first samples, as the recipes take it (core.loss), for the pre-check and `check`.
-
-The pre-check (tools/precheck.py) takes one step to refuse before launch what would fail in the ranks: a sample
-that does not fit the forward's signature, a loss that cannot work (naming the one that would), parameters no
-forward uses. `python -m recipes check` probes the same step for what makes N ranks train apart from one process:
-parameters that get no gradient, BatchNorm, randomness in the forward, non-deterministic ops. Each finding names
-the layers and a fix in the options the recipe actually has.
+"""One training step on the first samples, as the recipes take it (core.loss), for the pre-check and `check`: what
+would fail in the ranks (tools/precheck.py), and what makes N ranks train apart from one process (tools/check.py).
 """
 
 from __future__ import annotations
@@ -44,9 +39,6 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
-# --- the first samples, collated as the recipe collates them -------------------------------------------------
-
-
 def first_samples(dataset, n: int, *, spec: str) -> list:
     """The first `n` training samples of a map-style data set or a stream; one line when reading raises."""
     try:
@@ -74,8 +66,7 @@ def collated(samples: list, collate, *, spec: str):
 
 
 def sample_batches(train, collate, *, spec: str, size: int, count: int = 1) -> list:
-    """`count` batches of `size` training samples, collated as the recipe collates them (the factory's collate_fn
-    or default_collate): map-style data or a stream, pairs or dicts. A problem is one RecipeError line."""
+    """`count` batches of `size` training samples, collated as the recipe collates them; a problem is one line."""
     samples = first_samples(train, size * count, spec=spec)
     if not samples:
         raise RecipeError(f"--data {spec}: the training set is empty")
@@ -84,53 +75,30 @@ def sample_batches(train, collate, *, spec: str, size: int, count: int = 1) -> l
     return [collated(chunk, collate, spec=spec) for chunk in chunks[:count]]
 
 
-# --- the call the recipe makes, and one step -------------------------------------------------------------------
-
-
-class _Recorder:
-    """Stands in for the model in core.loss.call_model: keeps the arguments it is called with."""
-
-    def __call__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-        return torch.zeros(())
-
-
-def call_made(batch, loss: Loss) -> str:
-    """The call core.loss makes for this batch, written out: `model(sample[0], sample[1])` for an (input, mask,
-    target) sample, `model(input_ids=..., labels=...)` for a dict."""
-    recorder = _Recorder()
-    call_model(recorder, batch, loss)
-    parts = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
-
-    def named(value) -> str:
-        return next((f"sample[{key!r}]" for key, part in parts if part is value), "...")
-
-    words = [named(a) for a in recorder.args] + [f"{k}={named(v)}" for k, v in recorder.kwargs.items()]
-    return f"model({', '.join(words)})"
-
-
 def check_call(model: nn.Module, batch, loss: Loss, *, where: str) -> None:
     """One line naming the call made and the forward's signature when the batch does not fit it."""
-    recorder = _Recorder()
-    call_model(recorder, batch, loss)
-    signature = inspect.signature(model.forward)
+    made = []
+    call_model(lambda *args, **kwargs: made.append((args, kwargs)), batch, loss)  # the call the recipes make
+    (args, kwargs), signature = made[0], inspect.signature(model.forward)
     try:
-        signature.bind(*recorder.args, **recorder.kwargs)
+        signature.bind(*args, **kwargs)
     except TypeError as err:
+        parts = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
+        names = {id(part): f"sample[{key!r}]" for key, part in reversed(parts)}  # the first part that is it
+        words = [names.get(id(a), "...") for a in args] + [f"{k}={names.get(id(v), '...')}" for k, v in kwargs.items()]
         if isinstance(batch, Mapping):
             what, fix = f"a dict sample ({', '.join(batch)})", "name forward's parameters as the dict's keys"
         else:
             what = f"a sample of {len(batch)} parts (inputs..., target)"
             fix = "give forward one parameter per input (every part but the last, the target), or change the samples"
         raise RecipeError(
-            f"{where}: {what} is passed as {call_made(batch, loss)}, and {type(model).__name__}.forward{signature} "
+            f"{where}: {what} is passed as model({', '.join(words)}), and {type(model).__name__}.forward{signature} "
             f"does not take it ({err}); {fix}"
         ) from None
 
 
 def train_step(model: nn.Module, batch, loss: Loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss and the gradients of one training-mode forward and backward through core.loss (the recipes' own
-    forward); the model's gradients are left as they were."""
+    """The loss and the gradients of one training-mode step through core.loss; the model's own are left as they were."""
     model.train()
     before = {n: p.grad for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -160,9 +128,6 @@ def losses_that_work(model: nn.Module, batch, *, besides: str) -> list[str]:
 def unused_parameters(model: nn.Module, grads: dict[str, torch.Tensor]) -> list[str]:
     """Trainable parameters that got no gradient in a step."""
     return [n for n, p in model.named_parameters() if p.requires_grad and n not in grads]
-
-
-# --- the probes of `check` ------------------------------------------------------------------------------------
 
 
 def _forward_backward(model: nn.Module, batch, *, seed: int, loss: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -233,19 +198,10 @@ def dropout_layers(model: nn.Module) -> list[str]:
 
 
 def probe(
-    model: nn.Module,
-    batch,
-    *,
-    seed: int = 0,
-    loss: str = "auto",
-    other=None,
-    takes: Sequence[str] = (),
-    cuda: bool | None = None,
+    model: nn.Module, batch, *, seed: int = 0, loss: str = "auto", other=None, takes: Sequence[str] = (), cuda=None
 ) -> list[Finding]:
-    """What in `model` makes N ranks differ from one process: each finding names the layers and the fix.
-
-    `other`: a second batch (which parameters are used may depend on it); `takes`: the recipe's option names
-    (Config fields), so the advice names only options that exist; `cuda`: GPUs present (default: detected)."""
+    """What in `model` makes N ranks differ from one process, each finding with the layers and a fix in the options
+    the recipe `takes`; `other`: a second batch (which parameters are used may depend on it)."""
     takes = frozenset(takes)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     findings = []
@@ -254,14 +210,9 @@ def probe(
     if bad := _not_finite(first):
         weights = [n for n, p in model.named_parameters() if not p.isfinite().all()]
         cause = f"the weights {few(weights)} hold nan or inf" if weights else "the data or the loss makes them"
-        findings.append(
-            Finding(
-                "not finite",
-                f"one step on the first samples gives nan or inf in {few(bad)} before any training: {cause}; "
-                f"fix the model factory or the data (lowering --lr does not help a first step)",
-                crashes=True,
-            )
-        )
+        fix = "fix the model factory or the data (lowering --lr does not help a first step)"
+        detail = f"one step on the first samples gives nan or inf in {few(bad)} before any training: {cause}; {fix}"
+        findings.append(Finding("not finite", detail, crashes=True))
     unused, every = _unused(model, [first, *varied])
     if unused:
         ddp = "find_unused_parameters" in takes  # the recipes that wrap in DDP; the others tolerate a missing grad
@@ -269,38 +220,18 @@ def probe(
         advice = unused_advice(every_step=every, takes=takes)
         findings.append(Finding("unused parameters", f"{few(unused)} get no gradient, {why}; {advice}", crashes=ddp))
     if norms := batchnorm_layers(model):
-        findings.append(
-            Finding(
-                "BatchNorm without SyncBatchNorm",
-                (
-                    f"{few(norms)} normalise{'s' * (len(norms) == 1)} by each rank's share of the batch, not the "
-                    f"global batch; {_batchnorm_advice(takes, cuda=cuda)}"
-                ),
-            )
-        )
+        share = f"normalise{'s' * (len(norms) == 1)} by each rank's share of the batch, not the global batch"
+        detail = f"{few(norms)} {share}; {_batchnorm_advice(takes, cuda=cuda)}"
+        findings.append(Finding("BatchNorm without SyncBatchNorm", detail))
     if not _same(first, again):
-        findings.append(
-            Finding(
-                "non-deterministic layers",
-                (
-                    "two steps with the same seed and batch differ; find the op with "
-                    "torch.use_deterministic_algorithms(True), or accept a tolerance"
-                ),
-            )
-        )
+        find = "find the op with torch.use_deterministic_algorithms(True), or accept a tolerance"
+        findings.append(Finding("non-deterministic layers", f"two steps with the same seed and batch differ; {find}"))
     elif not _same(first, reseeded):
         dropout = dropout_layers(model)
         where = f"dropout ({few(dropout)})" if dropout else "randomness in forward() (torch.rand*, F.dropout)"
-        findings.append(
-            Finding(
-                RANDOMNESS,
-                (
-                    f"{where} draws from the RNG: each rank draws its own (seeded seed + rank), as one process draws "
-                    f"over the whole batch, so N ranks and one process train alike in distribution, not bit for bit"
-                ),
-                layers=tuple(dropout),
-            )
-        )
+        how = "each rank draws its own (seeded seed + rank), as one process draws over the whole batch"
+        alike = "so N ranks and one process train alike in distribution, not bit for bit"
+        findings.append(Finding(RANDOMNESS, f"{where} draws from the RNG: {how}, {alike}", layers=tuple(dropout)))
     findings += _deterministic_check(model, batch, seed=seed, loss=loss)
     return findings
 

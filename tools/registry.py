@@ -33,8 +33,9 @@ class Recipe:
 
     @property
     def streams(self) -> bool:
-        """It reads streams (IterableDatasets) through core.stream; the others refuse them before launch."""
-        return "stream" in self.opt_ins
+        """It reads streams (IterableDatasets) through core.stream or the stream plug-in; the others refuse them
+        before launch."""
+        return "stream" in self.opt_ins or "stream" in self.plugins
 
     def load(self) -> ModuleType:
         """The recipe's module; its Config is built, on first import, with its own plug-ins' option groups only."""
@@ -95,9 +96,9 @@ _BUILT_IN_PLUGINS = [
     Plugin(
         "checks",
         "core.plugins.checks",
-        "the resume checks beyond the global batch and the checksums: other values of the options that shape training "
-        "(--lr, --seed, --epochs ...), a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss "
-        "scaler on one side only, or holding NaN, inf or a negative average of squares, refused in one line",
+        "the resume checks beyond the global batch, the options and the checksums: a checkpoint of a sharded recipe, "
+        "of a model of other shapes, with fp16's loss scaler on one side only, or holding NaN, inf or a negative "
+        "average of squares, refused in one line",
     ),
     Plugin(
         "fast_writer",
@@ -122,8 +123,34 @@ _BUILT_IN_PLUGINS = [
         "total); without it a finished run stays finished",
     ),
 ]
-KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what the package's kernel recipes run with
+KERNEL_PLUGINS = tuple(p.name for p in _BUILT_IN_PLUGINS)  # what every recipe on the kernel runs with (core/attach.py)
 _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module imports those it lists
+    Plugin("trackers", "core.plugins.trackers", "--log-to tensorboard, wandb (and --wandb-project)"),
+    Plugin("stream", "core.plugins.stream", "streams (an IterableDataset), read in order and dealt out by position"),
+    Plugin(
+        "loss_counts",
+        "core.plugins.loss_counts",
+        "num_items_in_batch handed to a model whose own loss divides its sum by it (transformers'): without it, that "
+        "loss is weighed as a mean per micro-batch",
+    ),
+    Plugin(
+        "comm_hook",
+        "core.plugins.comm_hook",
+        "--comm-hook (fp16, bf16, PowerSGD), --bucket-mb and --grad-as-bucket-view (the copy keeps DDP's own reducer)",
+    ),
+    Plugin("tuning", "core.plugins.tuning", "--compile, --activation-checkpointing and --channels-last"),
+    Plugin("profile", "core.plugins.profile", "--profile (a torch.profiler trace of a few steps per rank)"),
+    Plugin("blocks", "core.plugins.blocks", "--blocks NAME (the copy shards the repeated blocks it finds)"),
+    Plugin(
+        "watchdog",
+        "core.plugins.watchdog",
+        "the hang watchdog (--hang-factor, --hang-min-s: every rank's stack, the rank the others wait for) and --debug",
+    ),
+    Plugin(
+        "balance",
+        "core.plugins.balance",
+        "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
+    ),
     Plugin(
         "model_plans",
         "core.plugins.model_plans",
@@ -145,15 +172,17 @@ _BUILT_IN = [
         "recipes.ddp_amp",
         "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
-        opt_ins=("amp", "exact_loss", "stream", "trackers"),
+        opt_ins=("amp", "exact_loss"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts"),
     ),
     Recipe(
         "ddp_monitored",
         "recipes.ddp_monitored",
         "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
-        opt_ins=("monitor", "metrics", "watchdog", "comm", "tuning", "ckpt_async", "trackers"),
+        opt_ins=("ckpt_async", "metrics", "monitor"),
         mean_per_replica=True,
+        plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile", "watchdog"),
     ),
     Recipe(
         "dp",
@@ -169,7 +198,8 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "amp", "exact_loss", "stream", "dcp", "trackers"),
+        opt_ins=("shard", "shard_ckpt", "amp", "exact_loss", "gpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks"),
     ),
     Recipe(
         "tensor_parallel",
@@ -190,7 +220,8 @@ _BUILT_IN = [
         "recipes.pipeline",
         "`torch.distributed.pipelining`: GPipe, 1F1B, interleaved; pipeline x data parallel",
         builds_on="ddp_amp",
-        opt_ins=("parallel", "pipeline", "schedules", "amp", "dcp", "trackers"),
+        opt_ins=("gpt_builtin", "pipeline", "schedules", "shard_ckpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "balance"),
     ),
     Recipe(
         "pipeline_naive",
@@ -198,7 +229,8 @@ _BUILT_IN = [
         "model parallel by hand: stages on devices, one process, one device busy at a time",
         builds_on="dp",
         multi_node=False,
-        opt_ins=("pipeline",),
+        opt_ins=("gpt_builtin", "pipeline"),
+        plugins=KERNEL_PLUGINS,
     ),
 ]
 

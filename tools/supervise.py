@@ -3,27 +3,13 @@
     exec python tools/supervise.py --what ddp --note launch_single_node [--max-restarts N] [--remove DIR]
         [--this-node IP --master IP:PORT] -- torchrun ARGS... python tools/worker.py python -m recipes run ...
 
-The launcher execs this, so the launcher's PID is this process. torchrun runs in a process group of
-its own and dies with this process (PR_SET_PDEATHSIG): SIGTERM, SIGINT, SIGHUP or SIGQUIT here reach
-torchrun once (a second one: SIGKILL), and torchrun stops the ranks. torchrun's stderr comes here.
-What the ranks write (tagged by tools/worker.py) passes through, except tracebacks and `error:` lines,
-held per rank until the rank ends (or released after RELEASE_S of silence: the rank caught it and
-went on). torchrun's own log lines and closing traceback (ChildFailedError, SignalException) are
-replaced by one line:
-- a failed group: the rank that raised (its traceback shown once), died of a signal, was stopped, or
-  the peer lost or silent past --timeout-s; a note when torchrun restarts the group (MAX_RESTARTS),
-  `error: WHAT failed: CAUSE` when it does not;
-- a stop by signal: `error: WHAT stopped by SIGNAL ...` with the last step, the checkpoint kept and how
-  to resume, and the exit status 128 + the signal, as schedulers expect.
-The lines it prints of its own (a failed rank's traceback, a restart, the closing line) also end the run folder's
-train.log (`launcher` in a rank's place), and what a killed write left there (.NAME.tmp-PID, whose process is
-gone) is removed once torchrun has ended: the run a failed job abandons keeps no half-written file.
-Standard library only.
+Standard library only; docs/multinode.md ("How the launchers know") tells what it holds back and what it says.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -47,6 +33,7 @@ GLOG = re.compile(r"[IWEC]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] (.*)")  # tor
 FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 RECEIVED = re.compile(r"Received (\d+) death signal")
 QUIET = ("Sending process", "Unable to shutdown process", "did not exit after", "failed (exitcode")
+TAGGED = re.compile(r"\x1e([^\x1f\x1d]*)([\x1f\x1d])(.*)", re.S)
 EXCEPTION = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)):? ?(.*)")
 # A rank's error that only follows from another's failure: the network, a peer gone, a collective timed out.
 SYMPTOM = re.compile(
@@ -84,8 +71,7 @@ def shorten(text: str, limit: int = LIMIT) -> str:
 
 
 def last_words(held: list[str]) -> tuple[str | None, list[str]]:
-    """A rank's held lines as (what ended it, the traceback above): its last `error:` line without the prefix
-    (`rank R: Type: message` after a traceback, or a one-line error), else the exception its traceback ends in."""
+    """A rank's held lines as (what ended it, the traceback above): its last `error:` line, else its exception."""
     for i in range(len(held) - 1, -1, -1):
         if held[i].startswith("error: "):
             return held[i][len("error: ") :], held[:i]
@@ -106,9 +92,7 @@ def final_exception(lines: list[str]) -> str | None:
 
 
 def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
-    """How one rank ended: (kind, a line saying it, its traceback). Kinds, most telling first: raised,
-    killed, stopped, vanished (no end reported); symptom (an error that follows from another's: the network,
-    a timeout); silent (closed by torchrun while it still ran); ok."""
+    """How one rank ended: (kind: raised, killed, stopped, vanished, symptom, silent or ok; a line; its traceback)."""
     end = state["end"] or {}
     if state["end"] is not None and end.get("code") == 0:
         return "ok", "", []
@@ -126,12 +110,10 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
     if state["end"] is None:  # tools/worker.py reports every end it lives to see: it was killed too
         return "vanished", f"rank {rank} was killed together with the tools/worker.py that ran it (SIGKILL?)", []
     if end.get("signal") and not end.get("closed_by"):
-        why = {
-            signal.SIGKILL: "sent by neither the launcher nor torchrun: the OOM killer (see dmesg) or a kill -9",
-            signal.SIGSEGV: "a crash in native code",
-            signal.SIGABRT: "a crash in native code",
-            signal.SIGBUS: "a crash in native code",
-        }.get(end["signal"], "sent by another process, not by torchrun")
+        native = end["signal"] in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
+        why = "a crash in native code" if native else "sent by another process, not by torchrun"
+        if end["signal"] == signal.SIGKILL:
+            why = "sent by neither the launcher nor torchrun: the OOM killer (see dmesg) or a kill -9"
         return "killed", f"rank {rank} died of {signame(end['signal'])}, {why}", []
     if end.get("stopped"):
         return "stopped", f"rank {rank} was stopped ({signame(end['stopped'])}) and stopped answering", []
@@ -145,9 +127,7 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
 def explain(
     ranks: dict[str, dict], *, this_node: str | None = None, peer: Callable[[], str] = lambda: "a peer node"
 ) -> tuple[str | None, list[str]]:
-    """Why a group failed, from its ranks' ends and last words: (one line, the traceback to show), or (None, []).
-    `this_node`: this node's address (multi-node): a connection closed from there is a local rank exiting, not
-    the lost peer. `peer()`: who did not answer, when no rank here hung (asked only then: it may probe)."""
+    """Why a group failed: (one line, the traceback to show), or (None, []); `peer()` (it may probe) is asked last."""
     order = sorted(ranks, key=lambda r: ((ranks[r]["end"] or {}).get("t", math.inf), int(r) if r.isdigit() else 0))
     fates = {r: fate(r, ranks[r]) for r in order}
     symptoms = [fates[r][1] for r in order if fates[r][0] == "symptom"]
@@ -193,18 +173,15 @@ def lost_peer(errors: list[str], *, this_node: str) -> str | None:
 def progress(run_dir: Path) -> tuple[int | None, Path | None]:
     """The last step the run folder records (train records, checkpoints), and its newest checkpoint."""
     step = None
-    try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))  # the last records are enough
-            for raw in f.read().splitlines():
-                try:
-                    record = json.loads(raw)
-                except ValueError:  # the first, cut, or a torn last line
-                    continue
-                if record.get("kind") == "train":
-                    step = record.get("step")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(run_dir / "metrics.jsonl", "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))  # the last records are enough
+        for raw in f.read().splitlines():
+            try:
+                record = json.loads(raw)
+            except ValueError:  # the first, cut, or a torn last line
+                continue
+            if record.get("kind") == "train":
+                step = record.get("step")
     try:
         saved = [(int(m[1]), p) for p in (run_dir / "ckpt").iterdir() if (m := CKPT.fullmatch(p.name))]
     except OSError:
@@ -237,10 +214,8 @@ def torchrun_error(traceback: list[str]) -> tuple[str, bool]:
     if "EADDRINUSE" in text or "address already in use" in text:
         port = re.search(r"port: (\d+)", text)
         where = f"port {port[1]}" if port else "the rendezvous port"
-        return (
-            f"{where} is already in use on this machine: set MASTER_PORT to a free port (the same on every node)",
-            False,
-        )
+        fix = "set MASTER_PORT to a free port (the same on every node)"
+        return f"{where} is already in use on this machine: {fix}", False
     exceptions = [m for m in map(EXCEPTION.fullmatch, traceback) if m]
     if not exceptions:
         return "torchrun failed; see its report above", True
@@ -249,35 +224,24 @@ def torchrun_error(traceback: list[str]) -> tuple[str, bool]:
 
 
 def say(text: str) -> None:
-    try:
+    with contextlib.suppress(OSError, ValueError):  # nobody reads our stderr any more: the run goes on regardless
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
-    except (OSError, ValueError):  # nobody reads our stderr any more: the run goes on regardless
-        pass
 
 
 def log_line(run_dir: str | None, text: str, *, level: str) -> None:
-    """Append a line of the launcher's to RUN/train.log, in core.records' form; only to a log the run opened (a run
-    folder taken back, or on another node, gets none)."""
+    """Append a line of the launcher's to RUN/train.log, in the log's own form, if the run opened one."""
     if run_dir is None:
         return
     now = time.time()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
-    try:
-        fd = os.open(Path(run_dir) / "train.log", os.O_WRONLY | os.O_APPEND)  # no O_CREAT
-    except OSError:
-        return
-    try:
-        os.write(fd, f"{stamp} | {level:<7} | launcher | {text}\n".encode())
-    except OSError:  # a full disk: the terminal has the line
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(OSError):  # no log the run opened (no O_CREAT), or a full disk: the terminal has the line
+        with os.fdopen(os.open(Path(run_dir) / "train.log", os.O_WRONLY | os.O_APPEND), "ab", buffering=0) as log:
+            log.write(f"{stamp} | {level:<7} | launcher | {text}\n".encode())
 
 
 def remove_temporaries(run_dir: Path, *, sharded: bool) -> list[Path]:
-    """Delete what a killed write left in run_dir and run_dir/ckpt: .NAME.tmp-PID files and folders whose process
-    is gone, and (`sharded`: every rank of the job has ended) core.dcp's .step-N.tmp folders."""
+    """Delete what a killed write left in run_dir and run_dir/ckpt (and, `sharded`, DCP's .step-N.tmp folders)."""
     removed = []
     for folder in (run_dir, run_dir / "ckpt"):
         try:
@@ -303,7 +267,7 @@ def alive(pid: int) -> bool:
 
 
 class Supervisor:
-    """What torchrun's stderr has told so far, and what to print (see the module docstring)."""
+    """What torchrun's stderr has told so far, and what to print."""
 
     def __init__(self, *, what: str, note: str, max_restarts: int, this_node: str | None, master: str | None):
         self.what, self.note, self.max_restarts = what, note, max_restarts
@@ -315,8 +279,8 @@ class Supervisor:
         self.run_dir: str | None = None
 
     def feed(self, line: str) -> None:
-        if line.startswith("\x1e") and ("\x1f" in line or "\x1d" in line):
-            rank, kind, text = re.match(r"\x1e([^\x1f\x1d]*)([\x1f\x1d])(.*)", line, re.S).groups()
+        if tagged := TAGGED.match(line):  # a rank's line or event, from tools/worker.py
+            rank, kind, text = tagged.groups()
             if kind == "\x1f":
                 self.rank_line(rank, text)
             else:
@@ -418,15 +382,12 @@ class Supervisor:
                     say(text)
             return 0
         if stopped:
-            sent_to = "the launcher" if self.stop else "torchrun"
-            self.own(
-                stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir, multi_node=bool(self.this_node))
-            )
+            sent_to, multi_node = "the launcher" if self.stop else "torchrun", bool(self.this_node)
+            self.own(stop_line(self.what, stopped, sent_to=sent_to, run_dir=self.run_dir, multi_node=multi_node))
             return 128 + stopped
         if returncode < 0:
-            self.own(
-                f"error: {self.what} failed: torchrun was killed by {signame(-returncode)}, and its ranks ended with it"
-            )
+            killed = f"torchrun was killed by {signame(-returncode)}, and its ranks ended with it"
+            self.own(f"error: {self.what} failed: {killed}")
             return 128 - returncode
         cause = self.cause
         if cause is None and self.traceback:
@@ -464,13 +425,11 @@ def start_torchrun(command: list[str]) -> subprocess.Popen:
     return subprocess.Popen(command, stderr=subprocess.PIPE, process_group=0, preexec_fn=die_with_us)
 
 
-def pump(
-    fd: int, feed: Callable[[str], None], tick: Callable[[], None], *, every: float = 0.5, until: Callable[[], bool]
-) -> None:
-    """feed(line) for every line read from `fd` until its end or until(), and tick() at least every `every` seconds."""
+def pump(fd: int, feed: Callable[[str], None], tick: Callable[[], None], *, until: Callable[[], bool]) -> None:
+    """feed(line) for every line read from `fd` until its end or until(), and tick() at least twice a second."""
     pending = b""
     while not until():
-        ready, _, _ = select.select([fd], [], [], every)
+        ready, _, _ = select.select([fd], [], [], 0.5)
         chunk = os.read(fd, 65536) if ready else None
         if chunk == b"":
             break

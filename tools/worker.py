@@ -2,22 +2,13 @@
 
     torchrun --no-python ... python tools/worker.py python -m recipes run ddp --epochs 3
 
-It stays between torchrun and the rank, for two reasons:
-- the rank's life is tied to torchrun's: when torchrun dies, even by `kill -9`, the kernel sends this
-  process SIGTERM (PR_SET_PDEATHSIG; torchrun starts each worker in a session of its own, so nothing
-  else would), and this process dies only after the rank, or by SIGKILL, which the rank then gets too.
-  The signals torchrun closes a group with (SIGTERM, SIGINT, SIGHUP, SIGQUIT) reach the rank's process
-  group once, with a SIGCONT, so that a stopped rank ends too.
-- the launchers' tools/supervise.py reads our stderr (torchrun's) and learns, per rank:
-      "\x1e" RANK "\x1f" LINE    a line the rank wrote to its stderr
-      "\x1e" RANK "\x1d" JSON    the rank started, stopped, or ended: exit code or signal, and the
-                                   signal torchrun closed the group with, if it did
-  so that it prints one rank's traceback and names the rank that failed, and how.
-Standard library only: it starts before every rank.
+It ties the rank's life to torchrun's, passes on torchrun's closing signals, and tags the rank's stderr lines and its
+start, stop and end for tools/supervise.py (docs/multinode.md). Standard library only: it starts before every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -27,7 +18,7 @@ import sys
 import threading
 import time
 
-LINE, EVENT = "\x1f", "\x1d"
+LINE, EVENT = "\x1f", "\x1d"  # "\x1e" RANK LINE text, or "\x1e" RANK EVENT json (started, stopped, ended)
 CLOSING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what torchrun closes a group with
 
 
@@ -39,26 +30,20 @@ def die_with_parent(signum: int, *, parent: int) -> None:
         os.kill(os.getpid(), signum)
 
 
-def tag(rank: str, kind: str, text: str) -> bytes:
-    return f"\x1e{rank}{kind}{text}\n".encode(errors="replace")
-
-
-def send(data: bytes) -> None:
-    """One write (atomic on a pipe up to 4 KiB): lines of several ranks never mix."""
-    try:
-        os.write(2, data)
-    except OSError:  # the supervisor is gone: keep draining the rank's pipe all the same
-        pass
+def send(rank: str, kind: str, text: str) -> None:
+    """One tagged line in one write (atomic on a pipe up to 4 KiB): lines of several ranks never mix."""
+    with contextlib.suppress(OSError):  # the supervisor is gone: keep draining the rank's pipe all the same
+        os.write(2, f"\x1e{rank}{kind}{text}\n".encode(errors="replace"))
 
 
 def relay(pipe, rank: str) -> None:
     """Copy the rank's stderr to ours, line by line, each tagged with the rank."""
     for raw in iter(pipe.readline, b""):
-        send(tag(rank, LINE, raw.decode(errors="replace").rstrip("\r\n")))
+        send(rank, LINE, raw.decode(errors="replace").rstrip("\r\n"))
 
 
 def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
-    """Run the rank to its end; returns its wait status and what happened to it (see the module docstring)."""
+    """Run the rank to its end; returns its wait status and what happened to it."""
     me = os.getpid()
     state = {"closed_by": None, "stopped": None, "stopped_when_closed": None, "ended": False}
     child = subprocess.Popen(
@@ -73,21 +58,19 @@ def supervise(argv: list[str], *, rank: str) -> tuple[int, dict]:
             state["closed_by"], state["stopped_when_closed"] = signum, state["stopped"]
         if not state["ended"]:  # reaped: its group id may be another's by now
             for sig in (signum, signal.SIGCONT):  # a stopped rank acts on it now, not never
-                try:
-                    os.killpg(child.pid, sig)  # the rank and what it started (data loader workers), as torchrun would
-                except ProcessLookupError:
-                    pass
+                with contextlib.suppress(ProcessLookupError):  # the rank and what it started, as torchrun would
+                    os.killpg(child.pid, sig)
 
     for signum in CLOSING:
         signal.signal(signum, on_closing)
-    send(tag(rank, EVENT, json.dumps({"event": "started", "pid": child.pid, "t": time.time()})))
+    send(rank, EVENT, json.dumps({"event": "started", "pid": child.pid, "t": time.time()}))
     reader = threading.Thread(target=relay, args=(child.stderr, rank), daemon=True)
     reader.start()
     while True:
         _, status = os.waitpid(child.pid, os.WUNTRACED | os.WCONTINUED)
         if os.WIFSTOPPED(status):
             state["stopped"] = os.WSTOPSIG(status)
-            send(tag(rank, EVENT, json.dumps({"event": "stopped", "signal": state["stopped"], "t": time.time()})))
+            send(rank, EVENT, json.dumps({"event": "stopped", "signal": state["stopped"], "t": time.time()}))
         elif os.WIFCONTINUED(status):
             state["stopped"] = None
         else:
@@ -114,7 +97,7 @@ def main(argv: list[str]) -> None:
         "stopped": state["stopped_when_closed"] or state["stopped"],
         "t": time.time(),
     }
-    send(tag(rank, EVENT, json.dumps(ended)))
+    send(rank, EVENT, json.dumps(ended))
     if code < 0:  # end as the rank ended, so that torchrun reports what it would have reported
         if -code != signal.SIGKILL:
             signal.signal(-code, signal.SIG_DFL)

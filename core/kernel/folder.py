@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
 
 from core.kernel.ckpt import newest_good, read_metadata
 from core.kernel.log import RunFolder, keep_lines, open_log, os_error_line, say, show
-from core.kernel.options import RecipeError
+from core.kernel.options import RecipeError, flag
 from core.kernel.pg import Topology, broadcast_object
 from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS, TRAINS_ON
+
+# The options that shape what is trained: a resumed run must keep them, or it would be another run. A recipe that
+# does not take one trains as IMPLIED says.
+TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
+IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}
+LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
@@ -82,18 +89,34 @@ def _take_folder(cfg, config: dict) -> tuple[Path, Path | None]:
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
-    """One line, naming both sides and the fix, when the checkpoint's global batch is not this job's (every later
-    step would differ), or a plug-in's check refuses it."""
-    for check in RESUME_CHECKS:  # --with checks: the options that shape training, the layout ...
+    """One RecipeError line, naming both sides and the fix, when the checkpoint would train another run here: another
+    global batch, or another value of an option that shapes training."""
+    for check in RESUME_CHECKS:
         check(path, meta, config)
-    saved_batch, global_batch, dp = int(meta.get("global_batch", 0)), config["global_batch"], config["world_size"]
-    if saved_batch and saved_batch != global_batch:
+    saved_batch, global_batch = int(meta.get("global_batch", 0)), config["global_batch"]
+    if saved_batch and saved_batch != global_batch:  # every later step would differ
+        dp = config["world_size"]
         per_rank, rest = divmod(saved_batch, dp * config.get("accum", 1))  # --accum as it is: the line shows it
         fix = f"a number of ranks that divides {saved_batch}" if rest else f"--batch-size {per_rank} at {dp} rank(s)"
         was = f"saved with global batch {saved_batch} ({meta.get('world_size', '?')} rank(s))"
         accum = f" x --accum {config['accum']}" if "accum" in config else ""
         now = f"{global_batch} (--batch-size {config['batch_size']} x {dp} ranks{accum})"
         raise RecipeError(f"{path}: {was} and this job's is {now}; the run would change: use {fix}")
+    saved, end = json.loads(meta.get("config", "{}")), json.loads(meta.get("scheduler", "{}"))
+    ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # saved at its run's end: larger ones train on
+    longer = [k for k in LENGTH if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
+    both = [k for k in TRAJECTORY if (k in IMPLIED or (k in saved and k in config)) and k not in longer]
+    old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
+    if differ := [k for k in both if old[k] != new[k]]:
+        recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
+        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
+        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
+        fix = " ".join(f"{flag(k)} {old[k]}" for k in differ)
+        fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
+        raise RecipeError(
+            f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
+            f"options it was started with), or start a new run without --resume"
+        )
 
 
 def run_dirs(out: str, prefix: str) -> list[Path]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from core.kernel.seams import ON_FAIL
+from core.kernel.seams import LOG_SINKS, ON_FAIL
 
 LOG_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | rank {extra[rank]} | {message}"
 GRACE_S = 5.0  # how long a rank other than 0 lets rank 0 say an error every rank meets before it says it itself
@@ -121,3 +121,5 @@ def write_record(run: RunFolder, record: dict) -> None:
         clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with open(run.path / "metrics.jsonl", "ab") as f:
             f.write((json.dumps(clean) + "\n").encode())
+        for sink in LOG_SINKS:  # the trackers
+            sink(run, record)

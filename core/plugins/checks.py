@@ -1,46 +1,21 @@
-"""Plug-in `checks`: the resume checks beyond those every copy makes (the global batch, the checksums): other values
-of the options that shape training, a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss
+"""Plug-in `checks`: the resume checks beyond those every copy makes (the global batch, the options that shape
+training, the checksums): a checkpoint of a sharded recipe, of a model of other shapes, with fp16's loss
 scaler on one side only, or holding a value no training state can (NaN, inf, a negative average of squares), is
 refused in one line, and `--resume auto` passes over a diverged one."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from core.kernel.options import RecipeError, flag
+from core.kernel.options import RecipeError
 from core.kernel.seams import READ_CHECKS, RESUME_CHECKS
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # optimizer averages of squares
-# The options that shape what is trained: a resumed run must keep them, or it would be another run. A recipe that
-# does not take one trains as IMPLIED says.
-TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
-IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}
-LENGTHS = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
-
-
-def check_options(path: Path, meta: dict[str, str], config: dict) -> None:
-    """Another value of an option that shapes training (a larger length at a finished run's end trains longer)."""
-    saved, end = json.loads(meta.get("config", "{}")), json.loads(meta.get("scheduler", "{}"))
-    ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # saved at its run's end: larger ones train on
-    longer = [k for k in LENGTHS if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
-    both = [k for k in TRAJECTORY if (k in IMPLIED or (k in saved and k in config)) and k not in longer]
-    old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
-    if differ := [k for k in both if old[k] != new[k]]:
-        recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
-        across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
-        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
-        fix = " ".join(f"{flag(k)} {old[k]}" for k in differ)
-        fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
-        raise RecipeError(
-            f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
-            f"options it was started with), or start a new run without --resume"
-        )
 
 
 def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
@@ -52,7 +27,9 @@ def check_layout(path: Path, meta: dict[str, str], config: dict) -> None:
             f"{path}: a checkpoint of recipe {saved_recipe}, and this run is {recipe}: its state is laid out for "
             f"{saved_recipe}; resume it with {saved_recipe}, or start a new run"
         )
-    fp16, precision = json.loads(meta.get("scaler", "null")) is not None, config.get("precision", "fp32")
+    progress = json.loads(meta.get("progress", "{}"))  # a kernel checkpoint keeps the scaler's state in its progress
+    fp16 = json.loads(meta.get("scaler", "null")) is not None or "scaler" in progress
+    precision = config.get("precision", "fp32")
     if fp16 != (precision == "fp16"):  # the loss scaler's state exists on one side only
         was = "fp16" if fp16 else saved.get("precision", "fp32")
         raise RecipeError(
@@ -89,6 +66,5 @@ def check_read(path: Path, tensors: dict[str, torch.Tensor], model: nn.Module | 
             raise RecipeError(f"{path} holds another model ({'; '.join(found)}); {fix}")
 
 
-RESUME_CHECKS.append(check_options)
 RESUME_CHECKS.append(check_layout)
 READ_CHECKS.append(check_read)

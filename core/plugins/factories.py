@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 
 from core.kernel.builtin import MLP, digits
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.seams import FACTORIES, OPTION_GROUPS
+from core.kernel.seams import FACTORIES, OPTION_GROUPS, STREAMS
 
 MODELS: dict = {"mlp": MLP}  # name -> a factory, or "module:function", imported only when named
 DATASETS: dict = {"digits": digits}
@@ -62,7 +62,7 @@ def model_from_spec(cfg) -> nn.Module:
 def data_from_spec(cfg) -> tuple:
     found = resolve_factory(cfg.data, DATASETS, option="--data")()
     found = (*found, None)[:3] if isinstance(found, tuple | list) else (found, None, None)
-    if isinstance(found[0], IterableDataset):  # a stream has no length for a sampler to deal out
+    if isinstance(found[0], IterableDataset) and not STREAMS:  # no length for a sampler; the stream plug-in reads it
         raise RecipeError(
             f"the data set is a stream ({type(found[0]).__name__}, an IterableDataset): give a map-style one "
             f"(__len__, __getitem__), or take ddp_amp, fsdp, fsdp_tp or tensor_parallel (a copy of one made "

@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 from core.kernel.ckpt import list_checkpoints, read_metadata
+from core.kernel.folder import LENGTH
 from core.kernel.log import write_record
 from core.kernel.options import RecipeError
 from core.kernel.seams import ON_RESUME, TRAINS_ON
-
-LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
 
 
 def asks_for_more(cfg, run_dir: Path, resume: str) -> bool:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.seams import LOSS_CHOICES, OPTION_GROUPS
+from core.kernel.seams import LOSS_CHECKS, LOSS_CHOICES, OPTION_GROUPS
 from core.kernel.step import IGNORE, Loss, split_outputs
 
 CHOICES = ("auto", "ce", "mse", "model")  # and module:function
@@ -194,3 +194,4 @@ def resolve_loss(spec: str) -> Callable:
 
 OPTION_GROUPS.append(LossOption)
 LOSS_CHOICES.append(choose)
+LOSS_CHECKS.append(check_aligned)  # the pipeline's loss on its last stage (core/schedules.py) checks alike

@@ -1,10 +1,7 @@
-"""Debugging a distributed job without a debugger: a hang watchdog and --debug (core.monitor has --profile).
-
-    watchdog.prepare_env(debug=cfg.debug, out=cfg.out)       # before init_pg: env read at group creation
-    watch = watchdog.Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
-    watch.start()
-    ... every step: watch.beat(step); evaluation and checkpoints: core.monitor.paused(timer, watch)
-    watch.stop()
+"""Plug-in `watchdog`: debugging a distributed job without a debugger, a hang watchdog (--hang-factor, --hang-min-s)
+and --debug (the profile plug-in has --profile). It sets the environment c10d reads before the process group exists
+(BEFORE_PG), starts with the run (BEFORE_JOB), beats after every step (ON_STEP), holds during evaluation and
+checkpoints (PAUSES) and stops with the run (AFTER_JOB, ON_FAIL).
 
 A thread on every rank compares the time since the last beat with max(factor x median step, min_s),
 capped below the collective timeout (and uses the cap until 5 steps give a median). Past it, the rank
@@ -16,6 +13,7 @@ the fewest collectives issued, i.e. the ones the others are waiting for.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -30,9 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.dist import Topology
+from core.kernel.ckpt import read_metadata
 from core.kernel.log import show
 from core.kernel.options import Options, option
+from core.kernel.pg import Topology
+from core.kernel.seams import AFTER_JOB, BEFORE_JOB, BEFORE_PG, ON_FAIL, ON_STEP, OPTION_GROUPS, PAUSES
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ class DebugOptions(Options):
         fix="use a positive number of seconds",
     )
     debug: bool = option(False, "TORCH_DISTRIBUTED_DEBUG, and the NCCL flight recorder on GPU")
-    profile: bool = option(False, "write a torch.profiler trace of a few steps, one file per rank")
 
 
 def prepare_env(*, debug: bool = False, out: str = "runs", watchdog: bool = True) -> dict[str, str]:
@@ -200,3 +199,56 @@ def behind(infos: dict[int, dict], *, world_size: int) -> dict:
     if silent:
         message += f"; rank(s) {', '.join(map(str, silent))} sent no report (stuck holding the GIL, or dead)"
     return {"behind": late, "silent": silent, "message": message}
+
+
+WATCH: dict = {}  # this process's watchdog while a run trains: {"on": Watchdog}
+
+
+def prepare(cfg) -> None:
+    """Before the process group exists: the environment it reads (a recipe without these options: nothing)."""
+    if hasattr(cfg, "hang_factor"):
+        prepare_env(debug=cfg.debug, out=cfg.out, watchdog=cfg.hang_factor > 0)
+
+
+def start_watch(cfg, run) -> None:
+    """Every rank, once the run folder is open: the thread starts (--hang-factor 0: the watchdog is off)."""
+    stop_watch()
+    if getattr(cfg, "hang_factor", 0) > 0:
+        topo = Topology(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+        watch = Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
+        if run.resume_from is not None:  # the step training continues after: what a hang report names
+            watch.step = json.loads(read_metadata(run.resume_from)["progress"])["step"]
+        WATCH["on"] = watch.start()
+
+
+def beat(metrics: dict) -> None:
+    if watch := WATCH.get("on"):
+        watch.beat(watch.step + 1)
+
+
+@contextlib.contextmanager
+def held():
+    """Evaluation or a checkpoint: not a step for the median; the watchdog still reports one that reaches its cap."""
+    watch = WATCH.get("on")
+    if watch is None:
+        yield
+        return
+    watch.hold()
+    try:
+        yield
+    finally:
+        watch.beat(watch.step, timed=False)
+
+
+def stop_watch(*args, **kwargs) -> None:
+    if watch := WATCH.pop("on", None):
+        watch.stop()
+
+
+OPTION_GROUPS.append(DebugOptions)
+BEFORE_PG.append(prepare)
+BEFORE_JOB.append(start_watch)
+ON_STEP.append(beat)
+PAUSES.append(held)
+AFTER_JOB.append(stop_watch)
+ON_FAIL.append(stop_watch)
