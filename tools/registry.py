@@ -206,7 +206,8 @@ _BUILT_IN = [
         "recipes.tensor_parallel",
         "column/row splits of each block's Linear layers (DTensor), from the model's own plan",
         builds_on="fsdp",
-        opt_ins=("parallel", "tp_plan", "amp", "exact_loss", "stream", "dcp", "trackers"),
+        opt_ins=("shard", "shard_ckpt", "tp_plan", "amp", "exact_loss"),
+        plugins=(*KERNEL_PLUGINS, "model_plans"),
     ),
     Recipe(
         "fsdp_tp",
