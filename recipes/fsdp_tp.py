@@ -155,7 +155,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 def built_in(kind: str, name: str, make, other):
     """fsdp_tp's own built-in model or data: taken where --model/--data names it or is no option (a copy without
     `factories`), else `other`, the factories' (a user's module:function, another built-in name)."""
-    return lambda cfg: make() if other is None or getattr(cfg, kind) == name else other(cfg)
+    return lambda cfg: make() if other is None or getattr(cfg, kind, name) == name else other(cfg)
 
 
 FACTORIES["model"] = built_in("model", "gpt", gpt, FACTORIES.get("model"))  # the GPT (your model in its place)
