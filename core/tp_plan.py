@@ -1,239 +1,111 @@
-"""Tensor parallelism from the model's own plan: a transformers model's declared tp plan as torch ParallelStyles.
+"""The TP split (tensor_parallel, fsdp_tp): which Linear layers split by output column and which by input row.
 
-A transformers model says which of its layers split by output column and which by input row
-(`config.base_model_tp_plan`, under the base model's prefix, plus the causal-LM class's `_tp_plan` for
-lm_head). model_tp_plan turns that into {module name: ParallelStyle}, check_tp_plan refuses a tp size
-that does not split it into equal shards (on a meta-device model, before any process starts), and
-apply_model_tp hands it to DTensor's parallelize_module. A model without a plan but with the built-in
-GPT's layout gets core.parallel's Megatron plan instead. Nothing here imports transformers.
+The built-in GPT's plan is Megatron's: attn.q/k/v and mlp.fc by column (each rank its own heads and hidden units),
+attn.proj and mlp.proj by row (partial sums, all-reduced). A model's own plan (a transformers Llama's
+config.base_model_tp_plan) comes from the model_plans plug-in, at the seams TP_PLANS and AROUND_TP.
 
-    tp_plan.check_tp_plan(meta_model, tp=world_size)   # the pre-check (the recipe's check(cfg))
-    plan = tp_plan.plan_of(model)
-    with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
-        parallelize_module(model, tp_mesh, plan)        # after the process group exists
+    check_tp_plan(meta_model, tp=tp)                  # before any process starts: tp splits every layer whole
+    plan = plan_of(model, tp=tp)
+    with tp_kept(model, plan, tp=tp):
+        parallelize_module(model, tp_mesh, plan)      # DTensor slices in place
 """
 
 from __future__ import annotations
 
-import math
-import re
-from contextlib import contextmanager
+import contextlib
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
-from core import parallel
 from core.kernel.options import RecipeError
+from core.kernel.seams import AROUND_TP, TP_PLANS
 
-# transformers' style strings (transformers/distributed/tensor_parallel.py, ALL_PARALLEL_STYLES) as torch styles.
-# None: every rank keeps the whole parameter, nothing to shard.
-STYLES = {
-    "colwise": lambda: ColwiseParallel(),  # output features split, each rank keeps its slice (its heads)
-    "rowwise": lambda: RowwiseParallel(),  # input split, partial sums all-reduced to the whole output
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),  # the slices all-gathered
-    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),  # transformers' alias of the above
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),  # a whole input, sliced locally
-    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),  # transformers' alias of the above
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocab split; token ids are whole
-    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),  # embedding dim split, gathered
-    "replicate": None,
-}
-HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")  # attention attributes some forwards use
+GPT_LAYOUT = (
+    "the built-in GPT's layout (model.blocks, an nn.Sequential run as model.blocks(x), whose blocks have "
+    "attn.q/k/v/proj and mlp.fc/proj nn.Linear layers)"
+)
 
 
-def _declared(model: nn.Module) -> dict[str, str]:
-    """The plan's rules as the model declares them, keys with `*` for a layer number, under the model's own names."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    base, under = (base, f"{prefix}.") if isinstance(base, nn.Module) else (model, "")  # LlamaModel: no prefix
-    config_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    rules = {f"{under}{key}": style for key, style in config_plan.items()}
-    rules.update(getattr(type(model), "_tp_plan", None) or {})  # the class's: lm_head (the instance's is merged)
-    if rules and isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
-        # transformers' own rule (DistributedMixin.init_parallel_plans): the input embeddings split on the vocabulary
-        rules.setdefault(f"{under}embed_tokens", "embedding_rowwise")
-    return rules
-
-
-def _generic(name: str) -> str:
-    """A module name with its layer numbers as `*` (transformers' replace_layer_number_by_wildcard)."""
-    return re.sub(r"\.\d+(\.|$)", lambda m: f".*{m.group(1)}", name)
-
-
-def model_tp_plan(model: nn.Module) -> dict[str, ParallelStyle] | None:
-    """The tensor-parallel plan a transformers model declares, as {module name: ParallelStyle}; None if it has none.
-
-    A rule naming a style torch has no ParallelStyle for here, a parameter rather than a module, or a module
-    other than nn.Linear / nn.Embedding is refused in one RecipeError line; a rule that matches no module is
-    skipped, as transformers skips it (with a warning)."""
-    rules = _declared(model)
-    if not rules:
-        return None
-    what = type(model).__name__
-    params = {_generic(n) for n, _ in model.named_parameters()}
-    for rule, style in rules.items():
-        if style not in STYLES:
-            supported = ", ".join(STYLES)
+def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> None:
+    """One RecipeError line unless the model has the GPT's layout and every block splits into `tp` whole heads and
+    equal MLP shards (attributes and shapes only: a meta-device model will do)."""
+    blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
+    linear = [getattr(b.attn, n, None) for b in blocks for n in ("q", "k", "v", "proj")]
+    linear += [getattr(b.mlp, n, None) for b in blocks for n in ("fc", "proj")]  # GPT-2's are c_fc, c_proj
+    heads_known = all(hasattr(b.attn, "head_dim") for b in blocks)
+    if not blocks or not heads_known or not all(isinstance(m, nn.Linear) for m in linear):
+        raise RecipeError(
+            f"--model {type(model).__name__}: tensor parallelism needs a plan: a transformers model's "
+            f"config.base_model_tp_plan (a copy reads it when made `--with model_plans`), or {GPT_LAYOUT}; this model "
+            f"has neither; use fsdp for this model"
+        )
+    for block in blocks:
+        heads = block.attn.q.out_features // block.attn.head_dim
+        if heads % tp or block.mlp.fc.out_features % tp:
             raise RecipeError(
-                f"--model {what}: its tensor-parallel plan splits {rule} as '{style}', which has no torch "
-                f"ParallelStyle here (supported: {supported}); use fsdp for this model"
+                f"tensor parallel size {tp} must divide the {heads} attention heads and the "
+                f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both"
             )
-        if rule in params:
-            raise RecipeError(
-                f"--model {what}: its tensor-parallel plan splits the parameter {rule} ('{style}'); torch's "
-                f"ParallelStyles split whole nn.Linear / nn.Embedding modules; use fsdp for this model"
-            )
+    if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
+        raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., Head(ln, out)]")
+
+
+def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
+    """The GPT's plan, one all-reduce per sub-layer forward and one backward; sequence_parallel: the residual stream
+    between sub-layers stays split along the sequence (a reduce-scatter and an all-gather instead)."""
+    row_out = Shard(1) if sequence_parallel else Replicate()
     plan = {}
-    for name, module in model.named_modules():
-        style = rules.get(_generic(name))
-        if style is None or STYLES[style] is None:
+    for i, block in enumerate(model.blocks):
+        if not (hasattr(block, "attn") and hasattr(block, "mlp")):
             continue
-        if not isinstance(module, nn.Linear | nn.Embedding):
-            raise RecipeError(
-                f"--model {what}: its tensor-parallel plan splits {name} ('{style}'), a {type(module).__name__}; "
-                f"torch's ColwiseParallel / RowwiseParallel split nn.Linear and nn.Embedding only; use fsdp for it"
-            )
-        plan[name] = STYLES[style]()
+        for sub, first, last in (("attn", ("q", "k", "v"), "proj"), ("mlp", ("fc",), "proj")):
+            plan.update({f"blocks.{i}.{sub}.{name}": ColwiseParallel() for name in first})
+            plan[f"blocks.{i}.{sub}.{last}"] = RowwiseParallel(output_layouts=row_out)
+            if sequence_parallel:  # gather the sequence before the column-split layers
+                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+                plan[f"blocks.{i}.ln{1 if sub == 'attn' else 2}"] = SequenceParallel()
+    if sequence_parallel:
+        last = len(model.blocks) - 1
+        plan["blocks.0"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan[f"blocks.{last}.ln"] = SequenceParallel()
+        plan[f"blocks.{last}.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     return plan
 
 
-def _split_dim(style: ParallelStyle, module: nn.Module) -> int:
-    """The weight dimension the style splits: Linear weights are (out, in), Embedding weights (vocab, dim)."""
-    colwise = isinstance(style, ColwiseParallel)
-    return int(colwise) if isinstance(module, nn.Embedding) else int(not colwise)
-
-
-def _head_dim(style: ParallelStyle, module: nn.Module, parent: nn.Module) -> int | None:
-    """The attention's head_dim when the split must keep whole heads, else None.
-
-    That is a Linear in an attention (a module with an int head_dim) whose sharded side is each rank's local slice
-    (a colwise output, a rowwise input)."""
-    head_dim = getattr(parent, "head_dim", None)
-    if not isinstance(style, ColwiseParallel | RowwiseParallel):  # the GPT's sequence-parallel styles split no heads
-        return None
-    local = style.output_layouts[0] if isinstance(style, ColwiseParallel) else style.input_layouts[0]
-    if isinstance(module, nn.Linear) and isinstance(head_dim, int) and isinstance(local, Shard):
-        return head_dim
-    return None
-
-
-def _shards(model: nn.Module, plan: dict[str, ParallelStyle]):
-    """(name, what it counts, the count) that tp must divide, for each layer in the plan."""
-    modules = dict(model.named_modules())
-    for name, style in plan.items():
-        module, parent = modules[name], modules[name.rpartition(".")[0]]
-        dim = _split_dim(style, module)
-        size = module.weight.shape[dim]
-        head_dim = _head_dim(style, module, parent)
-        if head_dim and not size % head_dim:
-            yield name, f"heads (head_dim {head_dim})", size // head_dim
-        else:
-            noun = ("output features", "input features") if isinstance(module, nn.Linear) else ("vocab rows", "dims")
-            yield name, noun[dim], size
-
-
-def _check_ties(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
-    """A RecipeError unless the modules that share one weight (a tied lm_head and embedding) split it alike."""
-    split = {name: _split_dim(style, m) for name, m in model.named_modules() if (style := plan.get(name))}
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "weight", None), nn.Parameter):
-            owners.setdefault(id(module.weight), []).append(name)
-    for names in owners.values():
-        if len({split.get(n) for n in names}) > 1:
-            how = ", ".join(f"{n} {'by dim ' + str(split[n]) if n in split else 'not at all'}" for n in names)
-            raise RecipeError(
-                f"--model {type(model).__name__}: {' and '.join(names)} share one weight, but its tensor-parallel "
-                f"plan splits it differently ({how}); untie them (tie_word_embeddings=False) or use fsdp"
-            )
+def own_plan(model: nn.Module, *, tp: int) -> dict | None:
+    """The plan the model declares itself (model_plans), refused in one line when tp does not split it; else None."""
+    return next((plan for find in TP_PLANS if (plan := find(model, tp=tp)) is not None), None)
 
 
 def check_tp_plan(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> None:
-    """A RecipeError line unless the model's plan (or the built-in GPT's) splits it into `tp` equal shards (and
-    --sequence-parallel only with the GPT's).
-
-    Reads only attributes and shapes, so it runs on a meta-device model before any process starts."""
-    plan = model_tp_plan(model)
-    if plan is not None and sequence_parallel:
+    """One RecipeError line unless the model's own plan, else the GPT's, splits it into `tp` whole shards."""
+    if own_plan(model, tp=tp) is None:
+        check_tp(model, tp, sequence_parallel=sequence_parallel)
+    elif sequence_parallel:
         raise RecipeError(
             f"--sequence-parallel: only the built-in GPT's plan splits the sequence; {type(model).__name__} splits "
             f"by its own plan: drop --sequence-parallel"
         )
-    if plan is None:
-        try:
-            parallel.check_tp_model(model)
-        except RecipeError:
-            found = parallel.find_blocks(model)
-            seen = f" (its repeated blocks are {found[0]})" if found else ""
-            raise RecipeError(
-                f"--model {type(model).__name__}: tensor parallelism needs a plan: a transformers model's "
-                f"config.base_model_tp_plan (which layers split by column, which by row), or the built-in GPT's "
-                f"layout (model.blocks with attn.q/k/v/proj and mlp.fc/proj Linear layers); this model has "
-                f"neither{seen}; use fsdp for this model"
-            ) from None
-        parallel.check_tp(model, tp, sequence_parallel=sequence_parallel)
-        return
-    shards = list(_shards(model, plan))
-    common = math.gcd(*(count for *_, count in shards))
-    fits = ", ".join(str(d) for d in range(1, common + 1) if not common % d)
-    for name, noun, count in shards:
-        if count % tp:
-            raise RecipeError(
-                f"--model {type(model).__name__}: tensor parallel size {tp} must divide the {count} {noun} of "
-                f"{name}; use a tp size that splits every layer in its plan evenly: {fits}"
-            )
-    _check_ties(model, plan)
 
 
-def plan_of(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The model's own plan (a transformers model's), else the built-in GPT's (core.parallel.gpt_tp_plan, which a
-    copy without the `model_plans` feature calls instead)."""
-    return model_tp_plan(model) or parallel.gpt_tp_plan(model, sequence_parallel=sequence_parallel)
+def plan_of(model: nn.Module, *, tp: int = 1, sequence_parallel: bool = False) -> dict:
+    """{module name: ParallelStyle}: the model's own plan, else the GPT's."""
+    return own_plan(model, tp=tp) or gpt_tp_plan(model, sequence_parallel=sequence_parallel)
 
 
-def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> None:
-    """Divide the head counts an attention stores by tp where its q/k/v outputs are local shards."""
-    modules = dict(model.named_modules())
-    parents = {name.rpartition(".")[0] for name, style in plan.items() if isinstance(style, ColwiseParallel)}
-    for name in parents:  # q, k and v share one parent: each attention is divided once
-        heads = [n for n, s in plan.items() if n.startswith(f"{name}.") and _head_dim(s, modules[n], modules[name])]
-        if not heads:
-            continue
-        # transformers' Llama family reshapes with -1 heads (view(*shape, -1, head_dim)), which needs nothing;
-        # an attention that views with self.num_heads (or num_key_value_heads) must see its rank's count
-        for attr in HEAD_COUNTS:
-            if isinstance(count := getattr(modules[name], attr, None), int) and not isinstance(count, bool):
-                setattr(modules[name], attr, count // tp)
-
-
-@contextmanager
-def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
-    """Around parallelize_module(model, mesh, plan): tied weights stay tied, head counts become local.
-
-    Weights the model shares (a tied lm_head and embedding) stay one parameter, and an attention that stores its
-    head count sees its rank's share of the heads."""
-    tied: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            tied.setdefault(id(param), []).append((module, name))
-    yield
-    # parallelize_module distributed each module's weight on its own: point every owner of a once-shared weight
-    # at the first owner's sharded parameter again
-    for (first, name), *others in tied.values():
-        for module, other in others:
-            setattr(module, other, getattr(first, name))
-    _localize_heads(model, plan, tp)
-
-
-def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
-    """Split the model over a 1-D `mesh` in place by its own plan (core.parallel's for the built-in GPT).
-
-    The recipes' lines, for tests."""
-    check_tp_plan(model, tp=mesh.size())
-    plan = model_tp_plan(model)
-    if plan is None:
-        return parallel.apply_tp(model, mesh)
-    with ties_and_heads_kept(model, plan, tp=mesh.size()):
-        parallelize_module(model, mesh, plan)
-    return model
+@contextlib.contextmanager
+def tp_kept(model: nn.Module, plan: dict, *, tp: int):
+    """Around parallelize_module: what the plug-ins keep across it (model_plans: tied weights, head counts)."""
+    with contextlib.ExitStack() as stack:
+        for around in AROUND_TP:
+            stack.enter_context(around(model, plan, tp=tp))
+        yield

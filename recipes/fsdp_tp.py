@@ -13,6 +13,8 @@ gradients as in fsdp, each group taking its own share of the data. Global batch:
 checkpoints are sharded and resume at another dp. Rank 0 gathers the full weights into one file.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import itertools
 import os
@@ -23,46 +25,23 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from core import (
-    amp,
-    data,
-    dcp,
-    dist,
-    exact_loss,
-    folder,
-    meter,
-    models,
-    parallel,
-    stream,
-    tp_plan,
-    trackers,
-    weights,
-)
-from core.amp import Accumulation
-from core.config import Checkpointing, Training, cli_main, with_default
+import core.attach  # noqa: F401 - the package runs it with its plug-ins; a standalone copy joins those --with names
+from core.amp import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
+from core.exact_loss import forward_sums, make_exact_loss
+from core.gpt import gpt, text
+from core.kernel.builtin import build_data, build_model
+from core.kernel.ckpt import write_weights
+from core.kernel.folder import finished, open_run
 from core.kernel.loader import seed_all, set_epoch
-from core.kernel.options import RecipeError, at_least, option
-from core.kernel.pg import cleanup_pg
-from core.loss import make_loss
-from core.loss_options import choose_loss
-from core.parallel import ShardedPrecision
-from core.plugins.hf import HFExport, write_hf_folder
-from core.plugins.init_from import InitFrom, load_weights
-from core.plugins.replicas import replicas_report
-
-
-@dataclass(frozen=True)
-class Config(Training, Checkpointing, ShardedPrecision, Accumulation, trackers.Tracking, InitFrom, HFExport):
-    """fsdp's options without --offload, and the tensor-parallel group size; the tiny GPT on the text by default."""
-
-    title = "2-D parallelism"
-
-    model: str = with_default(Training, "model", "gpt")
-    data: str = with_default(Training, "data", "text")
-    epochs: int = with_default(Training, "epochs", 1)
-    lr: float = with_default(Training, "lr", 3e-3)
-    tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", **at_least(1))
-    blocks: str = option("", "the nn.ModuleList of blocks to shard one by one, e.g. transformer.h (default: found)")
+from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
+from core.kernel.options import Checkpointing, Options, RecipeError, Training, at_least, cli_main, option
+from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.seams import AFTER_BUILD, BLOCKS, FACTORIES, ON_STEP, OPTION_GROUPS
+from core.kernel.step import make_loss
+from core.plugins import blocks, loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins
+from core.shard import ShardedPrecision, build_mesh, evaluate_sharded, fsdp_policy, fsdp_sync, shard_blocks, whole_model
+from core.shard_ckpt import load_sharded, save_sharded
+from core.tp_plan import check_tp_plan, plan_of, tp_kept
 
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
@@ -71,128 +50,142 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """Everything refusable, before any process starts: the mesh, the model's plan and blocks (meta device)."""
+    """What is refused before any process starts (the package's pre-check calls it too): a world size that is not a
+    multiple of --tp, and on the model built on the meta device, a plan --tp does not split into whole shards and
+    --blocks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % cfg.tp:
         raise RecipeError(
             f"--tp {cfg.tp}: the world size {world} is not a multiple of it, so no dp x tp mesh "
             f"can be built; launch a multiple of {cfg.tp} processes or use --tp {world}"
         )
-    with torch.device("meta"):  # shapes only: the plan splits into tp whole shards, and the blocks are found
-        model = models.build_model(cfg.model)
-    tp_plan.check_tp_plan(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
-    if cfg.blocks:  # --blocks NAME must name a container of the model
-        parallel.named_blocks(model, cfg.blocks)
+    with torch.device("meta"):  # shapes only: no memory
+        model = build_model(cfg)
+    check_tp_plan(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
+    for pick in BLOCKS:  # --blocks NAME must name a container of the model
+        pick(cfg, model)
 
 
 def main(cfg: Config) -> dict:
-    check(cfg)  # a copy has no pre-check: the same refusals here
-    topo = dist.init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
+    check(cfg)
+    topo = init_pg(timeout_s=cfg.timeout_s)  # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; alone: a world of one
     try:
         return train(cfg, topo)
     finally:
         cleanup_pg()
 
 
-def train(cfg: Config, topo: dist.Topology) -> dict:
+def train(cfg: Config, topo: Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
-    totals = meter.Meter(topo.device)  # the loss and accuracy of each log window, summed over the ranks
-    # resumed and finished, with the lengths it finished with: nothing is touched (larger ones: it trains longer)
-    if done := folder.finished(cfg, topo, recipe="fsdp_tp", header=dcp.read_metadata):
+    if done := finished(cfg, topo, recipe="fsdp_tp"):  # resumed, finished: nothing is touched
         return done
-    plan_dims = mesh(cfg, topo.world_size)
-    global_batch = cfg.batch_size * plan_dims["dp"] * cfg.accum  # a tp group shares one batch
+    dims = mesh(cfg, topo.world_size)
+    global_batch = cfg.batch_size * dims["dp"] * cfg.accum  # a tp group shares one batch
 
     # Build: slice within each tp group first, then shard those slices across the dp groups.
     seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
-    train_set, val_set, collate = data.build_data(cfg.data)
-    model = models.build_model(cfg.model).to(topo.device)
-    if cfg.init_from:  # the whole weights into the plain model: each rank then keeps its part of them
-        load_weights(model, cfg.init_from)
-    device_mesh = parallel.build_mesh(topo, plan_dims)
+    train_set, val_set, collate = build_data(cfg)
+    model = build_model(cfg).to(topo.device)
+    for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its part
+        hook(cfg, model)
+    device_mesh = build_mesh(topo, dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
-    plan = tp_plan.plan_of(model)  # which Linear layers split by column, which by row
-    with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
+    plan = plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
+    with tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
-    policy = parallel.fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
-    if cfg.blocks:  # --blocks NAME: that nn.ModuleList's blocks
-        found = parallel.named_blocks(model, cfg.blocks)
-    else:  # the model's repeated blocks (GPT-2's transformer.h, Llama's model.layers, the GPT's blocks)
-        found = parallel.find_blocks(model)
-    for block in parallel.shard_units(model, found):
+    policy = fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
+    for block in shard_blocks(cfg, model):  # the repeated blocks (or --blocks NAME's), each gathered while it runs
         fully_shard(block, mesh=dp_mesh, **policy)
     fully_shard(model, mesh=dp_mesh, **policy)
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     torch.manual_seed(cfg.seed + dp_rank)  # each dp group its own dropout; a tp group one stream, as DTensor needs
     my_group = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # a tp group shares its data
-    if stream.is_stream(train_set):  # an IterableDataset: read in order and dealt out by position, no sampler
-        train_loader = stream.make_loader(train_set, my_group, batch_size=cfg.batch_size, collate_fn=collate)
-        val_loader = stream.make_loader(val_set, my_group, batch_size=cfg.batch_size, train=False, collate_fn=collate)
-        total = stream.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
-    else:
-        options = {"batch_size": cfg.batch_size, "collate_fn": collate}
-        train_loader = data.make_loader(train_set, my_group, seed=cfg.seed, **options)
-        val_loader = data.make_loader(val_set, my_group, train=False, **options)
-        total = data.total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=cfg.accum)
+    # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
+    train_loader, val_loader, total = make_loaders(cfg, my_group, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    loss_fn = make_loss(model=model)  # the model's own loss, else cross-entropy on the logits (core.loss's table)
-    loss_fn = choose_loss(cfg.loss, loss_fn, model=model)  # --loss ce, mse, model or module:function
-    # Every counted target of the global batch weighs the same, across ranks and micro-batches.
-    loss_fn = exact_loss.make_exact_loss(loss_fn, model=model)
+    # The model's own loss, else cross-entropy; every counted target of the global batch weighs the same, across
+    # ranks and micro-batches.
+    loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
     counts = tp_mesh.get_local_rank() == 0  # one rank per tp group counts the group's batch
 
-    # The run folder, new or resumed, the checkpoint's state (every rank reads its shards), and the trackers.
-    checkpoints = dict(newest=dcp.newest_good, header=dcp.read_metadata)  # how a resume finds and reads one
-    run = folder.open_run(cfg, topo, recipe="fsdp_tp", global_batch=global_batch, dp=dp, **checkpoints)
-    start = dcp.load_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler)
-    meter.carry_window(totals, start["window"], writer=run.writer)  # the log window open at the checkpoint
-    run = trackers.attach(run, cfg, step=start["step"], header=dcp.read_metadata)
+    # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
+    # checkpoint's state: every rank reads its own shards, resharded to this job's dp.
+    run = open_run(cfg, topo, recipe="fsdp_tp", global_batch=global_batch)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
+    start = load_sharded(run, **state)
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
     step, skipped, evaluation = start["step"], start["skipped"], {}
-    step_options = dict(
-        optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, sync=parallel.fsdp_sync, dp_group=dp_mesh.get_group()
-    )
+    options = dict(optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, sync=fsdp_sync, dp_group=dp_mesh.get_group())
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         set_epoch(train_loader, epoch, consumed=consumed)
-        groups = amp.micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
+        groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
-            # bf16 lives in fully_shard's MixedPrecisionPolicy: no autocast here
-            metrics, stats = amp.step_amp(model, micro_batches, **step_options)
+            metrics, stats = step_amp(model, micro_batches, **options)  # bf16: in fully_shard's policy, no autocast
             step, consumed = step + 1, consumed + global_batch
-            skipped += amp.check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
+            skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
+            for hook in ON_STEP:  # the training clock
+                hook(metrics)
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
-                numbers = {"lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "skipped": skipped}
-                meter.log_train(run, totals, step=step, total=total, epoch=epoch, **numbers)
+                lr, norm = scheduler.get_last_lr()[0], stats.grad_norm
+                log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=norm, skipped=skipped)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
-                window = meter.open_window(totals)  # its sums so far: a resume goes on with them
-                progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=window)
-                with meter.paused(totals):  # every rank writes its own shard
-                    state = {"optimizer": optimizer, "scheduler": scheduler}
-                    dcp.save_checkpoint(run, model=model, **state, progress=progress, keep=cfg.keep)
-        with meter.paused(totals):  # a tp group's ranks count alike, each forward a collective: the means are right
-            evaluation = parallel.evaluate_sharded(
-                model, val_loader, loss_fn=loss_fn, device=topo.device, forward=exact_loss.forward_sums
-            )
-        meter.log_eval(run, evaluation, step=step, epoch=epoch)
+                with not_training():  # every rank writes its own shard
+                    progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
+                    save_sharded(run, **state, progress=progress, keep=cfg.keep)
+        with not_training():  # a tp group's ranks count alike, each forward a collective: the means are right
+            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums)
+        log_eval(run, evaluation, step=step, epoch=epoch)
 
-    # Every rank sends its shards; rank 0 writes the whole model. The buffers are not sharded: every rank
-    # vouches that it holds the same ones.
-    full = parallel.full_state_dict(model)
-    saved = weights.write_weights(run, full)
-    write_hf_folder(run, model, full, attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
-    same = replicas_report(dict(model.named_buffers()))  # {"replicas_identical": ...}, in the summary
-    shape = {"tp": tp_mesh.size(), "dp": dp}
-    summary = meter.log_summary(run, totals, evaluation, steps=step, skipped=skipped, weights=saved, **shape, **same)
-    trackers.close(run)
-    return summary
+    # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
+    whole = whole_model(model, lambda: build_model(cfg))
+    saved = write_weights(run, whole.state_dict())
+    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=dp)
+    return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
+
+# Options and start: in a standalone copy these come last, after everything they use.
+def built_in(kind: str, name: str, make, other):
+    """fsdp_tp's own built-in model or data: taken where --model/--data names it or is no option (a copy without
+    `factories`), else `other`, the factories' (a user's module:function, another built-in name)."""
+    return lambda cfg: make() if other is None or getattr(cfg, kind, name) == name else other(cfg)
+
+
+FACTORIES["model"] = built_in("model", "gpt", gpt, FACTORIES.get("model"))  # the GPT (your model in its place)
+FACTORIES["data"] = built_in("data", "text", text, FACTORIES.get("data"))  # on the embedded text (your data)
+
+
+@dataclass(frozen=True)
+class MeshOptions(Options):
+    title = "2-D parallelism"
+    tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", **at_least(1))
+
+
+@dataclass(frozen=True)
+class Config(Training, Checkpointing, MeshOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS):
+    """fsdp_tp's options, and those of the plug-ins it was joined with: --help lists them."""
+
+
+# its own defaults: the GPT on the embedded text (where --model and --data are options), one epoch at a higher lr
+DEFAULTS = dict(model="gpt", data="text", epochs=1, lr=3e-3)
+Config = dataclasses.make_dataclass(  # noqa: F811 - the same options, with its own defaults
+    "Config",
+    [
+        (f.name, f.type, dataclasses.field(default=DEFAULTS[f.name], metadata=f.metadata))
+        for f in dataclasses.fields(Config)
+        if f.name in DEFAULTS
+    ],
+    bases=(Config,),
+    frozen=True,
+    namespace={"__module__": __name__, "__doc__": Config.__doc__},
+)
 
 if __name__ == "__main__":
     cli_main(main, Config)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from core import comm, parallel, pipeline, shard, tuning
+from core import comm, parallel, pipeline, shard, tp_plan, tuning
 from core.gpt import GPT
 from core.kernel.builtin import MLP
 from core.kernel.options import RecipeError
@@ -85,8 +85,8 @@ def test_find_blocks_by_name_and_a_bad_name():
 def test_tp_and_pipeline_pre_checks_refuse_other_structures_on_meta(build):
     with torch.device("meta"):
         model = build()
-    with pytest.raises(RecipeError, match="tensor parallelism needs model.blocks .*use fsdp"):
-        parallel.check_tp_model(model)
+    with pytest.raises(RecipeError, match="tensor parallelism needs a plan: .*model.blocks.*use fsdp"):
+        tp_plan.check_tp(model, 2)
     with pytest.raises(RecipeError, match="pipelining needs every parameter in `model.blocks`"):
         pipeline.check_pipeline_model(model)
 
@@ -95,7 +95,8 @@ def test_tp_and_pipeline_pre_checks_refuse_other_structures_on_meta(build):
 def test_pre_checks_accept_the_gpt_on_meta():
     with torch.device("meta"):
         model = GPT()
-    assert len(parallel.check_tp_model(model)) == 4
+    tp_plan.check_tp(model, 2)
+    assert len(tp_plan.gpt_tp_plan(model)) == 4 * 6  # q, k, v, proj; fc, proj in each of the 4 blocks
     assert pipeline.check_pipeline_model(model) == 6
 
 

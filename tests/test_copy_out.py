@@ -28,8 +28,8 @@ PLUGIN_FILES = sorted((REPO / "core" / "plugins").glob("[a-z]*.py"))
 # sketch it was measured on (the guarantees every copy carries, the seams) is in docs/copying-and-checking.md "Size".
 # A ratchet: a copy RATCHET code lines under its budget fails until the budget is lowered.
 LEAN_BUDGET = {
-    "ddp": (1100, 740), "dp": (1090, 735), "ddp_amp": (1410, 920), "ddp_monitored": (1440, 960), "fsdp": (1850, 1200),
-    "pipeline_naive": (1420, 930), "pipeline": (1800, 1200),
+    "ddp": (1102, 742), "dp": (1092, 737), "ddp_amp": (1412, 922), "ddp_monitored": (1442, 962), "fsdp": (1852, 1202),
+    "pipeline_naive": (1420, 930), "pipeline": (1800, 1200), "tensor_parallel": (1970, 1280), "fsdp_tp": (1980, 1290),
 }  # fmt: skip
 RATCHET = 20
 

@@ -354,6 +354,17 @@ def _tiny_gpt():
     return GPT(vocab=40, context=16, dim=32, heads=2, layers=2)
 
 
+def _split_tp(model, mesh):
+    """The recipes' TP split (core/tp_plan.py) over a 1-D mesh, in place: the GPT's Megatron plan."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from core.tp_plan import check_tp_plan, plan_of
+
+    check_tp_plan(model, tp=mesh.size())
+    parallelize_module(model, mesh, plan_of(model, tp=mesh.size()))
+    return model
+
+
 def _token_batches(steps: int = 2, size: int = 8, *, padded: bool = False):
     """padded: targets -100 on a tail of each row's own length, the rows 2..3 of every 4 wholly (a micro-batch of
     2 rows with no counted target), as padded sequences give: a mean per micro-batch would weigh them wrongly."""
@@ -509,7 +520,7 @@ def tp_accum_clip(topo, via_step_amp: bool):
     batches = _token_batches()
     expected, expected_norms = _one_process(batches, k=2)
     mesh = parallel.build_mesh(topo, {"dp": 1, "tp": 2})  # no data parallelism: the count is this rank's batch's
-    model = parallel.apply_tp(_tiny_gpt(), mesh["tp"])
+    model = _split_tp(_tiny_gpt(), mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = make_exact_loss(Loss("ce"), model=model)
     one = mesh["dp"].get_group()

@@ -87,7 +87,7 @@ def fsdp_tp_accum_clip(topo):
     """dp=2 x tp=2: TP inside a pair, fully_shard across pairs, K=2 micro-batches under fsdp_sync, the clip's
     norm over the 2-D DTensor shards."""
     import torch
-    from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches, accumulate
+    from test_model_parallel import CLIP, _one_process, _split_tp, _tiny_gpt, _token_batches, accumulate
 
     from core import grads, parallel
     from core.exact_loss import make_exact_loss
@@ -96,7 +96,7 @@ def fsdp_tp_accum_clip(topo):
     batches = _token_batches(size=16)
     expected, expected_norms = _one_process(batches, k=1)
     mesh = parallel.build_mesh(topo, {"dp": 2, "tp": 2})
-    model = parallel.apply_fsdp(parallel.apply_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
+    model = parallel.apply_fsdp(_split_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = make_exact_loss(Loss("ce"), model=model)
     norms, dp_rank = [], mesh["dp"].get_local_rank()

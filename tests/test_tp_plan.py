@@ -1,5 +1,6 @@
-"""Tensor parallelism from the model's own plan (core/tp_plan.py): transformers' Llama and Qwen2 declare which
-layers split by column and by row; 2 gloo ranks sharding a tiny one by that plan train like one process.
+"""Tensor parallelism from the model's own plan (the plug-in core/plugins/model_plans.py; core/tp_plan.py splits):
+transformers' Llama and Qwen2 declare which layers split by column and by row; 2 gloo ranks sharding a tiny one by
+that plan train like one process.
 
 The world tests run the same AdamW steps on one batch twice in each rank: the model split over both ranks, and a
 deep copy of it whole (no collectives), and compare the loss and every parameter (DTensors gathered with
@@ -16,11 +17,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from core import parallel, tp_plan
 from core.gpt import GPT
 from core.kernel.options import RecipeError
+from core.plugins import model_plans
 
 transformers = pytest.importorskip("transformers")
 TOL = dict(atol=5e-5, rtol=1e-4)
@@ -75,6 +77,15 @@ class PlannedModel(nn.Module):
         return x
 
 
+def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
+    """The recipes' lines: split the model over a 1-D mesh in place by its own plan (model_plans), else the GPT's."""
+    tp_plan.check_tp_plan(model, tp=mesh.size())
+    plan = tp_plan.plan_of(model, tp=mesh.size())
+    with tp_plan.tp_kept(model, plan, tp=mesh.size()):
+        parallelize_module(model, mesh, plan)
+    return model
+
+
 def _same_training(topo, factory, overrides: dict, *, fsdp: bool = False, steps: int = 3) -> list[float]:
     """Train the model split over the world and whole in this process on one batch; assert equal; the losses.
 
@@ -83,7 +94,7 @@ def _same_training(topo, factory, overrides: dict, *, fsdp: bool = False, steps:
     model = factory(**overrides)
     whole = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (1, topo.world_size), mesh_dim_names=("dp", "tp"))
-    tp_plan.apply_model_tp(model, mesh["tp"])
+    apply_model_tp(model, mesh["tp"])
     if fsdp:
         parallel.apply_fsdp(model, mesh=mesh["dp"])
     if overrides.get("tie_word_embeddings"):  # one shared, sharded weight, as in the model it came from
@@ -113,7 +124,7 @@ def _same_outputs(topo) -> None:
     torch.manual_seed(0)
     model = PlannedModel()
     whole = copy.deepcopy(model)
-    tp_plan.apply_model_tp(model, init_device_mesh("cpu", (topo.world_size,)))
+    apply_model_tp(model, init_device_mesh("cpu", (topo.world_size,)))
     assert model.body.layers[0].num_heads == 4 // topo.world_size  # the rank's heads
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(x), whole(x), **TOL)
@@ -143,7 +154,7 @@ def test_an_attention_that_stores_its_head_count_sees_its_ranks_heads(world2):
 
 @pytest.mark.fast
 def test_llama_plan_expands_to_its_modules_with_torch_styles():
-    plan = tp_plan.model_tp_plan(meta(llama))
+    plan = model_plans.model_tp_plan(meta(llama))
     attention, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
     assert len(plan) == 2 * 7 + 2  # 7 linear layers a block, the embedding and lm_head
     assert {name for name, s in plan.items() if isinstance(s, ColwiseParallel)} >= {
@@ -157,16 +168,16 @@ def test_llama_plan_expands_to_its_modules_with_torch_styles():
     assert isinstance(plan[f"{mlp}.down_proj"], RowwiseParallel)
     assert plan["lm_head"].output_layouts == plan["model.embed_tokens"].output_layouts  # both gathered: whole logits
     assert isinstance(plan["model.embed_tokens"], RowwiseParallel)  # vocab split, as transformers does
-    assert set(tp_plan.model_tp_plan(meta(llama).model)) == {n.removeprefix("model.") for n in plan} - {"lm_head"}
+    assert set(model_plans.model_tp_plan(meta(llama).model)) == {n.removeprefix("model.") for n in plan} - {"lm_head"}
 
 
 @pytest.mark.fast
 def test_a_model_without_a_plan_gets_none_and_the_gpt_keeps_its_own():
-    assert tp_plan.model_tp_plan(nn.Linear(4, 4)) is None
+    assert model_plans.model_tp_plan(nn.Linear(4, 4)) is None
     with torch.device("meta"):
         gpt = GPT()
-    assert tp_plan.model_tp_plan(gpt) is None
-    tp_plan.check_tp_plan(gpt, tp=2)  # the built-in GPT's layout, checked by core.parallel
+    assert model_plans.model_tp_plan(gpt) is None
+    tp_plan.check_tp_plan(gpt, tp=2)  # the built-in GPT's layout, checked by core.tp_plan.check_tp
 
 
 @pytest.mark.fast
@@ -174,14 +185,14 @@ def test_a_model_without_a_plan_gets_none_and_the_gpt_keeps_its_own():
 def test_gpt2_is_refused_in_one_line(blocks_exposed):
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2))
-    if blocks_exposed:  # model.blocks with attn and mlp: core.parallel once died on mlp.fc (GPT-2's is c_fc)
+    if blocks_exposed:  # model.blocks with attn and mlp: the GPT check once died on mlp.fc (GPT-2's is c_fc)
         model.blocks = model.transformer.h
     with pytest.raises(RecipeError) as refused:
         tp_plan.check_tp_plan(model, tp=2)
     text = str(refused.value)
     assert "\n" not in text and "config.base_model_tp_plan" in text and "fsdp" in text and "GPT2LMHeadModel" in text
     with pytest.raises(RecipeError):  # the GPT layout's own check reads attributes safely too
-        parallel.check_tp_model(model)
+        tp_plan.check_tp(model, 2)
 
 
 @pytest.mark.fast
@@ -241,6 +252,6 @@ def test_sequence_parallel_is_the_gpts_alone_and_plan_of_picks_the_models_own():
     with torch.device("meta"):
         gpt = GPT(vocab=32, dim=32, heads=4, layers=2, context=8)
     tp_plan.check_tp_plan(gpt, tp=2, sequence_parallel=True)
-    assert set(tp_plan.plan_of(gpt, sequence_parallel=True)) == set(parallel.gpt_tp_plan(gpt, sequence_parallel=True))
-    own = {k: repr(v) for k, v in tp_plan.model_tp_plan(meta(llama)).items()}
+    assert set(tp_plan.plan_of(gpt, sequence_parallel=True)) == set(tp_plan.gpt_tp_plan(gpt, sequence_parallel=True))
+    own = {k: repr(v) for k, v in model_plans.model_tp_plan(meta(llama)).items()}
     assert {k: repr(v) for k, v in tp_plan.plan_of(meta(llama)).items()} == own

@@ -100,8 +100,9 @@ def build_layout(name: str, cfg, *, device_mesh, build=models.build_model, devic
         from torch.distributed.tensor.parallel import parallelize_module
 
         tp_mesh = device_mesh["tp"]
-        plan = tp_plan.plan_of(model, sequence_parallel=getattr(cfg, "sequence_parallel", False))
-        with tp_plan.ties_and_heads_kept(model, plan, tp=tp_mesh.size()):
+        sp = getattr(cfg, "sequence_parallel", False)
+        plan = tp_plan.plan_of(model, tp=tp_mesh.size(), sequence_parallel=sp)
+        with tp_plan.tp_kept(model, plan, tp=tp_mesh.size()):
             parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":
             return Layout(model, list(model.parameters()), autocast=cfg.precision)

@@ -155,6 +155,12 @@ _BUILT_IN_PLUGINS += [  # what some recipes run with: each recipe's module impor
         "core.plugins.balance",
         "--balance time (pipeline stages of equal measured time; the copy's stages hold about equal parameters)",
     ),
+    Plugin(
+        "model_plans",
+        "core.plugins.model_plans",
+        "a model's own tensor-parallel plan (a transformers Llama, Qwen, Mistral: config.base_model_tp_plan; the "
+        "copy splits the built-in GPT's layout alone)",
+    ),
 ]
 
 _BUILT_IN = [
@@ -204,14 +210,16 @@ _BUILT_IN = [
         "recipes.tensor_parallel",
         "column/row splits of each block's Linear layers (DTensor), from the model's own plan",
         builds_on="fsdp",
-        opt_ins=("parallel", "tp_plan", "amp", "exact_loss", "stream", "dcp", "trackers"),
+        opt_ins=("shard", "shard_ckpt", "tp_plan", "amp", "exact_loss", "gpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "model_plans"),
     ),
     Recipe(
         "fsdp_tp",
         "recipes.fsdp_tp",
         "2-D mesh: tensor parallel within groups of `--tp` ranks, FSDP2 across them",
         builds_on="fsdp",
-        opt_ins=("parallel", "tp_plan", "amp", "exact_loss", "stream", "dcp", "trackers"),
+        opt_ins=("shard", "shard_ckpt", "tp_plan", "amp", "exact_loss", "gpt"),
+        plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks", "model_plans"),
     ),
     Recipe(
         "pipeline",

@@ -29,3 +29,5 @@ WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wrap
 BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
 LOSS_CHECKS: list = []  # fn(logits, targets): one line where they do not line up (core/schedules.py's TokenLoss asks)
 STAGE_WEIGHTS: list = []  # fn(cfg, model, train_set) -> each block's weight for the pipeline's cut, or None (--balance)
+TP_PLANS: list = []  # fn(model, *, tp) -> a model's own tensor-parallel plan or None; core/tp_plan.py asks each in turn
+AROUND_TP: list = []  # fn(model, plan, *, tp) -> a context manager around core/tp_plan.py's parallelize_module
