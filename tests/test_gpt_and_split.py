@@ -220,7 +220,7 @@ def test_lean_copies_leave_balance_blocks_digits_file_and_loss_counts_to_their_f
 
     @functools.cache
     def copy(name: str, *kept: str) -> str:
-        return copy_source(name, f"{name}.py", kept=set(kept), formatted=False)
+        return copy_source(name, f"{name}.py", kept=set(kept))
 
     cases = [
         ("pipeline", "balance", "def block_times("),

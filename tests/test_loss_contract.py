@@ -618,7 +618,7 @@ def test_cross_entropy_on_a_dicts_sequence_labels_is_one_line():
 
 @pytest.mark.fast
 def test_a_lean_copy_without_check_aligned_still_refuses_logits_that_do_not_line_up(monkeypatch):
-    """A copy without `--with loss` has no check_aligned (tools/features.py): torch's own shape error then, never a
+    """A copy without `--with loss` has no check_aligned (core/plugins/loss.py): torch's own shape error then, never a
     loss over the wrong positions."""
     import core.plugins.loss
 

@@ -26,9 +26,8 @@ from safetensors.torch import load_file
 from helpers import REPO, recipe_params, run, torchrun, user_env, waiting
 from tools.cli import cli
 from tools.copies import breakdown, copy_source, feature_options, offered, size_cells, size_variants
-from tools.features import FEATURES
+from tools.copy_out import copy_size
 from tools.registry import PLUGINS, RECIPES
-from tools.standalone import StandaloneError, copy_size, standalone_source
 
 NAMES = sorted(RECIPES)
 READY = [n for n in NAMES if not waiting(n)]  # the others wait for their move to the new core
@@ -71,7 +70,7 @@ def project(tmp_path_factory) -> Path:
         for variant in size_variants(name):
             kept = set(offered(name)) if variant == "all" else {variant} - {""}
             path = root / "project" / f"{_stem(name, variant)}.py"
-            path.write_text(copy_source(name, str(path), kept=kept, formatted=False))
+            path.write_text(copy_source(name, str(path), kept=kept))
     if ruff := shutil.which("ruff"):
         run([ruff, "format", "--isolated", "--line-length", "120", str(root / "project")], timeout=120)
     return root
@@ -456,48 +455,6 @@ def _is_elif(node: ast.AST, field: str) -> bool:
     )
 
 
-# --- the inliner on small made-up sources: the cases no recipe has today -----------------------------
-
-
-def _inline(source: str) -> str:
-    return standalone_source(source, name="demo", dest="demo.py")
-
-
-def _namespace(text: str) -> dict:
-    namespace: dict = {"__name__": "demo"}
-    exec(compile(text, "demo.py", "exec"), namespace)
-    return namespace
-
-
-def test_two_core_names_alike_get_distinct_names_and_locals_are_never_hidden():
-    text = _inline(
-        '"""demo: clashes.\n\n    python demo.py\n\nBuilds on: nothing.\n"""\n'
-        "from core import gpt, models\n\n"
-        "MLP = 'mine'\n\n\n"
-        "def build():\n"
-        "    gpt_MLP = 3  # gpt.MLP can't be MLP (taken) and must not become this local's name either\n"
-        "    return models.MLP(hidden=8, depth=1), gpt.MLP(4, 8), gpt_MLP\n"
-    )
-    namespace = _namespace(text)
-    plain, block, local = namespace["build"]()
-    assert namespace["MLP"] == "mine"  # the recipe's own names win
-    assert type(plain).__doc__ != type(block).__doc__ and local == 3
-    assert "gpt_MLP_2(4, 8)" in text and "builtin_MLP(hidden=8, depth=1)" in text  # core.models takes the kernel's
-
-
-def test_a_core_module_used_as_a_value_is_refused_in_one_line():
-    with pytest.raises(StandaloneError, match="line 3: the module core.data is used as a value"):
-        _inline('"""demo."""\nfrom core import data\nloaders = [data]\n')
-
-
-def test_lazy_core_imports_inside_functions_are_inlined_too():
-    text = _inline(
-        '"""demo."""\n\ndef newest(out):\n    from core.folder import run_dirs\n\n    return run_dirs(out, "x")\n'
-    )
-    assert not [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom) and n.module == "core.run"]
-    assert _namespace(text)["newest"](os.devnull + "-missing") == []
-
-
 # --- diff A B: one feature at a time ----------------------------------------------------------------
 
 
@@ -537,100 +494,11 @@ def test_diff_is_coloured_on_a_terminal():
     assert "\x1b[32m+" in result.output and "\x1b[31m-" in result.output
 
 
-def test_a_renamed_function_keeps_its_body_where_it_was():
-    """`in_step` clashes with the recipe's name and becomes `stream_in_step`: its arguments move right, its
-    body (indented by chance at the column of its first argument) stays on the 4-space grid."""
-    text = _inline(
-        '"""demo."""\nfrom core import stream\n\nin_step = "mine"\n\n\n'
-        "def run(loader):\n    return list(stream.in_step(loader, device=None))\n"
-    )
-    assert "def stream_in_step(loader" in text and not _misindented(ast.parse(text))
-    assert _namespace(text)["run"]([1, 2]) == [(1, True), (2, True)]
-
-
-def test_a_helpers_docstring_is_cut_to_its_first_sentence_not_its_first_line():
-    text = _inline(
-        '"""demo."""\nfrom core import stream\n\n\ndef run(loader):\n    return stream.in_step(loader, device=None)\n'
-    )
-    doc = ast.get_docstring(next(n for n in ast.parse(text).body if getattr(n, "name", "") == "in_step"))
-    assert doc.endswith("until every rank's share is done.") and "\n" in doc  # two lines: one sentence
-
-
-# --- features: what a lean copy leaves out, and what the generator refuses to guess ------------------------------
-
-
-def _lean(source: str) -> str:
-    return standalone_source(source, name="demo", dest="demo.py", without=tuple(FEATURES), defaults={})
-
-
-@pytest.mark.fast
-def test_a_statement_mixing_two_features_is_refused_naming_its_line():
-    source = (
-        '"""demo."""\nfrom core.plugins import hf, init_from\n\n\n'
-        "def train(cfg, run, model):\n"
-        "    init_from.load_weights(model, cfg.init_from)\n"
-        "    hf.write_hf_folder(run, model, {}, attr=cfg.hf_attr, max_shard_mb=1.0 if cfg.init_from else 2.0)\n"
-        "    return model\n"
-    )
-    with pytest.raises(StandaloneError, match="the recipe line 7: one statement mixes the features hf, init_from"):
-        _lean(source)
-
-
-@pytest.mark.fast
-def test_a_features_statements_go_with_its_if_and_its_with_keeps_its_body():
-    text = _lean(
-        '"""demo."""\nfrom core.plugins import hf, init_from\n\n\n'
-        "def train(cfg, run, model):\n"
-        "    if cfg.init_from:\n"
-        "        init_from.load_weights(model, cfg.init_from)\n"
-        "    with hf.hf_model(model) as lender:\n"
-        "        model = model.double()\n"
-        "    return model\n\n\n"
-        "class Holder:\n"
-        "    loss: int = 0  # a field named like an option, not declared as one: it stays\n"
-    )
-    assert "    loss: int = 0" in text
-    body = text[text.index("\ndef train(") :]
-    assert "init_from" not in body and "load_weights" not in text and "hf_model" not in text
-    assert "\n    model = model.double()\n    return model\n" in text
-
-
-@pytest.mark.fast
-def test_a_features_if_keeps_its_else_branch_one_level_out_and_an_elif_is_refused():
-    text = _lean(
-        '"""demo."""\nfrom core import data, stream\n\n\n'
-        "def train(cfg, topo, train_set):\n"
-        "    if stream.is_stream(train_set):  # a stream\n"
-        "        loader = stream.make_loader(train_set, topo, batch_size=2)\n"
-        "    else:\n"
-        "        loader = data.make_loader(train_set, topo, batch_size=2)\n"
-        "        loader.x = 1\n"
-        "    return loader\n"
-    )
-    body = text[text.index("\ndef train(") : text.index("# inlined from")]
-    assert "stream" not in body and "else" not in body
-    assert "\n    loader = make_loader(train_set, topo, batch_size=2)\n    loader.x = 1\n    return loader\n" in body
-    with pytest.raises(StandaloneError, match="line 6: the feature stream steers a statement with another branch"):
-        _lean(
-            '"""demo."""\nfrom core import data, stream\n\n\n'
-            "def train(train_set):\n"
-            "    if stream.is_stream(train_set):\n        x = 1\n    elif train_set:\n        x = 2\n"
-            "    else:\n        x = 3\n    return x\n"
-        )
-
-
-@pytest.mark.fast
-def test_a_feature_in_what_a_function_returns_is_refused():
-    with pytest.raises(StandaloneError, match="line 6: the feature init_from is part of what the function returns"):
-        _lean('"""demo."""\n\n\ndef train(cfg):\n    x = 1\n    return x, cfg.init_from\n')
-
-
 @pytest.mark.fast
 def test_with_names_the_valid_features_in_one_line(tmp_path):
     bad = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "a.py"), "--standalone", "--with", "hf,wandb,clock"])
     assert bad.exit_code == 2 and not (tmp_path / "a.py").exists()
-    valid = "all, init_from, hf, loss, factories, meter, lock, records, checks, fast_writer, old_checksums, take_back"
-    valid += ", replicas"
+    valid = ", ".join(["all", *offered("ddp")])
     assert f"--with clock,wandb: choose from {valid}" in bad.output
     alone = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "b.py"), "--with", "hf"])
     assert alone.exit_code == 2 and "--with: only a --standalone copy leaves features out" in alone.output
@@ -781,7 +649,7 @@ def test_a_ddp_amp_copy_without_loss_counts_takes_the_models_own_loss_as_a_mean_
 
 @pytest.mark.fast
 def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
-    """docs/copying-and-checking.md's feature table: one row per feature of tools/features.py, its recipes right."""
+    """docs/copying-and-checking.md's feature table: one row per plug-in of the registry, its recipes right."""
     text = (REPO / "docs" / "copying-and-checking.md").read_text()
     rows = {}
     for line in text[text.index("| feature | without it, a lean copy | recipes |") :].splitlines()[2:]:
@@ -789,7 +657,7 @@ def test_the_docs_table_names_every_feature_and_the_recipes_that_have_it():
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         rows[cells[0].strip("`")] = cells[-1]
-    assert list(rows) == list(dict.fromkeys([*FEATURES, *PLUGINS]))  # the generator's features, then the plug-ins
+    assert list(rows) == list(PLUGINS)
     for name in rows:
         have = [r for r in RECIPES if name in offered(r)]
         assert rows[name] == ("all" if len(have) == len(RECIPES) else ", ".join(have)), name

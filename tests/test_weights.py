@@ -345,13 +345,13 @@ def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeyp
 
 def test_init_from_is_an_option_group_of_its_own(capsys):
     """28.4: --init-from is the init_from plug-in's InitFrom, in every recipe, with its own --help section; the
-    init_from feature drops the group whole (a lean copy's Config has no such base)."""
+    init_from plug-in is that group whole (a lean copy's Config has no such base)."""
     from core.config import Training, parse_args
-    from tools.features import FEATURES
+    from tools.copies import feature_options
     from tools.registry import RECIPES
 
     assert "init_from" not in Training.__dataclass_fields__ and list(InitFrom.__annotations__) == ["init_from"]
-    assert FEATURES["init_from"].groups == ("core.plugins.init_from.InitFrom",) and not FEATURES["init_from"].fields
+    assert all(feature_options(name, "init_from") == {"init_from"} for name in RECIPES)
     for recipe in RECIPES.values():
         assert issubclass(recipe.load().Config, InitFrom), recipe.name
     with pytest.raises(SystemExit):

@@ -18,7 +18,6 @@ import click
 from core.config import KEPT, parse_args
 from core.kernel.log import fail, os_error_line
 from core.kernel.options import RecipeError, UsageError, leave
-from tools.features import FEATURES
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -110,14 +109,16 @@ def _explained(err: UsageError, name: str, config: type) -> UsageError:
 @click.argument("dest", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="overwrite DEST if it exists")
 @click.option(
-    "--standalone", is_flag=True, help="one file with the core code it uses inlined: needs only torch and safetensors"
+    "--standalone",
+    is_flag=True,
+    help="one file: the recipe, the kernel and its opt-ins, joined whole (needs no part of this package)",
 )
 @click.option(
     "--with",
     "features",
     default="",
-    metavar="FEATURE,...",
-    help=f"with --standalone: the features to keep ({', '.join(FEATURES)}; all: every one the recipe has)",
+    metavar="PLUGIN,...",
+    help="with --standalone: the plug-ins to join (all: every one the recipe runs with; a wrong name lists them)",
 )
 def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, features: str = ""):
     """Copy recipe NAME's file to DEST, to edit it in your own project (it imports `core`, unless --standalone).
@@ -136,25 +137,18 @@ def copy_recipe(name: str, dest: str, force: bool, standalone: bool = False, fea
     from tools.copy_out import retarget_commands
 
     if standalone:  # one file that imports nothing of this package
-        from tools.copy_out import CopyError
-        from tools.copy_out import parse_with as parse_plugins
-        from tools.features import parse_with
-        from tools.standalone import StandaloneError
+        from tools.copy_out import CopyError, parse_with
 
         try:
-            if recipe.plugins:  # written on the kernel: the recipe, the kernel and the plug-ins, joined
-                kept = set(parse_plugins(features, recipe=name))
-            else:
-                kept = parse_with(features, config=recipe.load().Config)
-            text = copy_source(name, dest, kept=kept)
-        except (StandaloneError, CopyError) as err:
+            text = copy_source(name, dest, kept=set(parse_with(features, recipe=name)))
+        except CopyError as err:
             raise click.UsageError(str(err)) from None
     else:
         text = retarget_commands(Path(recipe.source_file).read_text(), name, dest)
     target.write_text(text)
     launch = f"torchrun --standalone --nproc-per-node 2 {dest}" if recipe.multi_node else f"python {dest}"
     if standalone:  # what the owner takes on: its size, and where its lines come from
-        from tools.standalone import copy_size
+        from tools.copy_out import copy_size
 
         lines, code = copy_size(text)
         size = f" ({lines:,} lines, {code:,} of code; `python -m tools.copies {name}` says where they come from)"

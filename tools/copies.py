@@ -7,49 +7,25 @@ code lines each `--with FEATURE` adds to it (`all`: every feature the recipe has
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-from tools.copy_out import LEFT_OUT, join, retarget_commands
-from tools.features import FEATURES, builtin_defaults, features_of
+from tools.copy_out import copy_size, join
 from tools.registry import PLUGINS, RECIPES, plugins_of
-from tools.standalone import copy_size, standalone_source
 
 
 def offered(name: str) -> list[str]:
-    """What `--with` offers for recipe `name`: its plug-ins (a recipe on the kernel), else tools.features' features."""
-    recipe = RECIPES[name]
-    return plugins_of(recipe) if recipe.plugins else features_of(recipe.load().Config)
+    """What `--with` offers for recipe `name`: its plug-ins."""
+    return plugins_of(RECIPES[name])
 
 
 def feature_options(name: str, feature: str) -> set[str]:
     """The options (Config fields) that `--with feature` adds to recipe `name`'s copy."""
-    if not RECIPES[name].plugins:
-        return FEATURES[feature].options()
     module = PLUGINS[feature].load()
     groups = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__]
     return {field for group in groups for field in getattr(group, "__dataclass_fields__", {})}
 
 
-def copy_source(name: str, dest: str, *, kept: set[str], formatted: bool = True) -> str:
-    """The text of recipe `name`'s copy at `dest`, standalone, with the features in `kept` (tools.features)."""
-    recipe = RECIPES[name]
-    if recipe.plugins:  # written on the kernel: whole files joined (tools/copy_out.py)
-        return join(name, dest, kept=[plugin for plugin in plugins_of(recipe) if plugin in kept])
-    config = recipe.load().Config
-    defaults = config()  # the copy carries the recipe's default model and data, no other built-in
-    return standalone_source(
-        retarget_commands(Path(recipe.source_file).read_text(), name, dest),
-        name=name,
-        dest=dest,
-        nproc=2 if recipe.multi_node else 1,  # the launcher's lines become torchrun ones; one-process recipes: one
-        keep_builtins={"MODELS": defaults.model, "DATASETS": defaults.data},
-        left_out=LEFT_OUT,
-        without=tuple(f for f in features_of(config) if f not in kept),
-        absent=tuple(f for f in FEATURES if f not in features_of(config)),
-        defaults=builtin_defaults(defaults),
-        formatted=formatted,
-    )
+def copy_source(name: str, dest: str, *, kept: set[str]) -> str:
+    """The text of recipe `name`'s standalone copy at `dest`, with the plug-ins in `kept` (tools/copy_out.py)."""
+    return join(name, dest, kept=[plugin for plugin in offered(name) if plugin in kept])
 
 
 def size_variants(name: str) -> list[str]:
@@ -73,9 +49,6 @@ def breakdown(text: str) -> dict[str, int]:
         if line.startswith("# from "):  # a joined copy marks each file it joins
             part = line.removeprefix("# from ").split(":")[0]
             part = "the recipe" if part.startswith("recipes/") else part
-        if line.startswith("# inlined from ") or re.fullmatch(r"# the \w+ recipe('s Config and start)?", line):
-            part = line.removeprefix("# inlined from ").removeprefix("# ").replace("'s Config and start", "")
-            part = part if part.startswith("core/") else "the recipe"
         parts.setdefault(part, []).append(line)
     return {name: copy_size("\n".join(lines))[1] for name, lines in parts.items()}
 
@@ -88,14 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", choices=sorted(RECIPES))
     parser.add_argument("features", nargs="?", default="", help="as cp's --with (all, or names separated by commas)")
     args = parser.parse_args(argv)
-    from tools.features import parse_with
+    from tools.copy_out import parse_with
 
-    if RECIPES[args.name].plugins:
-        from tools.copy_out import parse_with as parse_plugins
-
-        kept = set(parse_plugins(args.features, recipe=args.name))
-    else:
-        kept = parse_with(args.features, config=RECIPES[args.name].load().Config)
+    kept = set(parse_with(args.features, recipe=args.name))
     text = copy_source(args.name, "train.py", kept=kept)
     lines, code = copy_size(text)
     print(f"{args.name}'s copy{' with ' + args.features if args.features else ''}: {lines:,} lines, {code:,} code")

@@ -8,7 +8,7 @@
     the recipe's options and start (its Config and __main__ block), which use all of the above
 
 No line of a file changes: the join works on lines, and a name is defined in one joined file only, so the result runs
-as its parts do. A recipe not yet written on the kernel is copied by tools/standalone.py.
+as its parts do.
 """
 
 from __future__ import annotations
