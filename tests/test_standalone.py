@@ -22,6 +22,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_copy_out import LEAN_BUDGET, RATCHET
 
 from helpers import REPO, recipe_params, run, torchrun, user_env, waiting
 from tools.cli import cli
@@ -160,12 +161,7 @@ def test_copy_is_one_whole_file(project, linted, name, variant):
 # cheaper by RATCHET code lines makes test_copy_meets_its_budget ask for the lower number. The README's recipe
 # table prints each lean copy's size and each feature's cost: tests hold it exact, and
 # `TDR_SIZES=rewrite pytest tests/test_standalone.py -k readme` rewrites it after a change of the code.
-BUDGET = {
-    "ddp": (1102, 742), "dp": (1092, 737), "pipeline_naive": (1420, 930), "ddp_amp": (1412, 922),
-    "fsdp": (1852, 1202), "tensor_parallel": (1970, 1280), "fsdp_tp": (1980, 1290), "pipeline": (1800, 1200),
-    "ddp_monitored": (1442, 962),
-}  # fmt: skip
-RATCHET = 20
+BUDGET = LEAN_BUDGET  # one table of the lean copies' budgets: tests/test_copy_out.py's
 SIZE_COLUMNS = ("its lean standalone copy: lines (code)", "code lines each `--with FEATURE` adds")
 
 
