@@ -27,6 +27,10 @@ def config(name: str, **changes):
 
 def run_recipe(topo, name: str, cfg) -> dict:
     """On each rank: recipes.<name>.train, as its main() calls it (train opens the run folder itself)."""
+    from core.plugins.lock import HELD
+
+    while HELD:  # run folders' locks of this worker's earlier runs: a real run is a process of its own
+        HELD.pop().close()
     return importlib.import_module(f"recipes.{name}").train(cfg, topo)
 
 

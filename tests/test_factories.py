@@ -198,6 +198,6 @@ def test_the_seed_makes_a_factory_that_shuffles_with_random_or_numpy_the_same_on
         source = Path(sys.modules[recipe.load().__name__].__file__).read_text()
         calls = [ast.unparse(n.func) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
         seed = "seed_all"  # every recipe imports the kernel's name
-        build = "build_data" if "build_data" in calls else "data.build_data"
+        build = next(call for call in ("build_data", "build_text") if call in calls)  # the GPT recipes: build_text
         assert seed in calls and "torch.manual_seed" not in calls[: calls.index(seed)], name
         assert calls.index(seed) < calls.index(build), name
