@@ -32,7 +32,7 @@ class RunFolder:
     config: dict  # the options and the job's shape: config.json, and every checkpoint's header
     writer: bool  # rank 0: the one process that writes and prints
     lock: object = None  # rank 0's open .lock file: the kernel lets go of it when the process ends
-    sinks: tuple = ()  # more places every record goes (core.trackers): write(record), state() for checkpoints
+    sinks: tuple = ()  # more places every record goes: write(record), state() for checkpoints
 
 
 def write_record(run: RunFolder, record: dict) -> None:
