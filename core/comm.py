@@ -1,41 +1,9 @@
-"""How DDP moves gradients: comm hooks (fp16, bf16, PowerSGD) and bucket options.
-
-    ddp = DistributedDataParallel(model, ..., bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=...)
-    comm.register(ddp, cfg.comm_hook, backend=topo.backend)   # once, before the first backward
-
-`none` keeps DDP's own C++ reducer (it fuses the copy into the bucket with the division by the world
-size; a Python hook doing the same costs an extra pass over the gradients, ~2% of a CPU step here).
-What the others do to the numbers: `fp16`/`bf16` round each bucket to 16 bits before the all-reduce
-(half the bytes, ~1e-3 relative error per step); `powersgd` sends a rank-r approximation of each
-weight-gradient matrix with error feedback (far fewer bytes, approximate; its state is not
-checkpointed, so a resumed run is close to, not bitwise equal to, an uninterrupted one).
-"""
+"""DDP's keyword arguments for a bitwise resume at any world size (`fixed_buckets`); the comm hooks (fp16, bf16,
+PowerSGD) and the bucket options a run takes are the comm_hook plug-in's (core/plugins/comm_hook.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from core.kernel.options import Options, RecipeError, option
-
-HOOKS = ("none", "fp16", "bf16", "powersgd")
-
-
-@dataclass(frozen=True)
-class CommOptions(Options):
-    title = "gradient communication"
-    comm_hook: str = option(
-        "none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank", choices=HOOKS
-    )
-    bucket_mb: float = option(
-        25.0,
-        "DDP gradient bucket size in MB (one all-reduce per bucket)",
-        check=lambda v: 0 < v <= 1e5,
-        fix="use a size in MB from above 0 to 100000 (25: DDP's)",
-    )
-    grad_as_bucket_view: bool = option(False, "gradients are views into DDP's buckets (saves a copy and memory)")
+from core.kernel.options import RecipeError
 
 
 def ddp_kwargs(
@@ -67,25 +35,3 @@ def ddp_kwargs(
         "static_graph": static_graph,
         "find_unused_parameters": find_unused_parameters or fixed_buckets,
     }
-
-
-def check_hook(name: str, *, backend: str) -> None:
-    """One RecipeError line for a hook that does not exist, or that `backend` cannot run."""
-    if name not in HOOKS:
-        raise RecipeError(f"--comm-hook {name}: choose one of {', '.join(HOOKS)}")
-    if name == "bf16" and backend != "nccl":  # gloo's all-reduce has no bfloat16 kernels
-        raise RecipeError(
-            f"--comm-hook bf16 needs the nccl backend (this job uses {backend}); use --comm-hook fp16 or powersgd"
-        )
-
-
-def register(ddp: DDP, name: str, *, backend: str) -> DDP:
-    """Install hook `name` on a DDP module, once, before its first backward (`none`: DDP's own reducer, no hook)."""
-    check_hook(name, backend=backend)
-    if name == "powersgd":  # rank-2 approximations; the first 10 steps plain all-reduces, as PowerSGD's paper advises
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    compress = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-    if name in compress:
-        ddp.register_comm_hook(None, compress[name])  # state None: the default process group
-    return ddp
