@@ -62,13 +62,10 @@ def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler, p
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
     tensors |= {f"optim/{k}": v for k, v in flat.items() if torch.is_tensor(v)}  # other values go to JSON
     tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
-    scalars = {key: value for key, value in flat.items() if not torch.is_tensor(value)}
+    rest = {"param_groups": optim["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}}
     meta = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__, "config": run.config}
-    meta |= {"global_batch": run.config["global_batch"], "world_size": len(rng), "progress": progress}
-    meta |= {
-        "optimizer": {"param_groups": optim["param_groups"], "scalars": scalars},
-        "scheduler": scheduler.state_dict(),
-    }
+    meta |= {"global_batch": run.config["global_batch"], "world_size": len(rng), "optimizer": rest}
+    meta |= {"progress": progress, "scheduler": scheduler.state_dict()}
     path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
     if run.writer:  # a full disk raises OSError here, and the checkpoints before stay whole
         path.parent.mkdir(exist_ok=True)
