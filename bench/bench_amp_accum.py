@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from core import amp, dist, models  # noqa: E402
+from core import accum, amp, dist, models  # noqa: E402
 from core.exact_loss import make_exact_loss  # noqa: E402
 from core.kernel.pg import cleanup_pg
 from core.loss import Loss  # noqa: E402
@@ -52,7 +52,7 @@ def timed_steps(model, optimizer, batches, *, precision: str, sync, n: int) -> f
     started = time.perf_counter()
     loss_fn = make_exact_loss(Loss("ce"), model=model.module)
     for _ in range(n):
-        amp.step_amp(model, batches, optimizer=optimizer, loss_fn=loss_fn, precision=precision, sync=sync)
+        accum.step_amp(model, batches, optimizer=optimizer, loss_fn=loss_fn, precision=precision, sync=sync)
     torch_dist.barrier()
     return (time.perf_counter() - started) / n
 

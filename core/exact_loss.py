@@ -1,13 +1,4 @@
-"""Token-exact loss weights: every counted target of the global batch weighs the same, across ranks and
-micro-batches, as in one process that sees the whole global batch.
-
-With padded sequences of different lengths, a mean per micro-batch averaged over K micro-batches and W ranks
-weighs a short sequence's tokens more than a long one's (the bug transformers fixed for accumulation in issue
-#34191). Here each micro-batch's loss is its SUM over counted targets divided by one normalizer, the counted
-targets of the whole global batch over W (one all-reduce a step; DDP then averages over W). A model whose own loss
-divides its sum by `num_items_in_batch` is handed that normalizer (the loss_counts plug-in); a causal LM's labels
-are counted after its shift.
-"""
+"""Token-exact loss weights: every counted target of the global batch weighs the same, on any rank or micro-batch."""
 
 from __future__ import annotations
 
@@ -20,8 +11,7 @@ from torch import nn
 
 from core.kernel.step import IGNORE, Loss, forward
 
-LOSS_COUNTS: list = []  # fn(model, loss) -> forward(model, batch, loss, norm) -> (loss, its sum, metric sums) or None:
-# a model whose own loss divides its sum by num_items_in_batch (core/exact_loss.py's make_exact_loss; loss_counts)
+LOSS_COUNTS: list = []  # fn(model, loss) -> a `counted` forward for a model whose loss takes num_items_in_batch
 
 
 @dataclass(frozen=True)
@@ -38,8 +28,7 @@ def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
 
 
 def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
-    """Counted targets of a batch (!= -100, after a causal LM's shift), or its samples where it has no integer
-    targets: a float64 tensor on the batch's device."""
+    """Counted targets of a batch (!= -100, after a causal LM's shift), or its samples if none are integers."""
     targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
     tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
     if targets is None or targets.is_floating_point():
@@ -50,17 +39,15 @@ def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
 
 
 def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:
-    """Counted targets of the global batch: this rank's micro-batches, summed over `group` (one all-reduce; None:
-    this rank's alone, its gradients averaged with no other's)."""
+    """Counted targets of the global batch: this rank's micro-batches, summed over `group` (None: this rank's)."""
     total = torch.stack([count_targets(b, loss_fn) for b in micro_batches]).sum()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total
 
 
-def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) -> tuple[torch.Tensor, dict]:
-    """One micro-batch: (its summed loss / normalizer, to backward; its metric sums, counted as the loss counts).
-    normalizer = global_count(...) / W, W the data-parallel ranks whose gradients are averaged (1 alone)."""
+def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer=1.0) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: (its summed loss / normalizer, its metric sums); 1.0: the plain sums evaluation reads."""
     count = count_targets(batch, loss_fn)
     norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count.device)
     if loss_fn.counted is not None and (found := loss_fn.counted(model, batch, loss_fn.loss, norm)):
@@ -71,8 +58,3 @@ def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer) ->
         loss = total / norm
     metrics |= {"loss_sum": total.detach().double(), "count": count}
     return loss, metrics
-
-
-def forward_sums(model: nn.Module, batch, loss_fn: ExactLoss) -> tuple[torch.Tensor, dict]:
-    """forward_exact with no normalizer: a batch's metric sums for evaluation, counted as training counts them."""
-    return forward_exact(model, batch, loss_fn, normalizer=1.0)

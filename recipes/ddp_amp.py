@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 2 -m recipes run ddp_amp --precision bf16 --accum 4 --clip 1.0
     python -m recipes run ddp_amp --precision bf16 --accum 4   # one process, no launcher
     ./launch_single_node.sh ddp_amp --precision fp16 --clip 1.0  # GPUs only: fp16 needs CUDA
-    ./launch_single_node.sh ddp_amp --log-to tensorboard        # then: tensorboard --logdir runs
+    ./launch_single_node.sh ddp_amp --log-to tensorboard  # a copy made --with trackers; tensorboard --logdir runs
 
 The forward runs under torch.autocast (bf16 on CPU or GPU, fp16 on GPU); weights, gradients and the
 optimizer stay fp32. fp16 also gets a GradScaler: the loss is scaled up so small gradients survive
@@ -25,7 +25,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import core.attach  # noqa: F401 - the package runs ddp_amp with every plug-in; a standalone copy joins its --with ones
-from core.amp import Accumulation, Precision, check_step, make_loaders, make_scaler, micro_batch_groups, step_amp
+from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
+from core.amp import Precision, grad_sync
 from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
@@ -68,7 +69,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     train_loader, val_loader, total = make_loaders(cfg, topo, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
-    scaler = make_scaler(cfg.precision, device=topo.device)  # loss scaling for fp16; a pass-through otherwise
+    scaler = torch.amp.GradScaler(topo.device.type, enabled=cfg.precision == "fp16")  # bf16, fp32: a pass-through
     # The model's own loss, else cross-entropy; every counted target of the global batch weighs the same, across
     # ranks and micro-batches.
     loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
@@ -85,6 +86,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     # Train. K micro-batches a step; DDP all-reduces in the last one's backward only (no_sync before).
     step, skipped, evaluation = start["step"], start["skipped"], {}
     step_options = dict(optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, scaler=scaler, clip=cfg.clip)
+    step_options |= dict(sync=grad_sync)  # no_sync() for the first K-1 micro-batches
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break

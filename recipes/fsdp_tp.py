@@ -26,8 +26,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import core.attach  # noqa: F401 - the package runs it with its plug-ins; a standalone copy joins those --with names
-from core.amp import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
-from core.exact_loss import forward_sums, make_exact_loss
+from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
+from core.exact_loss import forward_exact, make_exact_loss
 from core.gpt import gpt, text
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import write_weights
@@ -150,7 +150,7 @@ def train(cfg: Config, topo: Topology) -> dict:
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     save_sharded(run, **state, progress=progress, keep=cfg.keep)
         with not_training():  # a tp group's ranks count alike, each forward a collective: the means are right
-            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_sums)
+            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_exact)
         log_eval(run, evaluation, step=step, epoch=epoch)
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core import amp, data, models
+from core import data, models
+from core.accum import step_amp
 from core.dist import Topology
 from core.exact_loss import make_exact_loss
 from core.loss import make_loss
@@ -66,7 +67,7 @@ def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
     accum = getattr(cfg, "accum", 1)
     for _, shares in zip(range(cfg.max_steps), zip(*(_groups(loader, accum) for loader in loaders))):
         batch = tuple(torch.cat(parts) for parts in zip(*(b for share in shares for b in share)))
-        amp.step_amp(model, [batch], optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, precision=cfg.precision)
+        step_amp(model, [batch], optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, precision=cfg.precision)
         scheduler.step()
     return model.state_dict()
 

@@ -1,9 +1,10 @@
-"""Mixed precision, loss scaling, gradient accumulation and clipping (core.amp, the ddp_amp recipe).
+"""Mixed precision, loss scaling, gradient accumulation and clipping (core.amp, core.accum, the ddp_amp recipe).
 
 Layer 2 checks run in one gloo world of 4 ranks; a world of N <= 4 is a subgroup of it
 (DDP takes `process_group=`), so every N is checked without starting another world.
 """
 
+import argparse
 import json
 import math
 import os
@@ -23,12 +24,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from core.amp import accum_steps, grad_sync, make_scaler, micro_batch_groups, step_amp
+from core.accum import make_loaders, micro_batch_groups, step_amp
+from core.amp import grad_sync
 from core.datasets import digits
 from core.exact_loss import make_exact_loss
 from core.grads import clip_grad_norm
 from core.kernel.ckpt import load_checkpoint, save_checkpoint
-from core.kernel.loader import make_loader
 from core.kernel.log import RunFolder
 from core.kernel.options import RecipeError
 from core.kernel.pg import Topology
@@ -38,6 +39,13 @@ from helpers import REPO, in_one_interpreter, recipes_cli, run, user_env
 from world import GlooWorld
 
 CPU = torch.device("cpu")
+
+
+def make_scaler(precision: str, *, device: torch.device, **options) -> torch.amp.GradScaler:
+    """ddp_amp's GradScaler line (test_scaler_enabled_only_for_fp16 holds the recipe to it), with test options."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16", **options)
+
+
 _GROUPS: dict[int, object] = {}  # per worker process: subgroups of the first N ranks
 
 
@@ -106,6 +114,7 @@ def accumulate_on_subworld(topo, seed, world, sizes, steps):
             _micro_batches(x, y, rank=topo.rank, world=world, sizes=sizes),
             optimizer=optimizer,
             loss_fn=_ce(model),
+            sync=grad_sync,
             dp_group=_group(world),
         )
         grads.append(_grads(model))
@@ -324,6 +333,8 @@ def test_micro_batch_groups_drop_the_incomplete_tail():
 
 
 def test_scaler_enabled_only_for_fp16():
+    recipe = (REPO / "recipes" / "ddp_amp.py").read_text()
+    assert 'torch.amp.GradScaler(topo.device.type, enabled=cfg.precision == "fp16")' in recipe
     assert make_scaler("fp16", device=CPU).is_enabled()
     assert not make_scaler("bf16", device=CPU).is_enabled()
     assert not make_scaler("fp32", device=CPU).is_enabled()
@@ -429,9 +440,8 @@ def test_a_data_set_smaller_than_one_batch_advises_what_fits(refused):
     assert line.endswith("use --batch-size 1 or less")
     on_two = Topology(0, 2, CPU)  # on 2 ranks the one sample is dropped
     with pytest.raises(RecipeError) as refused:
-        accum_steps(
-            make_loader(one_sample()[0], on_two, batch_size=32, collate_fn=None), epochs=1, max_steps=0, accum=2
-        )
+        cfg = argparse.Namespace(batch_size=32, seed=0, accum=2, epochs=1, max_steps=0)
+        make_loaders(cfg, on_two, one_sample()[0], None, None)
     line = str(refused.value)
     assert "(1 samples) gives each of 2 rank(s) 0, not one whole batch; use fewer than 2 rank(s)" in line
     assert "--accum 0" not in line

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
-from core.amp import Accumulation, Precision
+from core.accum import Accumulation
+from core.amp import Precision
 from core.config import Training, parse_args
 from core.data import build_data, make_loader
 from core.datasets import digits

@@ -17,8 +17,9 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 import core.plugins.loss  # noqa: F401 - --loss, as the package runs
 import core.plugins.loss_counts  # noqa: F401 - num_items_in_batch, as the package runs
-from core.amp import step_amp
-from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
+from core.accum import step_amp
+from core.amp import grad_sync
+from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.options import RecipeError
 from core.kernel.step import make_loss as kernel_make_loss
 from core.loss import forward, make_loss, split_outputs
@@ -406,7 +407,8 @@ def test_step_plain_and_step_amp_on_dict_batches():
     metrics, stats = step_amp(model, [batch, batch], optimizer=opt, loss_fn=loss_fn, precision="bf16")
     assert metrics["samples"].item() == 6 and math.isfinite(stats.grad_norm) and not stats.skipped
     assert metrics["count"].item() == 2 * (7 + 1 + 4)  # shifted: one target fewer a sequence
-    assert evaluate(model, [batch], loss_fn=loss_fn, device=CPU, forward=forward_sums).keys() == {"val_loss", "val_acc"}
+    evaluation = evaluate(model, [batch], loss_fn=loss_fn, device=CPU, forward=forward_exact)
+    assert evaluation.keys() == {"val_loss", "val_acc"}
 
 
 def _sums(**values):
@@ -453,7 +455,7 @@ def _ddp_gpt2_step(topo, ranks):
     model = DistributedDataParallel(gpt2())
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     loss_fn = make_exact_loss(loss_for("auto", model.module), model=model.module)
-    metrics, _ = step_amp(model, ranks[topo.rank], optimizer=opt, loss_fn=loss_fn)
+    metrics, _ = step_amp(model, ranks[topo.rank], optimizer=opt, loss_fn=loss_fn, sync=grad_sync)
     return [p.detach().clone() for p in model.module.parameters()], {k: v.item() for k, v in metrics.items()}
 
 
@@ -660,6 +662,6 @@ def test_a_batch_with_no_counted_target_counts_nowhere():
         hand, rel=1e-6
     )
     exact_fn = make_exact_loss(make_loss(model=model), model=model)
-    assert evaluate(model, [masked, counted], loss_fn=exact_fn, device=CPU, forward=forward_sums)["val_loss"] == (
+    assert evaluate(model, [masked, counted], loss_fn=exact_fn, device=CPU, forward=forward_exact)["val_loss"] == (
         pytest.approx(hand, rel=1e-6)
     )

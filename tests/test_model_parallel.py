@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core import amp, data, grads, models, steps
-from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
+from core import accum, amp, data, grads, models, steps
+from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.options import RecipeError
 from core.loss import Loss, make_loss
 from helpers import unfinished
@@ -164,7 +164,7 @@ def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
     model.load_state_dict(load_file(summary["weights"]))
     val = torch.utils.data.DataLoader(data.build_data("digits")[1], batch_size=64)
     loss_fn = make_exact_loss(make_loss(model=model), model=model)
-    expected = steps.evaluate(model, val, loss_fn=loss_fn, device=torch.device("cpu"), forward=forward_sums)
+    expected = steps.evaluate(model, val, loss_fn=loss_fn, device=torch.device("cpu"), forward=forward_exact)
     assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
     assert summary["val_acc"] == pytest.approx(expected["val_acc"])
 
@@ -341,7 +341,7 @@ def test_fsdp_starts_from_a_runs_weights_and_writes_a_folder_from_pretrained_loa
 
 
 # --- the full step (issue 14.4): accumulation, clipping and precision under fully_shard and pipelines -------
-# Each is checked against core.amp.step_amp on one process over the same global batch, with clipping that
+# Each is checked against core.accum.step_amp on one process over the same global batch, with clipping that
 # bites (max norm 0.05, below the gradients' norm): a norm taken over one shard or stage would scale wrongly.
 
 CLIP = 0.05
@@ -387,7 +387,7 @@ def _one_process(batches, *, k: int, precision: str = "fp32", losses: bool = Fal
     norms, means = [], []
     for x, y in batches:
         micro = list(zip(x.chunk(k), y.chunk(k)))
-        sums, stats = amp.step_amp(model, micro, optimizer=optimizer, loss_fn=loss_fn, clip=CLIP, precision=precision)
+        sums, stats = accum.step_amp(model, micro, optimizer=optimizer, loss_fn=loss_fn, clip=CLIP, precision=precision)
         norms.append(stats.grad_norm)
         means.append(float(sums["loss_sum"] / sums["count"]))
     return (model.state_dict(), norms, means) if losses else (model.state_dict(), norms)
@@ -407,7 +407,7 @@ def fsdp_accum_clip(topo):
     for x, y in batches:
         mine = x.chunk(2)[topo.rank], y.chunk(2)[topo.rank]
         micro = list(zip(mine[0].chunk(2), mine[1].chunk(2)))
-        _, stats = amp.step_amp(
+        _, stats = accum.step_amp(
             model,
             micro,
             optimizer=optimizer,
@@ -528,7 +528,7 @@ def tp_accum_clip(topo, via_step_amp: bool):
     for x, y in batches:
         micro = list(zip(x.chunk(2), y.chunk(2)))
         if via_step_amp:
-            stats = amp.step_amp(model, micro, optimizer=optimizer, loss_fn=loss_fn, clip=CLIP, dp_group=one)[1]
+            stats = accum.step_amp(model, micro, optimizer=optimizer, loss_fn=loss_fn, clip=CLIP, dp_group=one)[1]
             norms.append(stats.grad_norm)
             continue
         optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path, with grads.clip_grad_norm

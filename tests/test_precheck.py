@@ -150,13 +150,13 @@ def test_an_hf_attr_that_names_no_transformers_model_is_refused_before_launch():
 @pytest.mark.fast
 def test_a_step_that_is_not_finite_names_only_options_the_recipe_takes():
     """ddp takes no --clip (review find: its line advised it); the amp recipes do."""
-    from core import amp, steps
+    from core import accum, steps
 
     with pytest.raises(RecipeError) as plain:
         steps.check_finite(float("nan"), step=1, on_nonfinite="stop")
     assert "--clip" not in str(plain.value) and "lower --lr, or pass --on-nonfinite skip" in str(plain.value)
     with pytest.raises(RecipeError) as clipping:
-        amp.check_step(amp.StepStats(float("inf"), True), step=3, on_nonfinite="stop")
+        accum.check_step(accum.StepStats(float("inf"), True), step=3, on_nonfinite="stop")
     assert "lower --lr, set --clip, or pass --on-nonfinite skip" in str(clipping.value)
 
 

@@ -12,7 +12,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core import amp, parallel, schedules, steps
+from core import accum, parallel, schedules, steps
 from core.kernel.loader import to_device
 from core.kernel.options import parse_args
 from core.kernel.pg import Topology
@@ -47,7 +47,7 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
             if name in EXACT_LOSS:
                 dp_group = mesh["dp"].get_group() if mesh is not None else None
                 how = {"precision": layout.autocast, "sync": layout.sync, "dp_group": dp_group}
-                step = functools.partial(amp.step_amp, model, micro_batches, **how)
+                step = functools.partial(accum.step_amp, model, micro_batches, **how)
             else:
                 step = functools.partial(steps.step_plain, model, micro_batches[0])
             for _ in range(2):

@@ -12,7 +12,7 @@ from torch._guards import active_fake_mode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from core import amp
+from core.accum import AUTOCAST
 from core.exact_loss import forward_exact
 from core.loss import forward, metrics
 from core.schedules import TokenLoss
@@ -152,12 +152,17 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
     }
 
 
+def _autocast(precision: str):
+    """step_amp's (and step_pipeline's) autocast on the CPU: the forward in bf16/fp16, nothing for fp32."""
+    return torch.autocast("cpu", dtype=AUTOCAST[precision], enabled=AUTOCAST[precision] is not None)
+
+
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
-    """amp.step_amp's forwards and backwards (or core.steps.step_plain's one), without reading any value."""
+    """accum.step_amp's forwards and backwards (or core.steps.step_plain's one), without reading any value."""
     step = functools.partial(forward_exact, normalizer=torch.ones(())) if name in EXACT_LOSS else forward
     for i, batch in enumerate(micro_batches):
         with layout.sync(layout.model, enabled=i == len(micro_batches) - 1):
-            with amp.autocast(layout.autocast, device=torch.device("cpu")):
+            with _autocast(layout.autocast):
                 loss, _ = step(layout.model, batch, loss_fn)
             after_forward()
             loss.backward()
@@ -176,7 +181,7 @@ def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple
         module = dict(layout.stages)[stage]
         if kind == "F":
             x = xs[mb] if stage == 0 else layout.recv[stage][mb]
-            with amp.autocast(layout.autocast, device=torch.device("cpu")):  # step_pipeline's, around the schedule
+            with _autocast(layout.autocast):  # step_pipeline's, around the schedule
                 out = module(x)
                 loss = loss_fn(out, ys[mb]) if stage == last else None
             if stage == last:

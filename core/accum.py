@@ -1,0 +1,127 @@
+"""Gradient accumulation and clipping under autocast: the step of ddp_amp and the sharded recipes."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from core.exact_loss import ExactLoss, forward_exact, global_count
+from core.grads import clip_grad_norm
+from core.kernel.loader import make_loader, to_device
+from core.kernel.options import Options, RecipeError, at_least, option
+from core.kernel.seams import STREAMS
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the forward's dtype; weights stay fp32
+
+
+@dataclass(frozen=True)
+class Accumulation(Options):
+    title = "gradient accumulation and clipping"
+    accum: int = option(1, "micro-batches per optimizer step (accumulation)", **at_least(1))
+    clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did: its gradient norm before clipping, whether it was skipped, fp16's loss scale."""
+
+    grad_norm: float
+    skipped: bool  # gradients were not finite, so the parameters were left as they were
+    scale: float = 1.0  # fp16's loss scale (1.0 otherwise)
+    scaled: bool = False  # fp16 loss scaling is on: a skipped step is its routine back-off, not a failure
+
+
+def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list]:
+    """The loader's batches K at a time, moved to `device`; an incomplete group at the end is dropped."""
+    batches = iter(loader)
+    while len(group := [to_device(batch, device) for batch in itertools.islice(batches, k)]) == k:
+        yield group
+
+
+def step_amp(
+    model: nn.Module,
+    micro_batches: list,
+    *,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: ExactLoss,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    clip: float = 0.0,
+    sync=None,
+    dp_group=None,
+) -> tuple[dict[str, torch.Tensor], StepStats]:
+    """One optimizer step over K micro-batches: autocast forward, exact loss, (scaled) backward, unscale, clip, step."""
+    optimizer.zero_grad(set_to_none=True)
+    group = dp_group if dp_group is not None else getattr(model, "process_group", None)  # DDP's own, or this rank
+    world = dist.get_world_size(group) if group is not None else 1
+    count = global_count(micro_batches, loss_fn, group=group)
+    normalizer = count.clamp(min=1.0) / world  # no counted target anywhere: zero gradients, not nan
+    dtype, sums = AUTOCAST[precision], {}
+    for i, batch in enumerate(micro_batches):
+        held = sync(model, enabled=i == len(micro_batches) - 1) if sync else contextlib.nullcontext()
+        with held:  # the backward must run inside no_sync too
+            with torch.autocast(normalizer.device.type, dtype=dtype, enabled=dtype is not None):
+                loss, metrics = forward_exact(model, batch, loss_fn, normalizer=normalizer)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        sums = {k: sums[k] + v if k in sums else v for k, v in metrics.items()}
+    if scaling := scaler is not None and scaler.is_enabled():
+        scaler.unscale_(optimizer)  # true gradients before the norm is read or clipped
+    scale = scaler.get_scale() if scaling else 1.0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = float(clip_grad_norm(params, clip))  # the step's one host sync; every rank decides alike
+    if scaling:
+        scaler.step(optimizer)  # skipped by the scaler itself when unscale_ found inf/nan
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    elif not (skipped := not math.isfinite(norm)):
+        optimizer.step()
+    return sums, StepStats(norm, skipped, scale, scaling)
+
+
+def check_step(stats: StepStats, *, step: int, on_nonfinite: str) -> int:
+    """1 for a step skipped on a non-finite gradient norm (fp16's routine back-off: 0); with stop, one line."""
+    if stats.scaled or math.isfinite(stats.grad_norm):
+        return 0
+    if on_nonfinite == "stop":
+        fix = "lower --lr, set --clip, or pass --on-nonfinite skip"
+        raise RecipeError(
+            f"step {step}: the loss or the gradients are not finite (gradient norm {stats.grad_norm}); {fix}"
+        )
+    return 1
+
+
+def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
+    """(train loader, val loader, optimizer steps at --accum micro-batches a step); a stream through the plug-in."""
+    for make in STREAMS:  # the stream plug-in: read in order, dealt out by position
+        if found := make(cfg, topo, train_set, val_set, collate_fn):
+            return found
+    if isinstance(train_set, IterableDataset):
+        raise RecipeError(
+            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one "
+            f"(__len__, __getitem__), or add the stream plug-in (a copy made `--with stream`)"
+        )
+    train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
+    val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
+    share, world, batch, accum = train.sampler.num_samples, train.sampler.num_replicas, cfg.batch_size, cfg.accum
+    if share < batch * accum:  # a rank's share holds less than one step
+        what = f"--batch-size {batch}" + (f" --accum {accum}" if accum > 1 else "")
+        if share >= batch:
+            raise RecipeError(
+                f"{what}: an epoch has only {share // batch} whole micro-batches per rank; "
+                f"use --accum {share // batch} or less"
+            )
+        fix = f"use --batch-size {share} or less" if share else f"use fewer than {world} rank(s)"
+        raise RecipeError(
+            f"{what}: the training set ({len(train_set)} samples) gives each of {world} rank(s) {share}, "
+            f"not one whole batch; {fix}"
+        )
+    total = cfg.epochs * (len(train) // accum)
+    return train, val, min(total, cfg.max_steps) if cfg.max_steps else total
