@@ -34,6 +34,7 @@ from core.kernel.log import RunFolder
 from core.kernel.options import RecipeError
 from core.kernel.pg import Topology
 from core.plugins.loss import ChosenLoss
+from core.schedules import clip_over_stages
 from core.steps import step_plain
 from helpers import REPO, in_one_interpreter, recipes_cli, run, user_env
 from world import GlooWorld
@@ -281,12 +282,11 @@ def test_clip_across_ddp_ranks_equals_single_process(world4, world):
 
 
 def clip_disjoint_shards(topo, seed, max_norm):
-    """Each rank owns every 4th parameter (as pipeline stages own their layers). The 2-norm: no recipe clips by
-    another (--clip bounds it)."""
+    """Each rank owns every 4th parameter, as pipeline stages own their layers (core.schedules.clip_over_stages)."""
     model = _model(seed)
     cross_entropy(model(_data(seed, 12)[0]), _data(seed, 12)[1]).backward()
     mine = list(model.parameters())[topo.rank :: topo.world_size]
-    norm = clip_grad_norm(mine, max_norm, group=dist.group.WORLD)
+    norm = clip_over_stages(mine, max_norm, group=dist.group.WORLD)
     return norm, {i: p.grad for i, p in enumerate(model.parameters()) if i % topo.world_size == topo.rank}
 
 
