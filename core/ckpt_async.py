@@ -1,16 +1,4 @@
-"""Asynchronous checkpoints (--ckpt-async): the step waits only while the train state is copied to host memory;
-a thread of rank 0 writes the kernel's checkpoint file while training goes on.
-
-    saver = CheckpointSaver(background=cfg.ckpt_async)   # background=False: the kernel's save_checkpoint, as is
-    saver.save(run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=cfg.keep)
-    saver.close()   # the end of the run: the last write lands, or its failure is one line
-
-The file is the kernel's (snapshot, then write_tensors: atomic, checksummed), byte for byte the one a
-synchronous save writes. One write is in flight at a time: the next save, and the end of the run, wait for
-it first, and a write that failed is named by its own step. The host copy is kept from save to save (pinned
-memory for a GPU's tensors): fresh memory's page faults cost as much as the copy itself. What it costs: a kill
-during a write loses that checkpoint (the one before stays whole), and rank 0 holds a second copy of the state.
-"""
+"""--ckpt-async: the step waits only for the copy to host memory; a thread of rank 0 writes the kernel's file."""
 
 from __future__ import annotations
 
@@ -36,10 +24,7 @@ class AsyncCheckpoints(Options):
 
 
 def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of `tensors` in host `buffers`, so training may change the originals while the copy is written.
-
-    The buffers are kept and reused from the previous save (pinned for a GPU's tensors). Returns the copy, in the
-    tensors' order."""
+    """A copy of `tensors` in host `buffers`, kept from save to save (pinned for a GPU's tensors)."""
     for key in buffers.keys() - tensors.keys():
         del buffers[key]
     for key, tensor in tensors.items():
@@ -55,18 +40,16 @@ def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) ->
 def snapshot(run: RunFolder, *, model, optimizer, scheduler, progress: dict) -> tuple[dict, dict]:
     """(tensors, metadata) of the kernel's save_checkpoint, every rank's generators too (a collective)."""
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
-    optim = optimizer.state_dict()  # its state by parameter index: tensors to the file, other values to JSON
+    rng, optim = all_gather_object(mine), optimizer.state_dict()  # each rank's own generators: bitwise resume
     flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-    tensors |= {f"optim/{key}": value for key, value in flat.items() if torch.is_tensor(value)}
+    tensors |= {f"optim/{k}": v for k, v in flat.items() if torch.is_tensor(v)}  # other values go to JSON
     tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
-    scalars = {key: value for key, value in flat.items() if not torch.is_tensor(value)}
-    metadata = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__}
-    rest = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(rng)}
-    rest |= {"optimizer": {"param_groups": optim["param_groups"], "scalars": scalars}, "progress": progress}
-    rest["scheduler"] = scheduler.state_dict()
-    return tensors, metadata | {key: json.dumps(value) for key, value in rest.items()}
+    rest = {"param_groups": optim["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}}
+    meta = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__, "config": run.config}
+    meta |= {"global_batch": run.config["global_batch"], "world_size": len(rng), "optimizer": rest}
+    meta |= {"progress": progress, "scheduler": scheduler.state_dict()}
+    return tensors, {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
 
 
 class CheckpointSaver:
@@ -80,8 +63,7 @@ class CheckpointSaver:
         self.writing: tuple[Path, int] | None = None  # the file in flight and its step: what an error names
 
     def save(self, run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
-        """Every --ckpt-every steps, on every rank (the RNG gather is a collective): RUN/ckpt/step-N.safetensors.
-        Waits for the previous write first."""
+        """RUN/ckpt/step-N.safetensors, the kernel's file, once the previous write has landed (a collective)."""
         state = dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
         if not self.background:
             return save_checkpoint(run, **state, keep=keep)
@@ -103,13 +85,11 @@ class CheckpointSaver:
                 :-keep
             ]:  # only once the new one is in place
                 old.unlink(missing_ok=True)
-        except BaseException as err:  # said in the training thread, at the next save or close
+        except BaseException as err:  # said in the training thread, at the next save or wait
             self.error = err
 
     def wait(self) -> None:
-        """Until the write in flight (if any) has landed; a failed one is one RecipeError line on every rank.
-
-        A collective, so that no rank trains on while rank 0 stops."""
+        """Until the write in flight has landed; a failed one is one line on every rank (a collective)."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -128,7 +108,3 @@ class CheckpointSaver:
             raise err  # a bug, not the disk: its traceback (the other ranks get the line)
         if failed:
             raise RecipeError(failed)
-
-    def close(self) -> None:
-        """The end of the run: the last write lands before the final weights and the summary."""
-        self.wait()

@@ -1,74 +1,59 @@
-"""Where each step's time goes, for the train records: a clock driven by hooks, and the numbers read from it.
-
-    timer = StepClock(topo.device)
-    timer.attach(train_model, optimizer)                          # hooks: no code in the step, no host sync
-    ... every --log-every steps (a collective):
-    log_train(run, totals, ..., **breakdown(timer.take(), device=..., global_batch=...))
-    with not_training(), paused(timer):                           # evaluation, checkpoints: not a step
-        ...
-
-Each rank times its own steps; `breakdown` gathers every rank's sums in one collective, so the record speaks
-for the job: the phases averaged over ranks, the slowest rank's step (the pace the others wait for), the fullest
-rank's peak memory, and MFU where the device's peak is known.
-"""
+"""Where each step's time goes, peak memory and MFU for ddp_monitored's train records (docs/monitoring.md)."""
 
 from __future__ import annotations
 
+import os
+import resource
 import time
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from core.kernel.pg import all_gather_object
-from core.metrics import peak_memory_mb
+from core.kernel.step import split_outputs
 
 BEFORE_PG: list = []  # fn(cfg): before the process group exists: checks, the environment c10d reads (ddp_monitored)
 DDP_OPTIONS: list = []  # fn(cfg) -> more DistributedDataParallel keyword arguments (ddp_monitored; --bucket-mb)
 WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wraps it (ddp_monitored; --compile)
 
 PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
+PEAK_TFLOPS = {  # dense peak per GPU for the compute dtype, from the vendors' data sheets (no sparsity)
+    "H200": {"bf16": 989, "fp16": 989, "fp32": 67},
+    "H100": {"bf16": 989, "fp16": 989, "fp32": 67},
+    "A100": {"bf16": 312, "fp16": 312, "fp32": 19.5},
+    "L40S": {"bf16": 362, "fp16": 362, "fp32": 91.6},
+    "A10": {"bf16": 125, "fp16": 125, "fp32": 31.2},
+    "L4": {"bf16": 121, "fp16": 121, "fp32": 30.3},
+    "V100": {"bf16": 0, "fp16": 125, "fp32": 15.7},
+    "T4": {"bf16": 0, "fp16": 65, "fp32": 8.1},
+}
 
 
 class StepClock:
-    """Where each step's time goes, from hooks (no code in the training loop, no host sync per step).
-
-    data: end of the previous step -> forward (the loader, the copy to the device);
-    compute: forward, loss and backward, less comm_wait;
-    comm_wait: the last gradient computed -> optimizer.step() (the all-reduce time that did not overlap
-    backward, plus anything a recipe runs between backward and the step, such as the gradient norm);
-    optimizer: optimizer.step(); step: end of the previous step -> end of this one.
-    CPU: perf_counter; GPU: CUDA events queued on the stream, read at `take`.
-    """
+    """Each step's data, compute, comm_wait and optimizer time, from hooks: no code in the step, no host sync."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.cuda = device.type == "cuda"  # CPU: perf_counter; GPU: CUDA events queued on the stream, read at take
         self.done: list[tuple[object | None, dict[str, object]]] = []  # (previous end, this step's marks)
         self.current: dict[str, object] = {}
         self.previous_end: object | None = None
 
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()  # queued on the current stream: no sync
-        return event
-
     def mark(self, name: str) -> None:
         if name == "start" and "start" in self.current:
             return  # accumulation: the first micro-batch's forward starts the step
-        self.current[name] = self._now()
+        if self.cuda:
+            self.current[name] = torch.cuda.Event(enable_timing=True)
+            self.current[name].record()  # queued on the current stream: no sync
+        else:
+            self.current[name] = time.perf_counter()
         if name == "end":
             self.done.append((self.previous_end, self.current))
             self.previous_end, self.current = self.current["end"], {}
 
-    def skip_gap(self) -> None:
-        """Time since the last step was not a step (evaluation, checkpoint): leave it out of the next step."""
-        self.previous_end, self.current = None, {}
-
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
-        """Hooks on the module the loop calls and its optimizer; returns their handles.
-
-        They mark forward start, the last gradient ready, optimizer start and end."""
+        """Hooks that mark forward start, the last gradient ready, optimizer start and end; returns their handles."""
         handles = [
             model.register_forward_pre_hook(lambda *_: self.mark("start")),
             optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer")),
@@ -97,6 +82,14 @@ class StepClock:
         self.done = []
         return sums
 
+    @contextmanager
+    def paused(self):
+        """Evaluation or a checkpoint: not a step; the time until the next step is left out of it."""
+        try:
+            yield
+        finally:
+            self.previous_end, self.current = None, {}
+
 
 def breakdown(
     timings: dict[str, float],
@@ -106,12 +99,12 @@ def breakdown(
     flops_per_sample: float | None = None,
     peak_flops: float | None = None,
 ) -> dict[str, float]:
-    """A train record's timing fields, from this rank's `timings` (StepClock.take) and every other rank's.
-
-    Each phase's ms per step averaged over ranks, step_ms_max, peak_mem_mb, and mfu when both FLOP numbers are
-    given. A collective: every rank calls it at the same step."""
-    mine = {"steps": timings["steps"], "ms": [timings[p] for p in PHASES], "mem": peak_memory_mb(device)}
-    ranks = all_gather_object(mine)
+    """A train record's phases (ms per step over ranks), step_ms_max, peak_mem_mb and mfu (a collective)."""
+    if device.type == "cuda":
+        memory = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # resident set; Linux reports KiB
+    ranks = all_gather_object({"steps": timings["steps"], "ms": [timings[p] for p in PHASES], "mem": memory})
     per_step = torch.tensor([r["ms"] for r in ranks], dtype=torch.float64) / torch.tensor(
         [[max(r["steps"], 1.0)] for r in ranks], dtype=torch.float64
     )  # (ranks, phases): each rank's mean step
@@ -124,10 +117,30 @@ def breakdown(
     return record
 
 
-@contextmanager
-def paused(timer: StepClock):
-    """Evaluation or a checkpoint: not a step for the step clock."""
+def peak_flops(device: torch.device) -> float | None:
+    """The device's fp32 peak FLOP/s (TDR_PEAK_TFLOPS overrides); None on CPU or an unknown GPU."""
+    if os.environ.get("TDR_PEAK_TFLOPS"):
+        return float(os.environ["TDR_PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((t["fp32"] * 1e12 for key, t in PEAK_TFLOPS.items() if key in name), None)  # ddp_monitored: fp32
+
+
+def flops_per_sample(build: Callable[[], torch.nn.Module], sample) -> float | None:
+    """Forward + backward FLOPs of one sample, counted on a meta-device copy; None if the model reads values."""
+    meta = lambda value: torch.as_tensor(value).to("meta").unsqueeze(0)  # noqa: E731  one sample, a batch of one
     try:
-        yield
-    finally:
-        timer.skip_gap()
+        with torch.device("meta"):
+            model = build()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            if isinstance(sample, Mapping):  # labels' loss FLOPs are negligible; transformers reads a mask's values
+                outputs = model(**{k: meta(v) for k, v in sample.items() if k not in ("labels", "attention_mask")})
+            else:
+                inputs = sample[:-1] if isinstance(sample, tuple | list) and len(sample) > 1 else [sample]
+                outputs = model(*map(meta, inputs))
+            split_outputs(outputs)[0].float().sum().backward()
+        return float(counter.get_total_flops())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError):  # a model that reads values
+        return None

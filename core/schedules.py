@@ -1,7 +1,4 @@
-"""torch's pipeline schedules on core.pipeline's stages: the pipeline recipe's options and what a job may refuse before
-launch, the last stage's loss, the step (schedule.step, then the gradients averaged over the data-parallel pipelines
-and clipped over the stages), the evaluation (schedule.eval), and the stages' weights gathered on rank 0.
-"""
+"""torch's pipeline schedules on core.pipeline's stages: options, refusals, the last stage's loss, step, evaluation."""
 
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ class StageAccumulation(Options):
 def check_pipeline(
     *, world_size: int, pp: int, schedule: str, num_blocks: int, batch_size: int, microbatches: int
 ) -> None:
-    """Everything about a pipeline job that can be refused before any process group exists (`schedule`: one of
-    SCHEDULES, as the option's choices hold it)."""
+    """Everything about a pipeline job that can be refused before any process group exists."""
     if pp < 1 or world_size % pp:
         raise RecipeError(
             f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; "
@@ -81,9 +77,7 @@ def check_pipeline(
 
 
 def pipeline_loaders(cfg, row, train_set, val_set, collate_fn) -> tuple:
-    """(train loader, val loader, optimizer steps) of one pipeline's share (`row`: its dp rank and size): the kernel's
-    loaders, the training one without a smaller last batch (the schedule cuts each batch into equal micro-batches),
-    --accum of its batches a step."""
+    """(train loader, val loader, optimizer steps) of one pipeline (`row`: its dp rank), no smaller last batch."""
     kernel = make_loader(train_set, row, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     options = {k: getattr(kernel, k) for k in ("sampler", "generator", "num_workers", "pin_memory", "collate_fn")}
     train = DataLoader(train_set, cfg.batch_size, drop_last=True, persistent_workers=kernel.num_workers > 0, **options)
@@ -106,14 +100,9 @@ def batch_groups(loader, k: int, *, device: torch.device):
 
 
 class TokenLoss:
-    """The last stage's loss, every counted target of the global batch weighing the same (core.exact_loss's rule,
-    for a schedule): a micro-batch's cross-entropy SUMMED over its counted targets (not -100), divided by
-    `normalizer`, the global batch's counted targets over the dp pipelines whose gradients are averaged.
-    step_pipeline sets it every step and the schedule is built with scale_grads=False, so nothing else divides:
-    a mean per micro-batch would weigh a micro-batch with fewer counted targets more, and one with none is 0/0.
-    evaluate_pipeline sets 1: the losses are then plain sums. logits (..., classes)."""
+    """The last stage's cross-entropy SUMMED over counted targets over `normalizer`: every target weighs the same."""
 
-    normalizer = torch.ones(())  # each instance's own once step_pipeline or evaluate_pipeline sets it
+    normalizer = torch.ones(())  # step_pipeline's global count over dp (scale_grads=False); evaluate_pipeline's 1
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         for check in LOSS_CHECKS:  # output[..., t] against target[..., t], as the kernel's loss compares them
@@ -124,8 +113,7 @@ class TokenLoss:
 
 
 def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: TokenLoss):
-    """torch's schedule for `name`, calling `loss_fn` on the last stage. scale_grads=False: the summed
-    micro-batch gradients are the step's as they are, the loss having divided by the global count."""
+    """torch's schedule for `name`; scale_grads=False: the loss already divided by the global count."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if name == "interleaved1f1b":
@@ -135,26 +123,14 @@ def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Token
 
 
 def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """Every stage's tensors merged, on every rank, into the whole model's state dict (a collective): stage keys are
-    the model's own, so the merge is a dict union (data-parallel replicas of a stage hold equal tensors)."""
+    """Every stage's tensors merged into the whole model's state dict, on every rank (a collective)."""
     mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
     return {k: v for part in all_gather_object(mine) for k, v in part.items()}
 
 
-def average_gradients(params: Sequence[nn.Parameter], *, group) -> None:
-    """Data parallel across pipeline replicas: average each stage's gradients over `group` (None: no replicas)."""
-    size = dist.get_world_size(group) if group is not None else 1
-    if size > 1:
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)  # gloo has no AVG: sum, then divide
-                p.grad /= size
-
-
 @torch.no_grad()
 def clip_over_stages(params: list[nn.Parameter], max_norm: float, *, group) -> torch.Tensor:
-    """The norm of the gradients of all stages, each rank holding its own (sqrt of the sum of their squares over
-    `group`), and the gradients clipped to `max_norm` by it (0: not clipped)."""
+    """The norm of all stages' gradients (each rank holds its own, summed as squares over `group`), clipped to it."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
     if group is not None and dist.get_world_size(group) > 1:  # disjoint stages: sqrt(sum of squares)
@@ -178,13 +154,7 @@ def step_pipeline(
     dp_group=None,
     pp_group=None,
 ) -> tuple[dict[str, torch.Tensor], float]:
-    """One optimizer step through the pipeline. Every rank passes the whole batch (the first stage reads the inputs,
-    the last the targets); the schedule cuts it into micro-batches and sums their gradients, each micro-batch's loss
-    divided by the global batch's counted targets (`loss_fn`: one all-reduce over dp_group), so the step is the
-    whole global batch's. --accum K: K batches to a schedule built for K x --microbatches, run as one. Then the
-    gradients are averaged over the dp pipelines (dp_group), their norm taken over all stages (pp_group) and
-    clipped; a step whose gradient norm is not finite is not taken. precision "bf16": the forwards under autocast.
-    Returns the batch's metric sums (zeros but on the last stage) and the gradient norm."""
+    """One optimizer step of the whole global batch through the schedule: (metric sums, gradient norm)."""
     inputs, targets = (torch.cat(parts) for parts in zip(*micro_batches))
     if targets.is_floating_point():  # every rank holds the targets: all refuse at once, none waits for another
         raise RecipeError(
@@ -202,7 +172,10 @@ def step_pipeline(
     with torch.autocast(inputs.device.type, dtype=torch.bfloat16 if bf16 else None, enabled=bf16):
         outputs = schedule.step(inputs, target=targets, losses=losses)  # forwards and backwards, stage to stage
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    average_gradients(params, group=dp_group)
+    for p in params if dp > 1 else []:  # data parallel across pipeline replicas: average each stage's gradients
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=dp_group)  # gloo has no AVG: sum, then divide
+            p.grad /= dp
     norm = float(clip_over_stages(params, clip, group=pp_group))  # the step's one host sync
     if math.isfinite(norm):
         optimizer.step()
@@ -217,9 +190,7 @@ def step_pipeline(
 def evaluate_pipeline(
     schedule, loader, *, stages: Sequence[nn.Module], loss_fn: TokenLoss, accum: int, holds_last: bool, device
 ) -> dict:
-    """Validation loss and accuracy over every sample, forward only through the schedule, this rank's `stages` in
-    eval mode. The schedule runs groups of one size (accum batches): the smaller last group is filled up with copies
-    of its first sample whose targets are -100, counted by no sum. Sums all-reduced once at the end."""
+    """Validation loss and accuracy over every sample, forward only through the schedule (a short group padded)."""
     if loader is None:
         return {}
     tally, loss_fn.normalizer, size = Tally(device), torch.ones(()), loader.batch_size * accum

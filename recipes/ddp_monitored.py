@@ -1,9 +1,9 @@
 """ddp_monitored: ddp plus the monitoring, debugging and tuning a long job needs.
 
-    ./launch_single_node.sh ddp_monitored --epochs 5 --hang-factor 20
-    torchrun --standalone --nproc-per-node 2 -m recipes run ddp_monitored --comm-hook fp16 --bucket-mb 50
-    python -m recipes run ddp_monitored --profile --max-steps 20   # one process, no launcher
-    ./launch_single_node.sh ddp_monitored --ckpt-every 100 --ckpt-async --log-to tensorboard
+    ./launch_single_node.sh ddp_monitored --epochs 5 --ckpt-every 100 --ckpt-async
+    torchrun --standalone --nproc-per-node 2 -m recipes run ddp_monitored --max-steps 200
+    python -m recipes run ddp_monitored --profile --max-steps 20   # a copy made --with profile
+    ./launch_single_node.sh ddp_monitored --hang-factor 20 --comm-hook fp16  # a copy made --with watchdog,comm_hook
 
 Each train record gets where the step's time went (data, compute, comm_wait, optimizer; the
 slowest rank's step), peak memory and, on a known GPU, MFU. A watchdog thread on every rank writes
@@ -11,7 +11,8 @@ every thread's stack and names the rank the others wait for when a step takes --
 the median; --debug sets TORCH_DISTRIBUTED_DEBUG and the NCCL flight recorder; --profile writes a
 torch.profiler trace per rank. Tuning: DDP comm hooks (fp16, bf16, PowerSGD compression), bucket
 size, gradients as bucket views, torch.compile after wrapping, activation checkpointing per block,
-channels-last; --ckpt-async writes checkpoints in a background thread (docs/monitoring.md).
+channels-last; --ckpt-async writes checkpoints in a background thread (docs/monitoring.md). The
+watchdog, --debug, --profile and the tuning are plug-ins: a copy has them `--with watchdog,profile,...`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from core.kernel.options import Checkpointing, Options, Training, cli_main, opti
 from core.kernel.pg import Topology, cleanup_pg, init_pg
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import check_finite, evaluate, make_loss, step_plain
-from core.metrics import flops_per_sample, peak_flops
-from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, paused
+from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, flops_per_sample, peak_flops
 from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa: F401 - its own (tools/registry.py)
 
 
@@ -120,13 +120,13 @@ def train(cfg: Config, topo: Topology) -> dict:
                 )
                 log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
-                with not_training(), paused(timer):  # not a step (nor for the watchdog)
+                with not_training(), timer.paused():  # not a step (nor for the watchdog)
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     saver.save(run, **state, progress=progress, keep=cfg.keep)
-        with not_training(), paused(timer):  # each rank evaluates its share; the sums are all-reduced
+        with not_training(), timer.paused():  # each rank evaluates its share; the sums are all-reduced
             evaluation = evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
         log_eval(run, evaluation, step=step, epoch=epoch)
-    saver.close()  # the last background write lands before the final weights (or its failure is one line)
+    saver.wait()  # the last background write lands before the final weights (or its failure is one line)
 
     # Rank 0 alone writes the weights.
     saved = write_weights(run, model.state_dict())

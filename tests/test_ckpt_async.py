@@ -70,7 +70,7 @@ def test_async_save_writes_the_same_bytes_and_snapshots_before_returning(tmp_pat
         model.hidden.weight.add_(1.0)
     optimizer.state[model.hidden.weight]["exp_avg"].add_(1.0)
     saver.save(run, **state, progress=_progress(6), keep=2)  # waits for step 5's write first
-    saver.close()
+    saver.wait()
     assert async_path.read_bytes() == sync_path.read_bytes()
     assert [p.name for p in list_checkpoints(tmp_path / "async" / "ckpt")] == [
         async_path.name,
@@ -107,7 +107,7 @@ def test_the_step_waits_for_the_copy_only_and_reuses_the_host_buffers(tmp_path, 
     saver.wait()  # the second write (let through) lands before the third is held back
     release.clear()
     saver.save(run, **state, progress=_progress(3), keep=2)
-    closing = threading.Thread(target=saver.close)
+    closing = threading.Thread(target=saver.wait)
     closing.start()
     closing.join(timeout=0.5)
     assert closing.is_alive()  # the run's end waits for the write in flight
@@ -130,8 +130,8 @@ def test_a_failed_background_write_is_named_by_its_own_step(tmp_path, alone):
     assert "step 4" not in message and "--resume auto" in message
     saver.save(run, **state, progress=_progress(6), keep=2)
     with pytest.raises(RecipeError, match="step 6"):  # the run's end: the last write's failure, one line
-        saver.close()
-    saver.close()  # said once
+        saver.wait()
+    saver.wait()  # said once
 
 
 def _save_in_world(topo, folder, background):
@@ -141,7 +141,7 @@ def _save_in_world(topo, folder, background):
     if background:
         saver = ckpt_async.CheckpointSaver(background=True)
         saver.save(run, **state, progress=_progress(7), keep=2)
-        saver.close()
+        saver.wait()
     else:
         save_checkpoint(run, **state, progress=_progress(7), keep=2)
     return torch.rand(1).item()
@@ -152,7 +152,7 @@ def _fail_in_world(topo, path):
     saver = ckpt_async.CheckpointSaver(background=True)
     saver.save(_run(path, writer=topo.rank == 0), **_train_state(), progress=_progress(3), keep=2)
     try:
-        saver.close()
+        saver.wait()
     except RecipeError as err:
         return str(err)
     return "no error"

@@ -433,7 +433,7 @@ def test_meter_samples_tokens_and_nonfinite():
 
 @pytest.mark.fast
 def test_flops_per_sample_takes_dict_and_pair_samples():
-    from core.metrics import flops_per_sample  # ddp_monitored's MFU
+    from core.monitor import flops_per_sample  # ddp_monitored's MFU
 
     sample = {k: v[0] for k, v in lm_batch([8], seed=0).items()}
     assert flops_per_sample(gpt2, sample) > 0
