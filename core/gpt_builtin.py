@@ -1,5 +1,4 @@
-"""The GPT recipes' built-ins: the GPT on the text (core/gpt.py) unless --model or --data names another (the
-factories plug-in), and their defaults, one epoch at --lr 3e-3. The recipes that train the GPT by default take it."""
+"""The GPT recipes' built-ins: the GPT on the text unless --model or --data names another, one epoch at 3e-3."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ GPT_DEFAULTS = {"model": "gpt", "data": "text", "epochs": 1, "lr": 3e-3}  # the 
 
 
 def gpt_defaults(groups: list[type]) -> list[type]:
-    """The option groups of a Config, with GPT_DEFAULTS for the options they have (--model and --data: where the
-    factories plug-in is), each option's help and check kept."""
+    """The option groups of a Config, with GPT_DEFAULTS for the options they have, each option's help and check kept."""
     out = []
     for group in groups:
         own = group.__dataclass_fields__

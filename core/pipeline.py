@@ -1,11 +1,4 @@
-"""Pipeline parallelism, the cut: a block-sequence model into stages, balanced by parameter count (or as the balance
-plug-in weighs the blocks). Both pipeline
-recipes take it (pipeline_naive puts the stages on devices; pipeline runs torch's schedules on them, core/schedules.py).
-
-A "block-sequence model" keeps every parameter in `model.blocks` (an nn.Sequential) and its forward is
-`model.blocks(x)`, like core.gpt.GPT and the models in core.models. Stages keep the blocks' original names
-(`blocks.3.attn.q.weight`), so the stages' state dicts merged are the whole model's state dict.
-"""
+"""The pipeline cut: a model's blocks (every parameter in `model.blocks`) into stages of about equal weight."""
 
 from __future__ import annotations
 
@@ -34,10 +27,7 @@ class Stage(nn.Module):
 
 
 def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
-    """Stage sizes (blocks per stage) of the contiguous split whose heaviest stage is lightest.
-
-    Exact, by dynamic programming over (blocks used, stages used); ties go to the earliest cut.
-    """
+    """Blocks per stage of the contiguous split whose heaviest stage is lightest (exact: dynamic programming)."""
     n = len(weights)
     if not 1 <= num_stages <= n:
         raise RecipeError(f"cannot cut the model's {n} blocks into {num_stages} pipeline stages; use 1 to {n} stages")
@@ -60,10 +50,7 @@ def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
 
 
 def check_pipeline_model(model: nn.Module) -> int:
-    """The number of blocks; a RecipeError naming the structure pipelining needs when the model lacks it.
-
-    Reads only attributes, so it runs on a meta-device model in the pre-check. Too few blocks for the stages:
-    plan_split's line (core.schedules.check_pipeline names the recipe's options before launch)."""
+    """The number of blocks; one line naming the structure pipelining needs when the model lacks it (meta is fine)."""
     name = type(model).__name__
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Sequential):
@@ -89,11 +76,7 @@ def split_pipeline(
     weights: Sequence[float] | None = None,
     sizes: Sequence[int] | None = None,
 ) -> Stage:
-    """Cut `model.blocks` into `num_stages` contiguous stages and return stage `stage_index`.
-
-    The cut is plan_split's of `weights`, one a block: their parameter counts by default, or block_times' seconds;
-    or `sizes`, the blocks of each stage given, e.g. [2, 4].
-    """
+    """Stage `stage_index` of `num_stages`, cut by plan_split of `weights` (parameter counts) or given `sizes`."""
     count = check_pipeline_model(model)
     weights = weights or [float(sum(p.numel() for p in block.parameters())) for block in model.blocks]
     sizes = list(sizes or plan_split(weights, num_stages))

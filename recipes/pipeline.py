@@ -6,8 +6,8 @@
     torchrun --standalone --nproc-per-node 2 -m recipes run pipeline --accum 2 --clip 1.0 --ckpt-every 50
 
 split_pipeline cuts the model's blocks into --pp contiguous stages of about equal parameter count
-(--balance time: of equal measured time), one per rank (interleaved1f1b: two per rank, looped, so
-rank r holds stages r and r + pp). Each batch is cut into --microbatches equal micro-batches that
+(--balance time, in a copy made --with balance: of equal measured time), one per rank
+(interleaved1f1b: two per rank, looped, so rank r holds stages r and r + pp). Each batch is cut into --microbatches equal micro-batches that
 flow through the stages; the schedule decides the order of forwards and backwards (GPipe: all
 forwards then all backwards; 1F1B: one of each in turn, holding fewer activations) and sends
 activations and gradients between neighbouring ranks. The loss is computed on the last stage: each

@@ -215,6 +215,21 @@ def test_every_top_level_function_of_the_lean_copy_is_called(tmp_path):
     assert functions - used == set()
 
 
+@pytest.mark.parametrize("name", ["ddp_amp", "ddp_monitored", "pipeline", "pipeline_naive"])
+def test_every_top_level_function_of_a_lean_copys_opt_ins_is_called(name, tmp_path):
+    """35.2: an opt-in a lean copy joins carries no top-level function that copy never calls (the kernel's own are
+    the ddp copy's test; core/gpt.py's generate is the GPT's lesson, not the recipe's)."""
+    from tools.copy_out import opt_ins
+
+    text = join(name, str(tmp_path / "train.py"), kept=[])
+    tree = ast.parse(text)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for path in opt_ins(Path(RECIPES[name].source_file).read_text()):
+        functions = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        assert functions - used - {"generate"} == set(), path.name
+
+
 def test_a_copy_names_only_options_it_has(tmp_path):
     """35.4: the lean copy's --help lists the recipe's own options, none of a plug-in left out; with a plug-in, its
     options too (the whole --help of the package's recipe when joined with all)."""
