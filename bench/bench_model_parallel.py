@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core import dist, parallel, pipeline, schedules, steps  # noqa: E402
+from core import dist, parallel, schedules, steps  # noqa: E402
 from core.gpt import GPT  # noqa: E402
 from core.kernel.pg import cleanup_pg
 from core.loss import Loss  # noqa: E402
@@ -84,7 +84,7 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
     model = GPT(dim=128, heads=4, layers=6)
     from torch.distributed.pipelining import PipelineStage
 
-    stage = BusyTimer(pipeline.split_pipeline(model, num_stages=2, stage_index=topo.rank)).to(topo.device)
+    stage = BusyTimer(schedules.split_pipeline(model, num_stages=2, stage_index=topo.rank)).to(topo.device)
     loss_fn = schedules.TokenLoss()
     sched = schedules.build_schedule(
         schedule, [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=m, loss_fn=loss_fn

@@ -112,7 +112,7 @@ def _first_os_error(err: BaseException, where: Path) -> BaseException:
 def save_checkpoint(run: RunFolder, *, model, optimizer, progress: dict, keep: int, **stateful) -> Path:
     """Every --ckpt-every steps: RUN/ckpt/step-N/, every rank its own shard; keep the newest `keep` (a collective).
 
-    `model`: the (sharded) model, or core.pipeline.root_module of a pipeline rank's stages; `stateful`: the scheduler
+    `model`: the (sharded) model, or core.schedules.root_module of a pipeline rank's stages; `stateful`: the scheduler
     (and the scaler), their state_dict() kept in checkpoint.json, with the run's metadata as core.ckpt's header has
     it."""
     import torch.distributed.checkpoint as dcp  # here: only sharded recipes load DCP

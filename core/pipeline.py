@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from core.kernel.options import RecipeError
 
 STAGE_WEIGHTS: list = []  # fn(cfg, model, train_set) -> each block's weight for the pipeline's cut, or None (--balance)
-
-
-class Stage(nn.Module):
-    """Blocks lo..hi-1 of a model, under their original names: forward = those blocks in order."""
-
-    def __init__(self, blocks: dict[int, nn.Module]):
-        super().__init__()
-        self.blocks = nn.Sequential(OrderedDict((str(i), block) for i, block in blocks.items()))
-        self.indices = list(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x)
 
 
 def plan_split(weights: Sequence[float], num_stages: int) -> list[int]:
@@ -66,31 +52,3 @@ def check_pipeline_model(model: nn.Module) -> int:
             f"a pipeline stage must hold every parameter, so move it into a block"
         )
     return len(blocks)
-
-
-def split_pipeline(
-    model: nn.Module,
-    *,
-    num_stages: int,
-    stage_index: int,
-    weights: Sequence[float] | None = None,
-    sizes: Sequence[int] | None = None,
-) -> Stage:
-    """Stage `stage_index` of `num_stages`, cut by plan_split of `weights` (parameter counts) or given `sizes`."""
-    count = check_pipeline_model(model)
-    weights = weights or [float(sum(p.numel() for p in block.parameters())) for block in model.blocks]
-    sizes = list(sizes or plan_split(weights, num_stages))
-    if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
-        raise RecipeError(f"stage sizes {sizes}: give {num_stages} positive sizes adding up to {count} blocks")
-    lo = sum(sizes[:stage_index])
-    return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
-
-
-def root_module(stages: list[nn.Module]) -> nn.Module:
-    """One module for a pipeline rank's stages, their blocks under their own names: what its checkpoints take."""
-    root, blocks = nn.Module(), nn.Module()
-    for stage in stages:
-        for name, block in stage.blocks.named_children():
-            blocks.add_module(name, block)
-    root.add_module("blocks", blocks)
-    return root

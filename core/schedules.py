@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from core.kernel.options import Options, RecipeError, at_least, option
 from core.kernel.pg import all_gather_object
 from core.kernel.seams import LOSS_CHECKS
 from core.kernel.step import IGNORE, metrics
+from core.pipeline import check_pipeline_model, plan_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -43,6 +45,46 @@ class StageAccumulation(Options):
     title = "gradient accumulation and clipping"
     accum: int = option(1, "micro-batches per optimizer step (accumulation)", **at_least(1))
     clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
+
+
+class Stage(nn.Module):
+    """Blocks lo..hi-1 of a model, under their original names: forward = those blocks in order."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        self.blocks = nn.Sequential(OrderedDict((str(i), block) for i, block in blocks.items()))
+        self.indices = list(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def split_pipeline(
+    model: nn.Module,
+    *,
+    num_stages: int,
+    stage_index: int,
+    weights: Sequence[float] | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Stage:
+    """Stage `stage_index` of `num_stages`, cut by plan_split of `weights` (parameter counts) or given `sizes`."""
+    count = check_pipeline_model(model)
+    weights = weights or [float(sum(p.numel() for p in block.parameters())) for block in model.blocks]
+    sizes = list(sizes or plan_split(weights, num_stages))
+    if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
+        raise RecipeError(f"stage sizes {sizes}: give {num_stages} positive sizes adding up to {count} blocks")
+    lo = sum(sizes[:stage_index])
+    return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
+
+
+def root_module(stages: list[nn.Module]) -> nn.Module:
+    """One module for a pipeline rank's stages, their blocks under their own names: what its checkpoints take."""
+    root, blocks = nn.Module(), nn.Module()
+    for stage in stages:
+        for name, block in stage.blocks.named_children():
+            blocks.add_module(name, block)
+    root.add_module("blocks", blocks)
+    return root
 
 
 def check_pipeline(

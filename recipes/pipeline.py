@@ -7,17 +7,17 @@
 
 split_pipeline cuts the model's blocks into --pp contiguous stages of about equal parameter count
 (--balance time, in a copy made --with balance: of equal measured time), one per rank
-(interleaved1f1b: two per rank, looped, so rank r holds stages r and r + pp). Each batch is cut into --microbatches equal micro-batches that
-flow through the stages; the schedule decides the order of forwards and backwards (GPipe: all
-forwards then all backwards; 1F1B: one of each in turn, holding fewer activations) and sends
-activations and gradients between neighbouring ranks. The loss is computed on the last stage: each
-micro-batch's sum over its counted targets (not -100) divided by the global batch's count, so a step
-equals one process's on the whole batch whatever the micro-batches hold. A smaller last batch is
-dropped (the schedule needs equal micro-batches). --accum K runs K batches as one schedule of K x
---microbatches micro-batches. With W = pp x dp ranks, dp pipelines each train on their own share of
-the data and average their gradients. Global batch: --batch-size x dp x --accum. --clip takes the
-norm over all stages; --precision bf16 runs the stages under autocast. Checkpoints are sharded
-(every rank writes its stages).
+(interleaved1f1b: two per rank, looped, so rank r holds stages r and r + pp). Each batch is cut into
+--microbatches equal micro-batches that flow through the stages; the schedule decides the order of
+forwards and backwards (GPipe: all forwards then all backwards; 1F1B: one of each in turn, holding
+fewer activations) and sends activations and gradients between neighbouring ranks. The loss is
+computed on the last stage: each micro-batch's sum over its counted targets (not -100) divided by
+the global batch's count, so a step equals one process's on the whole batch whatever the
+micro-batches hold. A smaller last batch is dropped (the schedule needs equal micro-batches).
+--accum K runs K batches as one schedule of K x --microbatches micro-batches. With W = pp x dp
+ranks, dp pipelines each train on their own share of the data and average their gradients. Global
+batch: --batch-size x dp x --accum. --clip takes the norm over all stages; --precision bf16 runs the
+stages under autocast. Checkpoints are sharded (every rank writes its stages).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
 from core.kernel.pg import Topology, cleanup_pg, init_pg
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import check_finite
-from core.pipeline import STAGE_WEIGHTS, check_pipeline_model, root_module, split_pipeline
+from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
 from core.schedules import (
     Pipelining,
@@ -55,6 +55,8 @@ from core.schedules import (
     evaluate_pipeline,
     gather_state_dict,
     pipeline_loaders,
+    root_module,
+    split_pipeline,
     step_pipeline,
 )
 from core.shard_ckpt import load_sharded, save_sharded

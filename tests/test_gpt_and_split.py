@@ -15,8 +15,9 @@ from torch import nn
 from core import gpt, schedules, steps
 from core.kernel.options import RecipeError
 from core.loss import make_loss
-from core.pipeline import plan_split, split_pipeline
+from core.pipeline import plan_split
 from core.plugins.balance import block_times
+from core.schedules import split_pipeline
 from tools.cli import run_cli
 
 

@@ -426,11 +426,11 @@ def pipeline_accum_clip(topo, precision):
     one micro-batch with none counted: token-exact, and the loss reported finite and equal to one process's."""
     from torch.distributed.pipelining import PipelineStage
 
-    from core import pipeline, schedules
+    from core import schedules
 
     batches = _token_batches(padded=True)
     expected, _, expected_losses = _one_process(batches, k=4, precision=precision, losses=True)
-    stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
+    stage = schedules.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
     loss_fn = schedules.TokenLoss()
     stages = [PipelineStage(stage, topo.rank, 2, topo.device)]
     sched = schedules.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)
@@ -459,9 +459,9 @@ def pipeline_float_targets(topo):
     """Soft labels (float targets) through the pipeline's step: every rank's error, none left waiting."""
     from torch.distributed.pipelining import PipelineStage
 
-    from core import pipeline, schedules
+    from core import schedules
 
-    stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
+    stage = schedules.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=topo.rank)
     loss_fn = schedules.TokenLoss()
     sched = schedules.build_schedule(
         "1f1b", [PipelineStage(stage, topo.rank, 2, topo.device)], microbatches=2, loss_fn=loss_fn

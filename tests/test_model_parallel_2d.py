@@ -49,13 +49,13 @@ def pipeline_dp_accum_clip(topo):
     from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
     from torch.distributed.pipelining import PipelineStage
 
-    from core import parallel, pipeline, schedules
+    from core import parallel, schedules
 
     batches = _token_batches(size=16, padded=True)  # each replica's count differs: the global count weighs
     expected, _ = _one_process(batches, k=1)
     mesh = parallel.build_mesh(topo, {"dp": 2, "pp": 2})
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
-    stage = pipeline.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
+    stage = schedules.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
     stages = [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())]
     loss_fn = schedules.TokenLoss()
     sched = schedules.build_schedule("1f1b", stages, microbatches=4, loss_fn=loss_fn)

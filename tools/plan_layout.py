@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from core import amp, models, pipeline, schedules
+from core import amp, models, schedules
 from core.kernel.options import RecipeError
 from tools.registry import RECIPES
 
@@ -131,7 +131,7 @@ def _pipeline_layout(model: nn.Module, cfg, *, pp: int, pp_rank: int, device=Non
     """This pipeline rank's stages (two for interleaved1f1b); the whole model kept for the shapes between them."""
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
-    stages = [pipeline.split_pipeline(model, stage_index=i, num_stages=num_stages) for i in stage_ids]
+    stages = [schedules.split_pipeline(model, stage_index=i, num_stages=num_stages) for i in stage_ids]
     stages = [stage.to(device) for stage in stages] if device is not None else stages
     params = [p for m in stages for p in m.parameters()]
     return Layout(model, params, autocast=cfg.precision, stages=list(zip(stage_ids, stages)), num_stages=num_stages)
