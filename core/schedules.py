@@ -59,20 +59,11 @@ class Stage(nn.Module):
         return self.blocks(x)
 
 
-def split_pipeline(
-    model: nn.Module,
-    *,
-    num_stages: int,
-    stage_index: int,
-    weights: Sequence[float] | None = None,
-    sizes: Sequence[int] | None = None,
-) -> Stage:
-    """Stage `stage_index` of `num_stages`, cut by plan_split of `weights` (parameter counts) or given `sizes`."""
-    count = check_pipeline_model(model)
+def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int, weights: list | None = None) -> Stage:
+    """Stage `stage_index` of `num_stages`, cut by plan_split of `weights` (None: the blocks' parameter counts)."""
+    check_pipeline_model(model)
     weights = weights or [float(sum(p.numel() for p in block.parameters())) for block in model.blocks]
-    sizes = list(sizes or plan_split(weights, num_stages))
-    if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
-        raise RecipeError(f"stage sizes {sizes}: give {num_stages} positive sizes adding up to {count} blocks")
+    sizes = plan_split(weights, num_stages)
     lo = sum(sizes[:stage_index])
     return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
 

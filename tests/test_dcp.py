@@ -19,7 +19,7 @@ from core import dcp, dcp_folder, parallel
 from core.gpt import GPT
 from core.kernel.options import RecipeError
 from core.records import RunFolder
-from core.schedules import root_module, split_pipeline
+from core.schedules import Stage, root_module
 from world import GlooWorld
 
 pytestmark = pytest.mark.world
@@ -50,10 +50,11 @@ def _build(kind: str, world: int, *, lr: float = 1e-2, context: int = CONTEXT):
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallel.apply_fsdp(parallel.apply_tp(model, mesh["tp"]), mesh=mesh["dp"])
     elif kind == "pipeline":
-        model = split_pipeline(model, num_stages=world, stage_index=torch.distributed.get_rank(), sizes=[2, 2])
+        rank = torch.distributed.get_rank()
+        model = Stage({i: model.blocks[i] for i in range(2 * rank, 2 * rank + 2)})  # two blocks a stage
     elif kind == "interleaved":  # two stages per rank, as the interleaved schedules hold them: rank r has r and r+2
         rank = torch.distributed.get_rank()
-        model = [split_pipeline(model, num_stages=4, stage_index=i, sizes=[1] * 4) for i in (rank, rank + 2)]
+        model = [Stage({i: model.blocks[i]}) for i in (rank, rank + 2)]  # one block a stage
     params = [p for m in model for p in m.parameters()] if isinstance(model, list) else model.parameters()
     optimizer = torch.optim.AdamW(params, lr=lr)
     return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)

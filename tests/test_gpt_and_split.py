@@ -75,17 +75,14 @@ def test_split_pipeline_every_block_once_in_order(case):
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
 
 
-def test_split_pipeline_balances_the_gpt_and_takes_explicit_sizes():
+def test_split_pipeline_balances_the_gpt_and_takes_weights():
     model = gpt.gpt()  # Embed, 4 Blocks, Head: two stages of 3 blocks each by parameter count
     assert [split_pipeline(model, num_stages=2, stage_index=i).indices for i in range(2)] == [[0, 1, 2], [3, 4, 5]]
-    assert split_pipeline(model, num_stages=2, stage_index=1, sizes=[1, 5]).indices == [1, 2, 3, 4, 5]
     assert split_pipeline(model, num_stages=2, stage_index=1, weights=[5.0] + [1.0] * 5).indices == [1, 2, 3, 4, 5]
     times = block_times(model, torch.randint(128, (2, 64)))
     assert len(times) == 6 and min(times) > 0
     timed = split_pipeline(model, num_stages=3, stage_index=0, weights=times)
     assert timed.indices[0] == 0 and len(timed.indices) >= 1
-    with pytest.raises(RecipeError, match=r"stage sizes \[2, 2\]: give 2 positive sizes adding up to 6 blocks"):
-        split_pipeline(model, num_stages=2, stage_index=0, sizes=[2, 2])
 
 
 def test_split_pipeline_refuses_fewer_blocks_than_stages():
