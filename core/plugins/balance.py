@@ -1,5 +1,4 @@
-"""Plug-in `balance`: --balance time, pipeline stages of equal measured time (each block's forward and backward timed
-on one micro-batch of inputs) in place of stages of about equal parameter count."""
+"""Plug-in `balance`: --balance time, pipeline stages of equal measured time instead of equal parameter count."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class Balance(Options):
 
 
 def block_times(model: nn.Module, sample: torch.Tensor) -> list[float]:
-    """Seconds for each block's forward + backward on `sample` (fed through the blocks before it): split_pipeline's
-    weights for --balance time (rank 0's, sent to every rank, so that all cut alike)."""
+    """Seconds for each block's forward + backward on `sample`, fed through the blocks before it."""
     times, x = [], sample
     for block in model.blocks:
         x_in = x.detach().requires_grad_(x.is_floating_point())
@@ -44,8 +42,7 @@ def block_times(model: nn.Module, sample: torch.Tensor) -> list[float]:
 
 
 def timed_weights(cfg, model: nn.Module, train_set) -> list[float] | None:
-    """--balance time: the blocks' times on one micro-batch of the first samples, rank 0's on every rank (all cut
-    alike); None for --balance params."""
+    """--balance time: the blocks' times on one micro-batch, rank 0's on every rank (all cut alike); else None."""
     if getattr(cfg, "balance", "params") != "time":  # a recipe without the option: its own cut
         return None
     sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)])

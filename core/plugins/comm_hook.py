@@ -1,12 +1,4 @@
-"""Plug-in `comm_hook`: how DDP moves gradients. --comm-hook (fp16, bf16, PowerSGD), --bucket-mb and
---grad-as-bucket-view.
-
-`none` keeps DDP's own C++ reducer (it fuses the copy into the bucket with the division by the world size; a Python
-hook doing the same costs an extra pass over the gradients, ~2% of a CPU step here). What the others do to the
-numbers: `fp16`/`bf16` round each bucket to 16 bits before the all-reduce (half the bytes, ~1e-3 relative error per
-step); `powersgd` sends a rank-r approximation of each weight-gradient matrix with error feedback (far fewer bytes,
-approximate; its state is not checkpointed, so a resumed run is close to, not bitwise equal to, an uninterrupted one).
-"""
+"""Plug-in `comm_hook`: how DDP moves gradients (--comm-hook fp16, bf16, powersgd; --bucket-mb; bucket views)."""
 
 from __future__ import annotations
 
@@ -55,8 +47,7 @@ def check_comm(cfg) -> None:
 
 
 def bucket_options(cfg) -> dict:
-    """DistributedDataParallel's bucket keyword arguments: one all-reduce per bucket, started as soon as its
-    gradients are ready; .grad pointing into the bucket saves a copy."""
+    """DistributedDataParallel's bucket keyword arguments (.grad as a bucket view saves a copy)."""
     if not hasattr(cfg, "bucket_mb"):
         return {}
     return {"bucket_cap_mb": cfg.bucket_mb, "gradient_as_bucket_view": cfg.grad_as_bucket_view}

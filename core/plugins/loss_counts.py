@@ -1,7 +1,4 @@
-"""Plug-in `loss_counts`: a model whose own loss is a SUM it divides by `num_items_in_batch` (transformers' models
-that hand their labels to self.loss_function, or a forward that names the parameter) is handed the global batch's
-count, so that its loss weighs every counted target of the global batch alike, as core/exact_loss.py does for a mean.
-Without it, such a model's own loss is taken as a mean per micro-batch and weighed by its count."""
+"""Plug-in `loss_counts`: a model whose own loss divides its sum by `num_items_in_batch` is handed the global count."""
 
 from __future__ import annotations
 
@@ -20,13 +17,11 @@ from core.kernel.step import metrics
 
 @functools.cache
 def forward_traits(cls: type) -> tuple[bool, bool, bool]:
-    """(forward names num_items_in_batch, takes **kwargs, hands its labels to transformers' self.loss_function).
-    The last is read from the source: BertForSequenceClassification, say, takes **kwargs but calls
-    CrossEntropyLoss itself, so it would silently ignore num_items_in_batch."""
+    """(forward names num_items_in_batch, takes **kwargs, hands its labels to transformers' self.loss_function)."""
     params = inspect.signature(cls.forward).parameters
     found = "num_items_in_batch" in params, any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
     with contextlib.suppress(OSError, TypeError):  # no source: a compiled or generated class, not transformers'
-        return *found, "self.loss_function(" in inspect.getsource(cls.forward)
+        return *found, "self.loss_function(" in inspect.getsource(cls.forward)  # Bert's takes **kwargs, ignores it
     return *found, False
 
 
@@ -41,15 +36,12 @@ def takes_count(model: nn.Module) -> bool:
 
 
 def counts_of(model: nn.Module, loss):
-    """The forward that hands `model` the count (make_exact_loss's), where its own loss (--loss auto or model) takes
-    one; None otherwise."""
+    """The forward that hands `model` the count, where its own loss (--loss auto or model) takes one; else None."""
     return forward_counted if getattr(loss, "spec", "auto") in ("auto", "model") and takes_count(model) else None
 
 
 def forward_counted(model: nn.Module, batch, loss, norm: torch.Tensor) -> tuple | None:
-    """(loss, summed loss, metric sums) of the model's own loss handed num_items_in_batch=norm, when this batch's loss
-    is the model's own (a dict with labels, or a forward that takes its targets); None otherwise. Its labels are
-    scored as they are, or after a causal LM's shift."""
+    """(loss, its sum, metric sums) of the model's own loss handed num_items_in_batch=norm; None if not its own."""
     spec, labeled = getattr(loss, "spec", "auto"), getattr(loss, "targets_as", None) is not None
     if isinstance(batch, Mapping):
         labeled = batch.get("labels") is not None

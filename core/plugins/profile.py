@@ -1,5 +1,4 @@
-"""Plug-in `profile`: --profile, a torch.profiler trace of steps 6-8 (after 5 skipped and 1 of warm-up), one Chrome
-trace per rank in RUN/profile/rank{R}.json."""
+"""Plug-in `profile`: --profile, a torch.profiler Chrome trace of steps 6-8 per rank in RUN/profile/rank{R}.json."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Plug-in `stream`: data sets that are streams (an IterableDataset, or anything iterable again and again without
-indexing), read in order and sharded by rank and by DataLoader worker, without a sampler.
-
-Global element g (after those already trained on) goes to rank g % world_size, so global step j trains elements
-[j*GB, (j+1)*GB) at any world size, as the sampler's order does. Training ranks take the same number of steps and stop
-together when any rank's share runs dry (one tiny all-reduce per batch, for streams only); evaluation reads every
-rank's share once (an evaluation loop sums locally and reduces once at the end). A stream without a length needs
---max-steps, the LR schedule's length.
-"""
+"""Plug-in `stream`: an IterableDataset read in order, element g to rank g % world_size (docs/mixed-precision.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +14,7 @@ from core.kernel.seams import STREAMS
 
 
 class StreamShard(IterableDataset):
-    """This rank's share of a stream, as lists of `batch_size` samples (the DataLoader collates them). A rank's k-th
-    batch is read by worker k % num_workers: the DataLoader's round robin over its workers yields them in order."""
+    """This rank's share of a stream, as lists of `batch_size` samples; batch k is read by worker k % num_workers."""
 
     def __init__(self, source, *, rank: int, world_size: int, batch_size: int, drop_last: bool):
         # num_replicas: the name the kernel's set_epoch reads, as on a DistributedSampler
@@ -56,8 +47,7 @@ class StreamShard(IterableDataset):
 
 
 class StreamLoader:
-    """Iterates a DataLoader over a StreamShard. together=True (training): before every batch the ranks agree, with
-    one MIN all-reduce of an "I have a batch" flag, so all take the same steps and stop when any runs dry."""
+    """A DataLoader over a StreamShard; together=True: one MIN all-reduce a batch, so all ranks stop together."""
 
     def __init__(self, loader: DataLoader, *, device: torch.device, together: bool):
         self.loader, self.dataset, self.device, self.together = loader, loader.dataset, device, together
@@ -92,9 +82,7 @@ def is_stream(dataset) -> bool:
 
 
 def stream_loader(dataset, topo, *, batch_size: int, collate_fn, train: bool = True) -> StreamLoader | None:
-    """A loader over this rank's share of a stream (None for None): train=True, whole batches only, and every rank
-    stops when any runs dry; train=False, every element once. No worker processes: a stream that shards itself across
-    workers (a Hugging Face stream does) would be read wrong by them."""
+    """A loader over this rank's share of a stream (None for None): training stops when any rank runs dry."""
     if dataset is None:
         return None
     shard = StreamShard(dataset, rank=topo.rank, world_size=topo.world_size, batch_size=batch_size, drop_last=train)

@@ -1,7 +1,4 @@
-"""Plug-in `tuning`: computation options that change the model: --channels-last and --activation-checkpointing on
-the plain model before DDP wraps it, --compile on the wrapper after (torch's order: TorchDynamo splits the graph at
-DDP's bucket boundaries, so the all-reduce still overlaps backward). None of these changes the arithmetic beyond float
-rounding, and none changes parameter names: checkpoints and model.safetensors load into the plain model."""
+"""Plug-in `tuning`: --channels-last and --activation-checkpointing before DDP wraps, --compile after."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ class TuningOptions(Options):
 
 
 def repeated_blocks(model: nn.Module) -> nn.Module | None:
-    """The ModuleList / Sequential whose children repeat one class (GPT-2's `transformer.h`, Llama's `model.layers`,
-    `blocks` here) holding the most parameters, the outermost on a tie; None when the model has none."""
+    """The ModuleList / Sequential of one repeated class holding the most parameters (GPT-2's `h`), or None."""
     containers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
     repeated = [(n, m) for n, m in containers if max(Counter(type(c) for c in m).values()) >= 2]
     if not repeated:
@@ -37,8 +33,7 @@ def repeated_blocks(model: nn.Module) -> nn.Module | None:
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
-    """Recompute each repeated block's activations in backward instead of keeping them; returns how many. The
-    composable API adds hooks, not a wrapper, so state-dict keys stay the same."""
+    """Recompute each repeated block's activations in backward (hooks: the state-dict keys stay); returns how many."""
     found = repeated_blocks(model)
     if found is None:
         raise RecipeError(

@@ -1,15 +1,4 @@
-"""Plug-in `watchdog`: debugging a distributed job without a debugger, a hang watchdog (--hang-factor, --hang-min-s)
-and --debug (the profile plug-in has --profile). It sets the environment c10d reads before the process group exists
-(BEFORE_PG), starts with the run (BEFORE_JOB), beats after every step (ON_STEP), holds during evaluation and
-checkpoints (PAUSES) and stops with the run (AFTER_JOB, ON_FAIL).
-
-A thread on every rank compares the time since the last beat with max(factor x median step, min_s),
-capped below the collective timeout (and uses the cap until 5 steps give a median). Past it, the rank
-writes `hang-rank{R}.txt` in the run folder: the Python stack of every thread (faulthandler), the
-collectives it has issued and the last one (flight recorder), and posts the same summary to the
-process group's store. Rank 0 collects the summaries and logs which ranks are behind: the ones with
-the fewest collectives issued, i.e. the ones the others are waiting for.
-"""
+"""Plug-in `watchdog`: a hang watchdog (--hang-factor, --hang-min-s) and --debug (docs/monitoring.md)."""
 
 from __future__ import annotations
 
@@ -183,9 +172,7 @@ class Watchdog:
 
 
 def behind(infos: dict[int, dict], *, world_size: int) -> dict:
-    """Which ranks the others wait for: the fewest collectives issued (then the lowest step).
-
-    A rank with no summary never saw a stall, or is stuck holding the GIL: it is named separately."""
+    """Which ranks the others wait for: the fewest collectives issued, then the lowest step; silent ranks apart."""
     progress = {r: (i["step"], i["issued"]) for r, i in infos.items()}
     slowest = min(progress.values())
     late = sorted(r for r, p in progress.items() if p == slowest)
