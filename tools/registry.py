@@ -176,7 +176,7 @@ _BUILT_IN = [
         "recipes.ddp_amp",
         "autocast (bf16/fp16), GradScaler, accumulation with `no_sync`, clipping, streams",
         builds_on="ddp",
-        opt_ins=("amp", "exact_loss"),
+        opt_ins=("accum", "amp", "exact_loss"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts"),
     ),
     Recipe(
@@ -184,7 +184,7 @@ _BUILT_IN = [
         "recipes.ddp_monitored",
         "step-time breakdown, MFU, hang watchdog, profiler, comm hooks, compile, async checkpoints",
         builds_on="ddp",
-        opt_ins=("ckpt_async", "metrics", "monitor"),
+        opt_ins=("ckpt_async", "monitor"),
         mean_per_replica=True,
         plugins=(*KERNEL_PLUGINS, "trackers", "comm_hook", "tuning", "profile", "watchdog"),
     ),
@@ -202,7 +202,7 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
-        opt_ins=("shard", "shard_ckpt", "amp", "exact_loss", "gpt"),
+        opt_ins=("shard", "shard_ckpt", "accum", "exact_loss", "gpt"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks"),
     ),
     Recipe(
@@ -210,7 +210,7 @@ _BUILT_IN = [
         "recipes.tensor_parallel",
         "column/row splits of each block's Linear layers (DTensor), from the model's own plan",
         builds_on="fsdp",
-        opt_ins=("shard", "shard_ckpt", "tp_plan", "amp", "exact_loss", "gpt"),
+        opt_ins=("shard", "shard_ckpt", "tp_plan", "accum", "exact_loss", "gpt"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "model_plans"),
     ),
     Recipe(
@@ -218,7 +218,7 @@ _BUILT_IN = [
         "recipes.fsdp_tp",
         "2-D mesh: tensor parallel within groups of `--tp` ranks, FSDP2 across them",
         builds_on="fsdp",
-        opt_ins=("shard", "shard_ckpt", "tp_plan", "amp", "exact_loss", "gpt"),
+        opt_ins=("shard", "shard_ckpt", "tp_plan", "accum", "exact_loss", "gpt"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks", "model_plans"),
     ),
     Recipe(
