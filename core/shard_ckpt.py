@@ -22,9 +22,8 @@ from core.kernel.seams import ON_RESUME, READ_CHECKS
 def flat_state(model, optimizer) -> tuple[dict, dict, dict]:
     """(every tensor by flat name, the same with each storage once for DCP, the optimizer's other values)."""
     model_sd, optim = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    tensors = {f"model/{k}": v for k, v in model_sd.items()} | {
-        f"optim/{k}": v for k, v in optim.items() if torch.is_tensor(v)
-    }
+    tensors = {f"model/{k}": v for k, v in model_sd.items()}
+    tensors |= {f"optim/{k}": v for k, v in optim.items() if torch.is_tensor(v)}
     once, seen = {}, set()
     for key, value in tensors.items():  # safetensors refuses shared memory: a tied weight goes under its first name
         local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
@@ -37,29 +36,27 @@ def flat_state(model, optimizer) -> tuple[dict, dict, dict]:
 def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
     """RUN/ckpt/step-N/ (every rank its shard), then step-N.safetensors; all but the newest `keep` go. A collective."""
     path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
+    folder = path.with_suffix("")
     if run.writer:  # the same step saved again (resumed from before it), or saves cut short: their folders go
         path.unlink(missing_ok=True)
-        for old in [
-            path.with_suffix(""),
-            *(p for p in path.parent.glob("step-*") if not p.with_suffix(".safetensors").exists()),
-        ]:
+        for old in [folder, *(p for p in path.parent.glob("step-*") if not p.with_suffix(".safetensors").exists())]:
             shutil.rmtree(old, ignore_errors=True)
-        path.with_suffix("").mkdir(parents=True)
+        folder.mkdir(parents=True)
     dist.barrier()
     _, once, optim = flat_state(model, optimizer)
     try:
-        dcp.save(once, storage_writer=dcp.HuggingFaceStorageWriter(str(path.with_suffix("")), save_distributed=True))
+        dcp.save(once, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
     except dcp.api.CheckpointException as err:  # every rank's errors: a full disk's OSError makes the error line
         raise next((e for e, _ in err.failures.values() if isinstance(e, OSError)), RuntimeError(str(err))) from None
     mine = {}
-    for file in sorted(path.with_suffix("").glob(f"shard-{dist.get_rank() + 1:05d}-*.safetensors")):  # once closed
+    for file in sorted(folder.glob(f"shard-{dist.get_rank() + 1:05d}-*.safetensors")):  # read back, once closed
         with safe_open(str(file), framework="pt") as f:
             mine[file.name] = {key: checksum(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
     everyone = all_gather_object((mine, optim, rng))  # each rank its own generators: bitwise resume
     rest = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(everyone)}
     rest |= {"progress": progress, "shards": {name: sums for files, _, _ in everyone for name, sums in files.items()}}
-    rest |= {"optimizer": {k: v for _, values, _ in everyone for k, v in values.items()}}  # a pipeline's stages differ
+    rest["optimizer"] = {k: v for _, values, _ in everyone for k, v in values.items()}  # a pipeline's stages differ
     rest["scheduler"] = scheduler.state_dict()
     if run.writer:
         states = {f"rng/{rank}/{kind}": s for rank, (_, _, own) in enumerate(everyone) for kind, s in own.items()}
@@ -119,9 +116,8 @@ def load_sharded(run: RunFolder, *, model, optimizer, scheduler) -> dict:
     for key in (k for k in states if k.startswith(f"rng/{dist.get_rank()}/")):  # a new rank keeps its seeded ones
         torch.set_rng_state(states[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(states[key])
     progress = {**START, **json.loads(meta["progress"])}
-    where = {k: v for k, v in progress.items() if k != "window"} | {
-        k: run.config[k] for k in ("world_size", "global_batch")
-    }
+    where = {k: v for k, v in progress.items() if k != "window"}
+    where |= {k: run.config[k] for k in ("world_size", "global_batch")}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     for hook in ON_RESUME:

@@ -179,3 +179,27 @@ def world4():
 def test_fsdp_tp_two_by_two_resume_bitwise(world4, tmp_path):
     for result in world4.run(train_save_resume, "fsdp_tp", str(tmp_path), stop=2, total=4):
         _assert_bitwise(result["never_stopped"], result["resumed"])
+
+
+def save_context(topo, run_dir: str, context: int) -> str:
+    model, optimizer, scheduler = _build("fsdp", topo.world_size, context=context)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    return str(save_sharded(_run(run_dir), **state, progress={"step": 0}, keep=2))
+
+
+def load_context(topo, path: str, context: int) -> str:
+    model, optimizer, scheduler = _build("fsdp", topo.world_size, context=context)
+    try:
+        load_sharded(_run(Path(path).parent.parent, path), model=model, optimizer=optimizer, scheduler=scheduler)
+    except RecipeError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_checkpoint_of_another_shape_under_the_same_model_is_one_line(world2, tmp_path):
+    """A --model whose shapes changed since the save: one line on every rank naming the fix, not DCP's own error."""
+    path = world2.run(save_context, str(tmp_path), test_dcp.CONTEXT)[0]
+    errors = world2.run(load_context, path, 2 * test_dcp.CONTEXT)
+    assert errors[0] == errors[1] and "its tensors do not fit this model" in errors[0], errors
+    assert "\n" not in errors[0] and "use the model it saved, or a new --out" in errors[0]
+    assert world2.run(load_context, path, test_dcp.CONTEXT) == ["loaded", "loaded"]
