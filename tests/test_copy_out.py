@@ -215,6 +215,27 @@ def test_every_top_level_function_of_the_lean_copy_is_called(tmp_path):
     assert functions - used == set()
 
 
+# Functions a lean copy joins with a file it uses in part, until that file is split by technique (issue 35.2):
+# make_scaler (core/amp.py: the sharded copies need no GradScaler), forward_sums (core/exact_loss.py, in ddp_amp),
+# root_module and split_pipeline (core/pipeline.py, in pipeline_naive).
+OWED = {"make_scaler", "forward_sums", "root_module", "split_pipeline"}
+
+
+@pytest.mark.parametrize("name", ON_KERNEL)
+def test_every_top_level_function_a_recipe_joins_beyond_the_kernel_is_called(name, tmp_path):
+    """35.1 for every lean copy: its recipe, opt-ins and built-ins call each function they define (the kernel's
+    files come whole, so a recipe not on the kernel's step leaves some of the kernel's uncalled)."""
+    text = join(name, str(tmp_path / "train.py"), kept=[])
+    tree = ast.parse(text)
+    kernel = {
+        n.name for path in KERNEL_FILES for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
+    }
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} - kernel - OWED
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert functions - used == set()
+
+
 def test_a_copy_names_only_options_it_has(tmp_path):
     """35.4: the lean copy's --help lists the recipe's own options, none of a plug-in left out; with a plug-in, its
     options too (the whole --help of the package's recipe when joined with all)."""
