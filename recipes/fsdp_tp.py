@@ -50,9 +50,7 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """What is refused before any process starts (the package's pre-check calls it too): a world size that is not a
-    multiple of --tp, and on the model built on the meta device, a plan --tp does not split into whole shards and
-    --blocks."""
+    """What is refused before any process starts (the pre-check calls it too): a bad world size, --tp or --blocks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % cfg.tp:
         raise RecipeError(

@@ -52,12 +52,10 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """What is refused before any process starts (the package's pre-check calls it too): a plan that the tp size (the
-    world size) does not split into whole shards, on the model built on the meta device."""
+    """What is refused before any process starts (the pre-check calls it too): a plan the world size cannot split."""
     with torch.device("meta"):  # shapes only: no memory
         model = build_gpt(cfg)
-    tp = int(os.environ.get("WORLD_SIZE", "1"))
-    plan_of(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # the plan splits every layer whole, else one line
+    plan_of(model, tp=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)  # else a line
 
 
 def main(cfg: Config) -> dict:
