@@ -17,10 +17,11 @@ import os
 import re
 from pathlib import Path
 
+from core.config import flag
 from core.dist import Topology, broadcast_object
 from core.kernel.folder import LENGTH, new_run_dir, run_dirs
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
-from core.kernel.options import RecipeError, flag
+from core.kernel.options import RecipeError
 from core.kernel.seams import BEFORE_JOB
 from core.plugins.lock import remove_stale_temporaries, take_lock
 from core.plugins.records import write_config

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from core.kernel.ckpt import FORMAT, START, checksum, list_checkpoints, read_checkpoint, read_metadata, write_tensors
 from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
-from core.kernel.pg import all_gather_object, broadcast_object
+from core.kernel.pg import broadcast_object
 from core.kernel.seams import ON_RESUME, READ_CHECKS
 
 
@@ -72,7 +72,8 @@ def save_sharded(run: RunFolder, *, model, optimizer, progress: dict, keep: int,
         with safe_open(str(file), framework="pt") as f:
             mine[file.name] = {key: checksum(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    everyone = all_gather_object((mine, optim, rng))  # each rank its own generators: bitwise resume
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, optim, rng))  # each rank its own generators: bitwise resume
     rest = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(everyone)}
     rest |= {"progress": progress, "shards": {name: sums for files, _, _ in everyone for name, sums in files.items()}}
     rest["optimizer"] = {k: v for _, values, _ in everyone for k, v in values.items()}  # a pipeline's stages differ

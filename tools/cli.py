@@ -15,9 +15,9 @@ from pathlib import Path
 
 import click
 
-from core.config import KEPT, parse_args
+from core.config import KEPT, UsageError, leave, parse_args
 from core.kernel.log import fail, os_error_line
-from core.kernel.options import RecipeError, UsageError, leave
+from core.kernel.options import RecipeError
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 

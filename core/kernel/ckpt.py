@@ -19,7 +19,7 @@ from torch import nn
 
 from core.kernel.log import RunFolder, say, show, write_record
 from core.kernel.options import RecipeError
-from core.kernel.pg import all_gather_object, broadcast_object
+from core.kernel.pg import broadcast_object
 from core.kernel.seams import CHECKSUMS, ON_RESUME, READ_CHECKS, WRITERS
 
 FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
@@ -96,7 +96,8 @@ def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler, p
     """RUN/ckpt/step-N.safetensors with the whole train state, every rank's generators too (a collective); then all
     but the newest `keep` go."""
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
+    rng = [None] * dist.get_world_size()
+    dist.all_gather_object(rng, mine)  # each rank its own generators: bitwise resume
     optim = optimizer.state_dict()  # its state by parameter index: tensors to the file, other values to JSON
     flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core.kernel.ckpt import newest_good, read_metadata
 from core.kernel.log import RunFolder, keep_lines, open_log, os_error_line, say, show
-from core.kernel.options import RecipeError, flag
+from core.kernel.options import RecipeError
 from core.kernel.pg import Topology, broadcast_object
 from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS, TRAINS_ON
 
@@ -110,8 +110,8 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
         across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
-        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
-        fix = " ".join(f"{flag(k)} {old[k]}" for k in differ)
+        changed = ", ".join(f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in differ)
+        fix = " ".join(f"--{k.replace('_', '-')} {old[k]}" for k in differ)
         fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
         raise RecipeError(
             f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
