@@ -25,7 +25,6 @@ import torch.distributed as dist
 from core.kernel.ckpt import FORMAT, list_checkpoints, save_checkpoint, write_tensors
 from core.kernel.log import RunFolder
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.pg import broadcast_object
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,8 @@ class CheckpointSaver:
                 f"before it are whole: free space or point --out at another disk, then --resume auto"
             )
         if self.background:
-            failed = broadcast_object(failed)
+            dist.broadcast_object_list(box := [failed], src=0)
+            failed = box[0]
         if failed and err is not None and not isinstance(err, OSError):
             raise err  # a bug, not the disk: its traceback (the other ranks get the line)
         if failed:

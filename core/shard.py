@@ -20,7 +20,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from core.kernel.loader import to_device
 from core.kernel.numbers import Tally, summarize
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.pg import broadcast_object
 from core.kernel.seams import BLOCKS
 
 
@@ -120,7 +119,8 @@ def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device,
         if not flags[0]:
             break
         if flags[1]:  # every rank sees the same flags: all take part in the broadcast
-            filler = broadcast_object(last)
+            dist.broadcast_object_list(box := [last], src=0)
+            filler = box[0]
             last = filler if last is None else last
         metrics = forward(model, to_device(last, device), loss_fn)[1]
         if batch is not None:

@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from core.kernel.ckpt import FORMAT, START, checksum, list_checkpoints, read_checkpoint, read_metadata, write_tensors
 from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
-from core.kernel.pg import broadcast_object
 from core.kernel.seams import ON_RESUME, READ_CHECKS
 
 
@@ -125,8 +124,8 @@ def load_sharded(run: RunFolder, *, model, optimizer, **stateful) -> dict:
             payload = read_checkpoint(run.resume_from)
         except RecipeError as err:
             payload = str(err)  # every rank raises it
-    payload = broadcast_object(payload)
-    if isinstance(payload, str):
+    dist.broadcast_object_list(box := [payload], src=0)
+    if isinstance(payload := box[0], str):
         raise RecipeError(payload)
     states, meta = payload
     tensors, _ = flat_state(model, optimizer)  # this rank's shapes and shards, for DCP to fill

@@ -19,7 +19,6 @@ from torch import nn
 
 from core.kernel.log import RunFolder, say, show, write_record
 from core.kernel.options import RecipeError
-from core.kernel.pg import broadcast_object
 from core.kernel.seams import CHECKSUMS, ON_RESUME, READ_CHECKS, WRITERS
 
 FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
@@ -187,8 +186,8 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
             payload = read_checkpoint(run.resume_from, model)
         except RecipeError as err:
             payload = str(err)  # every rank raises it
-    payload = broadcast_object(payload)  # our own tensors between our own processes, not the file
-    if isinstance(payload, str):
+    dist.broadcast_object_list(box := [payload], src=0)  # our own tensors between our own processes, not the file
+    if isinstance(payload := box[0], str):
         raise RecipeError(payload)
     tensors, meta = payload
     model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})

@@ -61,7 +61,7 @@ class Checkpointing(Options):
 
 def cli_main(main, config: type) -> None:
     """`cli_main(main, Config)`: the Config of the command line (--help lists it), main, then the exit."""
-    doc = (sys.modules[config.__module__].__doc__ or "").split("\n")[0]  # the recipe's first line
+    doc = (sys.modules[main.__module__].__doc__ or "").split("\n")[0]  # the recipe's first line
     parser = argparse.ArgumentParser(description=doc, allow_abbrev=False)
     parser.error = lambda message: sys.exit(fail(message, 2))  # one line, not argparse's usage
     for f in dataclasses.fields(config):

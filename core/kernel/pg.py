@@ -1,4 +1,4 @@
-"""The process group: where this process sits in the job, and rank 0's decisions shared with every rank."""
+"""The process group: where this process sits in the job."""
 
 from __future__ import annotations
 
@@ -43,10 +43,3 @@ def cleanup_pg() -> None:
         with contextlib.suppress(Exception):  # a peer that died or hung: leave anyway, the run's outcome stands
             dist.barrier(async_op=True).wait(timeout=timedelta(seconds=60))
     dist.destroy_process_group()
-
-
-def broadcast_object(obj):
-    """Rank 0's Python object on every rank (a decision only rank 0 can make)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
