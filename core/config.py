@@ -104,7 +104,7 @@ def cli_main(main: Callable, config: type) -> None:
 
     def parse_and_run() -> None:  # the description: the docstring's first line (a copy may have lost its docstring)
         cfg, dry_run = parse_args(config, description=(sys.modules[main.__module__].__doc__ or "").split("\n")[0])
-        print(f"ok: {cfg.to_dict()}") if dry_run else main(cfg)
+        print(f"ok: {vars(cfg)}") if dry_run else main(cfg)
 
     leave(parse_and_run)
 

@@ -23,28 +23,21 @@ import torch.distributed as dist
 
 
 def recording(config):
-    """A builder of `config` (a dataclass) whose instances record which fields are read (`_read`); reads by
-    to_dict() (config.json's dump) do not count."""
+    """A builder of `config` (a dataclass) whose instance records which fields are read (`_read`); vars(cfg), the
+    dump of config.json, reads none, and the checks while it is built do not count. One instance per builder."""
+    read, muted = set(), [True]
 
     class Recording(config):
+        _read = read  # a class attribute: vars(cfg) holds the fields alone
+
         def __getattribute__(self, name):
-            if not object.__getattribute__(self, "_muted"):
-                object.__getattribute__(self, "_read").add(name)
+            if not muted[0]:
+                read.add(name)
             return object.__getattribute__(self, name)
 
-        def to_dict(self):
-            object.__setattr__(self, "_muted", True)
-            try:
-                return super().to_dict()
-            finally:
-                object.__setattr__(self, "_muted", False)
-
     def build(**values):
-        cfg = Recording.__new__(Recording)
-        object.__setattr__(cfg, "_muted", True)
-        object.__setattr__(cfg, "_read", set())
-        config.__init__(cfg, **values)
-        object.__setattr__(cfg, "_muted", False)
+        cfg = Recording(**values)
+        muted[0] = False
         return cfg
 
     return build

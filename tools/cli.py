@@ -78,7 +78,7 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         from tools.plan_report import precheck_memory
 
         precheck_memory(name, cfg, world_size=world_size)
-        click.echo(f"ok: {name} {cfg.to_dict()}")
+        click.echo(f"ok: {name} {vars(cfg)}")
         return
     from tools.join import join
 

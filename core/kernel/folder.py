@@ -57,7 +57,7 @@ def resume_of(cfg) -> str:
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder and checks that the checkpoint it resumes can continue in this job; every rank
     gets the same folder, or raises the same error."""
-    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
+    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **vars(cfg)}
     choice = None
     if topo.rank == 0:
         try:

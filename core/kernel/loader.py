@@ -37,7 +37,7 @@ class ResumableSampler(DistributedSampler):
 
 
 def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, train: bool = True):
-    """This rank's share (None for None): shuffled by a seeded sampler to train, each sample once to evaluate."""
+    """This rank's share (None for None): shuffled apart from the global RNG (exact resume), or each sample once."""
     if dataset is None:
         return None
     on_gpu = topo.device.type == "cuda"
@@ -45,8 +45,7 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
     if not train:
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)
     sampler = ResumableSampler(dataset, num_replicas=topo.world_size, rank=topo.rank, seed=seed, drop_last=True)
-    generator = torch.Generator().manual_seed(seed)  # leaves the global RNG alone: resume stays exact
-    return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
+    return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
 
 
 def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
@@ -56,8 +55,6 @@ def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
 
 def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
     """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
-    if (share := loader.sampler.num_samples) < loader.batch_size:
-        raise RecipeError(
-            f"--batch-size {loader.batch_size}: a rank's share is {share} samples; use fewer ranks or less"
-        )
-    return min(epochs * len(loader), max_steps) if max_steps else epochs * len(loader)
+    if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
+        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
+    return min(epochs * len(loader), max_steps or epochs * len(loader))

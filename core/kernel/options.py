@@ -34,9 +34,6 @@ class Options:
             if meta["check"] and not meta["check"](value):
                 raise RecipeError(f"{name} {value!r}: {meta['fix']}")
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True)
 class Training(Options):

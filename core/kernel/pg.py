@@ -18,10 +18,9 @@ Topology = namedtuple("Topology", "rank world_size device")  # rank 0 decides, w
 
 def init_pg(*, timeout_s: float) -> Topology:
     """Join torchrun's process group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); alone, a world of one."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))  # tools/ checks them
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # tools/ checks them
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")  # cuda:LOCAL_RANK, never cuda:RANK
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")  # not RANK
     if cuda:
         torch.cuda.set_device(device)
     store = dist.HashStore() if "MASTER_PORT" not in os.environ and world_size == 1 else None  # no launcher: no port
