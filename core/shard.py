@@ -20,7 +20,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from core.kernel.loader import to_device
 from core.kernel.numbers import Tally, summarize
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.seams import BLOCKS
+
+BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
 
 
 @dataclass(frozen=True)

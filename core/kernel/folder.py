@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from core.kernel.ckpt import newest_good, read_metadata
+from core.kernel.ckpt import newest_good, read_checkpoint
 from core.kernel.log import RunFolder, keep_lines, open_log, os_error_line, say, show
 from core.kernel.options import RecipeError
 from core.kernel.pg import Topology
@@ -84,7 +84,7 @@ def _take_folder(cfg, config: dict) -> tuple[Path, Path | None]:
         where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
         show(f"--resume auto: {where} in {cfg.out}; starting a new run")
     if resume_from is not None:
-        check_continues(resume_from, read_metadata(resume_from), config)
+        check_continues(resume_from, read_checkpoint(resume_from, tensors=False)[1], config)
     in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
     path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
     for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json

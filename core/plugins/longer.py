@@ -7,7 +7,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from core.kernel.ckpt import list_checkpoints, read_metadata
+from core.kernel.ckpt import read_checkpoint
 from core.kernel.folder import LENGTH
 from core.kernel.log import write_record
 from core.kernel.options import RecipeError
@@ -17,8 +17,12 @@ from core.kernel.seams import ON_RESUME, TRAINS_ON
 def asks_for_more(cfg, run_dir: Path, resume: str) -> bool:
     """The checkpoint --resume continues was saved with other lengths than this command's."""
     with contextlib.suppress(IndexError, KeyError, RecipeError):  # no checkpoint, or a damaged one: finished as it is
-        path = Path(resume) if resume != "auto" else list_checkpoints(run_dir / "ckpt")[-1]
-        saved = json.loads(read_metadata(path)["config"])
+        path = (
+            Path(resume)
+            if resume != "auto"
+            else sorted((run_dir / "ckpt").glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[-1]
+        )
+        saved = json.loads(read_checkpoint(path, tensors=False)[1]["config"])
         return any(saved[key] != getattr(cfg, key) for key in LENGTH)
     return False
 
