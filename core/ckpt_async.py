@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from core.kernel.ckpt import FORMAT, save_checkpoint, write_tensors
 from core.kernel.log import RunFolder
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.pg import all_gather_object, broadcast_object
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) ->
 def snapshot(run: RunFolder, *, model, optimizer, scheduler, progress: dict) -> tuple[dict, dict]:
     """(tensors, metadata) of the kernel's save_checkpoint, every rank's generators too (a collective)."""
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    rng = all_gather_object(mine)  # each rank its own generators: bitwise resume
+    rng = [None] * dist.get_world_size()
+    dist.all_gather_object(rng, mine)  # each rank its own generators: bitwise resume
     optim = optimizer.state_dict()  # its state by parameter index: tensors to the file, other values to JSON
     flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
@@ -123,7 +124,8 @@ class CheckpointSaver:
                 f"before it are whole: free space or point --out at another disk, then --resume auto"
             )
         if self.background:
-            failed = broadcast_object(failed)
+            dist.broadcast_object_list(box := [failed], src=0)
+            failed = box[0]
         if failed and err is not None and not isinstance(err, OSError):
             raise err  # a bug, not the disk: its traceback (the other ranks get the line)
         if failed:

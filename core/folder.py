@@ -17,10 +17,11 @@ import os
 import re
 from pathlib import Path
 
+from core.config import flag
 from core.dist import Topology, broadcast_object
 from core.kernel.folder import LENGTH, new_run_dir, run_dirs
 from core.kernel.log import keep_lines, open_log, os_error_line, say, show
-from core.kernel.options import RecipeError, flag
+from core.kernel.options import RecipeError
 from core.kernel.seams import BEFORE_JOB
 from core.plugins.lock import remove_stale_temporaries, take_lock
 from core.plugins.records import write_config
@@ -39,7 +40,7 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     The folder is a new out/NAME-N, or the resumed checkpoint's; rank 0 checks that the checkpoint can continue in
     this job, takes the folder's lock and writes config.json. `newest(run_dir)`: the newest good checkpoint there;
     `header(path)`: a checkpoint's metadata; `dp`: the data-parallel ranks (default: all)."""
-    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
+    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **vars(cfg)}
     choice, lock = None, None
     if topo.rank == 0:
         try:

@@ -14,7 +14,6 @@ from core.exact_loss import forward_sums
 from core.kernel.loader import to_device
 from core.kernel.numbers import Tally, summarize
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.pg import broadcast_object
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,8 @@ def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device)
         if not flags[0]:
             break
         if flags[1]:  # a rank with no batch at all takes rank 0's first: every rank sees the flag, all broadcast
-            filler = broadcast_object(last)
-            last = filler if last is None else last
+            dist.broadcast_object_list(box := [last], src=0)
+            last = box[0] if last is None else last
         metrics = forward_sums(model, to_device(last, device), loss_fn)[1]
         if batch is not None:
             tally.add(metrics)

@@ -18,8 +18,8 @@ import time
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
-from core.kernel.pg import all_gather_object
 from core.metrics import peak_memory_mb
 
 BEFORE_PG: list = []  # fn(cfg): before the process group exists: checks, the environment c10d reads (ddp_monitored)
@@ -111,7 +111,8 @@ def breakdown(
     Each phase's ms per step averaged over ranks, step_ms_max, peak_mem_mb, and mfu when both FLOP numbers are
     given. A collective: every rank calls it at the same step."""
     mine = {"steps": timings["steps"], "ms": [timings[p] for p in PHASES], "mem": peak_memory_mb(device)}
-    ranks = all_gather_object(mine)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
     per_step = torch.tensor([r["ms"] for r in ranks], dtype=torch.float64) / torch.tensor(
         [[max(r["steps"], 1.0)] for r in ranks], dtype=torch.float64
     )  # (ranks, phases): each rank's mean step

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from core.kernel.ckpt import FORMAT, START, checksum, read_checkpoint, write_tensors
 from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
-from core.kernel.pg import all_gather_object, broadcast_object
 from core.kernel.seams import ON_RESUME, READ_CHECKS
 
 
@@ -53,7 +52,8 @@ def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict,
         with safe_open(str(file), framework="pt") as f:
             mine[file.name] = {key: checksum(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    everyone = all_gather_object((mine, optim, rng))  # each rank its own generators: bitwise resume
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, optim, rng))  # each rank its own generators: bitwise resume
     rest = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(everyone)}
     rest |= {"progress": progress, "shards": {name: sums for files, _, _ in everyone for name, sums in files.items()}}
     rest["optimizer"] = {k: v for _, values, _ in everyone for k, v in values.items()}  # a pipeline's stages differ
@@ -92,11 +92,14 @@ def load_sharded(run: RunFolder, *, model, optimizer, scheduler) -> dict:
     """The checkpoint's train state resharded to this mesh; its progress, or START. A collective."""
     if run.resume_from is None:
         return dict(START)
-    try:
-        payload = read_checkpoint(run.resume_from) if run.writer else None  # rank 0 checks every file first
-    except RecipeError as err:
-        payload = str(err)  # every rank raises it
-    if isinstance(payload := broadcast_object(payload), str):
+    payload = None
+    if run.writer:
+        try:
+            payload = read_checkpoint(run.resume_from)
+        except RecipeError as err:
+            payload = str(err)  # every rank raises it
+    dist.broadcast_object_list(box := [payload], src=0)
+    if isinstance(payload := box[0], str):
         raise RecipeError(payload)
     states, meta = payload
     tensors, once, _ = flat_state(model, optimizer)  # this rank's shapes and shards, for DCP to fill

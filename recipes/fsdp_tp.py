@@ -15,7 +15,6 @@ checkpoints are sharded and resume at another dp. Rank 0 gathers the full weight
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import warnings
@@ -31,9 +30,9 @@ from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import seed_all, set_epoch
+from core.kernel.loader import set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, Options, RecipeError, Training, at_least, cli_main, option
+from core.kernel.options import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import make_loss
@@ -81,7 +80,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size * dims["dp"] * cfg.accum  # a tp group shares one batch
 
     # Build: slice within each tp group first, then shard those slices across the dp groups.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its part
@@ -97,7 +96,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     fully_shard(model, mesh=dp_mesh, **policy)
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     torch.manual_seed(cfg.seed + dp_rank)  # each dp group its own dropout; a tp group one stream, as DTensor needs
-    my_group = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # a tp group shares its data
+    my_group = Topology(dp_rank, dp, topo.device)  # a tp group shares its data
     # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
     train_loader, val_loader, total = make_loaders(cfg, my_group, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
@@ -153,7 +152,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 @dataclass(frozen=True)
 class MeshOptions(Options):
     title = "2-D parallelism"
-    tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", **at_least(1))
+    tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", low=1)
 
 
 @dataclass(frozen=True)

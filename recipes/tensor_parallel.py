@@ -20,7 +20,6 @@ the shards and the layers the plan leaves whole; checkpoints are sharded (every 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import seed_all, set_epoch
+from core.kernel.loader import set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
@@ -73,7 +72,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its slices
@@ -84,7 +83,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     with tp_kept(model, plan, tp=tp):  # a tied lm_head stays tied
         parallelize_module(model, device_mesh["tp"], plan)
     torch.manual_seed(cfg.seed)  # one group, one stream of dropout: DTensor needs it the same on every rank
-    one_group = dataclasses.replace(topo, rank=0, world_size=1)  # every rank loads the group's whole batch
+    one_group = Topology(0, 1, topo.device)  # every rank loads the group's whole batch
     # A stream (an IterableDataset) is read in order; map-style data by a seeded sampler, the same on every rank.
     train_loader, val_loader, total = make_loaders(cfg, one_group, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each slice on its own rank

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
 from core.amp import Accumulation, Precision
-from core.config import Training, parse_args
+from core.config import Training, UsageError, parse_args
 from core.data import build_data, make_loader
 from core.datasets import digits
 from core.dist import Topology
 from core.folder import finished_run
 from core.kernel.folder import new_run_dir, run_dirs
 from core.kernel.loader import ResumableSampler
-from core.kernel.options import RecipeError, UsageError
+from core.kernel.options import RecipeError
 from core.models import MODELS, build_model
 from core.plugins.factories import resolve_factory
 from helpers import REPO, user_env

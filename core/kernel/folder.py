@@ -9,10 +9,12 @@ import os
 import re
 from pathlib import Path
 
+import torch.distributed as dist
+
 from core.kernel.ckpt import newest_good, read_checkpoint
 from core.kernel.log import RunFolder, keep_lines, open_log, os_error_line, say, show
-from core.kernel.options import RecipeError, flag
-from core.kernel.pg import Topology, broadcast_object
+from core.kernel.options import RecipeError
+from core.kernel.pg import Topology
 from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS, TRAINS_ON
 
 # The options that shape what is trained: a resumed run must keep them, or it would be another run. A recipe that
@@ -24,7 +26,8 @@ LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on fro
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     """The summary of the finished run --resume continues, said in one line (nothing is touched); else None."""
-    found = broadcast_object(finished_run(cfg, cfg.name or recipe) if topo.rank == 0 else None)
+    dist.broadcast_object_list(box := [finished_run(cfg, cfg.name or recipe) if topo.rank == 0 else None], src=0)
+    found = box[0]
     if found and topo.rank == 0:
         print(f"{found[0]} already finished at step {found[1].get('steps')}; nothing to train", flush=True)
     return found and {**found[1], "already_finished": True}
@@ -54,7 +57,7 @@ def resume_of(cfg) -> str:
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder and checks that the checkpoint it resumes can continue in this job; every rank
     gets the same folder, or raises the same error."""
-    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
+    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **vars(cfg)}
     choice = None
     if topo.rank == 0:
         try:
@@ -62,7 +65,8 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
             choice = _take_folder(cfg, config)
         except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
             choice = os_error_line(err) if isinstance(err, OSError) else str(err)
-    if isinstance(choice := broadcast_object(choice), str):
+    dist.broadcast_object_list(box := [choice], src=0)  # rank 0's choice, on every rank
+    if isinstance(choice := box[0], str):
         raise RecipeError(choice)
     run = RunFolder(*choice, recipe, config, topo.rank == 0)
     open_log(run)
@@ -110,8 +114,8 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     if differ := [k for k in both if old[k] != new[k]]:
         recipe, saved_recipe = config["recipe"], meta.get("recipe") or saved.get("recipe")
         across = f"a checkpoint of {saved_recipe} resumed by {recipe}: " if saved_recipe not in (None, recipe) else ""
-        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
-        fix = " ".join(f"{flag(k)} {old[k]}" for k in differ)
+        changed = ", ".join(f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in differ)
+        fix = " ".join(f"--{k.replace('_', '-')} {old[k]}" for k in differ)
         fix = f"{saved_recipe} {fix}" if any(k not in config for k in differ) else fix  # an option this recipe lacks
         raise RecipeError(
             f"{path}: {across}resuming with other options ({changed}) would train another run; resume with {fix} (the "
