@@ -17,7 +17,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.kernel.log import RunFolder, say, show, write_record
+from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
 from core.kernel.pg import all_gather_object, broadcast_object
 from core.kernel.seams import CHECKSUMS, ON_RESUME, READ_CHECKS, WRITERS
@@ -171,7 +171,7 @@ def newest_good(run_dir: Path) -> Path | None:
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; resume from")[0]
             then = "taking the one before" if path != checkpoints[0] else "it is the oldest"
-            show(f"warning: --resume auto: skipping {path}, damaged ({why}); {then}", level="WARNING")
+            say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); {then}", level="WARNING")
     return None
 
 
