@@ -17,12 +17,12 @@ from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS, TRAINS_ON
 # The options that shape what is trained: a resumed run keeps them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that does not take the option trains
-RESTARTED = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"  # torchrun restarted the job: --resume auto
+RESTART = "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")  # a job torchrun restarted resumes
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     """The summary of the finished run --resume continues, said in one line (nothing is touched); else None."""
-    found, resume = None, cfg.resume or ("auto" if RESTARTED else "")
+    found, resume = None, cfg.resume or RESTART
     if topo.rank == 0 and resume:  # rank 0 reads the folder: other nodes need not see it
         ckpt = Path(resume).parent  # RUN/ckpt/step-N continues RUN
         runs = [ckpt.parent] * (ckpt.name == "ckpt") if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1:]
@@ -37,18 +37,18 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder, refusing a checkpoint that cannot continue in this job; every rank gets it."""
     config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
-    prefix, resume, choice = cfg.name or recipe, cfg.resume or ("auto" if RESTARTED else ""), None
+    prefix, resume, choice = cfg.name or recipe, cfg.resume or RESTART, None
     if topo.rank == 0:
         open_log(None)  # the lines said while choosing go into train.log
         try:
             runs = run_dirs(cfg.out, prefix)
-            path = Path(resume) if resume not in ("", "auto") else None
-            if resume == "auto" and (path := newest_good(runs[-1]) if runs else None) is None:  # not silently new
+            path = (newest_good(runs[-1]) if runs else None) if resume == "auto" else Path(resume) if resume else None
+            if resume == "auto" and not path:  # not silently a new run
                 where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
                 say(None, f"--resume auto: {where} in {cfg.out}; starting a new run")
-            if path is not None:
+            if path:
                 check_continues(path, read_metadata(path), config)
-            in_run = path is not None and path.resolve().parent.parent in [r.resolve() for r in runs]
+            in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]
             folder = path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1]
             for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json
                 hook(folder, config, new=not in_run)
@@ -71,15 +71,14 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     saved, batch, now = json.loads(meta.get("config", "{}")), int(meta.get("global_batch", 0)), config["global_batch"]
     if batch and batch != now:  # every later step would differ
         per_rank, rest = divmod(batch, now // config["batch_size"])  # this job's ranks x --accum
-        fix = f"a number of ranks that divides {batch}" if rest else f"--batch-size {per_rank}"
+        fix = f"--batch-size {per_rank}" if not rest else f"a number of ranks that divides {batch}"
         raise RecipeError(f"{path}: saved with global batch {batch} and this job's is {now}; use {fix}")
     both = [k for k in TRAJECTORY if (k in IMPLIED or k in saved and k in config) and k not in allowed]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
         changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
-        fix = [saved.get("recipe", "")] * any(k not in config for k in differ)  # an option this recipe lacks
-        fix = " ".join(fix + [f"{flag(k)} {old[k]}" for k in differ])
-        raise RecipeError(f"{path}: other options ({changed}) would train another run; resume with {fix} or anew")
+        fix = [saved.get("recipe", "")] * any(k not in config for k in differ) + [f"{flag(k)} {old[k]}" for k in differ]
+        raise RecipeError(f"{path}: other options ({changed}) would train another run; resume with {' '.join(fix)}")
 
 
 def run_dirs(out: str, prefix: str, *, new: bool = False) -> list[Path]:

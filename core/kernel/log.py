@@ -19,25 +19,22 @@ from core.kernel.seams import LOG_SINKS, ON_FAIL
 
 LOG_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | rank {extra[rank]} | {message}"
 GRACE_S = 5.0  # how long a rank other than 0 lets rank 0 say an error every rank meets before it says it itself
-RUN_LOG: dict = {}  # this process's loguru sink: its "id", and the run folder's "path" or the lines "kept" till then
+RUN_LOG: dict = {}  # this process's loguru sink "id"; the run folder "path", or None while its lines are "kept"
 RunFolder = namedtuple("RunFolder", "path resume_from recipe config writer")  # writer: rank 0, which alone writes
 
 
 def open_log(run: RunFolder | None) -> None:
     """Rank 0's lines go to RUN/train.log from here, after those kept since open_log(None) (the folder's choice)."""
-    kept = RUN_LOG.get("kept", [])
-    if RUN_LOG:
-        logger.remove(RUN_LOG.pop("id"))
-        RUN_LOG.clear()
     if run is None or run.writer:
-        with contextlib.suppress(ValueError):  # loguru's own handler (if not gone already) would print each line again
-            logger.remove(0)
+        kept = RUN_LOG.get("kept", [])
+        with contextlib.suppress(ValueError):  # the log before, or loguru's own handler: it would print lines again
+            logger.remove(RUN_LOG.get("id", 0))
         if run:
             with open(run.path / "train.log", "a") as log:
                 log.writelines(kept)
-        sink, state = (run.path / "train.log", {"path": run.path}) if run else ((kept := []).append, {"kept": kept})
-        ours = lambda record: "rank" in record["extra"]  # noqa: E731 - our lines, never a user's own loguru lines
-        RUN_LOG.update(state, id=logger.add(sink, format=LOG_FORMAT, filter=ours, catch=False))
+        RUN_LOG.update(path=run and run.path, kept=[])
+        sink = run.path / "train.log" if run else RUN_LOG["kept"].append  # ours only: never a user's loguru lines
+        RUN_LOG["id"] = logger.add(sink, format=LOG_FORMAT, filter=lambda r: "rank" in r["extra"], catch=False)
 
 
 def say(run: RunFolder | None, message: str, *, level: str = "INFO") -> None:
@@ -73,14 +70,13 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
 
 
 def os_error_line(err: OSError) -> str:
-    """A failed write as one line: a full disk names the folder and its free bytes, else the OS's reason."""
-    name = os.fsdecode(err.filename) if err.filename is not None else None
-    path = Path(name) if name else RUN_LOG.get("path", Path("."))
-    folder = next((p for p in [path, *path.parents] if p.exists()), Path("."))
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
-        return f"{folder}: the disk is full ({free:,} bytes free); free some space or point --out at another disk"
-    return f"{name or folder}: {err.strerror or err}; check the folder"
+    """A failed write as one line: its file (or the run folder), the reason (a full disk: its free bytes), the fix."""
+    path = Path(os.fsdecode(err.filename) if err.filename is not None else RUN_LOG.get("path") or ".")
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return f"{path}: {err.strerror or err}; check the folder"
+    folder = next(p for p in [path, *path.parents] if p.exists())  # a file the write left unmade: its folder's disk
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    return f"{folder}: the disk is full ({free:,} bytes free); free some space or point --out at another disk"
 
 
 def write_record(run: RunFolder, record: dict) -> None:
