@@ -22,6 +22,10 @@ import torch
 from core.kernel.pg import all_gather_object
 from core.metrics import peak_memory_mb
 
+BEFORE_PG: list = []  # fn(cfg): before the process group exists: checks, the environment c10d reads (ddp_monitored)
+DDP_OPTIONS: list = []  # fn(cfg) -> more DistributedDataParallel keyword arguments (ddp_monitored; --bucket-mb)
+WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wraps it (ddp_monitored; --compile)
+
 PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
 
 

@@ -18,6 +18,8 @@ from torch import nn
 
 from core.kernel.options import RecipeError
 
+STAGE_WEIGHTS: list = []  # fn(cfg, model, train_set) -> each block's weight for the pipeline's cut, or None (--balance)
+
 
 class Stage(nn.Module):
     """Blocks lo..hi-1 of a model, under their original names: forward = those blocks in order."""

@@ -21,7 +21,8 @@ from core.kernel.loader import to_device
 from core.kernel.numbers import Tally, summarize
 from core.kernel.options import Options, RecipeError, option
 from core.kernel.pg import broadcast_object
-from core.kernel.seams import BLOCKS
+
+BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from core.kernel.options import RecipeError
-from core.kernel.seams import AROUND_TP, TP_PLANS
 
 GPT_LAYOUT = (
     "the built-in GPT's layout (model.blocks, an nn.Sequential run as model.blocks(x), whose blocks have "
     "attn.q/k/v/proj and mlp.fc/proj nn.Linear layers)"
 )
+
+TP_PLANS: list = []  # fn(model, *, tp) -> a model's own tensor-parallel plan or None; core/tp_plan.py asks each in turn
+AROUND_TP: list = []  # fn(model, plan, *, tp) -> a context manager around core/tp_plan.py's parallelize_module
 
 
 def check_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> None:

@@ -31,10 +31,10 @@ from core.kernel.loader import make_loader, seed_all, set_epoch, to_device, tota
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, BEFORE_PG, DDP_OPTIONS, ON_STEP, OPTION_GROUPS, WRAPPED
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import check_finite, evaluate, make_loss, step_plain
 from core.metrics import flops_per_sample, peak_flops
-from core.monitor import StepClock, breakdown, paused
+from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, paused
 from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa: F401 - its own (tools/registry.py)
 
 

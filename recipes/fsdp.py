@@ -39,10 +39,19 @@ from core.kernel.loader import seed_all, set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, BLOCKS, FACTORIES, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import AFTER_BUILD, FACTORIES, ON_STEP, OPTION_GROUPS
 from core.kernel.step import make_loss
 from core.plugins import blocks, loss_counts, stream, trackers  # noqa: F401 - fsdp's own plug-ins (--with adds them)
-from core.shard import ShardedPrecision, build_mesh, evaluate_sharded, fsdp_policy, fsdp_sync, shard_blocks, whole_model
+from core.shard import (
+    BLOCKS,
+    ShardedPrecision,
+    build_mesh,
+    evaluate_sharded,
+    fsdp_policy,
+    fsdp_sync,
+    shard_blocks,
+    whole_model,
+)
 from core.shard_ckpt import load_sharded, save_sharded
 
 

@@ -36,10 +36,19 @@ from core.kernel.loader import seed_all, set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, RecipeError, Training, at_least, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, BLOCKS, FACTORIES, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import AFTER_BUILD, FACTORIES, ON_STEP, OPTION_GROUPS
 from core.kernel.step import make_loss
 from core.plugins import blocks, loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins
-from core.shard import ShardedPrecision, build_mesh, evaluate_sharded, fsdp_policy, fsdp_sync, shard_blocks, whole_model
+from core.shard import (
+    BLOCKS,
+    ShardedPrecision,
+    build_mesh,
+    evaluate_sharded,
+    fsdp_policy,
+    fsdp_sync,
+    shard_blocks,
+    whole_model,
+)
 from core.shard_ckpt import load_sharded, save_sharded
 from core.tp_plan import check_tp_plan, plan_of, tp_kept
 

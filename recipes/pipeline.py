@@ -40,9 +40,9 @@ from core.kernel.log import say
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS, STAGE_WEIGHTS
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import check_finite
-from core.pipeline import check_pipeline_model, root_module, split_pipeline
+from core.pipeline import STAGE_WEIGHTS, check_pipeline_model, root_module, split_pipeline
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
 from core.schedules import (
     Pipelining,

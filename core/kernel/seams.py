@@ -21,13 +21,4 @@ ON_FAIL: list = []  # fn(refused): the run ends in an error; refused: one a rest
 LOG_SINKS: list = []  # fn(run, record): rank 0's write_record hands each metrics.jsonl record on (--log-to)
 STREAMS: list = []  # fn(cfg, topo, train, val, collate_fn) -> (train loader, val loader, steps) for a stream, else None
 # (core/amp.py's make_loaders; the stream plug-in)
-LOSS_COUNTS: list = []  # fn(model, loss) -> forward(model, batch, loss, norm) -> (loss, its sum, metric sums) or None:
-# a model whose own loss divides its sum by num_items_in_batch (core/exact_loss.py's make_exact_loss; loss_counts)
-BEFORE_PG: list = []  # fn(cfg): before the process group exists: checks, the environment c10d reads (ddp_monitored)
-DDP_OPTIONS: list = []  # fn(cfg) -> more DistributedDataParallel keyword arguments (ddp_monitored; --bucket-mb)
-WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wraps it (ddp_monitored; --compile)
-BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
 LOSS_CHECKS: list = []  # fn(logits, targets): one line where they do not line up (core/schedules.py's TokenLoss asks)
-STAGE_WEIGHTS: list = []  # fn(cfg, model, train_set) -> each block's weight for the pipeline's cut, or None (--balance)
-TP_PLANS: list = []  # fn(model, *, tp) -> a model's own tensor-parallel plan or None; core/tp_plan.py asks each in turn
-AROUND_TP: list = []  # fn(model, plan, *, tp) -> a context manager around core/tp_plan.py's parallelize_module

@@ -11,7 +11,8 @@ from torch import nn
 
 from core.kernel.options import Options, option
 from core.kernel.pg import broadcast_object
-from core.kernel.seams import OPTION_GROUPS, STAGE_WEIGHTS
+from core.kernel.seams import OPTION_GROUPS
+from core.pipeline import STAGE_WEIGHTS
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.seams import BLOCKS, OPTION_GROUPS
+from core.kernel.seams import OPTION_GROUPS
+from core.shard import BLOCKS
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from core.kernel.seams import LOSS_COUNTS
+from core.exact_loss import LOSS_COUNTS
 from core.kernel.step import metrics
 
 

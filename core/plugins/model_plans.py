@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from core.kernel.options import RecipeError
-from core.kernel.seams import AROUND_TP, TP_PLANS
+from core.tp_plan import AROUND_TP, TP_PLANS
 
 # transformers' style strings (transformers/distributed/tensor_parallel.py, ALL_PARALLEL_STYLES) as torch styles.
 # None: every rank keeps the whole parameter, nothing to shard.

@@ -32,7 +32,8 @@ from core.kernel.ckpt import read_metadata
 from core.kernel.log import say
 from core.kernel.options import Options, option
 from core.kernel.pg import Topology
-from core.kernel.seams import AFTER_JOB, BEFORE_JOB, BEFORE_PG, ON_FAIL, ON_STEP, OPTION_GROUPS, PAUSES
+from core.kernel.seams import AFTER_JOB, BEFORE_JOB, ON_FAIL, ON_STEP, OPTION_GROUPS, PAUSES
+from core.monitor import BEFORE_PG
 
 
 @dataclass(frozen=True)
