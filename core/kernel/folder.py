@@ -17,12 +17,11 @@ from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS, TRAINS_ON
 # The options that shape what is trained: a resumed run keeps them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that does not take the option trains
-RESTART = "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")  # a job torchrun restarted resumes
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     """The summary of the finished run --resume continues, said in one line (nothing is touched); else None."""
-    found, resume = None, cfg.resume or RESTART
+    found, resume = None, cfg.resume or "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")
     if topo.rank == 0 and resume:  # rank 0 reads the folder: other nodes need not see it
         ckpt = Path(resume).parent  # RUN/ckpt/step-N continues RUN
         runs = [ckpt.parent] * (ckpt.name == "ckpt") if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1:]
@@ -37,7 +36,8 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder, refusing a checkpoint that cannot continue in this job; every rank gets it."""
     config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
-    prefix, resume, choice = cfg.name or recipe, cfg.resume or RESTART, None
+    prefix, choice = cfg.name or recipe, None
+    resume = cfg.resume or "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")  # torchrun restarted it
     if topo.rank == 0:
         open_log(None)  # the lines said while choosing go into train.log
         try:
@@ -49,10 +49,9 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
             if path:
                 check_continues(path, read_metadata(path), config)
             in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]
-            folder = path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1]
+            choice = (path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1], path)
             for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json
-                hook(folder, config, new=not in_run)
-            choice = (folder, path)
+                hook(choice[0], config, new=not in_run)
         except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
             choice = os_error_line(err) if isinstance(err, OSError) else str(err)
     if isinstance(choice := broadcast_object(choice), str):
