@@ -23,9 +23,9 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.ckpt_io import read_header, verify
+from core.ckpt_io import atomic_write, list_checkpoints, read_header, savable, verify
 from core.dist import all_gather_object, broadcast_object
-from core.kernel.ckpt import FORMAT, atomic_write, list_checkpoints, savable
+from core.kernel.ckpt import FORMAT
 from core.kernel.log import say
 from core.kernel.options import RecipeError
 from core.plugins.fast_writer import write_fast

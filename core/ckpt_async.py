@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from core.kernel.ckpt import FORMAT, list_checkpoints, save_checkpoint, write_tensors
+from core.kernel.ckpt import FORMAT, save_checkpoint, write_tensors
 from core.kernel.log import RunFolder
 from core.kernel.options import Options, RecipeError, option
 from core.kernel.pg import all_gather_object, broadcast_object
@@ -99,7 +99,9 @@ class CheckpointSaver:
         try:
             path.parent.mkdir(exist_ok=True)
             write_tensors(path, tensors, metadata)
-            for old in list_checkpoints(path.parent)[:-keep]:  # only once the new one is in place
+            for old in sorted(path.parent.glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[
+                :-keep
+            ]:  # only once the new one is in place
                 old.unlink(missing_ok=True)
         except BaseException as err:  # said in the training thread, at the next save or close
             self.error = err

@@ -10,16 +10,55 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
 import torch
 
 from core.checksum import checksum_matches
-from core.kernel.ckpt import header_checksum
+from core.kernel.ckpt import checksum
 from core.kernel.options import RecipeError
 
 _NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # optimizer averages of squares
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call `write(file)` on a temporary file, fsync, rename it over `path`: readers see the old file or the new one,
+    never half of one (core/kernel/ckpt.py's write_tensors does the same for the kernel's files)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:  # a write to an open file names none: the disk-full line names this one's folder
+        raise err if err.filename else OSError(err.errno, err.strerror, str(tmp)) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)  # the rename itself survives a power cut
+
+
+def savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two entries sharing storage (safetensors refuses tied weights)."""
+    out, seen = {}, set()
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        out[key] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The checkpoints of a folder, oldest first (the temporary files of an interrupted write are not)."""
+    found = {
+        int(m[1]): p
+        for p in ckpt_dir.glob("step-*.safetensors")
+        if (m := re.fullmatch(r"step-(\d+)\.safetensors", p.name))
+    }
+    return [found[step] for step in sorted(found)]
 
 
 def fsync_dir(folder: Path) -> None:
@@ -41,7 +80,7 @@ def verify(path: Path, header: dict, tensors: dict[str, torch.Tensor], *, fix: s
     (check_values)."""
     fix = fix or f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
     meta = header.get("__metadata__", {})
-    if meta.get("header_checksum") != header_checksum(header):
+    if meta.get("header_checksum") != checksum(header):
         raise RecipeError(f"{path}: the header does not match its checksum (edited or damaged); {fix}")
     sums = json.loads(meta["checksums"])
     for key, tensor in tensors.items():

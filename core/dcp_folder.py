@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 
 from core.checksum import checksum_matches
-from core.kernel.ckpt import atomic_write, checksum
+from core.ckpt_io import atomic_write
+from core.kernel.ckpt import checksum
 from core.kernel.options import RecipeError
 
 FORMAT = "torch-dist-recipes/dcp/2"  # /2: the optimizer state flattened by parameter name, as torch flattens it

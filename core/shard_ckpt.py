@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from core.kernel.ckpt import FORMAT, START, checksum, list_checkpoints, read_checkpoint, read_metadata, write_tensors
+from core.kernel.ckpt import FORMAT, START, checksum, read_checkpoint, write_tensors
 from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
 from core.kernel.pg import all_gather_object, broadcast_object
@@ -81,7 +81,9 @@ def save_sharded(run: RunFolder, *, model, optimizer, progress: dict, keep: int,
         states = {f"rng/{rank}/{kind}": s for rank, (_, _, own) in enumerate(everyone) for kind, s in own.items()}
         metadata = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__}
         write_tensors(path, states, metadata | {key: json.dumps(value) for key, value in rest.items()})
-        for old in list_checkpoints(path.parent)[:-keep]:  # only once the new one is in place
+        for old in sorted(path.parent.glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[
+            :-keep
+        ]:  # only once the new one is in place
             old.unlink(missing_ok=True)
             shutil.rmtree(old.with_suffix(""), ignore_errors=True)
     dist.barrier()
@@ -91,7 +93,7 @@ def save_sharded(run: RunFolder, *, model, optimizer, progress: dict, keep: int,
 def check_shards(path: Path, tensors: dict, model) -> None:
     """READ_CHECKS: a sharded checkpoint's files (the folder beside it) all there and matching their checksums; the
     other checks (the `checks` plug-in's) see each file's tensors too."""
-    shards, folder = json.loads(read_metadata(path).get("shards", "null")), path.with_suffix("")
+    shards, folder = json.loads(read_checkpoint(path, tensors=False)[1].get("shards", "null")), path.with_suffix("")
     if shards is None:  # a checkpoint of one file
         return
     problems = [f"{p.name} is not one of its files" for p in folder.glob("*.safetensors") if p.name not in shards]

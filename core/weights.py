@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from core.kernel.ckpt import atomic_write, savable
+from core.ckpt_io import atomic_write, savable
 from core.kernel.options import RecipeError
 from core.plugins.fast_writer import write_fast
 from core.records import RunFolder

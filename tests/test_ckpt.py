@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from core import ckpt, weights
-from core.kernel.ckpt import list_checkpoints
+from core.ckpt_io import list_checkpoints
 from core.records import RunFolder
 from helpers import REPO, run, torchrun, unfinished, user_env
 from tiny import TiedMLP

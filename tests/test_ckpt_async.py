@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from core import ckpt_async
-from core.kernel.ckpt import list_checkpoints, read_checkpoint, save_checkpoint
+from core.ckpt_io import list_checkpoints
+from core.kernel.ckpt import read_checkpoint, save_checkpoint
 from core.kernel.log import RunFolder
 from core.kernel.options import RecipeError, UsageError, parse_args
 from core.plugins.lock import HELD

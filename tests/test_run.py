@@ -491,7 +491,12 @@ elif point == "mid-file":
 elif point == "before the rename":
     wrap(ckpt.os, "replace", lambda src, dst: saving(dst))
 elif point == "after the rename":
-    wrap(ckpt, "list_checkpoints", lambda folder: any(saving(p) for p in folder.iterdir()))
+    real_replace = ckpt.os.replace
+    def replaced(src, dst):
+        real_replace(src, dst)
+        if saving(dst):
+            die()
+    ckpt.os.replace = replaced
 import runpy
 runpy.run_path(sys.argv[0] if False else "{recipe}", run_name="__main__")
 """

@@ -8,10 +8,12 @@ import os
 import re
 from pathlib import Path
 
-from core.kernel.ckpt import newest_good, read_metadata
+import torch.distributed as dist
+
+from core.kernel.ckpt import newest_good, read_checkpoint
 from core.kernel.log import RunFolder, open_log, os_error_line, say
-from core.kernel.options import RecipeError, flag
-from core.kernel.pg import Topology, broadcast_object
+from core.kernel.options import RecipeError
+from core.kernel.pg import Topology
 from core.kernel.seams import BEFORE_JOB, ON_OPEN, RESUME_CHECKS, TRAINS_ON
 
 # The options that shape what is trained: a resumed run keeps them, or it would be another run.
@@ -30,12 +32,13 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
             if last.pop("kind") == "summary" and not any(hook(cfg, runs[0], resume) for hook in TRAINS_ON):
                 found = {**last, "already_finished": True}
                 print(f"{runs[0]} already finished at step {last.get('steps')}; nothing to train", flush=True)
-    return broadcast_object(found)
+    dist.broadcast_object_list(box := [found], src=0)  # rank 0's finding, on every rank
+    return box[0]
 
 
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder, refusing a checkpoint that cannot continue in this job; every rank gets it."""
-    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
+    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **vars(cfg)}
     prefix, choice = cfg.name or recipe, None
     resume = cfg.resume or "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")  # torchrun restarted it
     if topo.rank == 0:
@@ -47,14 +50,15 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
                 where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
                 say(None, f"--resume auto: {where} in {cfg.out}; starting a new run")
             if path:
-                check_continues(path, read_metadata(path), config)
+                check_continues(path, read_checkpoint(path, tensors=False)[1], config)
             in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]
             choice = (path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1], path)
             for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json
                 hook(choice[0], config, new=not in_run)
         except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
             choice = os_error_line(err) if isinstance(err, OSError) else str(err)
-    if isinstance(choice := broadcast_object(choice), str):
+    dist.broadcast_object_list(box := [choice], src=0)  # rank 0's choice, on every rank
+    if isinstance(choice := box[0], str):
         raise RecipeError(choice)
     run = RunFolder(*choice, recipe, config, topo.rank == 0)
     open_log(run)
@@ -75,8 +79,9 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     both = [k for k in TRAJECTORY if (k in IMPLIED or k in saved and k in config) and k not in allowed]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
     if differ := [k for k in both if old[k] != new[k]]:
-        changed = ", ".join(f"{flag(k)} {old[k]} -> {new[k]}" for k in differ)
-        fix = [saved.get("recipe", "")] * any(k not in config for k in differ) + [f"{flag(k)} {old[k]}" for k in differ]
+        changed = ", ".join(f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in differ)
+        fix = [saved.get("recipe", "")] * any(k not in config for k in differ)  # an option this recipe lacks
+        fix += [f"--{k.replace('_', '-')} {old[k]}" for k in differ]
         raise RecipeError(f"{path}: other options ({changed}) would train another run; resume with {' '.join(fix)}")
 
 

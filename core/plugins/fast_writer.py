@@ -9,7 +9,7 @@ import struct
 
 import torch
 
-from core.kernel.ckpt import checksum, header_checksum
+from core.kernel.ckpt import checksum
 from core.kernel.seams import WRITERS
 
 
@@ -33,7 +33,7 @@ def write_fast(
         offset += size
     if checksum_of is not None:  # None: no checksums (bench/bench_ckpt.py measures what they cost)
         header["__metadata__"]["checksums"] = json.dumps({key: checksum_of(t) for key, t in tensors.items()})
-        header["__metadata__"]["header_checksum"] = header_checksum(header)
+        header["__metadata__"]["header_checksum"] = checksum(header)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
     _write_all(f, memoryview(struct.pack("<Q", len(encoded)) + encoded))

@@ -11,9 +11,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.kernel.ckpt import verify
+from core.kernel.ckpt import checksum
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.seams import AFTER_BUILD, AFTER_JOB, OPTION_GROUPS
+from core.kernel.seams import AFTER_BUILD, AFTER_JOB, CHECKSUMS, OPTION_GROUPS
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -80,11 +80,25 @@ def read_weights(path: str, *, shapes_only: bool = False) -> dict:
         except (SafetensorError, OSError) as err:
             raise RecipeError(f"--init-from {file}: not a readable safetensors file ({err})") from None
         if "checksums" in meta and not shapes_only:  # written by this project; Hugging Face files carry none
-            verify(file, part, meta, fix="use an undamaged copy of it")
+            check_sums(file, part, meta)
         if "progress" in meta:  # a training checkpoint of this project's: its model/ part is the weights
             part = {k.removeprefix("model/"): v for k, v in part.items() if k.startswith("model/")}
         found |= part
     return found
+
+
+def check_sums(file: Path, tensors: dict, meta: dict[str, str]) -> None:
+    """One RecipeError line naming the header or the tensor of a run's file that does not match its checksum."""
+    with open(file, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    if meta.get("header_checksum") != checksum(header):
+        raise RecipeError(f"{file}: the header does not match its checksum (edited or damaged); use an undamaged copy")
+    sums = json.loads(meta["checksums"])
+    for key, tensor in tensors.items():  # an older format's checksum: its plug-in's (old_checksums)
+        if CHECKSUMS.get(sums.get(key, "").partition(":")[0] + ":", checksum)(tensor) != sums.get(key):
+            raise RecipeError(
+                f"{file}: tensor {key} does not match its checksum (the file is damaged); use an undamaged copy of it"
+            )
 
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:

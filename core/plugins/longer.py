@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from core.kernel.ckpt import list_checkpoints, read_metadata
+from core.kernel.ckpt import read_checkpoint
 from core.kernel.log import write_record
 from core.kernel.options import RecipeError
 from core.kernel.seams import ON_RESUME, RESUME_CHECKS, TRAINS_ON
@@ -19,8 +19,12 @@ LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on fro
 def asks_for_more(cfg, run_dir: Path, resume: str) -> bool:
     """The checkpoint --resume continues was saved with other lengths than this command's."""
     with contextlib.suppress(IndexError, KeyError, RecipeError):  # no checkpoint, or a damaged one: finished as it is
-        path = Path(resume) if resume != "auto" else list_checkpoints(run_dir / "ckpt")[-1]
-        saved = json.loads(read_metadata(path)["config"])
+        path = (
+            Path(resume)
+            if resume != "auto"
+            else sorted((run_dir / "ckpt").glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[-1]
+        )
+        saved = json.loads(read_checkpoint(path, tensors=False)[1]["config"])
         return any(saved[key] != getattr(cfg, key) for key in LENGTH)
     return False
 

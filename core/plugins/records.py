@@ -4,9 +4,9 @@ of a torn last line of metrics.jsonl (a kill mid-write), so that the next record
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from core.kernel.ckpt import atomic_write
 from core.kernel.seams import ON_OPEN
 
 
@@ -21,8 +21,9 @@ def write_config(path: Path, config: dict, *, new: bool) -> None:
     """A new run's RUN/config.json; a resumed run keeps the one it was started with."""
     repair_records(path / "metrics.jsonl")
     if new:
-        text = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
-        atomic_write(path / "config.json", lambda f: f.write(text))
+        tmp = path / f".config.json.tmp-{os.getpid()}"  # written whole, then renamed: never half a file
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path / "config.json")
 
 
 ON_OPEN.append(write_config)

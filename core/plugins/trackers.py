@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.kernel.ckpt import atomic_write, read_metadata
+from core.kernel.ckpt import read_checkpoint
 from core.kernel.options import Options, RecipeError, option
 from core.kernel.seams import BEFORE_JOB, LOG_SINKS, ON_FAIL, OPTION_GROUPS
 
@@ -217,7 +217,9 @@ def _open_wandb(run_dir: Path, *, config: dict, resume_state: dict | None, proje
     run_id = known["wandb_run_id"] if known else secrets.token_hex(4)  # 8 of [0-9a-f], as W&B's own ids are made of
     project = (known or {}).get("wandb_project") or project or os.environ.get("WANDB_PROJECT", "torch-dist-recipes")
     text = json.dumps({"wandb_run_id": run_id, "wandb_project": project}) + "\n"
-    atomic_write(saved, lambda f: f.write(text.encode()))  # before init: a job that dies in it resumes the same id
+    tmp = saved.with_name(f".{saved.name}.tmp-{os.getpid()}")  # written whole, then renamed: never half a file
+    tmp.write_text(text)
+    os.replace(tmp, saved)  # before init: a job that dies in it resumes the same id
     return wandb.init(
         project=project,
         id=run_id,
@@ -237,7 +239,7 @@ def open_logs(cfg, run) -> None:
         return
     step, state = 0, None
     if run.resume_from is not None:
-        step = json.loads(read_metadata(run.resume_from)["progress"])["step"]
+        step = json.loads(read_checkpoint(run.resume_from, tensors=False)[1]["progress"])["step"]
         logged = run.resume_from.parent.parent / WANDB_FILE  # RUN/ckpt/step-N: the W&B run it was logged to
         state = json.loads(logged.read_text()) if logged.is_file() else None
     OPENED["trackers"] = open_trackers(

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.kernel.ckpt import read_metadata
+from core.kernel.ckpt import read_checkpoint
 from core.kernel.log import say
 from core.kernel.options import Options, option
 from core.kernel.pg import Topology
@@ -218,7 +218,7 @@ def start_watch(cfg, run) -> None:
         topo = Topology(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
         watch = Watchdog(run.path, topo, factor=cfg.hang_factor, min_s=cfg.hang_min_s, timeout_s=cfg.timeout_s)
         if run.resume_from is not None:  # the step training continues after: what a hang report names
-            watch.step = json.loads(read_metadata(run.resume_from)["progress"])["step"]
+            watch.step = json.loads(read_checkpoint(run.resume_from, tensors=False)[1]["progress"])["step"]
         WATCH["on"] = watch.start()
 
 
