@@ -108,11 +108,7 @@ def newest_good(run_dir: Path) -> Path | None:
             return read_checkpoint(path) and path
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; ")[0]
-            say(
-                None,
-                f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before",
-                level="WARNING",
-            )
+            say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", "WARNING")
     return None
 
 

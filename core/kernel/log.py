@@ -37,7 +37,7 @@ def open_log(run: RunFolder | None) -> None:
         RUN_LOG["id"] = logger.add(sink, format=LOG_FORMAT, filter=lambda r: "rank" in r["extra"], catch=False)
 
 
-def say(run: RunFolder | None, message: str, *, level: str = "INFO") -> None:
+def say(run: RunFolder | None, message: str, level: str = "INFO") -> None:
     """Rank 0 prints a line (INFO on stdout, the rest on stderr) and logs it (run None: the line of any rank)."""
     if run is None or run.writer:
         print(message, file=sys.stdout if level == "INFO" else sys.stderr, flush=True)
