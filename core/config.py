@@ -20,7 +20,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.kernel.log import close_log, env_int, fail, os_error_line
+from core.dist import env_int
+from core.kernel.log import fail, os_error_line
 from core.kernel.options import Options, RecipeError, option
 
 
@@ -123,7 +124,6 @@ def leave(run) -> None:
     except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
         traceback.print_exc()
         code = fail(f"rank {env_int('RANK', 0)}: {type(err).__name__}: {err}", 1, everyone=False)
-    close_log()  # the run's train.log ends with the process
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

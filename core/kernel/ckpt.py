@@ -15,7 +15,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.kernel.log import RunFolder, say, show, write_record
+from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
 from core.kernel.seams import CHECKSUMS, ON_RESUME, READ_CHECKS, WRITERS
 
@@ -108,7 +108,7 @@ def newest_good(run_dir: Path) -> Path | None:
             return read_checkpoint(path) and path
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; ")[0]
-            show(f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", level="WARNING")
+            say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", "WARNING")
     return None
 
 

@@ -9,7 +9,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-from core.kernel.log import close_log, fail
+from core.kernel.log import fail, os_error_line
 
 
 class RecipeError(Exception):
@@ -70,9 +70,12 @@ def cli_main(main, config: type) -> None:
         code = 0
     except RecipeError as err:
         code = fail(str(err), 1)
-    except Exception as err:  # a bug, the user's own code, a full disk: its traceback, then the line a launcher shows
+    except OSError as err:  # a full disk, a folder that cannot be written: this rank's own
+        code = fail(os_error_line(err), 1, everyone=False)
+    except KeyboardInterrupt:
+        code = fail("interrupted; the checkpoints written stay: --resume auto continues from the newest", 130)
+    except Exception as err:  # a bug, or the user's own code: its traceback, then the line a launcher shows
         traceback.print_exc()
         code = fail(f"{type(err).__name__}: {err}", 1, everyone=False)
-    close_log()  # train.log ends with the process
     sys.stdout.flush()  # stderr is line-buffered
     os._exit(code)  # past the interpreter's teardown, which gloo's threads may abort (pytorch#179291)
