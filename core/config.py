@@ -20,9 +20,17 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.dist import env_int
 from core.kernel.log import fail, os_error_line
 from core.kernel.options import Options, RecipeError, option
+
+
+def env_int(name: str, default: int) -> int | None:
+    """torchrun's RANK, WORLD_SIZE or LOCAL_RANK as a number; None when it is not one of 0 or more (env_number says)."""
+    try:
+        value = int(os.environ.get(name, default))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 class UsageError(RecipeError):

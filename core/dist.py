@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from core.config import env_int
 from core.kernel.options import RecipeError
 
 
@@ -31,15 +32,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def env_int(name: str, default: int) -> int | None:
-    """torchrun's RANK, WORLD_SIZE or LOCAL_RANK as a number; None when it is not one of 0 or more (env_number says)."""
-    try:
-        value = int(os.environ.get(name, default))
-    except ValueError:
-        return None
-    return value if value >= 0 else None
 
 
 def env_number(name: str, default: int) -> int:

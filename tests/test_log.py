@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from core.dist import env_int
+from core.config import env_int
 from core.kernel import log as records  # the log lives in the kernel now
 from core.kernel.log import fail, open_log, os_error_line, say
 from core.plugins.take_back import take_back
