@@ -16,7 +16,7 @@ from torch.utils.data import IterableDataset
 from core.exact_loss import ExactLoss, forward_exact, global_count
 from core.grads import clip_grad_norm
 from core.kernel.loader import make_loader, to_device
-from core.kernel.options import Options, RecipeError, at_least, option
+from core.kernel.options import Options, RecipeError, option
 from core.kernel.seams import STREAMS
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the forward's dtype; weights stay fp32
@@ -25,7 +25,7 @@ AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the 
 @dataclass(frozen=True)
 class Accumulation(Options):
     title = "gradient accumulation and clipping"
-    accum: int = option(1, "micro-batches per optimizer step (accumulation)", **at_least(1))
+    accum: int = option(1, "micro-batches per optimizer step (accumulation)", low=1)
     clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
 
 

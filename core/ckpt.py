@@ -26,7 +26,7 @@ from torch import nn
 from core.ckpt_io import atomic_write, list_checkpoints, read_header, savable, verify
 from core.dist import all_gather_object, broadcast_object
 from core.kernel.ckpt import FORMAT
-from core.kernel.log import say, show
+from core.kernel.log import say
 from core.kernel.options import RecipeError
 from core.plugins.fast_writer import write_fast
 from core.records import RunFolder, write_record
@@ -128,7 +128,7 @@ def newest_good(run_dir: Path) -> Path | None:
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; resume from")[0]
             then = "taking the one before" if path != checkpoints[0] else "it is the oldest"
-            show(f"warning: --resume auto: skipping {path}, damaged ({why}); {then}", level="WARNING")
+            say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); {then}", level="WARNING")
     return None
 
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from core.kernel.ckpt import FORMAT, save_checkpoint, write_tensors
 from core.kernel.log import RunFolder
 from core.kernel.options import Options, RecipeError, option
-from core.kernel.pg import all_gather_object, broadcast_object
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) ->
 def snapshot(run: RunFolder, *, model, optimizer, scheduler, progress: dict) -> tuple[dict, dict]:
     """(tensors, metadata) of the kernel's save_checkpoint, every rank's generators too (a collective)."""
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    rng, optim = all_gather_object(mine), optimizer.state_dict()  # each rank's own generators: bitwise resume
+    rng, optim = [None] * dist.get_world_size(), optimizer.state_dict()
+    dist.all_gather_object(rng, mine)  # each rank's own generators: bitwise resume
     flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
     tensors |= {f"optim/{k}": v for k, v in flat.items() if torch.is_tensor(v)}  # other values go to JSON
@@ -103,7 +104,8 @@ class CheckpointSaver:
                 f"before it are whole: free space or point --out at another disk, then --resume auto"
             )
         if self.background:
-            failed = broadcast_object(failed)
+            dist.broadcast_object_list(box := [failed], src=0)
+            failed = box[0]
         if failed and err is not None and not isinstance(err, OSError):
             raise err  # a bug, not the disk: its traceback (the other ranks get the line)
         if failed:

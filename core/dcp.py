@@ -49,7 +49,7 @@ from core.dcp_folder import (
 )
 from core.dcp_tensors import rng_tensors, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
-from core.kernel.log import say, show
+from core.kernel.log import say
 from core.kernel.options import RecipeError
 from core.records import RunFolder, write_record
 from core.weights import check_model_matches, model_part
@@ -78,7 +78,7 @@ def newest_good(run_dir: Path) -> Path | None:
         if not problems:
             return path
         then = "taking the one before" if path != checkpoints[0] else "it is the oldest"
-        show(f"warning: --resume auto: skipping {path}, damaged ({problems[0]}); {then}", level="WARNING")
+        say(None, f"warning: --resume auto: skipping {path}, damaged ({problems[0]}); {then}", level="WARNING")
     return None
 
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from core.kernel.log import env_int
+from core.config import env_int
 from core.kernel.options import RecipeError
 
 

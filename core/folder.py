@@ -17,10 +17,11 @@ import os
 import re
 from pathlib import Path
 
+from core.config import flag
 from core.dist import Topology, broadcast_object
-from core.kernel.folder import LENGTH, new_run_dir, run_dirs
-from core.kernel.log import keep_lines, open_log, os_error_line, say, show
-from core.kernel.options import RecipeError, flag
+from core.kernel.folder import run_dirs
+from core.kernel.log import open_log, os_error_line, say
+from core.kernel.options import RecipeError
 from core.kernel.seams import BEFORE_JOB
 from core.plugins.lock import remove_stale_temporaries, take_lock
 from core.plugins.records import write_config
@@ -39,11 +40,11 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int, newest, hea
     The folder is a new out/NAME-N, or the resumed checkpoint's; rank 0 checks that the checkpoint can continue in
     this job, takes the folder's lock and writes config.json. `newest(run_dir)`: the newest good checkpoint there;
     `header(path)`: a checkpoint's metadata; `dp`: the data-parallel ranks (default: all)."""
-    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **cfg.to_dict()}
+    config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **vars(cfg)}
     choice, lock = None, None
     if topo.rank == 0:
         try:
-            keep_lines()  # the resume's lines, said before train.log exists, go into it
+            open_log(None)  # the resume's lines, said before train.log exists, go into it
             choice = _take_folder(cfg, config, newest=newest, header=header, dp=dp or topo.world_size)
             lock = choice.pop("lock", None)  # an open file: it stays with rank 0, the others get the folder
         except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
@@ -98,7 +99,7 @@ def asks_longer(run_dir: Path, resume: str, cfg, *, header) -> bool:
     path = max(named, key=lambda p: p.name, default=None) if resume == "auto" else Path(resume)
     try:
         saved = json.loads(header(path)["config"])
-        return any(saved[k] != getattr(cfg, k) for k in LENGTH)
+        return any(saved[k] != getattr(cfg, k) for k in ("epochs", "max_steps"))
     except (KeyError, RecipeError, TypeError, ValueError):  # none (None), or a damaged one
         return False
 
@@ -116,13 +117,13 @@ def _take_folder(cfg, config: dict, *, newest, header, dp: int) -> dict:
         resume_from = newest(runs[-1]) if runs else None
         if resume_from is None:  # not silently a new run
             where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
-            show(f"--resume auto: {where} in {cfg.out}; starting a new run")
+            say(None, f"--resume auto: {where} in {cfg.out}; starting a new run")
     else:
         resume_from = Path(resume) if resume else None
     if resume_from is not None:
         check_continues(resume_from, header(resume_from), config, dp=dp)
     in_run = resume_from is not None and resume_from.resolve().parent.parent in [r.resolve() for r in runs]
-    path = resume_from.parent.parent if in_run else new_run_dir(cfg.out, prefix)
+    path = resume_from.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1]
     found = {"path": path, "resume_from": resume_from}
     found["lock"] = take_lock(path)  # before anything in the folder is touched
     remove_stale_temporaries(path)  # left by a write that a kill interrupted
@@ -150,7 +151,7 @@ def check_continues(path: Path, meta: dict[str, str], config: dict, *, dp: int) 
     saved = json.loads(meta.get("config", "{}"))  # the options that shape training (TRAJECTORY), on both sides
     end = json.loads(meta.get("scheduler") or "{}")  # a checkpoint at its run's end: a larger length trains on
     ended = end.get("last_epoch", 0) >= end.get("T_max", 1)  # (0 steps: no limit)
-    longer = [k for k in LENGTH if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
+    longer = [k for k in ("epochs", "max_steps") if ended and (config[k] or math.inf) >= (saved.get(k) or math.inf)]
     both = [k for k in TRAJECTORY if k in IMPLIED or (k in saved and k in config)]  # ddp's fp32 is a precision too
     both = [k for k in both if k not in longer]
     old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))

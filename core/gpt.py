@@ -1,14 +1,4 @@
-"""A tiny GPT, a character tokenizer and an embedded text corpus (no download).
-
-The model is a plain sequence of blocks, `model.blocks = [Embed, Block x n, Head]`, and its
-forward is `model.blocks(tokens)`. That one shape serves every parallelism here: the
-pipeline cuts `blocks` into contiguous stages, tensor parallelism shards the Linear layers
-inside each Block, and FSDP wraps each block. No dropout, so parallel runs can be compared
-with single-process training number for number.
-
-The corpus is the Python standard library's own source files, read from this interpreter's
-installation, encoded one character per token (ASCII; anything else becomes '?').
-"""
+"""A tiny GPT (model.blocks = [Embed, Block x n, Head], no dropout) and the stdlib's own source as its text."""
 
 from __future__ import annotations
 
@@ -30,31 +20,18 @@ def encode(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
 
 
-def decode(tokens: torch.Tensor) -> str:
-    return bytes(tokens.to(torch.uint8).tolist()).decode("ascii")
-
-
-def corpus(*, max_chars: int = 400_000) -> str:
-    """The source files of the stdlib's CORPUS_MODULES that this Python has, joined (the same text every call)."""
+def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Dataset]:
+    """The `text` data factory: (train, val) windows of the stdlib's sources, each target its input shifted by one."""
     files = [Path(sysconfig.get_paths()["stdlib"]) / f"{name}.py" for name in CORPUS_MODULES]
     parts = [file.read_text(encoding="utf-8") for file in files if file.is_file()]
-    if not parts:  # a Python shipped without sources: fall back to torch's own Python files
+    if not parts:  # a Python shipped without sources: torch's own Python files
         parts = [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]
-    return "\n".join(parts)[:max_chars]
-
-
-def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Dataset]:
-    """The `text` data factory: (train, val) next-character windows over the embedded corpus."""
-    tokens = encode(corpus())
-    split = int(len(tokens) * (1 - val_fraction))
-    return windows(tokens[:split], context), windows(tokens[split:], context)
-
-
-def windows(tokens: torch.Tensor, context: int) -> Dataset:
-    """Non-overlapping windows of `context` tokens, each a sample (input, target): the target is the input shifted
-    by one."""
-    n = (len(tokens) - 1) // context
-    return TensorDataset(tokens[: n * context].view(n, context), tokens[1 : n * context + 1].view(n, context))
+    tokens = encode("\n".join(parts)[:400_000])
+    split, out = int(len(tokens) * (1 - val_fraction)), []
+    for part in (tokens[:split], tokens[split:]):  # non-overlapping windows of `context` tokens
+        n = (len(part) - 1) // context
+        out.append(TensorDataset(part[: n * context].view(n, context), part[1 : n * context + 1].view(n, context)))
+    return out[0], out[1]
 
 
 class Embed(nn.Module):
@@ -138,13 +115,3 @@ class GPT(nn.Module):
 def gpt() -> nn.Module:
     """The `gpt` model factory: 4 blocks, d=64, 4 heads, context 64 (~0.2M parameters)."""
     return GPT()
-
-
-@torch.no_grad()
-def generate(model: nn.Module, prompt: str, *, tokens: int = 100, context: int = 64) -> str:
-    """Greedy continuation of `prompt`, for a look at what a trained model has learnt."""
-    ids = encode(prompt)[None]
-    for _ in range(tokens):
-        logits = model(ids[:, -context:])
-        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return decode(ids[0])

@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from core.kernel.pg import all_gather_object
 from core.kernel.step import split_outputs
 
 BEFORE_PG: list = []  # fn(cfg): before the process group exists: checks, the environment c10d reads (ddp_monitored)
@@ -104,7 +104,8 @@ def breakdown(
         memory = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # resident set; Linux reports KiB
-    ranks = all_gather_object({"steps": timings["steps"], "ms": [timings[p] for p in PHASES], "mem": memory})
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"steps": timings["steps"], "ms": [timings[p] for p in PHASES], "mem": memory})
     per_step = torch.tensor([r["ms"] for r in ranks], dtype=torch.float64) / torch.tensor(
         [[max(r["steps"], 1.0)] for r in ranks], dtype=torch.float64
     )  # (ranks, phases): each rank's mean step

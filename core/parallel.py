@@ -133,7 +133,7 @@ def fsdp_sync(model: nn.Module, *, enabled: bool):
     With enabled=False the backward inside keeps unsharded gradients and adds to them, the reduce-scatter waits for
     the micro-batch run with enabled=True.
 
-        amp.step_amp(model, micro_batches, ..., sync=parallel.fsdp_sync)"""
+        accum.step_amp(model, micro_batches, ..., sync=parallel.fsdp_sync)"""
     model.set_requires_gradient_sync(enabled)
     try:
         yield
@@ -233,7 +233,7 @@ def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device,
 
     Every rank runs as many forwards, a rank whose share ran out repeating its last batch uncounted
     (core.stream.in_step), so unequal shares end without a hang and each sample counts once. `forward`:
-    core.exact_loss.forward_sums."""
+    core.exact_loss.forward_exact."""
     if loader is None:
         return {}
     was_training, tally = model.training, Tally(device)

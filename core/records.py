@@ -7,7 +7,7 @@ Only rank 0 writes or prints; every number it writes has been reduced over the r
 takes, its lock and the checks a resume must pass are core.folder's; checkpoints and metrics need only this.
 A line is printed as it is (progress and the summary on stdout, `warning:` and `error:` on stderr) and handed to
 loguru, whose sink (open_log, rank 0) writes it to train.log; while rank 0 chooses the folder, a sink that keeps the
-lines (keep_lines) holds them for train.log's start. A process logs to one run at a time: _RUN_LOG holds that sink,
+lines (open_log(None)) holds them for train.log's start. A process logs to one run at a time: RUN_LOG holds that sink,
 the one piece of state here, so that the error a run ends with (fail) reaches its log.
 """
 

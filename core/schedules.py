@@ -15,8 +15,7 @@ from torch.utils.data import DataLoader
 
 from core.kernel.loader import make_loader, to_device, total_steps
 from core.kernel.numbers import Tally, summarize
-from core.kernel.options import Options, RecipeError, at_least, option
-from core.kernel.pg import all_gather_object
+from core.kernel.options import Options, RecipeError, option
 from core.kernel.seams import LOSS_CHECKS
 from core.kernel.step import IGNORE, metrics
 from core.pipeline import check_pipeline_model, plan_split
@@ -27,9 +26,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 @dataclass(frozen=True)
 class Pipelining(Options):
     title = "pipeline parallelism"
-    pp: int = option(0, "ranks per pipeline (0: all of them); the rest is data parallel", **at_least(0))
+    pp: int = option(0, "ranks per pipeline (0: all of them); the rest is data parallel")
     schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULES)
-    microbatches: int = option(4, "micro-batches per batch (must divide the batch size)", **at_least(1))
+    microbatches: int = option(4, "micro-batches per batch (must divide the batch size)", low=1)
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class StagePrecision(Options):
 @dataclass(frozen=True)
 class StageAccumulation(Options):
     title = "gradient accumulation and clipping"
-    accum: int = option(1, "micro-batches per optimizer step (accumulation)", **at_least(1))
+    accum: int = option(1, "micro-batches per optimizer step (accumulation)", low=1)
     clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
 
 
@@ -158,7 +157,9 @@ def build_schedule(name: str, stages: list, *, microbatches: int, loss_fn: Token
 def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """Every stage's tensors merged into the whole model's state dict, on every rank (a collective)."""
     mine = {k: v.detach().cpu() for stage in stages for k, v in stage.state_dict().items()}
-    return {k: v for part in all_gather_object(mine) for k, v in part.items()}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device, f
     """val_loss and val_acc where one exists, over the whole validation set, each rank's share counted once.
 
     val_loss: summed over every counted target, divided by their count. Sums on each rank, one all-reduce at the
-    end. `forward`: how a batch's metric sums are taken (core.exact_loss.forward_sums counts as training does)."""
+    end. `forward`: how a batch's metric sums are taken (core.exact_loss.forward_exact counts as training does)."""
     if loader is None:
         return {}
     was_training, tally = model.training, Tally(device)

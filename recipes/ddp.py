@@ -24,7 +24,7 @@ import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a st
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import make_loader, seed_all, set_epoch, to_device, total_steps
+from core.kernel.loader import make_loader, set_epoch, to_device, total_steps
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
@@ -46,7 +46,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size * topo.world_size
 
     # Build. The same seed on every rank gives every replica the same initial weights.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_data(cfg)
     model = build_model(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from)

@@ -31,9 +31,9 @@ from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import seed_all, set_epoch
+from core.kernel.loader import set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, Options, RecipeError, Training, at_least, cli_main, option
+from core.kernel.options import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import evaluate, make_loss
@@ -54,7 +54,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
 
     # Build. The same seed on every rank gives every replica the same initial weights.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_data(cfg)
     model = build_model(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from)
@@ -132,7 +132,7 @@ class DDPOptions(Options):
 class Config(Training, Checkpointing, DDPOptions, Precision, Accumulation, *OPTION_GROUPS):
     """ddp_amp's options, and those of the plug-ins it was joined with: --help lists them."""
 
-    epochs: int = option(10, "passes over the training set", **at_least(0))  # --accum 4: 4x fewer steps an epoch
+    epochs: int = option(10, "passes over the training set")  # --accum 4: 4x fewer steps an epoch
 
     def __post_init__(self):
         super().__post_init__()

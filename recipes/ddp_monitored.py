@@ -28,7 +28,7 @@ from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import load_checkpoint, write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import make_loader, seed_all, set_epoch, to_device, total_steps
+from core.kernel.loader import make_loader, set_epoch, to_device, total_steps
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
@@ -61,7 +61,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # Build. The same seed on every rank gives every replica the same initial weights. The order is torch's:
     # change the plain model, wrap it, register the comm hook, compile the wrapper.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_data(cfg)
     model = build_model(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from, --channels-last, ...)

@@ -20,7 +20,6 @@ gathers the full weights at the end into one safetensors file.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -30,28 +29,19 @@ from torch.distributed.fsdp import fully_shard
 
 import core.attach  # noqa: F401 - the package runs fsdp with its plug-ins; a standalone copy joins those --with names
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
-from core.exact_loss import forward_exact, make_exact_loss
-from core.gpt import gpt, text
-from core.kernel.builtin import build_data, build_model
+from core.exact_loss import make_exact_loss
+from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import seed_all, set_epoch
+from core.kernel.loader import set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, FACTORIES, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import make_loss
+from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import blocks, loss_counts, stream, trackers  # noqa: F401 - fsdp's own plug-ins (--with adds them)
-from core.shard import (
-    BLOCKS,
-    ShardedPrecision,
-    build_mesh,
-    evaluate_sharded,
-    fsdp_policy,
-    fsdp_sync,
-    shard_blocks,
-    whole_model,
-)
+from core.shard import BLOCKS, fsdp_policy, fsdp_sync, shard_blocks
 from core.shard_ckpt import load_sharded, save_sharded
 
 
@@ -61,12 +51,11 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """What is refused before any process starts (the package's pre-check calls it too): --offload without a GPU,
-    --blocks on the model built on the meta device."""
+    """What is refused before any process starts (the pre-check calls it too): --offload with no GPU, a bad --blocks."""
     if cfg.offload and not torch.cuda.is_available():
         raise RecipeError("--offload: there is no GPU, so the shards are in CPU memory already; drop --offload")
     with torch.device("meta"):  # shapes only: no memory
-        model = build_model(cfg)
+        model = build_gpt(cfg)
     for pick in BLOCKS:  # --blocks NAME must name a container of the model
         pick(cfg, model)
 
@@ -87,9 +76,9 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size * topo.world_size * cfg.accum
 
     # Build. The same seed on every rank gives the same weights; fully_shard keeps each rank's slice of them.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
-    train_set, val_set, collate = build_data(cfg)
-    model = build_model(cfg).to(topo.device)
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
+    train_set, val_set, collate = build_text(cfg)
+    model = build_gpt(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its shard
         hook(cfg, model)
     dp_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
@@ -138,26 +127,16 @@ def train(cfg: Config, topo: Topology) -> dict:
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     save_sharded(run, **state, progress=progress, keep=cfg.keep)
         with not_training():  # every forward is a collective: a rank whose share ran out repeats its last, uncounted
-            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_exact)
+            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device)
         log_eval(run, evaluation, step=step, epoch=epoch)
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
-    whole = whole_model(model, lambda: build_model(cfg))
+    whole = whole_model(model, lambda: build_gpt(cfg))
     saved = write_weights(run, whole.state_dict())
     return log_summary(cfg, run, whole, totals, evaluation, steps=step, skipped_steps=skipped, weights=str(saved))
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
-def built_in(kind: str, name: str, make, other):
-    """fsdp's own built-in model or data: taken where --model/--data names it or is no option (a copy without
-    `factories`), else `other`, the factories' (a user's module:function, another built-in name)."""
-    return lambda cfg: make() if other is None or getattr(cfg, kind, name) == name else other(cfg)
-
-
-FACTORIES["model"] = built_in("model", "gpt", gpt, FACTORIES.get("model"))  # the GPT (your model in its place)
-FACTORIES["data"] = built_in("data", "text", text, FACTORIES.get("data"))  # on the embedded text (your data)
-
-
 @dataclass(frozen=True)
 class FSDPOptions(Options):
     title = "fully sharded data parallel"
@@ -165,23 +144,9 @@ class FSDPOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, FSDPOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS):
-    """fsdp's options, and those of the plug-ins it was joined with: --help lists them."""
+class Config(*gpt_defaults([Training, Checkpointing, FSDPOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS])):
+    """fsdp's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
-
-# fsdp's own defaults: the GPT on the embedded text (where --model and --data are options), one epoch at a higher lr
-DEFAULTS = dict(model="gpt", data="text", epochs=1, lr=3e-3)
-Config = dataclasses.make_dataclass(  # noqa: F811 - the same options, with fsdp's defaults
-    "Config",
-    [
-        (f.name, f.type, dataclasses.field(default=DEFAULTS[f.name], metadata=f.metadata))
-        for f in dataclasses.fields(Config)
-        if f.name in DEFAULTS
-    ],
-    bases=(Config,),
-    frozen=True,
-    namespace={"__module__": __name__, "__doc__": Config.__doc__},
-)
 
 if __name__ == "__main__":
     cli_main(main, Config)

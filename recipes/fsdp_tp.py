@@ -15,7 +15,6 @@ checkpoints are sharded and resume at another dp. Rank 0 gathers the full weight
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import warnings
@@ -27,30 +26,21 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import core.attach  # noqa: F401 - the package runs it with its plug-ins; a standalone copy joins those --with names
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
-from core.exact_loss import forward_exact, make_exact_loss
-from core.gpt import gpt, text
-from core.kernel.builtin import build_data, build_model
+from core.exact_loss import make_exact_loss
+from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import seed_all, set_epoch
+from core.kernel.loader import set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, Options, RecipeError, Training, at_least, cli_main, option
+from core.kernel.options import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, FACTORIES, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import make_loss
+from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import blocks, loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins
-from core.shard import (
-    BLOCKS,
-    ShardedPrecision,
-    build_mesh,
-    evaluate_sharded,
-    fsdp_policy,
-    fsdp_sync,
-    shard_blocks,
-    whole_model,
-)
+from core.shard import BLOCKS, fsdp_policy, fsdp_sync, shard_blocks
 from core.shard_ckpt import load_sharded, save_sharded
-from core.tp_plan import check_tp_plan, plan_of, tp_kept
+from core.tp_plan import plan_of, tp_kept
 
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
@@ -59,9 +49,7 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """What is refused before any process starts (the package's pre-check calls it too): a world size that is not a
-    multiple of --tp, and on the model built on the meta device, a plan --tp does not split into whole shards and
-    --blocks."""
+    """What is refused before any process starts (the pre-check calls it too): a bad world size, --tp or --blocks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % cfg.tp:
         raise RecipeError(
@@ -69,8 +57,8 @@ def check(cfg: Config) -> None:
             f"can be built; launch a multiple of {cfg.tp} processes or use --tp {world}"
         )
     with torch.device("meta"):  # shapes only: no memory
-        model = build_model(cfg)
-    check_tp_plan(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
+        model = build_gpt(cfg)
+    plan_of(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
     for pick in BLOCKS:  # --blocks NAME must name a container of the model
         pick(cfg, model)
 
@@ -92,9 +80,9 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size * dims["dp"] * cfg.accum  # a tp group shares one batch
 
     # Build: slice within each tp group first, then shard those slices across the dp groups.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
-    train_set, val_set, collate = build_data(cfg)
-    model = build_model(cfg).to(topo.device)
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
+    train_set, val_set, collate = build_text(cfg)
+    model = build_gpt(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its part
         hook(cfg, model)
     device_mesh = build_mesh(topo, dims)
@@ -108,7 +96,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     fully_shard(model, mesh=dp_mesh, **policy)
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     torch.manual_seed(cfg.seed + dp_rank)  # each dp group its own dropout; a tp group one stream, as DTensor needs
-    my_group = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # a tp group shares its data
+    my_group = Topology(dp_rank, dp, topo.device)  # a tp group shares its data
     # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
     train_loader, val_loader, total = make_loaders(cfg, my_group, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
@@ -150,51 +138,27 @@ def train(cfg: Config, topo: Topology) -> dict:
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     save_sharded(run, **state, progress=progress, keep=cfg.keep)
         with not_training():  # a tp group's ranks count alike, each forward a collective: the means are right
-            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_exact)
+            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device)
         log_eval(run, evaluation, step=step, epoch=epoch)
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
-    whole = whole_model(model, lambda: build_model(cfg))
+    whole = whole_model(model, lambda: build_gpt(cfg))
     saved = write_weights(run, whole.state_dict())
     numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=dp)
     return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
-def built_in(kind: str, name: str, make, other):
-    """fsdp_tp's own built-in model or data: taken where --model/--data names it or is no option (a copy without
-    `factories`), else `other`, the factories' (a user's module:function, another built-in name)."""
-    return lambda cfg: make() if other is None or getattr(cfg, kind, name) == name else other(cfg)
-
-
-FACTORIES["model"] = built_in("model", "gpt", gpt, FACTORIES.get("model"))  # the GPT (your model in its place)
-FACTORIES["data"] = built_in("data", "text", text, FACTORIES.get("data"))  # on the embedded text (your data)
-
-
 @dataclass(frozen=True)
 class MeshOptions(Options):
     title = "2-D parallelism"
-    tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", **at_least(1))
+    tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", low=1)
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, MeshOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS):
-    """fsdp_tp's options, and those of the plug-ins it was joined with: --help lists them."""
+class Config(*gpt_defaults([Training, Checkpointing, MeshOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS])):
+    """fsdp_tp's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
-
-# its own defaults: the GPT on the embedded text (where --model and --data are options), one epoch at a higher lr
-DEFAULTS = dict(model="gpt", data="text", epochs=1, lr=3e-3)
-Config = dataclasses.make_dataclass(  # noqa: F811 - the same options, with its own defaults
-    "Config",
-    [
-        (f.name, f.type, dataclasses.field(default=DEFAULTS[f.name], metadata=f.metadata))
-        for f in dataclasses.fields(Config)
-        if f.name in DEFAULTS
-    ],
-    bases=(Config,),
-    frozen=True,
-    namespace={"__module__": __name__, "__doc__": Config.__doc__},
-)
 
 if __name__ == "__main__":
     cli_main(main, Config)

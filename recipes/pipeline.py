@@ -22,7 +22,6 @@ stages under autocast. Checkpoints are sharded (every rank writes its stages).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import core.attach  # noqa: F401 - the package runs it with every plug-in; a sta
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import seed_all, set_epoch
+from core.kernel.loader import set_epoch
 from core.kernel.log import say
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
@@ -99,7 +98,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # Build: the same weights on every rank, cut into stages; this rank keeps its own (two, looped, for
     # interleaved1f1b), each wrapped in a PipelineStage that sends and receives between neighbouring ranks.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg)
     for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its stages
@@ -118,7 +117,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     schedule = build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = stage_ids[-1] == num_stages - 1
     torch.manual_seed(cfg.seed + dp_rank)  # from here each pipeline draws its own dropout, as one process would
-    my_row = dataclasses.replace(topo, rank=dp_rank, world_size=dp)  # the stages of one pipeline share its batches
+    my_row = Topology(dp_rank, dp, topo.device)  # the stages of one pipeline share its batches
     train_loader, val_loader, total = pipeline_loaders(cfg, my_row, train_set, val_set, collate)
     optimizer = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))

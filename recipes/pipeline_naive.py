@@ -27,7 +27,7 @@ import core.attach  # noqa: F401 - the package runs it with every plug-in; a sta
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import make_loader, seed_all, set_epoch, to_device, total_steps
+from core.kernel.loader import make_loader, set_epoch, to_device, total_steps
 from core.kernel.log import say
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
@@ -86,7 +86,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size  # one process
 
     # Build: the plain model's blocks spread over the GPUs (the CPU alone without them).
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     plain = build_gpt(cfg)
     for hook in AFTER_BUILD:  # the plain model, before its blocks are placed (--init-from)

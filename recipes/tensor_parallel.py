@@ -20,7 +20,6 @@ the shards and the layers the plan leaves whole; checkpoints are sharded (every 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
@@ -30,21 +29,20 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import core.attach  # noqa: F401 - the package runs it with its plug-ins; a standalone copy joins those --with names
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
-from core.exact_loss import forward_exact, make_exact_loss
-from core.gpt import gpt, text
-from core.kernel.builtin import build_data, build_model
+from core.exact_loss import make_exact_loss
+from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import write_weights
 from core.kernel.folder import finished, open_run
-from core.kernel.loader import seed_all, set_epoch
+from core.kernel.loader import set_epoch
 from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
 from core.kernel.options import Checkpointing, Options, Training, cli_main, option
 from core.kernel.pg import Topology, cleanup_pg, init_pg
-from core.kernel.seams import AFTER_BUILD, FACTORIES, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
 from core.kernel.step import make_loss
+from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins (--with)
-from core.shard import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.shard_ckpt import load_sharded, save_sharded
-from core.tp_plan import check_tp_plan, plan_of, tp_kept
+from core.tp_plan import plan_of, tp_kept
 
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
@@ -53,12 +51,10 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """What is refused before any process starts (the package's pre-check calls it too): a plan that the tp size (the
-    world size) does not split into whole shards, on the model built on the meta device."""
+    """What is refused before any process starts (the pre-check calls it too): a plan the world size cannot split."""
     with torch.device("meta"):  # shapes only: no memory
-        model = build_model(cfg)
-    tp = int(os.environ.get("WORLD_SIZE", "1"))
-    check_tp_plan(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # --sequence-parallel: the GPT's plan only
+        model = build_gpt(cfg)
+    plan_of(model, tp=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)  # else a line
 
 
 def main(cfg: Config) -> dict:
@@ -76,9 +72,9 @@ def train(cfg: Config, topo: Topology) -> dict:
     global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
-    seed_all(cfg.seed)  # torch's, Python's and numpy's generators: the same weights and data on every rank
-    train_set, val_set, collate = build_data(cfg)
-    model = build_model(cfg).to(topo.device)
+    torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
+    train_set, val_set, collate = build_text(cfg)
+    model = build_gpt(cfg).to(topo.device)
     for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its slices
         hook(cfg, model)
     device_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
@@ -87,7 +83,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     with tp_kept(model, plan, tp=tp):  # a tied lm_head stays tied
         parallelize_module(model, device_mesh["tp"], plan)
     torch.manual_seed(cfg.seed)  # one group, one stream of dropout: DTensor needs it the same on every rank
-    one_group = dataclasses.replace(topo, rank=0, world_size=1)  # every rank loads the group's whole batch
+    one_group = Topology(0, 1, topo.device)  # every rank loads the group's whole batch
     # A stream (an IterableDataset) is read in order; map-style data by a seeded sampler, the same on every rank.
     train_loader, val_loader, total = make_loaders(cfg, one_group, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each slice on its own rank
@@ -130,27 +126,17 @@ def train(cfg: Config, topo: Topology) -> dict:
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     save_sharded(run, **state, progress=progress, keep=cfg.keep)
         with not_training():  # every rank the same batches, each forward a collective: the means are right
-            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device, forward=forward_exact)
+            evaluation = evaluate_sharded(model, val_loader, loss_fn=loss_fn, device=topo.device)
         log_eval(run, evaluation, step=step, epoch=epoch)
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
-    whole = whole_model(model, lambda: build_model(cfg))
+    whole = whole_model(model, lambda: build_gpt(cfg))
     saved = write_weights(run, whole.state_dict())
     numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp)
     return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
-def built_in(kind: str, name: str, make, other):
-    """tensor_parallel's own built-in model or data: taken where --model/--data names it or is no option (a copy without
-    `factories`), else `other`, the factories' (a user's module:function, another built-in name)."""
-    return lambda cfg: make() if other is None or getattr(cfg, kind, name) == name else other(cfg)
-
-
-FACTORIES["model"] = built_in("model", "gpt", gpt, FACTORIES.get("model"))  # the GPT (your model in its place)
-FACTORIES["data"] = built_in("data", "text", text, FACTORIES.get("data"))  # on the embedded text (your data)
-
-
 @dataclass(frozen=True)
 class TPOptions(Options):
     title = "tensor parallelism"
@@ -158,23 +144,9 @@ class TPOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, TPOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS):
-    """tensor_parallel's options, and those of the plug-ins it was joined with: --help lists them."""
+class Config(*gpt_defaults([Training, Checkpointing, TPOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS])):
+    """tensor_parallel's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
-
-# its own defaults: the GPT on the embedded text (where --model and --data are options), one epoch at a higher lr
-DEFAULTS = dict(model="gpt", data="text", epochs=1, lr=3e-3)
-Config = dataclasses.make_dataclass(  # noqa: F811 - the same options, with its own defaults
-    "Config",
-    [
-        (f.name, f.type, dataclasses.field(default=DEFAULTS[f.name], metadata=f.metadata))
-        for f in dataclasses.fields(Config)
-        if f.name in DEFAULTS
-    ],
-    bases=(Config,),
-    frozen=True,
-    namespace={"__module__": __name__, "__doc__": Config.__doc__},
-)
 
 if __name__ == "__main__":
     cli_main(main, Config)

@@ -23,28 +23,21 @@ import torch.distributed as dist
 
 
 def recording(config):
-    """A builder of `config` (a dataclass) whose instances record which fields are read (`_read`); reads by
-    to_dict() (config.json's dump) do not count."""
+    """A builder of `config` (a dataclass) whose instance records which fields are read (`_read`); vars(cfg), the
+    dump of config.json, reads none, and the checks while it is built do not count. One instance per builder."""
+    read, muted = set(), [True]
 
     class Recording(config):
+        _read = read  # a class attribute: vars(cfg) holds the fields alone
+
         def __getattribute__(self, name):
-            if not object.__getattribute__(self, "_muted"):
-                object.__getattribute__(self, "_read").add(name)
+            if not muted[0]:
+                read.add(name)
             return object.__getattribute__(self, name)
 
-        def to_dict(self):
-            object.__setattr__(self, "_muted", True)
-            try:
-                return super().to_dict()
-            finally:
-                object.__setattr__(self, "_muted", False)
-
     def build(**values):
-        cfg = Recording.__new__(Recording)
-        object.__setattr__(cfg, "_muted", True)
-        object.__setattr__(cfg, "_read", set())
-        config.__init__(cfg, **values)
-        object.__setattr__(cfg, "_muted", False)
+        cfg = Recording(**values)
+        muted[0] = False
         return cfg
 
     return build
@@ -67,16 +60,22 @@ def _exit(code: int = 0):
     raise _Exit(code)
 
 
-def _copy(job: dict) -> list[str]:
-    """The copy's parser, then its main() on a recording Config: the walk rides on the training run. What it never
-    read is returned."""
+def _copy(job: dict) -> None:
+    """The copy's cli_main (its parser, its main and its exit) with main() on a recording Config: the walk rides on
+    the training run. What it never read goes into job["unread"]."""
     copy = runpy.run_path(job["copy"], run_name="standalone_copy")
-    parsed = copy["parse_args"](copy["Config"], job["args"])
-    parsed = parsed[0] if isinstance(parsed, tuple) else parsed  # a generated copy's: (cfg, dry_run)
     fields = set(copy["Config"].__dataclass_fields__)
-    cfg = recording(copy["Config"])(**{f: getattr(parsed, f) for f in fields})
-    copy["main"](cfg)
-    return sorted(fields - cfg._read)
+
+    def main(parsed):
+        cfg = recording(copy["Config"])(**{f: getattr(parsed, f) for f in fields})
+        job["cfg"] = cfg
+        copy["main"](cfg)
+
+    sys.argv = [job["copy"], *job["args"]]
+    try:
+        copy["cli_main"](main, copy["Config"])  # it ends with os._exit: _Exit here
+    finally:
+        job["unread"] = sorted(fields - job["cfg"]._read) if "cfg" in job else None
 
 
 def _say(line: str) -> None:
@@ -101,7 +100,7 @@ def main() -> None:
         os.environ.update(job.get("env", {}))
         try:
             if "copy" in job:
-                unread = _copy(job)
+                _copy(job)
             else:
                 from tools.cli import main as package
 
@@ -120,6 +119,7 @@ def main() -> None:
                     os.environ.pop(key)
                 else:
                     os.environ[key] = value
+        unread = job.get("unread", unread)
         sys.stdout.flush()
         dist.barrier()  # every rank's lines of this job (a pipeline's last stage prints them) come before its end
         if unread is not None and rank == 0:

@@ -86,7 +86,7 @@ def test_tp_and_pipeline_pre_checks_refuse_other_structures_on_meta(build):
     with torch.device("meta"):
         model = build()
     with pytest.raises(RecipeError, match="tensor parallelism needs a plan: .*model.blocks.*use fsdp"):
-        tp_plan.check_tp(model, 2)
+        tp_plan.plan_of(model, tp=2)
     with pytest.raises(RecipeError, match="pipelining needs every parameter in `model.blocks`"):
         pipeline.check_pipeline_model(model)
 
@@ -95,7 +95,7 @@ def test_tp_and_pipeline_pre_checks_refuse_other_structures_on_meta(build):
 def test_pre_checks_accept_the_gpt_on_meta():
     with torch.device("meta"):
         model = GPT()
-    tp_plan.check_tp(model, 2)
+    tp_plan.plan_of(model, tp=2)
     assert len(tp_plan.gpt_tp_plan(model)) == 4 * 6  # q, k, v, proj; fc, proj in each of the 4 blocks
     assert pipeline.check_pipeline_model(model) == 6
 

@@ -13,9 +13,10 @@ from safetensors.torch import load_file
 
 from core import ckpt_async
 from core.ckpt_io import list_checkpoints
+from core.config import UsageError, parse_args
 from core.kernel.ckpt import read_checkpoint, save_checkpoint
 from core.kernel.log import RunFolder
-from core.kernel.options import RecipeError, UsageError, parse_args
+from core.kernel.options import RecipeError
 from core.plugins.lock import HELD
 from helpers import unfinished
 from recipes import ddp_monitored
@@ -231,4 +232,4 @@ def test_recipes_without_async_saves_refuse_the_option_naming_the_one_that_takes
     with pytest.raises(UsageError) as refused:
         parse_args(config, ["--ckpt-async"])
     assert str(_explained(refused.value, name, config)) == f"--ckpt-async: {name} does not take it; ddp_monitored does"
-    assert parse_args(ddp_monitored.Config, ["--ckpt-async"]).ckpt_async is True
+    assert parse_args(ddp_monitored.Config, ["--ckpt-async"])[0].ckpt_async is True

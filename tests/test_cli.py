@@ -161,7 +161,6 @@ BAD_ENV = [
     ({"WORLD_SIZE": "two"}, ["run", "ddp", "--max-steps", "1"], None, "WORLD_SIZE='two'"),
     ({"LOCAL_RANK": "-1"}, ["run", "ddp", "--max-steps", "1"], None, "LOCAL_RANK='-1'"),
     ({"RANK": "abc"}, ["run", "ddp", "--max-steps", "1", "--dry-run"], None, "RANK='abc'"),
-    ({"RANK": "abc"}, ["--max-steps", "1"], REPO / "recipes" / "ddp.py", "RANK='abc'"),  # the recipe as a file
     ({"WORLD_SIZE": "x"}, ["plan", "ddp"], None, "WORLD_SIZE='x'"),
 ]
 
@@ -186,6 +185,7 @@ def commands(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
     for i, (env, args, file, _) in enumerate(BAD_ENV):
         folder = tmp_path_factory.mktemp(f"env{i}")
         case(f"env{i}", [*args, "--out", str(folder)] if args[0] != "plan" else args, folder, file, env)
+    case("file env", ["--max-steps", "1"], None, REPO / "recipes" / "ddp.py", {"RANK": "abc"})  # the recipe as a file
     case("help", ["--help"])
     case("run help", ["run", "ddp", "--help"])
     blocker = tmp_path_factory.mktemp("unwritable") / "a-file"
@@ -219,6 +219,15 @@ def test_a_malformed_rank_variable_is_one_line_naming_it(commands, case):
     proc, folder = commands[f"env{case}"]
     line = _one_error_line(proc)  # the last line, no traceback: also where `fail` reads RANK to print it
     assert BAD_ENV[case][3] in line and "is not an integer" in line, line
+    assert not list(folder.glob("ddp-*")), "nothing is created by a run that never started"
+
+
+def test_a_malformed_rank_variable_stops_a_recipe_file_before_it_writes(commands):
+    """The recipe run as a file (as a copy is) reads torchrun's variables as they are: the package's runner checks
+    them (above); here int() refuses the value, in the run's last line, before anything is written."""
+    proc, folder = commands["file env"]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and line.startswith("error: ValueError: ") and "'abc'" in line, proc.stderr
     assert not list(folder.glob("ddp-*")), "nothing is created by a run that never started"
 
 

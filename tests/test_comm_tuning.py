@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from core.config import UsageError, parse_args
 from core.kernel.builtin import MLP
-from core.kernel.options import RecipeError, UsageError, parse_args
+from core.kernel.options import RecipeError
 from core.loss import Loss
 from core.models import CNN
 from core.plugins import comm_hook, tuning
@@ -115,7 +116,7 @@ def test_bf16_hook_on_gloo_is_one_clear_line():
 
 
 def test_options_are_cli_flags():
-    cfg = parse_args(Config, ["--compile", "--grad-as-bucket-view", "--bucket-mb", "4", "--comm-hook", "fp16"])
+    cfg = parse_args(Config, ["--compile", "--grad-as-bucket-view", "--bucket-mb", "4", "--comm-hook", "fp16"])[0]
     assert cfg.compile is True and cfg.grad_as_bucket_view is True
     assert cfg.static_graph is False and cfg.bucket_mb == 4.0 and cfg.comm_hook == "fp16"
     with pytest.raises(UsageError, match="zstd"):  # the CLI's exit status 2

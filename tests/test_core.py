@@ -14,14 +14,14 @@ from torch.utils.data import TensorDataset
 
 from core.accum import Accumulation
 from core.amp import Precision
-from core.config import Training, parse_args
+from core.config import Training, UsageError, parse_args
 from core.data import build_data, make_loader
 from core.datasets import digits
 from core.dist import Topology
 from core.folder import finished_run
-from core.kernel.folder import new_run_dir, run_dirs
+from core.kernel.folder import run_dirs
 from core.kernel.loader import ResumableSampler
-from core.kernel.options import RecipeError, UsageError
+from core.kernel.options import RecipeError
 from core.models import MODELS, build_model
 from core.plugins.factories import resolve_factory
 from helpers import REPO, user_env
@@ -200,10 +200,10 @@ def test_data_factory_must_return_a_pair(tmp_path, monkeypatch):
 
 
 def test_run_dirs_count_up_and_never_reuse(tmp_path):
-    first, second = new_run_dir(tmp_path, "ddp"), new_run_dir(tmp_path, "ddp")
-    assert (first.name, second.name) == ("ddp-1", "ddp-2")
+    first, second = run_dirs(tmp_path, "ddp", new=True)[-1], run_dirs(tmp_path, "ddp", new=True)
+    assert (first.name, [p.name for p in second]) == ("ddp-1", ["ddp-1", "ddp-2"])  # the new one last
     (tmp_path / "ddp-10").mkdir()
-    assert run_dirs(tmp_path, "ddp")[-1].name == "ddp-10" and new_run_dir(tmp_path, "ddp").name == "ddp-11"
+    assert run_dirs(tmp_path, "ddp")[-1].name == "ddp-10" and run_dirs(tmp_path, "ddp", new=True)[-1].name == "ddp-11"
     assert run_dirs(tmp_path, "fsdp") == [] and run_dirs(tmp_path / "missing", "ddp") == []
 
 
@@ -211,7 +211,7 @@ def test_run_dirs_count_up_and_never_reuse(tmp_path):
 def test_a_run_is_finished_when_its_last_record_is_the_summary(tmp_path):
     """core.folder.finished_run: the summary is written last, so a run whose last whole line is not it (stopped
     before, or torn while writing it) is not finished, whether --resume is auto or one of its checkpoints."""
-    run = new_run_dir(tmp_path, "ddp")
+    run = run_dirs(tmp_path, "ddp", new=True)[-1]
     summary = {"kind": "summary", "steps": 7}
     lines = ['{"kind": "train", "step": 5}', json.dumps(summary)]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")

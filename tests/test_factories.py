@@ -180,24 +180,25 @@ def _shuffled_split():
 
 
 @pytest.mark.fast
-def test_the_seed_makes_a_factory_that_shuffles_with_random_or_numpy_the_same_on_every_rank():
+def test_the_seed_makes_a_factory_that_shuffles_with_random_or_numpy_the_same_on_every_rank(monkeypatch):
     """review4: --seed seeded torch only, so a factory that shuffled with `random` gave each rank another split (a
-    sample trained on one rank was validated on another). Every recipe seeds all three before it builds."""
+    sample trained on one rank was validated on another). Every recipe seeds torch before it builds; the factories
+    plug-in seeds Python's and numpy's generators before it calls a data factory."""
     import ast
+    from types import SimpleNamespace
 
-    from core.kernel.loader import seed_all
+    from core.plugins import factories
     from tools.registry import RECIPES
 
-    seed_all(3)
-    first = _shuffled_split()
-    seed_all(3)
-    assert _shuffled_split() == first  # what every rank builds, each in its own process
-    seed_all(4)
-    assert _shuffled_split() != first
+    monkeypatch.setitem(factories.DATASETS, "shuffled", _shuffled_split)
+    first = factories.data_from_spec(SimpleNamespace(data="shuffled", seed=3))
+    assert (
+        factories.data_from_spec(SimpleNamespace(data="shuffled", seed=3)) == first
+    )  # every rank, each its own process
+    assert factories.data_from_spec(SimpleNamespace(data="shuffled", seed=4)) != first
     for name, recipe in RECIPES.items():
         source = Path(sys.modules[recipe.load().__name__].__file__).read_text()
         calls = [ast.unparse(n.func) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
-        seed = "seed_all"  # every recipe imports the kernel's name
+        seed = "torch.manual_seed"  # cfg.seed, before anything is built
         build = next(call for call in ("build_data", "build_text") if call in calls)  # the GPT recipes: build_text
-        assert seed in calls and "torch.manual_seed" not in calls[: calls.index(seed)], name
-        assert calls.index(seed) < calls.index(build), name
+        assert seed in calls and calls.index(seed) < calls.index(build), name

@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+from loguru import logger
 
+from core.config import env_int
 from core.kernel import log as records  # the log lives in the kernel now
-from core.kernel.log import close_log, fail, open_log, os_error_line, say, show
+from core.kernel.log import fail, open_log, os_error_line, say
 from core.plugins.take_back import take_back
 from core.records import RunFolder, write_record
 
@@ -25,6 +27,13 @@ def run(tmp_path):
     (folder / ".lock").write_text("PID 1\n")
     yield RunFolder(folder, None, "ddp", {}, True)
     close_log()
+
+
+def close_log() -> None:
+    """The end of this process's run log (a run's process ends with it; tests run many)."""
+    if records.RUN_LOG:
+        logger.remove(records.RUN_LOG.pop("id"))
+        records.RUN_LOG.clear()
 
 
 def logged(run: RunFolder) -> list[tuple[str, str, str]]:
@@ -59,11 +68,11 @@ def test_every_line_printed_goes_to_train_log_with_time_level_and_rank(run, caps
 def test_lines_said_while_the_folder_is_chosen_open_train_log_with_their_own_times(run, tmp_path, capsys):
     """--resume auto's lines (a damaged checkpoint passed over, a new run started) come before the folder is known:
     train.log starts with them; lines of an earlier choice, or said after a run ended, are kept for no run."""
-    records.keep_lines()
-    show("said while another run chose its folder, a choice that failed", level="WARNING")
-    records.keep_lines()  # this run's choice
-    show("warning: --resume auto: skipping ckpt/step-000020.safetensors, damaged", level="WARNING")
-    show("--resume auto: no ddp run in runs; starting a new run")
+    open_log(None)
+    say(None, "said while another run chose its folder, a choice that failed", level="WARNING")
+    open_log(None)  # this run's choice
+    say(None, "warning: --resume auto: skipping ckpt/step-000020.safetensors, damaged", level="WARNING")
+    say(None, "--resume auto: no ddp run in runs; starting a new run")
     assert capsys.readouterr().out == "--resume auto: no ddp run in runs; starting a new run\n"  # as before
     open_log(run)
     say(run, "step 1/1 epoch 0 loss 1.0000")
@@ -73,7 +82,7 @@ def test_lines_said_while_the_folder_is_chosen_open_train_log_with_their_own_tim
         "step 1/1 epoch 0 loss 1.0000",
     ]
     close_log()
-    show("said after the run ended", level="WARNING")  # kept for no later run
+    say(None, "said after the run ended", level="WARNING")  # kept for no later run
     other = RunFolder(tmp_path / "ddp-2", None, "ddp", {}, True)
     other.path.mkdir()
     open_log(other)
@@ -92,8 +101,6 @@ def test_a_second_run_in_one_process_logs_to_its_own_folder_only(run, tmp_path):
 
 
 def test_a_users_own_loguru_lines_stay_out_of_train_log(run):
-    from loguru import logger
-
     open_log(run)
     logger.info("the user's own line")
     say(run, "ours")
@@ -138,7 +145,7 @@ def test_fail_says_its_line_when_rank_or_world_size_is_malformed(variable, monke
     monkeypatch.setattr(records.time, "sleep", lambda s: None)
     assert fail("environment variable RANK='abc' is not an integer", 1) == 1
     assert capsys.readouterr().err.strip() == "error: environment variable RANK='abc' is not an integer"
-    assert records.env_int(variable, 0) is None and records.env_int("NOT_SET_HERE", 3) == 3
+    assert env_int(variable, 0) is None and env_int("NOT_SET_HERE", 3) == 3
 
 
 def test_a_refused_run_takes_back_a_folder_that_holds_nothing_but_its_config_lock_and_log(run, tmp_path):
@@ -189,9 +196,9 @@ def test_a_sharded_checkpoint_on_a_full_disk_is_the_ranks_oserror_not_a_checkpoi
     assert isinstance(other, RuntimeError) and "bad" in str(other)
 
 
-def test_show_prints_info_on_stdout_and_the_rest_on_stderr(capsys):
-    show("progress")
-    show("warning: w", level="WARNING")
+def test_say_prints_info_on_stdout_and_the_rest_on_stderr(capsys):
+    say(None, "progress")
+    say(None, "warning: w", level="WARNING")
     assert capsys.readouterr() == ("progress\n", "warning: w\n")
     assert not records.RUN_LOG  # no run: loguru is not touched
 

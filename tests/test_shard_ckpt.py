@@ -106,9 +106,9 @@ def test_fsdp_reshards_two_to_one(world2, world1, tmp_path):
 
 
 def load_only(topo, path: str) -> str:
-    model, optimizer, _ = _build("fsdp", topo.world_size)
+    model, optimizer, scheduler = _build("fsdp", topo.world_size)
     try:
-        load_sharded(_run(Path(path).parent.parent, path), model=model, optimizer=optimizer)
+        load_sharded(_run(Path(path).parent.parent, path), model=model, optimizer=optimizer, scheduler=scheduler)
     except RecipeError as err:
         return str(err)
     return "loaded"
@@ -134,10 +134,11 @@ def test_a_damaged_or_missing_shard_is_refused_on_every_rank_and_passed_over_by_
 
 
 def save_nan(topo, run_dir: str) -> str:
-    model, optimizer, _ = _build("fsdp", topo.world_size)
+    model, optimizer, scheduler = _build("fsdp", topo.world_size)
     with torch.no_grad():
         next(model.parameters()).to_local().fill_(float("nan"))
-    return str(save_sharded(_run(run_dir), model=model, optimizer=optimizer, progress={"step": 0}, keep=2))
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    return str(save_sharded(_run(run_dir), **state, progress={"step": 0}, keep=2))
 
 
 def load_checked(topo, path: str) -> str:
@@ -153,9 +154,11 @@ def test_a_non_finite_weight_is_refused_with_the_checks_plug_in(world2, tmp_path
 
 
 def save_steps(topo, run_dir: str, steps: list[int]) -> list[str]:
-    model, optimizer, _ = _build("tp", topo.world_size)
+    model, optimizer, scheduler = _build("tp", topo.world_size)
     for step in steps:
-        save_sharded(_run(run_dir), model=model, optimizer=optimizer, progress={"step": step}, keep=2)
+        save_sharded(
+            _run(run_dir), model=model, optimizer=optimizer, scheduler=scheduler, progress={"step": step}, keep=2
+        )
     return [p.name for p in list_checkpoints(Path(run_dir) / "ckpt")]
 
 
@@ -176,3 +179,27 @@ def world4():
 def test_fsdp_tp_two_by_two_resume_bitwise(world4, tmp_path):
     for result in world4.run(train_save_resume, "fsdp_tp", str(tmp_path), stop=2, total=4):
         _assert_bitwise(result["never_stopped"], result["resumed"])
+
+
+def save_context(topo, run_dir: str, context: int) -> str:
+    model, optimizer, scheduler = _build("fsdp", topo.world_size, context=context)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    return str(save_sharded(_run(run_dir), **state, progress={"step": 0}, keep=2))
+
+
+def load_context(topo, path: str, context: int) -> str:
+    model, optimizer, scheduler = _build("fsdp", topo.world_size, context=context)
+    try:
+        load_sharded(_run(Path(path).parent.parent, path), model=model, optimizer=optimizer, scheduler=scheduler)
+    except RecipeError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_checkpoint_of_another_shape_under_the_same_model_is_one_line(world2, tmp_path):
+    """A --model whose shapes changed since the save: one line on every rank naming the fix, not DCP's own error."""
+    path = world2.run(save_context, str(tmp_path), test_dcp.CONTEXT)[0]
+    errors = world2.run(load_context, path, 2 * test_dcp.CONTEXT)
+    assert errors[0] == errors[1] and "its tensors do not fit this model" in errors[0], errors
+    assert "\n" not in errors[0] and "use the model it saved, or a new --out" in errors[0]
+    assert world2.run(load_context, path, test_dcp.CONTEXT) == ["loaded", "loaded"]

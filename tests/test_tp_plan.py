@@ -79,7 +79,6 @@ class PlannedModel(nn.Module):
 
 def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
     """The recipes' lines: split the model over a 1-D mesh in place by its own plan (model_plans), else the GPT's."""
-    tp_plan.check_tp_plan(model, tp=mesh.size())
     plan = tp_plan.plan_of(model, tp=mesh.size())
     with tp_plan.tp_kept(model, plan, tp=mesh.size()):
         parallelize_module(model, mesh, plan)
@@ -177,7 +176,7 @@ def test_a_model_without_a_plan_gets_none_and_the_gpt_keeps_its_own():
     with torch.device("meta"):
         gpt = GPT()
     assert model_plans.model_tp_plan(gpt) is None
-    tp_plan.check_tp_plan(gpt, tp=2)  # the built-in GPT's layout, checked by core.tp_plan.check_tp
+    tp_plan.plan_of(gpt, tp=2)  # the built-in GPT's layout, checked by core.tp_plan.plan_of
 
 
 @pytest.mark.fast
@@ -188,11 +187,11 @@ def test_gpt2_is_refused_in_one_line(blocks_exposed):
     if blocks_exposed:  # model.blocks with attn and mlp: the GPT check once died on mlp.fc (GPT-2's is c_fc)
         model.blocks = model.transformer.h
     with pytest.raises(RecipeError) as refused:
-        tp_plan.check_tp_plan(model, tp=2)
+        tp_plan.plan_of(model, tp=2)
     text = str(refused.value)
     assert "\n" not in text and "config.base_model_tp_plan" in text and "fsdp" in text and "GPT2LMHeadModel" in text
     with pytest.raises(RecipeError):  # the GPT layout's own check reads attributes safely too
-        tp_plan.check_tp(model, 2)
+        tp_plan.plan_of(model, tp=2)
 
 
 @pytest.mark.fast
@@ -207,15 +206,15 @@ def test_gpt2_is_refused_in_one_line(blocks_exposed):
 )
 def test_a_tp_size_that_does_not_split_the_plan_is_refused_with_its_numbers(tp, overrides, says):
     with pytest.raises(RecipeError) as refused:
-        tp_plan.check_tp_plan(meta(llama, **overrides), tp=tp)
+        tp_plan.plan_of(meta(llama, **overrides), tp=tp)
     text = str(refused.value)
     assert "\n" not in text and says in text and "every layer in its plan evenly: 1" in text
 
 
 @pytest.mark.fast
 def test_sizes_that_split_the_plan_pass():
-    tp_plan.check_tp_plan(meta(llama, num_key_value_heads=4), tp=4)
-    tp_plan.check_tp_plan(meta(qwen2, tie_word_embeddings=True), tp=2)
+    tp_plan.plan_of(meta(llama, num_key_value_heads=4), tp=4)
+    tp_plan.plan_of(meta(qwen2, tie_word_embeddings=True), tp=2)
 
 
 @pytest.mark.fast
@@ -231,7 +230,7 @@ def test_a_plan_torch_cannot_apply_is_refused_in_one_line(rule, style, says):
     model = meta(llama)
     model.config.base_model_tp_plan = {rule: style}
     with pytest.raises(RecipeError) as refused:
-        tp_plan.check_tp_plan(model, tp=2)
+        tp_plan.plan_of(model, tp=2)
     assert "\n" not in str(refused.value) and says in str(refused.value) and "use fsdp" in str(refused.value)
 
 
@@ -240,7 +239,7 @@ def test_a_tied_weight_split_two_ways_is_refused():
     model = meta(llama, tie_word_embeddings=True)
     model.config.base_model_tp_plan = {"embed_tokens": "embedding_colwise"}  # dims; the head splits the vocab
     with pytest.raises(RecipeError, match="model.embed_tokens and lm_head share one weight") as refused:
-        tp_plan.check_tp_plan(model, tp=2)
+        tp_plan.plan_of(model, tp=2)
     assert "tie_word_embeddings=False" in str(refused.value)
 
 
@@ -248,10 +247,10 @@ def test_a_tied_weight_split_two_ways_is_refused():
 def test_sequence_parallel_is_the_gpts_alone_and_plan_of_picks_the_models_own():
     """--sequence-parallel splits the GPT's residual stream; a model with its own plan is refused in one line."""
     with pytest.raises(RecipeError, match="only the built-in GPT's plan splits the sequence.*drop --sequence-parallel"):
-        tp_plan.check_tp_plan(meta(llama), tp=2, sequence_parallel=True)
+        tp_plan.plan_of(meta(llama), tp=2, sequence_parallel=True)
     with torch.device("meta"):
         gpt = GPT(vocab=32, dim=32, heads=4, layers=2, context=8)
-    tp_plan.check_tp_plan(gpt, tp=2, sequence_parallel=True)
-    assert set(tp_plan.plan_of(gpt, sequence_parallel=True)) == set(tp_plan.gpt_tp_plan(gpt, sequence_parallel=True))
+    plan = tp_plan.plan_of(gpt, tp=2, sequence_parallel=True)
+    assert set(plan) == set(tp_plan.gpt_tp_plan(gpt, sequence_parallel=True))
     own = {k: repr(v) for k, v in model_plans.model_tp_plan(meta(llama)).items()}
-    assert {k: repr(v) for k, v in tp_plan.plan_of(meta(llama)).items()} == own
+    assert {k: repr(v) for k, v in tp_plan.plan_of(meta(llama), tp=2).items()} == own

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.kernel.options import RecipeError, Training, parse_args
+from core.config import parse_args
+from core.kernel.options import RecipeError, Training
 from core.plugins.trackers import (
     OPENED,
     WANDB_FILE,
@@ -102,9 +103,9 @@ class Config(Training, Tracking):
 
 
 def test_a_recipe_takes_the_options_from_its_command_line():
-    cfg = parse_args(Config, ["--log-to", "tensorboard,wandb", "--wandb-project", "mnist"])
+    cfg = parse_args(Config, ["--log-to", "tensorboard,wandb", "--wandb-project", "mnist"])[0]
     assert (cfg.log_to, cfg.wandb_project) == ("tensorboard,wandb", "mnist")
-    assert parse_args(Config, []).log_to == ""  # off unless asked for
+    assert parse_args(Config, [])[0].log_to == ""  # off unless asked for
     with pytest.raises(RecipeError, match="--log-to mlflow: no tracker named 'mlflow'"):
         parse_args(Config, ["--log-to", "mlflow"])
 

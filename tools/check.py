@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -18,11 +19,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core.kernel.loader import seed_all, to_device
+from core.kernel.loader import to_device
 from core.kernel.options import RecipeError
 from core.loss import make_loss
 from core.loss_options import choose_loss
@@ -250,7 +252,9 @@ def without_dropout() -> nn.Module:
 def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, seed: int, nproc: int) -> list[Finding]:
     """Build the model and two batches as the recipe does, and probe them (and, for a recipe that averages its
     replicas' mean losses, targets counted unequally); any failure is one RecipeError line."""
-    seed_all(seed)  # as the recipes seed: a factory that shuffles with random or numpy too
+    random.seed(seed)  # as the recipe and the factories plug-in seed: a factory that shuffles with random or numpy
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     built = check_model(model)
     loss_fn = choose_loss(loss, make_loss(model=built), model=built)  # a bad --loss: one RecipeError line, as below
     found = check_data(data, streams=recipe.streams, recipe=recipe.name)

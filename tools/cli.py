@@ -15,9 +15,9 @@ from pathlib import Path
 
 import click
 
-from core.config import KEPT, parse_args
+from core.config import KEPT, UsageError, leave, parse_args
 from core.kernel.log import fail, os_error_line
-from core.kernel.options import RecipeError, UsageError, leave
+from core.kernel.options import RecipeError
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -78,7 +78,7 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         from tools.plan_report import precheck_memory
 
         precheck_memory(name, cfg, world_size=world_size)
-        click.echo(f"ok: {name} {cfg.to_dict()}")
+        click.echo(f"ok: {name} {vars(cfg)}")
         return
     from tools.join import join
 

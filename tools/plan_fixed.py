@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.kernel.options import UsageError
+from core.config import UsageError
 
 GIB, MIB, KIB = 2**30, 2**20, 2**10
 CONTEXT_GIB = {"lazy": 0.3, "eager": 0.7}  # pytorch/pytorch#86509: 287,047,680 bytes lazy, 666,632,192 eager

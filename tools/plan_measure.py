@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import accum, parallel, schedules, steps
+from core.config import parse_args
 from core.kernel.loader import to_device
-from core.kernel.options import parse_args
 from core.kernel.pg import Topology
 from tools.plan import first_batch, recipe_loss
 from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
@@ -25,7 +25,7 @@ from tools.registry import RECIPES
 def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
     """Two real training steps of recipe `name` with `args` on this rank: the peak of live tensor bytes, and what
     its parameters, gradients and optimizer state hold after them."""
-    cfg = parse_args(RECIPES[name].load().Config, list(args))
+    cfg = parse_args(RECIPES[name].load().Config, list(args))[0]
     torch.manual_seed(cfg.seed)
     if topo.device.type == "cuda":  # the allocator's own peak, from here: bench/gpu_check.sh compares it too
         torch.cuda.empty_cache()

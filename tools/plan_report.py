@@ -12,8 +12,9 @@ import sys
 
 import torch
 
+from core.config import UsageError, parse_args
 from core.dist import env_number
-from core.kernel.options import RecipeError, UsageError, parse_args
+from core.kernel.options import RecipeError
 from tools.plan import Plan, plan_recipe
 from tools.plan_fixed import GIB, Fixed, fixed_terms, gpu_job, over, parse_fixed
 from tools.plan_layout import REPLICAS, mesh_dims
@@ -74,9 +75,9 @@ def alternatives(name: str, cfg, *, world_size: int) -> list[tuple[str, str, obj
         args = ["--model", cfg.model, "--data", cfg.data, "--batch-size", str(cfg.batch_size), "--loss", cfg.loss]
         bf16 = ["--precision", "bf16"] if getattr(cfg, "precision", "fp32") != "fp32" else []
         accum = ["--accum", str(cfg.accum)] if hasattr(cfg, "accum") else []
-        found.append(("fsdp", "fsdp", parse_args(RECIPES["fsdp"].load().Config, [*args, *bf16, *accum]), world_size))
+        found.append(("fsdp", "fsdp", parse_args(RECIPES["fsdp"].load().Config, [*args, *bf16, *accum])[0], world_size))
         if name != "dp":
-            checkpointed = parse_args(RECIPES["ddp_monitored"].load().Config, [*args, "--activation-checkpointing"])
+            checkpointed = parse_args(RECIPES["ddp_monitored"].load().Config, [*args, "--activation-checkpointing"])[0]
             found.append(("ddp_monitored --activation-checkpointing", "ddp_monitored", checkpointed, world_size))
     if name in SHARDED:  # a layout more ranks do not allow (heads, stages) is refused by the recipe's check
         found += [(f"--nproc {world_size * f}", name, cfg, world_size * f) for f in (2, 4)]

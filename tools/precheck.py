@@ -304,7 +304,7 @@ def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run
     global_batch = cfg.batch_size * dp * getattr(cfg, "accum", 1)
-    config = {"recipe": recipe, "world_size": world_size, "global_batch": global_batch, **cfg.to_dict()}
+    config = {"recipe": recipe, "world_size": world_size, "global_batch": global_batch, **vars(cfg)}
     if dcp is None:  # whole, undamaged, and this model, then the header's options
         tensors, meta = ckpt.read_checkpoint(path)
         if "shards" in meta:  # core/shard_ckpt.py's file beside its shards: they are checked by its READ_CHECKS entry

@@ -202,7 +202,7 @@ _BUILT_IN = [
         "recipes.fsdp",
         "FSDP2 `fully_shard` per block, sharded checkpoints, bf16, CPU offload",
         builds_on="ddp_amp",
-        opt_ins=("shard", "shard_ckpt", "accum", "exact_loss", "gpt"),
+        opt_ins=("shard", "mesh", "shard_ckpt", "accum", "exact_loss", "gpt_builtin"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks"),
     ),
     Recipe(
@@ -210,7 +210,7 @@ _BUILT_IN = [
         "recipes.tensor_parallel",
         "column/row splits of each block's Linear layers (DTensor), from the model's own plan",
         builds_on="fsdp",
-        opt_ins=("shard", "shard_ckpt", "tp_plan", "accum", "exact_loss", "gpt"),
+        opt_ins=("mesh", "shard_ckpt", "tp_plan", "accum", "exact_loss", "gpt_builtin"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "model_plans"),
     ),
     Recipe(
@@ -218,7 +218,7 @@ _BUILT_IN = [
         "recipes.fsdp_tp",
         "2-D mesh: tensor parallel within groups of `--tp` ranks, FSDP2 across them",
         builds_on="fsdp",
-        opt_ins=("shard", "shard_ckpt", "tp_plan", "accum", "exact_loss", "gpt"),
+        opt_ins=("shard", "mesh", "shard_ckpt", "tp_plan", "accum", "exact_loss", "gpt_builtin"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "blocks", "model_plans"),
     ),
     Recipe(

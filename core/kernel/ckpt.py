@@ -15,9 +15,8 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.kernel.log import RunFolder, say, show, write_record
+from core.kernel.log import RunFolder, say, write_record
 from core.kernel.options import RecipeError
-from core.kernel.pg import all_gather_object, broadcast_object
 from core.kernel.seams import CHECKSUMS, ON_RESUME, READ_CHECKS, WRITERS
 
 FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
@@ -57,7 +56,8 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler, progress: dict, keep: int) -> Path:
     """RUN/ckpt/step-N.safetensors: the train state, every rank's generators too (a collective); `keep` newest stay."""
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    rng, optim = all_gather_object(mine), optimizer.state_dict()  # each rank's own generators: bitwise resume
+    rng, optim = [None] * dist.get_world_size(), optimizer.state_dict()
+    dist.all_gather_object(rng, mine)  # each rank's own generators: bitwise resume
     flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
     tensors |= {f"optim/{k}": v for k, v in flat.items() if torch.is_tensor(v)}  # other values go to JSON
@@ -108,7 +108,7 @@ def newest_good(run_dir: Path) -> Path | None:
             return read_checkpoint(path) and path
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; ")[0]
-            show(f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", level="WARNING")
+            say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", "WARNING")
     return None
 
 
@@ -120,7 +120,8 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
         payload = read_checkpoint(run.resume_from, model) if run.writer else None
     except RecipeError as err:
         payload = str(err)  # every rank raises it
-    if isinstance(payload := broadcast_object(payload), str):  # our own tensors between our processes, not the file
+    dist.broadcast_object_list(box := [payload], src=0)  # our own tensors between our processes, not the file
+    if isinstance(payload := box[0], str):
         raise RecipeError(payload)
     tensors, meta = payload
     model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})

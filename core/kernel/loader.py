@@ -1,26 +1,17 @@
-"""Data: a loader over each rank's share of a map-style data set, which resumes part-way through an epoch."""
+"""Data: each rank's share of a map-style data set, in a loader that resumes part-way through an epoch."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator, Mapping
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from core.kernel.options import RecipeError
 
 
-def seed_all(seed: int) -> None:
-    """torch's, Python's and numpy's generators from one seed: the same weights and data sets on every rank."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def to_device(batch, device: torch.device):
-    """A batch's tensors (in tuples, lists and dicts, nested) moved to `device`."""
+    """A batch's tensors (in dicts, lists and tuples, nested) on `device`."""
     if isinstance(batch, Mapping):
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, tuple | list):
@@ -46,7 +37,7 @@ class ResumableSampler(DistributedSampler):
 
 
 def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, train: bool = True):
-    """This rank's share (None for None): shuffled by a seeded sampler to train, each sample once to evaluate."""
+    """This rank's share (None for None): shuffled apart from the global RNG (exact resume), or each sample once."""
     if dataset is None:
         return None
     on_gpu = topo.device.type == "cuda"
@@ -54,8 +45,7 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
     if not train:
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)
     sampler = ResumableSampler(dataset, num_replicas=topo.world_size, rank=topo.rank, seed=seed, drop_last=True)
-    generator = torch.Generator().manual_seed(seed)  # leaves the global RNG alone: resume stays exact
-    return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
+    return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
 
 
 def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
@@ -65,9 +55,6 @@ def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
 
 def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
     """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
-    samples, share, world = len(loader.dataset), loader.sampler.num_samples, loader.sampler.num_replicas
-    if share < loader.batch_size:
-        fix = f"use --batch-size {share} or less" if share else f"use fewer than {world} rank(s)"
-        gives = f"the training set ({samples} samples) gives each of {world} rank(s) {share}"
-        raise RecipeError(f"--batch-size {loader.batch_size}: {gives}, not one whole batch; {fix}")
-    return min(epochs * len(loader), max_steps) if max_steps else epochs * len(loader)
+    if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
+        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
+    return min(epochs * len(loader), max_steps or epochs * len(loader))

@@ -29,8 +29,7 @@ class Tally:
 
     def reduce(self) -> dict[str, float]:
         total = torch.stack([self.sums[k] for k in TALLY_KEYS])
-        if dist.get_world_size() > 1:
-            dist.all_reduce(total)
+        dist.all_reduce(total)
         return dict(zip(TALLY_KEYS, total.tolist()))
 
 

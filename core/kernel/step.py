@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,12 +31,10 @@ def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, los
 
 def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
     """1 for a step skipped for its non-finite gradient norm (--on-nonfinite skip); with stop, one line."""
-    if math.isfinite(grad_norm):
-        return 0
-    if on_nonfinite == "stop":  # every rank read the same all-reduced norm: they all stop here
+    if not math.isfinite(grad_norm) and on_nonfinite == "stop":  # every rank read the same all-reduced norm: all stop
         fix = "lower --lr, or pass --on-nonfinite skip"
         raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
-    return 1
+    return int(not math.isfinite(grad_norm))
 
 
 @torch.no_grad()
@@ -87,9 +84,7 @@ class Loss:
 
 def make_loss(cfg, model: nn.Module) -> Loss:
     """The plain `model`'s loss (or --loss's); a transformers decoder that generates shifts its labels."""
-    transformers = sys.modules.get("transformers")  # a torch-only run never imports it
-    causal = transformers is not None and isinstance(model, transformers.PreTrainedModel)
-    loss = Loss(shifts=causal and model.can_generate() and not model.config.is_encoder_decoder)
+    loss = Loss(shifts=getattr(model, "can_generate", bool)() and not model.config.is_encoder_decoder)
     for choose in LOSS_CHOICES:
         loss = choose(cfg, model, loss)
     return loss

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from core.kernel.options import Options, option
-from core.kernel.pg import broadcast_object
 from core.kernel.seams import OPTION_GROUPS
 from core.pipeline import STAGE_WEIGHTS
 
@@ -46,7 +46,8 @@ def timed_weights(cfg, model: nn.Module, train_set) -> list[float] | None:
     if getattr(cfg, "balance", "params") != "time":  # a recipe without the option: its own cut
         return None
     sample = torch.stack([train_set[i][0] for i in range(cfg.batch_size // cfg.microbatches)])
-    return broadcast_object(block_times(model, sample))
+    dist.broadcast_object_list(box := [block_times(model, sample)], src=0)  # rank 0's times, on every rank
+    return box[0]
 
 
 OPTION_GROUPS.append(Balance)

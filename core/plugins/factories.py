@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import importlib
+import random
 from dataclasses import dataclass
 
+import numpy as np
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -60,6 +62,8 @@ def model_from_spec(cfg) -> nn.Module:
 
 
 def data_from_spec(cfg) -> tuple:
+    random.seed(cfg.seed)  # a factory that shuffles with random or numpy: the same split on every rank
+    np.random.seed(cfg.seed)
     found = resolve_factory(cfg.data, DATASETS, option="--data")()
     found = (*found, None)[:3] if isinstance(found, tuple | list) else (found, None, None)
     if isinstance(found[0], IterableDataset) and not STREAMS:  # no length for a sampler; the stream plug-in reads it

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 
 from core.kernel.ckpt import read_checkpoint
-from core.kernel.folder import LENGTH
 from core.kernel.log import write_record
 from core.kernel.options import RecipeError
-from core.kernel.seams import ON_RESUME, TRAINS_ON
+from core.kernel.seams import ON_RESUME, RESUME_CHECKS, TRAINS_ON
+
+LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
 
 
 def asks_for_more(cfg, run_dir: Path, resume: str) -> bool:
@@ -35,5 +37,14 @@ def stretch(run, saved: dict, *, optimizer, scheduler, step: int) -> None:
         write_record(run, {"kind": "extend", "step": step, "old_total": saved["T_max"], "new_total": scheduler.T_max})
 
 
+def may_grow(path: Path, meta: dict[str, str], config: dict) -> list[str]:
+    """The lengths a resume may make larger (0 steps: no limit), when the checkpoint was saved at its run's end."""
+    saved, end = json.loads(meta.get("config", "{}")), json.loads(meta.get("scheduler", "{}"))
+    if end.get("last_epoch", 0) < end.get("T_max", 1):
+        return []
+    return [k for k in LENGTH if (config[k] or math.inf) >= (saved.get(k) or math.inf)]
+
+
 TRAINS_ON.append(asks_for_more)
+RESUME_CHECKS.append(may_grow)
 ON_RESUME.append(stretch)

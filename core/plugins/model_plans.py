@@ -1,8 +1,4 @@
-"""Plug-in `model_plans`: a model's own tensor-parallel plan. A transformers model says which of its layers split by
-output column and which by input row (`config.base_model_tp_plan` under the base model's prefix, and the causal-LM
-class's `_tp_plan` for lm_head); here that becomes {module name: torch ParallelStyle}, a tp size that does not split
-it into whole shards is refused in one line, and around parallelize_module tied weights stay tied and an attention
-that stores its head count sees its rank's share. Without it a copy splits the built-in GPT's layout alone."""
+"""Plug-in `model_plans`: a transformers model's own tensor-parallel plan, checked, applied with its ties kept."""
 
 from __future__ import annotations
 
@@ -53,11 +49,7 @@ def _generic(name: str) -> str:
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, ParallelStyle] | None:
-    """The tensor-parallel plan a transformers model declares, as {module name: ParallelStyle}; None if it has none.
-
-    A rule naming a style torch has no ParallelStyle for here, a parameter rather than a module, or a module
-    other than nn.Linear / nn.Embedding is refused in one RecipeError line; a rule that matches no module is
-    skipped, as transformers skips it (with a warning)."""
+    """A transformers model's own plan as {module name: ParallelStyle}, or None; what torch cannot split: a line."""
     rules = _declared(model)
     if not rules:
         return None
@@ -96,10 +88,7 @@ def _split_dim(style: ParallelStyle, module: nn.Module) -> int:
 
 
 def _head_dim(style: ParallelStyle, module: nn.Module, parent: nn.Module) -> int | None:
-    """The attention's head_dim when the split must keep whole heads, else None.
-
-    That is a Linear in an attention (a module with an int head_dim) whose sharded side is each rank's local slice
-    (a colwise output, a rowwise input)."""
+    """The head_dim of a Linear in an attention whose sharded side is local to each rank (whole heads), else None."""
     head_dim = getattr(parent, "head_dim", None)
     if not isinstance(style, ColwiseParallel | RowwiseParallel):  # the GPT's sequence-parallel styles split no heads
         return None
@@ -175,10 +164,7 @@ def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -
 
 @contextmanager
 def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
-    """Around parallelize_module(model, mesh, plan): tied weights stay tied, head counts become local.
-
-    Weights the model shares (a tied lm_head and embedding) stay one parameter, and an attention that stores its
-    head count sees its rank's share of the heads."""
+    """Around parallelize_module: weights the model shares stay one parameter, stored head counts become local."""
     tied: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):

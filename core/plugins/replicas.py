@@ -4,16 +4,17 @@ summary's replicas_identical; every rank compares)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from core.kernel.ckpt import checksum
-from core.kernel.pg import all_gather_object
 from core.kernel.seams import AFTER_JOB
 
 
 def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:
     """{"replicas_identical": bool}, and when they differ "replicas_differ": which tensors (a collective)."""
     mine = {k: checksum(t) for k, t in tensors.items()}
-    everyone = all_gather_object(mine)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     differ = [k for k in mine if any(other.get(k) != mine[k] for other in everyone)]
     if not differ:
         return {"replicas_identical": True}

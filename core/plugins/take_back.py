@@ -3,7 +3,7 @@ the error again) leaves no new folder holding only its log, which `--resume auto
 
 from __future__ import annotations
 
-from core.kernel.log import RUN_LOG, close_log
+from core.kernel.log import RUN_LOG, open_log
 from core.kernel.seams import ON_FAIL
 
 LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing
@@ -14,7 +14,7 @@ def take_back(*, refused: bool) -> None:
     path = RUN_LOG.get("path")
     if not refused or path is None or not path.is_dir() or {p.name for p in path.iterdir()} - LOG_ONLY:
         return
-    close_log()
+    open_log(None)  # lets go of train.log
     for name in LOG_ONLY:
         (path / name).unlink(missing_ok=True)
     path.rmdir()

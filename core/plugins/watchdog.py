@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from core.kernel.ckpt import read_checkpoint
-from core.kernel.log import show
+from core.kernel.log import say
 from core.kernel.options import Options, option
 from core.kernel.pg import Topology
 from core.kernel.seams import AFTER_JOB, BEFORE_JOB, ON_FAIL, ON_STEP, OPTION_GROUPS, PAUSES
@@ -144,11 +144,11 @@ class Watchdog:
             f.write(json.dumps(info) + "\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)  # C-level: works while the main thread is stuck
-        show(  # rank 0's also in train.log
+        say(  # every rank's; rank 0's also in train.log
+            None,
             f"warning: watchdog: rank {self.topo.rank}: step {self.step + 1} has run {stalled:.0f}s (threshold "
             f"{info['threshold_s']}s); stack in {path}",
             level="WARNING",
-            rank=self.topo.rank,
         )
         self.store.set(f"rank{self.topo.rank}", json.dumps(info))
         if self.topo.rank == 0:
@@ -166,7 +166,7 @@ class Watchdog:
                 infos[r] = json.loads(self.store.get(f"rank{r}"))
                 self.store.delete_key(f"rank{r}")  # read once: a later stall waits for fresh summaries
         report = behind(infos, world_size=self.topo.world_size)
-        show(f"warning: watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt", level="WARNING")
+        say(None, f"warning: watchdog: {report['message']}; stacks in {self.run_dir}/hang-rank*.txt", level="WARNING")
         with open(self.run_dir / "hang-report.json", "w") as f:
             json.dump({**report, "ranks": infos}, f, indent=2)
 

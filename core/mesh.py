@@ -1,0 +1,72 @@
+"""The device mesh, and a model whose every forward is a collective: its precision option, evaluation, whole weights."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from core.exact_loss import forward_exact
+from core.kernel.loader import to_device
+from core.kernel.numbers import Tally, summarize
+from core.kernel.options import Options, RecipeError, option
+
+
+@dataclass(frozen=True)
+class ShardedPrecision(Options):
+    title = "mixed precision"
+    # no fp16: its loss scaler would have to skip a step on every shard alike
+    precision: str = option(
+        "fp32", "compute precision (bf16: fully_shard's MixedPrecisionPolicy, or autocast)", choices=("fp32", "bf16")
+    )
+
+
+def build_mesh(topo, dims: dict[str, int]):
+    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2} (rank = dp_index * tp + tp_index), or one error line."""
+    if (total := math.prod(dims.values())) != topo.world_size or min(dims.values()) < 1:
+        shape = " x ".join(f"{name}={size}" for name, size in dims.items())
+        raise RecipeError(
+            f"a {shape} mesh needs {total} processes but the world size is {topo.world_size}; launch {total} "
+            f"processes (NPROC_PER_NODE) or pick sizes that multiply to {topo.world_size}"
+        )
+    return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+@torch.no_grad()
+def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device) -> dict[str, float]:
+    """Evaluation where a rank whose share ran out repeats its last batch uncounted: all run as many forwards."""
+    if loader is None:
+        return {}
+    tally, batches, last = Tally(device), iter(loader), None
+    model.eval()
+    while True:
+        batch = next(batches, None)
+        last = last if batch is None else batch
+        flags = torch.tensor([batch is not None, last is None], device=device, dtype=torch.int32)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not flags[0]:
+            break
+        if flags[1]:  # a rank with no batch at all takes rank 0's first: every rank sees the flag, all broadcast
+            dist.broadcast_object_list(box := [last], src=0)
+            last = box[0] if last is None else last
+        metrics = forward_exact(model, to_device(last, device), loss_fn)[1]
+        if batch is not None:
+            tally.add(metrics)
+    model.train()
+    if hasattr(model, "reshard"):  # fully_shard keeps the root gathered after a forward with no backward: free it
+        model.reshard()
+    return summarize(tally.reduce(), prefix="val_")
+
+
+def whole_model(model: nn.Module, build) -> nn.Module:
+    """A plain twin given the whole weights one tensor at a time (a collective), each rank its own buffers."""
+    with torch.device("meta"):
+        twin = build()
+    local = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - a DTensor's whole tensor
+    twin.load_state_dict({key: local(t).cpu() for key, t in model.state_dict().items()}, assign=True)
+    return twin
