@@ -20,8 +20,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.kernel.log import fail, os_error_line
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, fail, option, os_error_line
 
 
 def env_int(name: str, default: int) -> int | None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.kernel.step import IGNORE, Loss, forward
+from core.kernel.train import IGNORE, Loss, forward
 
 LOSS_COUNTS: list = []  # fn(model, loss) -> forward(model, batch, loss, norm) -> (loss, its sum, metric sums) or None:
 # a model whose own loss divides its sum by num_items_in_batch (core/exact_loss.py's make_exact_loss; loss_counts)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from core.kernel.step import split_outputs
+from core.kernel.train import split_outputs
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -27,11 +27,9 @@ from core.amp import accum_steps, grad_sync, make_scaler, micro_batch_groups, st
 from core.datasets import digits
 from core.exact_loss import make_exact_loss
 from core.grads import clip_grad_norm
-from core.kernel.ckpt import load_checkpoint, save_checkpoint
-from core.kernel.loader import make_loader
-from core.kernel.log import RunFolder
-from core.kernel.options import RecipeError
-from core.kernel.pg import Topology
+from core.kernel.job import RecipeError, RunFolder
+from core.kernel.store import load_checkpoint, save_checkpoint
+from core.kernel.train import Topology, make_loader
 from core.plugins.loss import ChosenLoss
 from core.steps import step_plain
 from helpers import REPO, in_one_interpreter, recipes_cli, run, user_env

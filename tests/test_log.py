@@ -10,8 +10,8 @@ import pytest
 from loguru import logger
 
 from core.config import env_int
-from core.kernel import log as records  # the log lives in the kernel now
-from core.kernel.log import fail, open_log, os_error_line, say
+from core.kernel import job as records  # the log lives in the kernel now
+from core.kernel.job import fail, open_log, os_error_line, say
 from core.plugins.take_back import take_back
 from core.records import RunFolder, write_record
 

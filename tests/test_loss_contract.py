@@ -19,8 +19,8 @@ import core.plugins.loss  # noqa: F401 - --loss, as the package runs
 import core.plugins.loss_counts  # noqa: F401 - num_items_in_batch, as the package runs
 from core.amp import step_amp
 from core.exact_loss import forward_exact, forward_sums, global_count, make_exact_loss
-from core.kernel.options import RecipeError
-from core.kernel.step import make_loss as kernel_make_loss
+from core.kernel.job import RecipeError
+from core.kernel.train import make_loss as kernel_make_loss
 from core.loss import forward, make_loss, split_outputs
 from core.loss_options import split_any
 from core.meter import Meter
