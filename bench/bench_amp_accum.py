@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from core import accum, amp, dist, models  # noqa: E402
 from core.exact_loss import make_exact_loss  # noqa: E402
-from core.kernel.pg import cleanup_pg
+from core.kernel.train import cleanup_pg
 from core.loss import Loss  # noqa: E402
 
 

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from core.ckpt_async import CheckpointSaver, stage
 from core.ckpt_io import atomic_write, savable
-from core.kernel.ckpt import checksum
+from core.kernel.store import checksum
 from core.plugins.fast_writer import write_fast
 from core.plugins.old_checksums import blocksum64_crc32
 from core.records import RunFolder

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import dist, parallel, schedules, steps  # noqa: E402
 from core.gpt import GPT  # noqa: E402
-from core.kernel.pg import cleanup_pg
+from core.kernel.train import cleanup_pg
 from core.loss import Loss  # noqa: E402
 
 

@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from plan_models import MATRIX  # noqa: E402
 
 from core.config import parse_args  # noqa: E402
-from core.kernel.pg import cleanup_pg  # noqa: E402
+from core.kernel.train import cleanup_pg  # noqa: E402
 from tools.plan import plan_recipe  # noqa: E402
 from tools.plan_measure import measure  # noqa: E402
 from tools.registry import RECIPES  # noqa: E402

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core import dist  # noqa: E402
-from core.kernel.pg import cleanup_pg
+from core.kernel.train import cleanup_pg
 from recipes import ddp_monitored  # noqa: E402  (the tuning options are ddp_monitored's)
 
 # (label, ddp_monitored Config changes); batch sizes where the option has work to do

@@ -15,9 +15,9 @@ from torch.utils.data import IterableDataset
 
 from core.exact_loss import ExactLoss, forward_exact, global_count
 from core.grads import clip_grad_norm
-from core.kernel.loader import make_loader, to_device
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import STREAMS
+from core.kernel.train import make_loader, to_device
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the forward's dtype; weights stay fp32
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.kernel.options import Options, option
+from core.kernel.job import Options, option
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Whether a recorded checksum is a tensor's: XXH3 (core/kernel/ckpt.py's checksum) or the old blocksum64-crc32 (the
+"""Whether a recorded checksum is a tensor's: XXH3 (core/kernel/store.py's checksum) or the old blocksum64-crc32 (the
 old_checksums plug-in), for the checkpoints of the recipes not yet on the kernel.
 
 XXH3-64 (the xxhash package) runs at memory speed (~10 GB/s a core, faster than the old block sums and ~5x
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.kernel.ckpt import checksum
+from core.kernel.store import checksum
 from core.plugins.old_checksums import OLD_PREFIX, blocksum64_crc32
 
 

@@ -25,9 +25,8 @@ from torch import nn
 
 from core.ckpt_io import atomic_write, list_checkpoints, read_header, savable, verify
 from core.dist import all_gather_object, broadcast_object
-from core.kernel.ckpt import FORMAT
-from core.kernel.log import say
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, say
+from core.kernel.store import FORMAT
 from core.plugins.fast_writer import write_fast
 from core.records import RunFolder, write_record
 from core.weights import check_model_matches, model_part
@@ -172,7 +171,7 @@ def train_longer(run: RunFolder, scheduler, total: int) -> None:
     """A finished run trains on to `total` steps: the cosine recomputed over the new total, as a function of the step
     (torchtitan's way). The saved state alone would climb back along the old cosine, and a new T_max alone would
     scale the last rate, 0: each group's rate is set once from the closed form, then the scheduler steps as usual
-    (core.kernel.ckpt.load_checkpoint does the same)."""
+    (core.kernel.store.load_checkpoint does the same)."""
     old, scheduler.T_max = scheduler.T_max, total
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler._get_closed_form_lr()):
         group["lr"] = lr

@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.kernel.ckpt import FORMAT, save_checkpoint, write_tensors
-from core.kernel.log import RunFolder
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, RunFolder, option
+from core.kernel.store import FORMAT, save_checkpoint, write_tensors
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 from core.checksum import checksum_matches
-from core.kernel.ckpt import checksum
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.store import checksum
 
 _NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # optimizer averages of squares
 
 
 def atomic_write(path: Path, write) -> None:
     """Call `write(file)` on a temporary file, fsync, rename it over `path`: readers see the old file or the new one,
-    never half of one (core/kernel/ckpt.py's write_tensors does the same for the kernel's files)."""
+    never half of one (core/kernel/store.py's write_tensors does the same for the kernel's files)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

@@ -3,7 +3,7 @@ PowerSGD) and the bucket options a run takes are the comm_hook plug-in's (core/p
 
 from __future__ import annotations
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 
 def ddp_kwargs(

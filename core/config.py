@@ -20,8 +20,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.kernel.log import fail, os_error_line
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, fail, option, os_error_line
 
 
 def env_int(name: str, default: int) -> int | None:
@@ -122,19 +121,26 @@ def leave(run) -> None:
     """Exit with `run()`'s status (None: 0), past the interpreter's teardown (gloo's threads may abort it,
     pytorch#179291): a user's error as one line, a crash as its traceback and then one line."""
     try:
-        code = run() or 0
-    except RecipeError as err:
-        code = fail(str(err), 2 if isinstance(err, UsageError) else 1)
-    except OSError as err:  # a full disk, a folder that can't be written: this rank's own
-        code = fail(os_error_line(err), 1, everyone=False)
-    except KeyboardInterrupt:
+        try:
+            code = run() or 0
+        except RecipeError as err:
+            code = fail(str(err), 2 if isinstance(err, UsageError) else 1)
+        except OSError as err:  # a full disk, a folder that can't be written: this rank's own
+            code = fail(os_error_line(err), 1, everyone=False)
+        except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
+            if not peer_left(err):  # a collective whose peer has gone: that rank's own line says why
+                traceback.print_exc()
+            code = fail(f"rank {env_int('RANK', 0)}: {type(err).__name__}: {err}", 1, everyone=False)
+    except KeyboardInterrupt:  # Ctrl-C, or torchrun's SIGINT, also one that lands while an error above is said
         code = fail(f"interrupted; {KEPT}", 130)
-    except Exception as err:  # a bug, or the user's own code: its traceback once, then the line a launcher shows
-        traceback.print_exc()
-        code = fail(f"rank {env_int('RANK', 0)}: {type(err).__name__}: {err}", 1, everyone=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 KEPT = "checkpoints already written are kept: --resume auto continues from the newest"  # after a stopped run
+
+
+def peer_left(err: Exception) -> bool:
+    """A collective that failed because another rank's process ended (gloo: the connection closed or reset by it)."""
+    return type(err).__name__ == "DistNetworkError" or any(s in str(err) for s in ("by peer", "Broken pipe"))

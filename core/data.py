@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from core.factory import resolve_factory
-from core.kernel.loader import ResumableSampler
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.train import ResumableSampler
 
 DATASETS = {"digits": "core.datasets:digits", "synthetic": "core.datasets:synthetic", "text": "core.gpt:text"}
 

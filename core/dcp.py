@@ -49,8 +49,7 @@ from core.dcp_folder import (
 )
 from core.dcp_tensors import rng_tensors, train_tensors, untied, whole_shapes
 from core.dist import all_gather_object
-from core.kernel.log import say
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, say
 from core.records import RunFolder, write_record
 from core.weights import check_model_matches, model_part
 

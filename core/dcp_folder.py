@@ -20,8 +20,8 @@ from safetensors import safe_open
 
 from core.checksum import checksum_matches
 from core.ckpt_io import atomic_write
-from core.kernel.ckpt import checksum
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.store import checksum
 
 FORMAT = "torch-dist-recipes/dcp/2"  # /2: the optimizer state flattened by parameter name, as torch flattens it
 DONE = "checkpoint.json"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from core.config import env_int
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 
 @dataclass(frozen=True)

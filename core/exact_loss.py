@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.kernel.step import IGNORE, Loss, forward
+from core.kernel.train import IGNORE, Loss, forward
 
 LOSS_COUNTS: list = []  # fn(model, loss) -> a `counted` forward for a model whose loss takes num_items_in_batch
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 
 def resolve_factory(spec: str, builtins: dict[str, Callable | str], *, option: str) -> Callable:

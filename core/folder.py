@@ -19,10 +19,9 @@ from pathlib import Path
 
 from core.config import flag
 from core.dist import Topology, broadcast_object
-from core.kernel.folder import run_dirs
-from core.kernel.log import open_log, os_error_line, say
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, open_log, os_error_line, say
 from core.kernel.seams import BEFORE_JOB
+from core.kernel.store import run_dirs
 from core.plugins.lock import remove_stale_temporaries, take_lock
 from core.plugins.records import write_config
 from core.records import RunFolder

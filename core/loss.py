@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.plugins import loss_counts  # noqa: F401 - the recipes not on the kernel yet: num_items_in_batch as before
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers

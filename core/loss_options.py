@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from core.factory import resolve_factory
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.loss import TARGETS, Loss, cross_entropy, split_outputs
 
 CHOICES = ("auto", "ce", "mse", "model")  # and module:function

@@ -11,9 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from core.exact_loss import forward_exact
-from core.kernel.loader import to_device
-from core.kernel.numbers import Tally, summarize
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
+from core.kernel.train import Tally, summarize, to_device
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from core.dist import reduce_sum
-from core.kernel.log import say
+from core.kernel.job import say
 from core.records import RunFolder, write_record
 
 # Fixed keys, so that every rank (one that saw no batch too) joins one all-reduce of the same shape. `scored`:

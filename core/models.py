@@ -11,7 +11,7 @@ from torch import nn
 
 from core.factory import resolve_factory
 from core.kernel.builtin import MLP
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 
 class CNN(nn.Module):

@@ -31,8 +31,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from core.kernel.loader import to_device
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
+from core.kernel.train import to_device
 from core.meter import Tally, summarize
 from core.stream import in_step
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 STAGE_WEIGHTS: list = []  # fn(cfg, model, train_set) -> each block's weight for the pipeline's cut, or None (--balance)
 

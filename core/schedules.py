@@ -13,11 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from core.kernel.loader import make_loader, to_device, total_steps
-from core.kernel.numbers import Tally, summarize
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import LOSS_CHECKS
-from core.kernel.step import IGNORE, metrics
+from core.kernel.train import IGNORE, Tally, make_loader, metrics, summarize, to_device, total_steps
 from core.pipeline import check_pipeline_model, plan_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")

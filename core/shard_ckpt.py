@@ -12,10 +12,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from core.kernel.ckpt import FORMAT, START, checksum, read_checkpoint, write_tensors
-from core.kernel.log import RunFolder, say, write_record
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, RunFolder, say, write_record
 from core.kernel.seams import ON_RESUME, READ_CHECKS
+from core.kernel.store import FORMAT, START, checksum, read_checkpoint, write_tensors
 
 
 def flat_state(model, optimizer) -> tuple[dict, dict, dict]:

@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from core.kernel.loader import to_device
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.train import to_device
 from core.loss import Loss, forward
 from core.meter import Tally, summarize
 

@@ -22,7 +22,7 @@ import torch.distributed as torch_dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from core.dist import Topology, broadcast_object
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 
 class StreamShard(IterableDataset):

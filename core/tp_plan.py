@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 TP_PLANS: list = []  # fn(model, *, tp) -> a model's own tensor-parallel plan or None (model_plans)
 AROUND_TP: list = []  # fn(model, plan, *, tp) -> a context manager around parallelize_module (model_plans)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 
 
 @dataclass(frozen=True)

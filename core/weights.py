@@ -1,4 +1,4 @@
-"""The final weights of the recipes not yet on the kernel (core/kernel/ckpt.py writes ddp's; --init-from is the
+"""The final weights of the recipes not yet on the kernel (core/kernel/store.py writes ddp's; --init-from is the
 init_from plug-in's):
 
     weights.write_weights(run, model.state_dict())  # rank 0: RUN/model.safetensors
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from core.ckpt_io import atomic_write, savable
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.plugins.fast_writer import write_fast
 from core.records import RunFolder
 

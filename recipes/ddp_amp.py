@@ -29,14 +29,22 @@ from core.accum import Accumulation, check_step, make_loaders, micro_batch_group
 from core.amp import Precision, grad_sync
 from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
-from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
-from core.kernel.folder import finished, open_run
-from core.kernel.loader import set_epoch
-from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, Options, RecipeError, Training, cli_main, option
-from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
-from core.kernel.step import evaluate, make_loss
+from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
+from core.kernel.train import (
+    Tally,
+    Topology,
+    cleanup_pg,
+    evaluate,
+    init_pg,
+    log_eval,
+    log_summary,
+    log_train,
+    make_loss,
+    not_training,
+    set_epoch,
+)
 from core.plugins import loss_counts, stream, trackers  # noqa: F401 - its own plug-ins (tools/registry.py)
 
 

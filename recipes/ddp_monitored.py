@@ -26,14 +26,27 @@ from torch.nn.parallel import DistributedDataParallel
 import core.attach  # noqa: F401 - the package runs ddp_monitored with every plug-in; a copy joins its --with ones
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.kernel.builtin import build_data, build_model
-from core.kernel.ckpt import load_checkpoint, write_weights
-from core.kernel.folder import finished, open_run
-from core.kernel.loader import make_loader, set_epoch, to_device, total_steps
-from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, Options, Training, cli_main, option
-from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
-from core.kernel.step import check_finite, evaluate, make_loss, step_plain
+from core.kernel.store import finished, load_checkpoint, open_run, write_weights
+from core.kernel.train import (
+    Tally,
+    Topology,
+    check_finite,
+    cleanup_pg,
+    evaluate,
+    init_pg,
+    log_eval,
+    log_summary,
+    log_train,
+    make_loader,
+    make_loss,
+    not_training,
+    set_epoch,
+    step_plain,
+    to_device,
+    total_steps,
+)
 from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, flops_per_sample, peak_flops
 from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa: F401 - its own (tools/registry.py)
 

@@ -32,15 +32,21 @@ from torch.distributed.pipelining import PipelineStage
 
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
-from core.kernel.ckpt import write_weights
-from core.kernel.folder import finished, open_run
-from core.kernel.loader import set_epoch
-from core.kernel.log import say
-from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
-from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
-from core.kernel.step import check_finite
+from core.kernel.store import finished, open_run, write_weights
+from core.kernel.train import (
+    Tally,
+    Topology,
+    check_finite,
+    cleanup_pg,
+    init_pg,
+    log_eval,
+    log_summary,
+    log_train,
+    not_training,
+    set_epoch,
+)
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
 from core.schedules import (

@@ -25,15 +25,27 @@ from torch import nn
 
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
-from core.kernel.ckpt import load_checkpoint, save_checkpoint, write_weights
-from core.kernel.folder import finished, open_run
-from core.kernel.loader import make_loader, set_epoch, to_device, total_steps
-from core.kernel.log import say
-from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, RecipeError, Training, cli_main
-from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
-from core.kernel.step import check_finite, evaluate, make_loss, step_plain
+from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
+from core.kernel.train import (
+    Tally,
+    Topology,
+    check_finite,
+    cleanup_pg,
+    evaluate,
+    init_pg,
+    log_eval,
+    log_summary,
+    log_train,
+    make_loader,
+    make_loss,
+    not_training,
+    set_epoch,
+    step_plain,
+    to_device,
+    total_steps,
+)
 from core.pipeline import check_pipeline_model, plan_split
 
 

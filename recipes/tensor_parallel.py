@@ -31,14 +31,21 @@ import core.attach  # noqa: F401 - the package runs it with its plug-ins; a stan
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
 from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
-from core.kernel.ckpt import write_weights
-from core.kernel.folder import finished, open_run
-from core.kernel.loader import set_epoch
-from core.kernel.numbers import Tally, log_eval, log_summary, log_train, not_training
-from core.kernel.options import Checkpointing, Options, Training, cli_main, option
-from core.kernel.pg import Topology, cleanup_pg, init_pg
+from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
-from core.kernel.step import make_loss
+from core.kernel.store import finished, open_run, write_weights
+from core.kernel.train import (
+    Tally,
+    Topology,
+    cleanup_pg,
+    init_pg,
+    log_eval,
+    log_summary,
+    log_train,
+    make_loss,
+    not_training,
+    set_epoch,
+)
 from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins (--with)
 from core.shard_ckpt import load_sharded, save_sharded

@@ -29,10 +29,9 @@ from core.amp import grad_sync
 from core.datasets import digits
 from core.exact_loss import make_exact_loss
 from core.grads import clip_grad_norm
-from core.kernel.ckpt import load_checkpoint, save_checkpoint
-from core.kernel.log import RunFolder
-from core.kernel.options import RecipeError
-from core.kernel.pg import Topology
+from core.kernel.job import RecipeError, RunFolder
+from core.kernel.store import load_checkpoint, save_checkpoint
+from core.kernel.train import Topology
 from core.plugins.loss import ChosenLoss
 from core.schedules import clip_over_stages
 from core.steps import step_plain

@@ -11,7 +11,7 @@ from torch import nn
 from core import comm, parallel, pipeline, shard, tp_plan, tuning
 from core.gpt import GPT
 from core.kernel.builtin import MLP
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.plugins import blocks
 from core.plugins.replicas import replicas_report
 from world import GlooWorld

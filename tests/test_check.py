@@ -23,7 +23,7 @@ from torch import nn
 
 import check_user
 from core.data import build_data
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.models import build_model
 from helpers import REPO, recipes_cli, run, torchrun, user_env
 from tools import probes

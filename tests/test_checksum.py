@@ -16,8 +16,8 @@ from safetensors import safe_open
 from core import ckpt
 from core.checksum import _bytes, checksum_matches
 from core.ckpt_io import atomic_write, read_header
-from core.kernel.ckpt import checksum
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.store import checksum
 from core.plugins.fast_writer import write_fast
 from core.plugins.old_checksums import blocksum64_crc32
 from core.records import RunFolder

@@ -14,9 +14,8 @@ from safetensors.torch import load_file
 from core import ckpt_async
 from core.ckpt_io import list_checkpoints
 from core.config import UsageError, parse_args
-from core.kernel.ckpt import read_checkpoint, save_checkpoint
-from core.kernel.log import RunFolder
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, RunFolder
+from core.kernel.store import read_checkpoint, save_checkpoint
 from core.plugins.lock import HELD
 from helpers import unfinished
 from recipes import ddp_monitored

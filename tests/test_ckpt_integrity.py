@@ -12,8 +12,8 @@ from torch.utils.data import DistributedSampler
 from core import ckpt
 from core.ckpt_io import read_header
 from core.folder import check_continues
-from core.kernel.ckpt import checksum
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.store import checksum
 from core.plugins.lock import remove_stale_temporaries
 from core.records import RunFolder
 from tiny import TiedMLP

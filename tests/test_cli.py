@@ -382,7 +382,7 @@ def test_third_party_plug_in_joins_through_its_entry_point_group(tmp_path):
     (tmp_path / "my_plugin.py").write_text(
         '"""my_plugin: a greeting after the job."""\n'
         "from dataclasses import dataclass\n\n"
-        "from core.kernel.options import Options, option\n"
+        "from core.kernel.job import Options, option\n"
         "from core.kernel.seams import AFTER_JOB, OPTION_GROUPS\n"
         "from tools.registry import Plugin\n\n"
         "PLUGIN = Plugin('greeting', 'my_plugin', 'a greeting in the summary')\n\n\n"

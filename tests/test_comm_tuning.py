@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.config import UsageError, parse_args
 from core.kernel.builtin import MLP
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.loss import Loss
 from core.models import CNN
 from core.plugins import comm_hook, tuning

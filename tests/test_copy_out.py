@@ -153,7 +153,7 @@ def test_merged_imports_keep_each_name_once_and_drop_the_package():
             "from __future__ import annotations",
             "import os",
             "from torch import nn",
-            "from core.kernel.log import say",
+            "from core.kernel.job import say",
             "import os",
             "from torch import Tensor, nn",
             "from collections.abc import (\n    Callable,\n    Mapping,\n)",

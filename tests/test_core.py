@@ -19,9 +19,9 @@ from core.data import build_data, make_loader
 from core.datasets import digits
 from core.dist import Topology
 from core.folder import finished_run
-from core.kernel.folder import run_dirs
-from core.kernel.loader import ResumableSampler
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.store import run_dirs
+from core.kernel.train import ResumableSampler
 from core.models import MODELS, build_model
 from core.plugins.factories import resolve_factory
 from helpers import REPO, user_env

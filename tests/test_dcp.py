@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from core import dcp, dcp_folder, parallel
 from core.gpt import GPT
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.records import RunFolder
 from core.schedules import Stage, root_module
 from world import GlooWorld

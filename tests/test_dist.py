@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from core import dist as cdist
-from core.kernel.options import RecipeError
-from core.kernel.pg import cleanup_pg
+from core.kernel.job import RecipeError
+from core.kernel.train import cleanup_pg
 
 
 def _as_torchrun(rank: int, world_size: int, port: int) -> None:

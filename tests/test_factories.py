@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.data import build_data
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.models import build_model
 from tools.precheck import check_data, check_model
 

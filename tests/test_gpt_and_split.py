@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from core import gpt, schedules, steps
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.loss import make_loss
 from core.pipeline import plan_split
 from core.plugins.balance import block_times

@@ -4,14 +4,16 @@ the line a failed write gives (issue 28 item 5, issue 27 item 7). In-process: no
 import errno
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from loguru import logger
 
 from core.config import env_int
-from core.kernel import log as records  # the log lives in the kernel now
-from core.kernel.log import fail, open_log, os_error_line, say
+from core.kernel import job as records  # the log lives in the kernel now
+from core.kernel.job import fail, open_log, os_error_line, say
 from core.plugins.take_back import take_back
 from core.records import RunFolder, write_record
 
@@ -210,3 +212,31 @@ def test_the_log_format_is_loguru_s(run):
     level, rank, message = logged(run)[0]
     assert (level, rank, message) == ("INFO", "0", "x") and "{extra[rank]}" in records.LOG_FORMAT
     assert Path(run.path / "train.log").stat().st_mode & 0o777 == (run.path / "config.json").stat().st_mode & 0o777
+
+
+LEAVE = """
+import os, signal, sys
+from core.config import leave
+def peer_gone():
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+def interrupted_while_saying():
+    try:
+        peer_gone()
+    except RuntimeError:
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun's SIGINT, landing while the error is being said
+        raise
+leave({"peer": peer_gone, "both": interrupted_while_saying}[sys.argv[1]])
+"""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("case", ["peer", "both"])
+def test_a_collective_whose_peer_left_and_a_ctrl_c_inside_the_error_path_are_one_line_without_a_traceback(case):
+    """A rank in a collective when its peer exits (a SIGINT to the job ends rank 0 first) says one line, no
+    traceback; a KeyboardInterrupt that lands while an error is said is the interrupted line, status 130."""
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-c", LEAVE, case], capture_output=True, text=True, env=env, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1: "), proc.stderr
+    assert proc.returncode == 1 if case == "peer" else (proc.returncode == 130 and "interrupted" in lines[0])

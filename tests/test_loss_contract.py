@@ -20,8 +20,8 @@ import core.plugins.loss_counts  # noqa: F401 - num_items_in_batch, as the packa
 from core.accum import step_amp
 from core.amp import grad_sync
 from core.exact_loss import forward_exact, global_count, make_exact_loss
-from core.kernel.options import RecipeError
-from core.kernel.step import make_loss as kernel_make_loss
+from core.kernel.job import RecipeError
+from core.kernel.train import make_loss as kernel_make_loss
 from core.loss import forward, make_loss, split_outputs
 from core.loss_options import split_any
 from core.meter import Meter

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from core import accum, amp, data, grads, models, steps
 from core.exact_loss import forward_exact, global_count, make_exact_loss
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.loss import Loss, make_loss
 from helpers import unfinished
 from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng
@@ -281,7 +281,7 @@ def refused_resume(topo, name: str, cfg) -> str:
 def test_a_missing_shard_is_skipped_by_auto_and_named_for_a_path(world2, tmp_path, monkeypatch, capsys):
     """Issue 20.8: step 2 loses a shard file. --resume auto warns and continues from step 1, to the weights of the
     run that never stopped; --resume step-2 is one line naming the file, before launch and in the run itself."""
-    from core.kernel.ckpt import newest_good
+    from core.kernel.store import newest_good
 
     cfg = config("fsdp", out=str(tmp_path), max_steps=2, ckpt_every=1, keep=5)
     finished = world2.run(run_recipe, "fsdp", cfg)[0]

@@ -16,8 +16,8 @@ import pytest
 from copy_jobs import recording
 
 from core.config import UsageError, parse_args
-from core.kernel.options import RecipeError
-from core.kernel.pg import cleanup_pg
+from core.kernel.job import RecipeError
+from core.kernel.train import cleanup_pg
 from helpers import in_one_interpreter, recipe_params, waiting
 from tools.registry import RECIPES, takers
 

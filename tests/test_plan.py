@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from plan_models import MATRIX
 
 from core.config import parse_args
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from tools.cli import run_cli
 from tools.plan import plan_recipe
 from tools.plan_measure import measure

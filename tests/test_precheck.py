@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from helpers import REPO, in_one_interpreter, run, user_env
 from tools.precheck import precheck
 from tools.registry import RECIPES

@@ -391,7 +391,7 @@ def test_a_model_with_a_child_named_module_and_namedtuple_samples_train_and_save
 RACE = """
 import sys, time
 from pathlib import Path
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.plugins.lock import take_lock
 start, folder = float(sys.argv[1]), Path(sys.argv[2])
 time.sleep(max(start - time.time(), 0))  # every contender goes at the same instant
@@ -408,7 +408,7 @@ def _contend(folder, contenders: int) -> list[str]:
     """`contenders` threads take the folder's lock at the same instant (each its own open file, as jobs have)."""
     import threading
 
-    from core.kernel.options import RecipeError
+    from core.kernel.job import RecipeError
     from core.plugins.lock import take_lock
 
     barrier, said, held = threading.Barrier(contenders), [], []
@@ -466,7 +466,7 @@ def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(t
 
 KILLED_SAVE = """
 import os, signal, sys
-from core.kernel import ckpt  # ddp's checkpoints: the kernel's, written by the fast_writer plug-in
+from core.kernel import store  # ddp's checkpoints: the kernel's, written by the fast_writer plug-in
 from core.plugins import fast_writer
 point, at_step = sys.argv[1], int(sys.argv[2])
 sys.argv[1:3] = []

@@ -14,9 +14,8 @@ import torch
 from test_dcp import GLOBAL_BATCH, _assert_bitwise, _build, _full, _root, _shares, _step
 
 from core.ckpt_io import list_checkpoints
-from core.kernel.ckpt import newest_good, read_checkpoint
-from core.kernel.log import RunFolder
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, RunFolder
+from core.kernel.store import newest_good, read_checkpoint
 from core.shard_ckpt import load_sharded, save_sharded
 from world import GlooWorld
 

@@ -502,12 +502,12 @@ def test_with_names_the_valid_features_in_one_line(tmp_path):
 
 @pytest.mark.fast
 def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bit(tmp_path, monkeypatch):
-    """A lean copy writes with safetensors' own writer (core.kernel.ckpt.write_tensors with no WRITERS), the package
+    """A lean copy writes with safetensors' own writer (core.kernel.store.write_tensors with no WRITERS), the package
     with its own (the fast_writer plug-in): the same checksums, verified by the same reader; one flipped bit is
     refused naming the tensor."""
     from core.ckpt_io import read_header, verify
-    from core.kernel import ckpt
-    from core.kernel.options import RecipeError
+    from core.kernel import store as ckpt
+    from core.kernel.job import RecipeError
     from core.plugins.fast_writer import write_fast
 
     tensors = {
@@ -623,7 +623,7 @@ def test_a_ddp_amp_copy_without_loss_counts_takes_the_models_own_loss_as_a_mean_
 
     import core.plugins.loss_counts  # noqa: F401 - as the package runs ddp_amp
     from core.exact_loss import make_exact_loss
-    from core.kernel.step import make_loss
+    from core.kernel.train import make_loss
 
     class Counts(torch.nn.Module):  # a user model that divides its own summed loss by num_items_in_batch
         def forward(self, x, targets=None, num_items_in_batch=None):
@@ -665,7 +665,7 @@ def test_cp_says_the_copys_size_and_tools_copies_says_where_its_code_lines_come_
     text = (project / "project" / "ddp.py").read_text()
     parts = breakdown(text)
     assert sum(parts.values()) == copy_size(text)[1]
-    assert {"header and imports", "the recipe", "core/kernel/ckpt.py", "core/kernel/step.py"} <= set(parts)
+    assert {"header and imports", "the recipe", "core/kernel/store.py", "core/kernel/train.py"} <= set(parts)
     out = CliRunner().invoke(cli, ["cp", "ddp", str(tmp_path / "t.py"), "--standalone"]).output
     lines, code = copy_size((tmp_path / "t.py").read_text())
     assert f"({lines:,} lines, {code:,} of code; `python -m tools.copies ddp` says where they come from)" in out

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from core import data, stream
 from core.dist import Topology
-from core.kernel.loader import set_epoch, to_device
+from core.kernel.train import set_epoch, to_device
 from core.stream import StreamShard
 from world import GlooWorld
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from core import parallel, tp_plan
 from core.gpt import GPT
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.plugins import model_plans
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from core.config import parse_args
-from core.kernel.options import RecipeError, Training
+from core.kernel.job import RecipeError, Training
 from core.plugins.trackers import (
     OPENED,
     WANDB_FILE,
@@ -260,7 +260,7 @@ def test_both_trackers_at_once(wandb_offline):
 
 def _checkpoint(run_dir: Path, step: int) -> Path:
     """A checkpoint of the kernel's format at `step` in RUN/ckpt (what the trackers read of it: its progress)."""
-    from core.kernel.ckpt import FORMAT, write_tensors
+    from core.kernel.store import FORMAT, write_tensors
 
     path = run_dir / "ckpt" / f"step-{step:06d}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -272,7 +272,7 @@ def test_a_tracker_that_cannot_open_on_resume_refuses_the_run_before_it_writes_a
     """Issue 27 item 7: an unwritable RUN/tensorboard refused the resumed run after it had appended its `resume`
     record to metrics.jsonl. The plug-in opens the trackers where the run folder is chosen (the kernel's BEFORE_JOB,
     before load_checkpoint writes that record): refused there, metrics.jsonl is as it was; one line names the folder."""
-    from core.kernel.log import RunFolder, os_error_line, write_record
+    from core.kernel.job import RunFolder, os_error_line, write_record
 
     checkpoint = _checkpoint(tmp_path, 4)
     run = RunFolder(tmp_path, checkpoint, "ddp_amp", {}, True)
@@ -288,7 +288,7 @@ def test_a_tracker_that_cannot_open_on_resume_refuses_the_run_before_it_writes_a
 def test_the_plug_in_logs_the_runs_records_from_the_checkpoints_step_and_closes_with_the_summary(tmp_path):
     """At the kernel's seams: the records write_record writes go to the trackers (rank 0), a resumed run's from its
     checkpoint's step on (TensorBoard purges the crashed job's later steps), and the summary closes them."""
-    from core.kernel.log import RunFolder, write_record
+    from core.kernel.job import RunFolder, write_record
 
     first = RunFolder(tmp_path, None, "ddp_amp", {}, True)
     open_logs(Tracking(log_to="tensorboard"), first)
@@ -308,8 +308,7 @@ def test_the_plug_in_logs_the_runs_records_from_the_checkpoints_step_and_closes_
 def test_a_run_without_log_to_opens_nothing_and_a_writer_alone_opens(tmp_path):
     """Tests import several recipes in one process: a recipe whose Config has no --log-to opens no tracker, and a
     rank other than 0 never does."""
-    from core.kernel.log import RunFolder
-    from core.kernel.options import Training
+    from core.kernel.job import RunFolder, Training
 
     open_logs(Training(), RunFolder(tmp_path, None, "ddp", {}, True))
     open_logs(Tracking(log_to="tensorboard"), RunFolder(tmp_path, None, "ddp_amp", {}, False))
@@ -319,7 +318,7 @@ def test_a_run_without_log_to_opens_nothing_and_a_writer_alone_opens(tmp_path):
 
 def test_a_resumed_run_continues_the_wandb_run_its_checkpoints_folder_was_logged_to(wandb_offline):
     """The W&B run id lives in RUN/wandb-run.json: a run resumed from another folder's checkpoint continues it."""
-    from core.kernel.log import RunFolder
+    from core.kernel.job import RunFolder
 
     first = open_trackers(["wandb"], run_dir=wandb_offline, config={}, resume_state=None, step=0)
     state = first.state()

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from helpers import REPO, in_one_interpreter, run, torchrun, unfinished, user_env
 from tools.check import run_summary
 from tools.precheck import precheck
@@ -234,7 +234,7 @@ def test_only_a_finished_run_extends_and_nothing_else_changes(finished, tmp_path
 
 def _fake_step(path: Path) -> None:
     """Rewrite a checkpoint's header as if it were saved at step 4 of its 6 (its scheduler not at its end)."""
-    from core.kernel.ckpt import read_checkpoint, write_tensors
+    from core.kernel.store import read_checkpoint, write_tensors
 
     tensors, meta = read_checkpoint(path)
     scheduler = json.loads(meta["scheduler"]) | {"last_epoch": 4, "_step_count": 5}

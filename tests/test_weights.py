@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.plugins.hf import hf_model, write_hf_folder
 from core.plugins.init_from import InitFrom, check_weights, load_weights, read_weights
 from core.records import RunFolder
@@ -329,7 +329,7 @@ def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeyp
     It is an OSError naming the run folder's disk now, and nothing of the half-written folder is left."""
     from safetensors import SafetensorError
 
-    from core.kernel.log import os_error_line
+    from core.kernel.job import os_error_line
 
     model, state = trained(gpt2)
 

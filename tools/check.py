@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core.kernel.loader import to_device
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.train import to_device
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from core.models import build_model

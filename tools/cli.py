@@ -16,8 +16,7 @@ from pathlib import Path
 import click
 
 from core.config import KEPT, UsageError, leave, parse_args
-from core.kernel.log import fail, os_error_line
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, fail, os_error_line
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 

@@ -23,7 +23,7 @@ from tools.registry import PLUGINS, RECIPES, plugins_of
 
 CORE = Path(__file__).resolve().parent.parent / "core"
 # The kernel's files, in the order a reader of the recipe meets what they define: the step first, the seams last.
-KERNEL = ("step", "numbers", "loader", "pg", "folder", "ckpt", "log", "options", "builtin", "seams")
+KERNEL = ("train", "store", "job", "builtin", "seams")
 TAIL = "# Options and start:"  # the recipe's line where its Config and __main__ block begin
 # What the package's runner has and a standalone copy does not (its header says so, in one line).
 LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from core.dist import env_number, init_pg
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 
 def check_nodes_alike() -> None:

@@ -22,8 +22,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
 
 from core.exact_loss import make_exact_loss
-from core.kernel.options import RecipeError
-from core.kernel.pg import Topology
+from core.kernel.job import RecipeError
+from core.kernel.train import Topology
 from core.loss import make_loss
 from core.loss_options import choose_loss
 from tools.plan_fixed import GIB

@@ -11,7 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from core import amp, models, schedules
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from tools.registry import RECIPES
 
 REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")  # a whole replica on each rank, and DDP's buckets

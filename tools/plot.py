@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 
 PANELS = (
     ("train", "loss", "train loss"),

@@ -22,10 +22,9 @@ from torch import nn
 from core import ckpt, data, folder, models, stream
 from core.dist import Topology
 from core.factory import resolve_factory
-from core.kernel.ckpt import read_checkpoint
-from core.kernel.folder import run_dirs
-from core.kernel.loader import to_device
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
+from core.kernel.store import read_checkpoint, run_dirs
+from core.kernel.train import to_device
 from core.loss import IGNORE, make_loss
 from core.loss_options import choose_loss
 from tools.probes import (

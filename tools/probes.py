@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from core import stream
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.loss import Loss, call_model, forward, make_loss
 from core.loss_options import CHOICES, choose_loss
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.kernel.options import Options, option
+from core.kernel.job import Options, option
 from core.kernel.seams import OPTION_GROUPS
 from core.pipeline import STAGE_WEIGHTS
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import OPTION_GROUPS
 from core.shard import BLOCKS
 

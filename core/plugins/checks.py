@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.kernel.seams import READ_CHECKS, RESUME_CHECKS
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh

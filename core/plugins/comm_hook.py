@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import OPTION_GROUPS
 from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from core.kernel.builtin import MLP, digits
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import FACTORIES, OPTION_GROUPS, STREAMS
 
 MODELS: dict = {"mlp": MLP}  # name -> a factory, or "module:function", imported only when named

@@ -9,8 +9,8 @@ import struct
 
 import torch
 
-from core.kernel.ckpt import checksum
 from core.kernel.seams import WRITERS
+from core.kernel.store import checksum
 
 
 def write_fast(

@@ -15,8 +15,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from core.kernel.log import RunFolder, say
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, RunFolder, option, say
 from core.kernel.seams import AFTER_JOB, OPTION_GROUPS
 
 

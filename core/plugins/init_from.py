@@ -11,9 +11,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from core.kernel.ckpt import checksum
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import AFTER_BUILD, AFTER_JOB, CHECKSUMS, OPTION_GROUPS
+from core.kernel.store import checksum
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

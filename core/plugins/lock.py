@@ -9,7 +9,7 @@ import re
 import socket
 from pathlib import Path
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.kernel.seams import ON_OPEN
 
 HELD: list = []  # the open .lock files of this process: held for its life

@@ -8,10 +8,9 @@ import json
 import math
 from pathlib import Path
 
-from core.kernel.ckpt import read_checkpoint
-from core.kernel.log import write_record
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError, write_record
 from core.kernel.seams import ON_RESUME, RESUME_CHECKS, TRAINS_ON
+from core.kernel.store import read_checkpoint
 
 LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
 

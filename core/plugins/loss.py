@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import LOSS_CHECKS, LOSS_CHOICES, OPTION_GROUPS
-from core.kernel.step import IGNORE, Loss, split_outputs
+from core.kernel.train import IGNORE, Loss, split_outputs
 
 CHOICES = ("auto", "ce", "mse", "model")  # and module:function
 TARGETS = "targets"  # nanoGPT's forward(idx, targets=None): given a pair's target, unshifted; never `labels`

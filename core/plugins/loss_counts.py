@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from core.exact_loss import LOSS_COUNTS
-from core.kernel.step import metrics
+from core.kernel.train import metrics
 
 
 @functools.cache

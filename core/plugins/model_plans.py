@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.tp_plan import AROUND_TP, TP_PLANS
 
 # transformers' style strings (transformers/distributed/tensor_parallel.py, ALL_PARALLEL_STYLES) as torch styles.

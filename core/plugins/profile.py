@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from core.kernel.options import Options, option
+from core.kernel.job import Options, option
 from core.kernel.seams import AFTER_JOB, BEFORE_JOB, ON_STEP, OPTION_GROUPS
 
 PROFILER: dict = {}  # this process's profiler while a run with --profile trains: {"on": torch.profiler.profile}

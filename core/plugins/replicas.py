@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from core.kernel.ckpt import checksum
 from core.kernel.seams import AFTER_JOB
+from core.kernel.store import checksum
 
 
 def replicas_report(tensors: dict[str, torch.Tensor]) -> dict:

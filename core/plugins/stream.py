@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from core.kernel.options import RecipeError
+from core.kernel.job import RecipeError
 from core.kernel.seams import STREAMS
 
 

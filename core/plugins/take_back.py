@@ -3,7 +3,7 @@ the error again) leaves no new folder holding only its log, which `--resume auto
 
 from __future__ import annotations
 
-from core.kernel.log import RUN_LOG, open_log
+from core.kernel.job import RUN_LOG, open_log
 from core.kernel.seams import ON_FAIL
 
 LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing

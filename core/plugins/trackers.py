@@ -23,9 +23,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.kernel.ckpt import read_checkpoint
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import BEFORE_JOB, LOG_SINKS, ON_FAIL, OPTION_GROUPS
+from core.kernel.store import read_checkpoint
 
 TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name
 WANDB_FILE = "wandb-run.json"

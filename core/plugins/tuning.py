@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 
 from core.kernel.builtin import build_model
-from core.kernel.options import Options, RecipeError, option
+from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import AFTER_BUILD, OPTION_GROUPS
 from core.monitor import BEFORE_PG, WRAPPED
 

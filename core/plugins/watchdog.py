@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.kernel.ckpt import read_checkpoint
-from core.kernel.log import say
-from core.kernel.options import Options, option
-from core.kernel.pg import Topology
+from core.kernel.job import Options, option, say
 from core.kernel.seams import AFTER_JOB, BEFORE_JOB, ON_FAIL, ON_STEP, OPTION_GROUPS, PAUSES
+from core.kernel.store import read_checkpoint
+from core.kernel.train import Topology
 from core.monitor import BEFORE_PG
 
 
