@@ -137,7 +137,7 @@ def test_a_failed_background_write_is_named_by_its_own_step(tmp_path, alone):
 def _save_in_world(topo, folder, background):
     state = _train_state(seed=0)
     torch.manual_seed(100 + topo.rank)  # each rank's generator differs: the checkpoint holds both
-    run = replace(_run(folder, writer=topo.rank == 0), config={**_run(folder).config, "world_size": 2})
+    run = _run(folder, writer=topo.rank == 0)._replace(config={**_run(folder).config, "world_size": 2})
     if background:
         saver = ckpt_async.CheckpointSaver(background=True)
         saver.save(run, **state, progress=_progress(7), keep=2)
