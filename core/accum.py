@@ -66,8 +66,7 @@ def step_amp(
     normalizer = count.clamp(min=1.0) / world  # no counted target anywhere: zero gradients, not nan
     dtype, sums = AUTOCAST[precision], {}
     for i, batch in enumerate(micro_batches):
-        held = sync(model, enabled=i == len(micro_batches) - 1) if sync else contextlib.nullcontext()
-        with held:  # the backward must run inside no_sync too
+        with sync(model, enabled=i == len(micro_batches) - 1) if sync else contextlib.nullcontext():  # backward too
             with torch.autocast(normalizer.device.type, dtype=dtype, enabled=dtype is not None):
                 loss, metrics = forward_exact(model, batch, loss_fn, normalizer=normalizer)
             (loss if scaler is None else scaler.scale(loss)).backward()
@@ -104,10 +103,8 @@ def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
         if found := make(cfg, topo, train_set, val_set, collate_fn):
             return found
     if isinstance(train_set, IterableDataset):
-        raise RecipeError(
-            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one "
-            f"(__len__, __getitem__), or add the stream plug-in (a copy made `--with stream`)"
-        )
+        it = type(train_set).__name__
+        raise RecipeError(f"the data set is a stream ({it}, an IterableDataset): give a map-style one or --with stream")
     train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
     share, world, batch, accum = train.sampler.num_samples, train.sampler.num_replicas, cfg.batch_size, cfg.accum
