@@ -484,19 +484,19 @@ def wrap(module, name, when):
 
 saving = lambda path, *a: f"step-{at_step:06d}" in str(path)
 if point == "before the write":
-    wrap(ckpt, "write_tensors", saving)
+    wrap(store, "write_tensors", saving)
 elif point == "mid-file":
     calls = []
     wrap(fast_writer, "_write_all", lambda f, view: saving(f.name) and len(calls.append(1) or calls) == 3)
 elif point == "before the rename":
-    wrap(ckpt.os, "replace", lambda src, dst: saving(dst))
+    wrap(store.os, "replace", lambda src, dst: saving(dst))
 elif point == "after the rename":
-    real_replace = ckpt.os.replace
+    real_replace = store.os.replace
     def replaced(src, dst):
         real_replace(src, dst)
         if saving(dst):
             die()
-    ckpt.os.replace = replaced
+    store.os.replace = replaced
 import runpy
 runpy.run_path(sys.argv[0] if False else "{recipe}", run_name="__main__")
 """
