@@ -81,11 +81,9 @@ def train(cfg: Config, topo: Topology) -> dict:
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ids = [topo.device.index] if topo.device.type == "cuda" else None  # its GPU, or the CPU
-    unused, static = cfg.find_unused_parameters, cfg.static_graph
-    more = {key: value for hook in DDP_OPTIONS for key, value in hook(cfg).items()}  # --bucket-mb, ...
-    ddp_model = DistributedDataParallel(
-        model, device_ids=ids, find_unused_parameters=unused, static_graph=static, **more
-    )
+    more = dict(find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph)
+    more |= {key: value for hook in DDP_OPTIONS for key, value in hook(cfg).items()}  # --bucket-mb, ...
+    ddp_model = DistributedDataParallel(model, device_ids=ids, **more)
     train_model = ddp_model
     for wrap in WRAPPED:  # the comm hook on DDP, then torch.compile (graph breaks at DDP's buckets)
         train_model = wrap(cfg, train_model)
@@ -96,9 +94,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     total = total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     loss_fn = make_loss(cfg, model)  # the model's own loss, else cross-entropy on the logits
-    timer = StepClock(
-        train_model, optimizer, topo.device
-    )  # where each step's time goes, from hooks: no code in the step
+    timer = StepClock(train_model, optimizer, topo.device)  # each step's phases, from hooks: no code in the step
     peak = peak_flops(topo.device)  # MFU on a known GPU only: its peak FLOP/s, and one sample's FLOPs on meta
     flops = peak and flops_per_sample(lambda: build_model(cfg), train_set[0])
 
