@@ -26,10 +26,12 @@ KERNEL_FILES = [REPO / "core" / "kernel" / f"{module}.py" for module in KERNEL]
 PLUGIN_FILES = sorted((REPO / "core" / "plugins").glob("[a-z]*.py"))
 # Issue 35.5: the lean ddp copy's size. The design asks 450 code lines (650 in all); what the kernel holds beyond the
 # sketch it was measured on (the guarantees every copy carries, the seams) is in docs/copying-and-checking.md "Size".
-# A ratchet: a copy RATCHET code lines under its budget fails until the budget is lowered.
+# A ratchet: a copy RATCHET code lines under its budget fails until the budget is lowered, down to what the issue asks
+# (ASKED: 450 code lines and 650 in all for ddp, 750 code lines for every other copy).
+ASKED = {"ddp": 450}
 LEAN_BUDGET = {
-    "ddp": (1102, 742), "dp": (1092, 737), "ddp_amp": (1412, 922), "ddp_monitored": (1442, 962), "fsdp": (1852, 1202),
-    "pipeline_naive": (1410, 910), "pipeline": (1800, 1200), "tensor_parallel": (1970, 1280), "fsdp_tp": (1980, 1290),
+    "ddp": (830, 590), "dp": (820, 750), "ddp_amp": (1060, 750), "ddp_monitored": (1100, 800), "fsdp": (1420, 1000),
+    "pipeline_naive": (1050, 750), "pipeline": (1410, 1010), "tensor_parallel": (1450, 1030), "fsdp_tp": (1510, 1080),
 }  # fmt: skip
 RATCHET = 20
 
@@ -190,7 +192,8 @@ def test_the_lean_copy_meets_its_budget_and_imports_nothing_it_does_not_need(nam
     lines, code = copy_size(text)
     budget_lines, budget_code = LEAN_BUDGET[name]
     assert lines <= budget_lines and code <= budget_code, (lines, code)
-    assert code > budget_code - RATCHET, f"{name}'s copy is {code} code lines: lower its budget to {code}"
+    if budget_code > ASKED.get(name, 750):  # not yet what the issue asks: every cut lowers the ceiling
+        assert code > budget_code - RATCHET, f"{name}'s copy is {code} code lines: lower its budget to {code}"
     imported = {m.split(".")[0] for m in _imports_text(text)}
     assert not imported & {"inspect", "importlib", "struct", "fcntl"}, imported
 
