@@ -17,20 +17,15 @@ from core.kernel.store import FORMAT, save_checkpoint, write_tensors
 @dataclass(frozen=True)
 class AsyncCheckpoints(Options):
     title = "checkpoints"
-    ckpt_async: bool = option(
-        False, "write checkpoints in a background thread: the step waits only for the copy to host memory"
-    )
+    ckpt_async: bool = option(False, "write checkpoints in a background thread: the step waits for the host copy only")
 
 
 def stage(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of `tensors` in host `buffers`, kept from save to save (pinned for a GPU's tensors)."""
-    for key in buffers.keys() - tensors.keys():
-        del buffers[key]
     for key, tensor in tensors.items():
-        buffer = buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        if key not in buffers or buffers[key].shape != tensor.shape or buffers[key].dtype != tensor.dtype:
+            buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        buffers[key].copy_(tensor.detach(), non_blocking=tensor.is_cuda)
     if any(t.is_cuda for t in tensors.values()):
         torch.cuda.synchronize()  # the copies are complete before training changes the originals
     return {key: buffers[key] for key in tensors}  # separate buffers: tied weights are two tensors, as savable makes
@@ -56,11 +51,7 @@ class CheckpointSaver:
     """The kernel's save_checkpoint, or (background=True) the same file written by a thread of rank 0."""
 
     def __init__(self, *, background: bool):
-        self.background = background
-        self.buffers: dict[str, torch.Tensor] = {}  # the host copy, reused save after save
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.writing: tuple[Path, int] | None = None  # the file in flight and its step: what an error names
+        self.background, self.buffers, self.thread, self.error = background, {}, None, None  # buffers: reused
 
     def save(self, run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
         """RUN/ckpt/step-N.safetensors, the kernel's file, once the previous write has landed (a collective)."""
@@ -71,41 +62,31 @@ class CheckpointSaver:
         tensors, metadata = snapshot(run, **state)
         path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"  # the kernel's save_checkpoint's name
         if run.writer:
-            copy = stage(tensors, self.buffers)
-            self.writing = path, progress["step"]
-            self.thread = threading.Thread(target=self._write, args=(path, copy, metadata, keep), daemon=True)
+            args = path, progress["step"], stage(tensors, self.buffers), metadata, keep
+            self.thread = threading.Thread(target=self._write, args=args, daemon=True)
             self.thread.start()
         return path
 
-    def _write(self, path: Path, tensors: dict, metadata: dict, keep: int) -> None:
+    def _write(self, path: Path, step: int, tensors: dict, metadata: dict, keep: int) -> None:
         try:
             path.parent.mkdir(exist_ok=True)
             write_tensors(path, tensors, metadata)
-            for old in sorted(path.parent.glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[
-                :-keep
-            ]:  # only once the new one is in place
-                old.unlink(missing_ok=True)
+            for old in sorted(path.parent.glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[:-keep]:
+                old.unlink(missing_ok=True)  # only once the new one is in place
         except BaseException as err:  # said in the training thread, at the next save or wait
-            self.error = err
+            why = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
+            line = f"{path}: the background write of step {step} failed ({why}); the checkpoints before it are whole: "
+            self.error = err, line + "free space or point --out at another disk, then --resume auto"
 
     def wait(self) -> None:
         """Until the write in flight has landed; a failed one is one line on every rank (a collective)."""
         if self.thread is not None:
             self.thread.join()
-            self.thread = None
-        err, self.error = self.error, None
-        failed = None
-        if err is not None:
-            path, step = self.writing
-            why = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
-            failed = (
-                f"{path}: writing the checkpoint of step {step} in the background failed ({why}); the checkpoints "
-                f"before it are whole: free space or point --out at another disk, then --resume auto"
-            )
+        (err, failed), self.error = self.error or (None, None), None
         if self.background:
             dist.broadcast_object_list(box := [failed], src=0)
             failed = box[0]
-        if failed and err is not None and not isinstance(err, OSError):
+        if err is not None and not isinstance(err, OSError):
             raise err  # a bug, not the disk: its traceback (the other ranks get the line)
         if failed:
             raise RecipeError(failed)

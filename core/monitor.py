@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -19,52 +18,34 @@ DDP_OPTIONS: list = []  # fn(cfg) -> more DistributedDataParallel keyword argume
 WRAPPED: list = []  # fn(cfg, model) -> the model the step calls, after DDP wraps it (ddp_monitored; --compile)
 
 PHASES = ("data", "compute", "comm_wait", "optimizer", "step")
-PEAK_TFLOPS = {  # dense peak per GPU for the compute dtype, from the vendors' data sheets (no sparsity)
-    "H200": {"bf16": 989, "fp16": 989, "fp32": 67},
-    "H100": {"bf16": 989, "fp16": 989, "fp32": 67},
-    "A100": {"bf16": 312, "fp16": 312, "fp32": 19.5},
-    "L40S": {"bf16": 362, "fp16": 362, "fp32": 91.6},
-    "A10": {"bf16": 125, "fp16": 125, "fp32": 31.2},
-    "L4": {"bf16": 121, "fp16": 121, "fp32": 30.3},
-    "V100": {"bf16": 0, "fp16": 125, "fp32": 15.7},
-    "T4": {"bf16": 0, "fp16": 65, "fp32": 8.1},
-}
+# dense fp32 peak TFLOP/s per GPU (ddp_monitored trains in fp32), from the vendors' data sheets
+PEAK_TFLOPS = {"H200": 67, "H100": 67, "A100": 19.5, "L40S": 91.6, "A10": 31.2, "L4": 30.3, "V100": 15.7, "T4": 8.1}
 
 
 class StepClock:
     """Each step's data, compute, comm_wait and optimizer time, from hooks: no code in the step, no host sync."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.cuda = device.type == "cuda"  # CPU: perf_counter; GPU: CUDA events queued on the stream, read at take
         self.done: list[tuple[object | None, dict[str, object]]] = []  # (previous end, this step's marks)
-        self.current: dict[str, object] = {}
-        self.previous_end: object | None = None
+        self.current, self.previous_end = {}, None
+        model.register_forward_pre_hook(lambda *_: self.mark("start"))
+        optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer"))
+        optimizer.register_step_post_hook(lambda *_: self.mark("end"))
+        first = next((p for p in model.parameters() if p.requires_grad), None)  # backward reaches it last (as DDP's
+        if first is not None:  # buckets assume): its gradient ends the compute; what follows is unhidden all-reduce
+            first.register_post_accumulate_grad_hook(lambda _: self.mark("comm"))
 
     def mark(self, name: str) -> None:
+        """Time `name` in the current step (accumulation: the first micro-batch's forward starts it)."""
         if name == "start" and "start" in self.current:
-            return  # accumulation: the first micro-batch's forward starts the step
+            return
+        self.current[name] = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
         if self.cuda:
-            self.current[name] = torch.cuda.Event(enable_timing=True)
             self.current[name].record()  # queued on the current stream: no sync
-        else:
-            self.current[name] = time.perf_counter()
         if name == "end":
             self.done.append((self.previous_end, self.current))
             self.previous_end, self.current = self.current["end"], {}
-
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
-        """Hooks that mark forward start, the last gradient ready, optimizer start and end; returns their handles."""
-        handles = [
-            model.register_forward_pre_hook(lambda *_: self.mark("start")),
-            optimizer.register_step_pre_hook(lambda *_: self.mark("optimizer")),
-            optimizer.register_step_post_hook(lambda *_: self.mark("end")),
-        ]
-        # backward reaches the first parameters last (DDP's buckets assume the same): their gradient marks the end
-        # of backward's compute, and what backward() spends after it is the all-reduce that did not overlap
-        first = next((p for p in model.parameters() if p.requires_grad), None)
-        if first is not None:
-            handles.append(first.register_post_accumulate_grad_hook(lambda _: self.mark("comm")))
-        return handles
 
     def take(self) -> dict[str, float]:
         """Milliseconds summed over the steps since the last take, per phase, and `steps`."""
@@ -82,23 +63,12 @@ class StepClock:
         self.done = []
         return sums
 
-    @contextmanager
-    def paused(self):
-        """Evaluation or a checkpoint: not a step; the time until the next step is left out of it."""
-        try:
-            yield
-        finally:
-            self.previous_end, self.current = None, {}
+    def paused(self) -> None:
+        """After evaluation or a checkpoint: not a step; the time until the next step is left out of it."""
+        self.previous_end, self.current = None, {}
 
 
-def breakdown(
-    timings: dict[str, float],
-    *,
-    device: torch.device,
-    global_batch: int,
-    flops_per_sample: float | None = None,
-    peak_flops: float | None = None,
-) -> dict[str, float]:
+def breakdown(timings: dict[str, float], device: torch.device, global_batch: int, flops, peak) -> dict[str, float]:
     """A train record's phases (ms per step over ranks), step_ms_max, peak_mem_mb and mfu (a collective)."""
     if device.type == "cuda":
         memory = torch.cuda.max_memory_allocated(device) / 2**20
@@ -112,9 +82,8 @@ def breakdown(
     record = {f"{p}_ms": float(v) for p, v in zip(PHASES, per_step.mean(0))}
     record["step_ms_max"] = float(per_step[:, PHASES.index("step")].max())  # the slowest rank sets the pace
     record["peak_mem_mb"] = max(r["mem"] for r in ranks)  # the fullest rank is the one that runs out
-    if flops_per_sample and peak_flops and record["step_ms"] > 0:
-        samples_per_rank = global_batch / len(ranks)
-        record["mfu"] = flops_per_sample * samples_per_rank / (record["step_ms"] / 1e3) / peak_flops
+    if flops and peak and record["step_ms"] > 0:  # flops: one sample's; peak: the device's FLOP/s
+        record["mfu"] = flops * (global_batch / len(ranks)) / (record["step_ms"] / 1e3) / peak
     return record
 
 
@@ -122,20 +91,17 @@ def peak_flops(device: torch.device) -> float | None:
     """The device's fp32 peak FLOP/s (TDR_PEAK_TFLOPS overrides); None on CPU or an unknown GPU."""
     if os.environ.get("TDR_PEAK_TFLOPS"):
         return float(os.environ["TDR_PEAK_TFLOPS"]) * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((t["fp32"] * 1e12 for key, t in PEAK_TFLOPS.items() if key in name), None)  # ddp_monitored: fp32
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
 
 
-def flops_per_sample(build: Callable[[], torch.nn.Module], sample) -> float | None:
+def flops_per_sample(build, sample) -> float | None:
     """Forward + backward FLOPs of one sample, counted on a meta-device copy; None if the model reads values."""
     meta = lambda value: torch.as_tensor(value).to("meta").unsqueeze(0)  # noqa: E731  one sample, a batch of one
     try:
         with torch.device("meta"):
             model = build()
-        counter = FlopCounterMode(display=False)
-        with counter:
+        with (counter := FlopCounterMode(display=False)):
             if isinstance(sample, Mapping):  # labels' loss FLOPs are negligible; transformers reads a mask's values
                 outputs = model(**{k: meta(v) for k, v in sample.items() if k not in ("labels", "attention_mask")})
             else:

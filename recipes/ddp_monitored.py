@@ -52,8 +52,7 @@ from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa:
 
 
 def check(cfg: Config) -> None:
-    """Before the process group exists (the pre-check calls it too): what the plug-ins check (a comm hook the backend
-    lacks, tuning the model does not fit, on the meta device) and the environment c10d reads (--debug)."""
+    """Before the process group exists (the pre-check calls it too): the plug-ins' checks and c10d's environment."""
     for hook in BEFORE_PG:
         hook(cfg)
 
@@ -82,11 +81,9 @@ def train(cfg: Config, topo: Topology) -> dict:
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ids = [topo.device.index] if topo.device.type == "cuda" else None  # its GPU, or the CPU
-    unused, static = cfg.find_unused_parameters, cfg.static_graph
-    more = {key: value for hook in DDP_OPTIONS for key, value in hook(cfg).items()}  # --bucket-mb, ...
-    ddp_model = DistributedDataParallel(
-        model, device_ids=ids, find_unused_parameters=unused, static_graph=static, **more
-    )
+    more = dict(find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph)
+    more |= {key: value for hook in DDP_OPTIONS for key, value in hook(cfg).items()}  # --bucket-mb, ...
+    ddp_model = DistributedDataParallel(model, device_ids=ids, **more)
     train_model = ddp_model
     for wrap in WRAPPED:  # the comm hook on DDP, then torch.compile (graph breaks at DDP's buckets)
         train_model = wrap(cfg, train_model)
@@ -97,8 +94,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     total = total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     loss_fn = make_loss(cfg, model)  # the model's own loss, else cross-entropy on the logits
-    timer = StepClock(topo.device)  # where each step's time goes, from hooks: no code in the step
-    timer.attach(train_model, optimizer)
+    timer = StepClock(train_model, optimizer, topo.device)  # each step's phases, from hooks: no code in the step
     peak = peak_flops(topo.device)  # MFU on a known GPU only: its peak FLOP/s, and one sample's FLOPs on meta
     flops = peak and flops_per_sample(lambda: build_model(cfg), train_set[0])
 
@@ -128,16 +124,16 @@ def train(cfg: Config, topo: Topology) -> dict:
                 hook(metrics)
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = dict(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, skipped=skipped)
-                timing = breakdown(  # the phases of every rank's steps since the last record (a collective)
-                    timer.take(), device=topo.device, global_batch=global_batch, flops_per_sample=flops, peak_flops=peak
-                )
+                timing = breakdown(timer.take(), topo.device, global_batch, flops, peak)  # every rank's (a collective)
                 log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
-                with not_training(), timer.paused():  # not a step (nor for the watchdog)
+                with not_training():  # not a step (nor for the watchdog)
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     saver.save(run, **state, progress=progress, keep=cfg.keep)
-        with not_training(), timer.paused():  # each rank evaluates its share; the sums are all-reduced
+                timer.paused()
+        with not_training():  # each rank evaluates its share; the sums are all-reduced
             evaluation = evaluate(model, val_loader, loss_fn=loss_fn, device=topo.device)
+        timer.paused()
         log_eval(run, evaluation, step=step, epoch=epoch)
     saver.wait()  # the last background write lands before the final weights (or its failure is one line)
 

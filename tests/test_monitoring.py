@@ -57,8 +57,7 @@ def monitored_training(topo, out, steps):
     model = MLP(hidden=32, depth=2)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    clock, timer, loss_fn = meter.Meter(topo.device), monitor.StepClock(topo.device), Loss("ce")
-    timer.attach(ddp, optimizer)
+    clock, timer, loss_fn = meter.Meter(topo.device), monitor.StepClock(ddp, optimizer, topo.device), Loss("ce")
     gen = torch.Generator().manual_seed(topo.rank)
     local = 0.0
     for _ in range(steps):
@@ -72,7 +71,7 @@ def monitored_training(topo, out, steps):
         local += metrics["loss_sum"].item()
         clock.add(metrics)
     mine = timer.take()
-    timing = monitor.breakdown(mine, device=topo.device, global_batch=sum(sizes), flops_per_sample=1e6, peak_flops=1e12)
+    timing = monitor.breakdown(mine, topo.device, sum(sizes), 1e6, 1e12)
     meter.log_train(run_folder, clock, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
     if topo.rank != 0:  # rank 0 writes the records; every rank returns what it trained on and timed
         return [], local, mine
