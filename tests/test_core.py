@@ -5,6 +5,7 @@ import importlib
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,13 +19,13 @@ from core.config import Training, UsageError, parse_args
 from core.data import build_data, make_loader
 from core.datasets import digits
 from core.dist import Topology
-from core.folder import finished_run
 from core.kernel.job import RecipeError
 from core.kernel.store import run_dirs
 from core.kernel.train import ResumableSampler
 from core.models import MODELS, build_model
 from core.plugins.factories import resolve_factory
 from helpers import REPO, user_env
+from tools.precheck import finished_run
 
 pytestmark = pytest.mark.fast
 
@@ -209,20 +210,21 @@ def test_run_dirs_count_up_and_never_reuse(tmp_path):
 
 @pytest.mark.fast
 def test_a_run_is_finished_when_its_last_record_is_the_summary(tmp_path):
-    """core.folder.finished_run: the summary is written last, so a run whose last whole line is not it (stopped
-    before, or torn while writing it) is not finished, whether --resume is auto or one of its checkpoints."""
-    run = run_dirs(tmp_path, "ddp", new=True)[-1]
+    """The pre-check's finished_run (the kernel's `finished` without a process group): the summary is written last,
+    so a run whose last whole line is not it (stopped before, or torn while writing it) is not finished, whether
+    --resume is auto or one of its checkpoints."""
+    run, cfg = run_dirs(tmp_path, "ddp", new=True)[-1], SimpleNamespace(out=tmp_path, name="")
     summary = {"kind": "summary", "steps": 7}
     lines = ['{"kind": "train", "step": 5}', json.dumps(summary)]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     step = str(run / "ckpt" / "step-000005.safetensors")
-    assert finished_run(tmp_path, "ddp", "auto") == finished_run(tmp_path, "ddp", step) == (str(run), {"steps": 7})
-    assert finished_run(tmp_path, "ddp", "") is None and finished_run(tmp_path, "fsdp", "auto") is None
+    assert finished_run(cfg, "ddp", "auto") and finished_run(cfg, "ddp", step)
+    assert not finished_run(cfg, "ddp", "") and not finished_run(cfg, "fsdp", "auto")
     (run / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:-3])  # killed while writing the summary
-    assert finished_run(tmp_path, "ddp", "auto") is None
+    assert not finished_run(cfg, "ddp", "auto")
     (run / "metrics.jsonl").write_text(lines[0] + "\n")
-    assert finished_run(tmp_path, "ddp", step) is None
-    assert finished_run(tmp_path, "ddp", str(tmp_path / "elsewhere.safetensors")) is None
+    assert not finished_run(cfg, "ddp", step)
+    assert not finished_run(cfg, "ddp", str(tmp_path / "elsewhere.safetensors"))
 
 
 def test_an_unknown_option_is_a_usage_error_that_names_it():

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, folder, meter, monitor, records
+from core import ckpt, meter, monitor, records
 from core.kernel.builtin import MLP
+from core.kernel.store import open_run
 from core.loss import Loss
 from core.plugins import watchdog
 from core.steps import step_plain
@@ -51,9 +52,7 @@ def monitored_training(topo, out, steps):
     torch.manual_seed(0)
     cfg = ddp_monitored.Config(out=out, model="tiny:mlp")
     sizes = [8 + 4 * r for r in range(topo.world_size)]  # ranks with different batch sizes: sums combine exactly
-    run_folder = folder.open_run(
-        cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes), newest=ckpt.newest_good, header=ckpt.read_metadata
-    )
+    run_folder = open_run(cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes))
     model = MLP(hidden=32, depth=2)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -83,7 +82,7 @@ def open_where_rank_0_cannot_write(topo, out):
     """open_run with an --out rank 0 cannot make (a file on its path): what each rank raised."""
     cfg = ddp_monitored.Config(out=out)
     try:
-        folder.open_run(cfg, topo, recipe="ddp", global_batch=2, newest=ckpt.newest_good, header=ckpt.read_metadata)
+        open_run(cfg, topo, recipe="ddp", global_batch=2)
     except Exception as err:  # noqa: BLE001 - the test wants to see what each rank raised
         return type(err).__name__, str(err)
     return None

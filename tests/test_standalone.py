@@ -524,7 +524,8 @@ def test_a_lean_copy_refuses_another_global_batch_and_other_options_and_only_che
     copy with `checks` and the package, not by the lean copy, whose header says so."""
     import runpy
 
-    from core.folder import check_continues
+    import core.attach  # noqa: F401 - the package's plug-ins: the checks one among them
+    from core.kernel.store import check_continues
 
     lean = runpy.run_path(str(project / "project" / "ddp.py"), run_name="lean_copy")
     checked = runpy.run_path(str(project / "project" / "ddp_with_checks.py"), run_name="checks_copy")
@@ -549,11 +550,8 @@ def test_a_lean_copy_refuses_another_global_batch_and_other_options_and_only_che
 
 
 def _on_2_ranks(check, path: Path, meta: dict, config: dict) -> None:
-    """check_continues on 2 data-parallel ranks: the kernel's reads them from the config (world_size), core.folder's
-    (the recipes not on the kernel yet) takes them as `dp`."""
-    import inspect
-
-    check(path, meta, config, **({"dp": 2} if "dp" in inspect.signature(check).parameters else {}))
+    """check_continues on 2 data-parallel ranks: the kernel's reads them from the config (global batch, batch size)."""
+    check(path, meta, config)
 
 
 def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a_llama_in_one_line(project):

@@ -9,24 +9,28 @@ recipe does not carry it: `python -m recipes run` does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import json
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from core import ckpt, data, folder, models, stream
-from core.dist import Topology
-from core.factory import resolve_factory
+from core.accum import make_loaders
 from core.kernel.job import RecipeError
-from core.kernel.store import read_checkpoint, run_dirs
-from core.kernel.train import to_device
+from core.kernel.seams import TRAINS_ON
+from core.kernel.store import check_continues, newest_good, read_checkpoint, run_dirs
+from core.kernel.train import Topology, to_device
 from core.loss import IGNORE, make_loss
 from core.loss_options import choose_loss
+from core.plugins.factories import DATASETS, MODELS, resolve_factory
+from core.plugins.stream import is_stream
 from tools.probes import (
     batchnorm_layers,
     check_call,
@@ -69,7 +73,7 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
         check_unused(model, grads, spec=cfg.model)
     warnings = unequal_counts(recipe, batch, make_loss(model=model), dp=dp) if recipe.mean_per_replica else []
     if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        check_resume(recipe.name, module, cfg, model, world_size=world_size, dp=dp)
+        check_resume(recipe.name, cfg, model, world_size=world_size, dp=dp)
     return warnings + (batchnorm_warnings(model) if "sync_batchnorm" in takes and not cfg.sync_batchnorm else [])
 
 
@@ -103,7 +107,7 @@ def call_checked(spec: str, builtins: dict, *, option: str):
 def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
     """Call the data factory once and check what it returns: (train, val) or (train, val, collate_fn), data sets
     this recipe reads, and samples it can pass to a model."""
-    result = call_checked(spec, data.DATASETS, option="--data")
+    result = call_checked(spec, DATASETS, option="--data")
     shape = "the factory must return (train, val) or (train, val, collate_fn)"
     if not (isinstance(result, tuple | list) and len(result) in (2, 3)):
         raise RecipeError(f"--data {spec}: {shape}; it returned {type(result).__name__}")
@@ -111,7 +115,7 @@ def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
     for name, dataset in (("train", train), ("val", val)):
         if dataset is None and name == "val":
             continue
-        if stream.is_stream(dataset):
+        if is_stream(dataset):
             if not streams:
                 from tools.registry import RECIPES
 
@@ -135,28 +139,24 @@ def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
             f"return a collate_fn"
         )
     collated(samples, collate, spec=spec)
-    return {"train": train, "val": val, "collate": collate, "stream": stream.is_stream(train)}
+    return {"train": train, "val": val, "collate": collate, "stream": is_stream(train)}
 
 
 def check_steps(found: dict, cfg, *, dp: int) -> None:
-    """The run's length as the run reckons it (core.data / core.stream total_steps on this rank's loader): a batch
-    larger than one rank's share of the data set, or a stream without a length and no --max-steps, is one line."""
-    accum = getattr(cfg, "accum", 1)
-    topo = Topology(0, dp, torch.device("cpu"), "gloo")  # rank 0's share; every rank's is as long
-    if not found["stream"]:
-        loader = data.make_loader(found["train"], topo, batch_size=cfg.batch_size, seed=cfg.seed)
-        data.total_steps(loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=accum)
-        return
-    loader = stream.make_loader(found["train"], topo, batch_size=cfg.batch_size)
-    total = stream.total_steps(loader, epochs=cfg.epochs, max_steps=cfg.max_steps, accum=accum)
-    if total == 0 and cfg.epochs > 0 and not cfg.max_steps:  # a stream with a length, shorter than one step
-        samples = len(found["train"])
-        raise RecipeError(data.too_few_batches(samples, batch_size=cfg.batch_size, accum=accum, world=dp))
+    """The run's length as the run reckons it (core.accum's make_loaders, the stream plug-in's, on rank 0's share): a
+    batch larger than one rank's share of the data set, or a stream without a length and no --max-steps, is one line."""
+    topo = Topology(0, dp, torch.device("cpu"))  # rank 0's share; every rank's is as long
+    steps = SimpleNamespace(**{"accum": 1, **vars(cfg)})  # ddp takes no --accum: one micro-batch a step
+    total = make_loaders(steps, topo, found["train"], None, found["collate"])[2]
+    if found["stream"] and total == 0 and cfg.epochs > 0 and not cfg.max_steps:  # a stream shorter than one step
+        what = f"--batch-size {cfg.batch_size}" + (f" --accum {steps.accum}" if steps.accum > 1 else "")
+        fix = "use a smaller --batch-size or fewer ranks"
+        raise RecipeError(f"{what}: the stream ({len(found['train'])} samples) holds no step for {dp} rank(s); {fix}")
 
 
 def check_model(spec: str) -> nn.Module:
     """Call the model factory once; the model, or one line naming what it returned."""
-    model = call_checked(spec, models.MODELS, option="--model")
+    model = call_checked(spec, MODELS, option="--model")
     if not isinstance(model, nn.Module):
         raise RecipeError(f"--model {spec}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
@@ -181,7 +181,7 @@ def check_trainable(model: nn.Module, *, spec: str, init_from: str = "") -> None
 
 
 def _gpu() -> bool:
-    """Whether the ranks will run on GPUs (core.dist.pick_device's choice)."""
+    """Whether the ranks will run on GPUs (the kernel's init_pg takes CUDA where it is)."""
     return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
 
 
@@ -291,25 +291,27 @@ def check_writable(out: str) -> None:
         raise RecipeError(f"--out {out}: cannot write there ({err.strerror or err}); pick a writable one") from None
 
 
-def check_resume(recipe: str, module, cfg, model, *, world_size: int, dp: int) -> None:
+def check_resume(recipe: str, cfg, model, *, world_size: int, dp: int) -> None:
     """The checkpoint --resume names (or auto finds) is whole, holds this model and continues in this job."""
-    dcp = getattr(module, "dcp", None)  # a recipe with sharded checkpoints imports core.dcp
-    newest, header = (dcp.newest_good, dcp.read_metadata) if dcp else (ckpt.newest_good, ckpt.read_metadata)
-    runs = run_dirs(cfg.out, cfg.name or recipe)
-    resume = cfg.resume or "auto"
-    if folder.finished_run(cfg.out, cfg.name or recipe, resume, cfg, header=header):
+    runs, resume = run_dirs(cfg.out, cfg.name or recipe), cfg.resume or "auto"
+    if finished_run(cfg, recipe, resume):
         return  # at any world size, its --epochs and --max-steps: the run is finished and trains nothing
-    path = (newest(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
+    path = (newest_good(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is None:
         return  # --resume auto and nothing to resume: a fresh run
     global_batch = cfg.batch_size * dp * getattr(cfg, "accum", 1)
     config = {"recipe": recipe, "world_size": world_size, "global_batch": global_batch, **vars(cfg)}
-    if dcp is None:  # whole, undamaged, and this model, then the header's options
-        tensors, meta = ckpt.read_checkpoint(path)
-        if "shards" in meta:  # core/shard_ckpt.py's file beside its shards: they are checked by its READ_CHECKS entry
-            read_checkpoint(path)
-        else:
-            ckpt.check_shapes(path, tensors, model)
-    else:
-        dcp.check_shapes(path, model)
-    folder.check_continues(path, header(path), config, dp=dp)
+    meta = read_checkpoint(path, tensors=False)[1]  # whole, undamaged, and this model (a sharded one: its shards)
+    read_checkpoint(path, None if "shards" in meta else model)
+    check_continues(path, meta, config)
+
+
+def finished_run(cfg, recipe: str, resume: str) -> bool:
+    """The kernel's `finished`, without its process group: `resume` continues a run whose last record is its
+    summary (written last), and no plug-in trains it on (the longer plug-in: other lengths)."""
+    ckpt = Path(resume).parent  # RUN/ckpt/step-N continues RUN
+    runs = [ckpt.parent] * (ckpt.name == "ckpt") if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1:]
+    with contextlib.suppress(IndexError, OSError, ValueError):  # no run, no record, or a torn last line
+        last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
+        return last.get("kind") == "summary" and not any(hook(cfg, runs[0], resume) for hook in TRAINS_ON)
+    return False
