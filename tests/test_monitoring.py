@@ -52,7 +52,8 @@ def monitored_training(topo, out, steps):
     torch.manual_seed(0)
     cfg = ddp_monitored.Config(out=out, model="tiny:mlp")
     sizes = [8 + 4 * r for r in range(topo.world_size)]  # ranks with different batch sizes: sums combine exactly
-    run_folder = open_run(cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes))
+    folder = open_run(cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes))
+    run_folder = records.RunFolder(*folder)  # core.meter's log_train writes through core.records' RunFolder
     model = MLP(hidden=32, depth=2)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -74,8 +75,8 @@ def monitored_training(topo, out, steps):
     meter.log_train(run_folder, clock, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
     if topo.rank != 0:  # rank 0 writes the records; every rank returns what it trained on and timed
         return [], local, mine
-    records = [json.loads(line) for line in (run_folder.path / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r["kind"] == "train"], local, mine
+    written = [json.loads(line) for line in (run_folder.path / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in written if r["kind"] == "train"], local, mine
 
 
 def open_where_rank_0_cannot_write(topo, out):
