@@ -55,7 +55,7 @@ if [[ -n "${MASTER_PORT:-}" ]]; then
   rendezvous=(--nnodes 1 --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
 else
   # torchrun --standalone's stores listen on every interface (torch's TCPStore binds them all). Instead:
-  # the agent meets itself in a file, and rank 0 hosts the workers' store on 127.0.0.1 (core.dist.init_pg).
+  # the agent meets itself in a file, and rank 0 hosts the workers' store on 127.0.0.1 (tools/join.py).
   rendezvous=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "$tmp/rdzv" --rdzv-conf store_type=file
               --rdzv-id "single-$$" --local-addr 127.0.0.1)
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # the workers' own store, not one in the agent

@@ -26,12 +26,15 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout without installing; the tests' free_port
 
-from core import accum, amp, dist, models  # noqa: E402
+from core import accum, amp  # noqa: E402
 from core.exact_loss import make_exact_loss  # noqa: E402
-from core.kernel.train import cleanup_pg
+from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
 from core.loss import Loss  # noqa: E402
+from helpers import free_port  # noqa: E402
+from tools.precheck import check_model  # noqa: E402
 
 
 def always_sync(model, *, enabled):
@@ -62,10 +65,10 @@ def worker(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(args.threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)  # as torchrun sets them: init_pg reads its environment
-    topo = dist.init_pg(timeout_s=120)
+    topo = init_pg(timeout_s=120)
     try:
         torch.manual_seed(0)
-        model = models.build_model(args.model).to(topo.device)
+        model = check_model(args.model).to(topo.device)
         model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(rank)
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    mp.start_processes(worker, args=(args, dist.free_port(), results), nprocs=args.nproc, start_method="spawn")
+    mp.start_processes(worker, args=(args, free_port(), results), nprocs=args.nproc, start_method="spawn")
     print(report(results.get(timeout=10), args))
     return 0
 

@@ -27,12 +27,14 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' free_port
 
-from core import dist, parallel, schedules, steps  # noqa: E402
+from core import parallel, schedules, steps  # noqa: E402
 from core.gpt import GPT  # noqa: E402
-from core.kernel.train import cleanup_pg
+from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
 from core.loss import Loss  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -143,7 +145,7 @@ def worker(rank: int, port: int, args, queue) -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(2), MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)  # as torchrun sets them: init_pg reads its environment
-    topo = dist.init_pg(timeout_s=120)
+    topo = init_pg(timeout_s=120)
     try:
         for schedule in ("gpipe", "1f1b"):
             for m in (2, 4, 8, 16):
@@ -170,7 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per pipeline setting")
     args = parser.parse_args()
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(dist.free_port(), args, queue), nprocs=2, join=True)
+    mp.spawn(worker, args=(free_port(), args, queue), nprocs=2, join=True)
     rows = []
     while not queue.empty():
         rows.append(queue.get())

@@ -34,9 +34,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core import data, meter, models  # noqa: E402
-from core.dist import Topology  # noqa: E402
+from core import meter  # noqa: E402
+from core.kernel.train import Topology  # noqa: E402
 from core.plugins import watchdog  # noqa: E402
+from core.plugins.factories import DATASETS  # noqa: E402
+from tools.precheck import call_checked, check_model  # noqa: E402
 
 # (label, world size, runner, Config changes): ddp_monitored's comm options as their CLI flags
 VARIANTS = [
@@ -58,8 +60,8 @@ VARIANTS = [
 def hand_loop(topo: Topology, args, marks: list[float]) -> None:
     """What one would write by hand: DDP, DistributedSampler, AdamW + cosine, a reduced loss every 10 steps."""
     torch.manual_seed(0)
-    train_set, _, _ = data.build_data(args.data)
-    model = torch.nn.parallel.DistributedDataParallel(models.build_model(args.model))
+    train_set = call_checked(args.data, DATASETS, option="--data")[0]
+    model = torch.nn.parallel.DistributedDataParallel(check_model(args.model))
     sampler = torch.utils.data.DistributedSampler(train_set, shuffle=True, seed=0, drop_last=True)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -125,7 +127,7 @@ def worker(rank, world_size, store_path, variants, args, result_dir):
         world_size=world_size,
         timeout=timedelta(seconds=120),
     )
-    topo = Topology(rank, world_size, torch.device("cpu"), "gloo")
+    topo = Topology(rank, world_size, torch.device("cpu"))
     try:
         for i in variants:
             _, _, runner, changes = VARIANTS[i]

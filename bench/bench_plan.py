@@ -23,8 +23,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from plan_models import MATRIX  # noqa: E402
 
-from core.config import parse_args  # noqa: E402
-from core.kernel.train import cleanup_pg  # noqa: E402
+from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
+from tools.options import parse_args  # noqa: E402
 from tools.plan import plan_recipe  # noqa: E402
 from tools.plan_measure import measure  # noqa: E402
 from tools.registry import RECIPES  # noqa: E402
@@ -82,15 +82,13 @@ def gpu() -> None:
     the measurements on this device."""
     import torch
 
-    from core import dist
-
     size = int(os.environ.get("WORLD_SIZE", "1"))
     plans = planned(size, gpu=True) if int(os.environ.get("RANK", "0")) == 0 else []
-    topo = dist.init_pg(timeout_s=600)
+    topo = init_pg(timeout_s=600)
     torch.empty(1, device=topo.device)  # the CUDA context exists from here
     free1, total = torch.cuda.mem_get_info(topo.device)
     context = total - free1 - torch.cuda.memory_reserved(topo.device)  # on an otherwise idle GPU: the context
-    dist.reduce_sum(torch.ones(1, device=topo.device))  # NCCL makes its buffers at the first collective
+    torch.distributed.all_reduce(torch.ones(1, device=topo.device))  # NCCL makes its buffers at the first collective
     torch.cuda.synchronize(topo.device)
     nccl = free1 - torch.cuda.mem_get_info(topo.device)[0] - torch.cuda.memory_reserved(topo.device)
     results = [measure(topo, name, args) for name, args, _ in plans or [(n, a, None) for n, a in MATRIX[size]]]

@@ -23,8 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core import dist  # noqa: E402
-from core.kernel.train import cleanup_pg
+from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
 from recipes import ddp_monitored  # noqa: E402  (the tuning options are ddp_monitored's)
 
 # (label, ddp_monitored Config changes); batch sizes where the option has work to do
@@ -66,7 +65,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    topo = dist.init_pg()  # a world of one: DDP as the recipe runs it, no network
+    topo = init_pg(timeout_s=300)  # a world of one: DDP as the recipe runs it, no network
     results: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(VARIANTS))}
     try:
         for repeat in range(args.repeats):

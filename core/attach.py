@@ -18,5 +18,5 @@ from core.plugins import (  # noqa: F401 - the order they attach in, and so the 
     take_back,
 )
 
-factories.MODELS.update(cnn="core.models:cnn", gpt="core.gpt:gpt")  # the package's other built-ins
-factories.DATASETS.update(digits="core.datasets:digits", synthetic="core.datasets:synthetic", text="core.gpt:text")
+factories.MODELS.update(cnn="core.zoo:cnn", gpt="core.gpt:gpt")  # the package's other built-ins
+factories.DATASETS.update(digits="core.zoo:quick_digits", synthetic="core.zoo:synthetic", text="core.gpt:text")

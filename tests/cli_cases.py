@@ -6,7 +6,7 @@ prints a JSON list of {"code", "stdout", "stderr"}, one per case, in order. Each
 `python -m recipes` does, or FILE as `python FILE` does (runpy, as __main__), in its own working folder, with its
 "env" (variables set for that case alone), its file
 descriptors 1 and 2 on files of its own (so that every writer lands there: print, click, the run's logger); the
-os._exit that ends a command (core.config.leave) ends the case instead, with its status. The interpreter and its
+os._exit that ends a command (tools/options.py's leave) ends the case instead, with its status. The interpreter and its
 imports are paid once for all the cases, not once each: for commands that end before any process group (bad input,
 --help) or that make and end their own (a recipe run as a file, on one process).
 """
@@ -69,7 +69,7 @@ def main() -> None:
     results = [run_case(case["args"], case["cwd"], case.get("file"), case.get("env")) for case in cases]
     sys.stdout.write(json.dumps(results))
     sys.stdout.flush()
-    leave(0)  # past the interpreter's teardown, as core.config.leave does
+    leave(0)  # past the interpreter's teardown, as tools.options.leave does
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def main() -> None:
     dist.barrier()
     destroy()
     sys.stdout.flush()
-    leave(0)  # past the interpreter's teardown, as core.config.leave does (gloo's threads, pytorch/pytorch#179291)
+    leave(0)  # past the interpreter's teardown, as tools.options.leave does (gloo's threads, pytorch/pytorch#179291)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,28 @@ def unfinished(run_dir: Path) -> Path:
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text("".join(line for line in lines if '"kind": "summary"' not in line))
     return Path(run_dir)
+
+
+def build_data(spec: str) -> tuple:
+    """(train, val, collate_fn or None) of a --data spec: its factory called as the package calls it."""
+    import core.attach  # noqa: F401 - the package's built-ins (synthetic, text)
+    from core.plugins.factories import DATASETS, resolve_factory
+
+    return (*resolve_factory(spec, DATASETS, option="--data")(), None)[:3]
+
+
+def build_model(spec: str):
+    """The model of a --model spec: its factory called as the package calls it."""
+    import core.attach  # noqa: F401 - the package's built-ins (cnn, gpt)
+    from core.plugins.factories import MODELS, resolve_factory
+
+    return resolve_factory(spec, MODELS, option="--model")()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the source's fixed 12355 collides between jobs)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from core import data, models
 from core.accum import step_amp
-from core.dist import Topology
 from core.exact_loss import make_exact_loss
+from core.kernel.train import Topology, make_loader
 from core.loss import make_loss
 from core.loss_options import choose_loss
+from core.plugins.factories import data_from_spec, model_from_spec
 from core.plugins.init_from import load_weights
 
 BASE = dict(model="gpt", data="mp_reference:short_text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
@@ -46,16 +46,17 @@ def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
     `replicas` data shares' next --accum batches, clipped at --clip, under autocast at --precision, with the loss
     the recipe takes."""
     torch.manual_seed(cfg.seed)
-    train_set, _, _ = data.build_data(cfg.data)
-    model = models.build_model(cfg.model)
+    train_set, _, _ = data_from_spec(cfg)  # as the recipe builds them
+    model = model_from_spec(cfg)
     if cfg.init_from:
         load_weights(model, cfg.init_from)
     loss_fn = make_exact_loss(choose_loss(cfg.loss, make_loss(model=model), model=model), model=model)
     loaders = [
-        data.make_loader(
+        make_loader(
             train_set,
-            Topology(r, replicas, torch.device("cpu"), "gloo"),
+            Topology(r, replicas, torch.device("cpu")),
             batch_size=cfg.batch_size,
+            collate_fn=None,
             seed=cfg.seed,
         )
         for r in range(replicas)

@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.accum import make_loaders, micro_batch_groups, step_amp
 from core.amp import grad_sync
-from core.datasets import digits
 from core.exact_loss import make_exact_loss
 from core.grads import clip_grad_norm
 from core.kernel.job import RecipeError, RunFolder
@@ -35,6 +34,7 @@ from core.kernel.train import Topology
 from core.plugins.loss import ChosenLoss
 from core.schedules import clip_over_stages
 from core.steps import step_plain
+from core.zoo import quick_digits as digits
 from helpers import REPO, in_one_interpreter, recipes_cli, run, user_env
 from world import GlooWorld
 

@@ -22,10 +22,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 import check_user
-from core.data import build_data
 from core.kernel.job import RecipeError
-from core.models import build_model
-from helpers import REPO, recipes_cli, run, torchrun, user_env
+from helpers import REPO, build_data, build_model, recipes_cli, run, torchrun, user_env
 from tools import probes
 from tools.check import (
     REL_TOL,

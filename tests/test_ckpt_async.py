@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from core import ckpt_async
 from core.ckpt_io import list_checkpoints
-from core.config import UsageError, parse_args
 from core.kernel.job import RecipeError, RunFolder
 from core.kernel.store import read_checkpoint, save_checkpoint
 from core.plugins.lock import HELD
@@ -21,6 +20,7 @@ from helpers import unfinished
 from recipes import ddp_monitored
 from tiny import TiedMLP
 from tools.cli import _explained
+from tools.options import UsageError, parse_args
 from tools.registry import RECIPES
 from world import GlooWorld
 

@@ -149,7 +149,7 @@ BAD_INPUT = [
     (["run", "ddp_amp", "--precision", "fp8"], "invalid choice: 'fp8'"),
     (["run", "ddp", "--batch-size", "many"], "invalid int value: 'many'"),
     (["run", "ddp", "--model", "nosuchpkg.models:build"], "cannot import 'nosuchpkg.models'"),
-    (["run", "ddp", "--data", "core.data:nothing"], "has no function 'nothing'"),
+    (["run", "ddp", "--data", "core.zoo:nothing"], "has no function 'nothing'"),
     (["run", "ddp", "--no-such-option"], "--no-such-option: ddp does not take it; no recipe does"),
     (["cp", "nope", "x.py"], "unknown recipe 'nope'"),
 ]
@@ -333,7 +333,7 @@ def test_launcher_default_job_trains_digits_and_writes_plain_weights(tmp_path):
     assert not any(k.startswith("module.") for k in state)
     model = MLP()
     model.load_state_dict(state)  # strict: every key of the plain model, nothing else
-    from core.datasets import digits
+    from core.zoo import quick_digits as digits
 
     inputs, targets = digits()[1][:]
     accuracy = (model(inputs).argmax(-1) == targets).float().mean().item()
@@ -361,7 +361,7 @@ def test_third_party_recipe_joins_through_the_entry_point_group(tmp_path):
     (tmp_path / "my_recipe.py").write_text(
         '"""my_recipe: a plugin.\n\n    python -m recipes run my_recipe\n"""\n'
         "from dataclasses import dataclass\n\n"
-        "from core.config import Training\n"
+        "from core.kernel.job import Training\n"
         "from tools.registry import Recipe\n\n"
         "RECIPE = Recipe('my_recipe', 'my_recipe', 'a third-party recipe', builds_on='ddp')\n\n\n"
         "@dataclass(frozen=True)\nclass Config(Training):\n    pass\n\n\n"
@@ -409,7 +409,8 @@ def test_third_party_plug_in_joins_through_its_entry_point_group(tmp_path):
 )
 def test_a_training_process_ends_without_the_interpreter_teardown(entry, tmp_path):
     """DDP keeps gloo's worker threads alive to the end; a teardown racing them can SIGABRT a run that ended well
-    (core.config.leave). Both entry points leave through os._exit, after flushing what they printed."""
+    (tools/options.py's leave, the kernel's cli_main). Both entry points leave through os._exit, after flushing what
+    they printed."""
     # the package's CLI checks the options (--dry-run); the recipe's file, run as a script, trains no step
     script = (
         "import atexit, runpy, sys\n"
@@ -428,11 +429,12 @@ def test_a_training_process_ends_without_the_interpreter_teardown(entry, tmp_pat
 @pytest.mark.e2e
 def test_a_failed_collective_ends_with_its_traceback_and_without_the_teardown():
     """An error that is not the user's (a peer's link cut: a RuntimeError from gloo) prints Python's traceback and
-    exits 1, as an uncaught exception would, but through core.config.leave: the teardown race aborted it too."""
+    exits 1, as an uncaught exception would, but through os._exit (the kernel's cli_main): the teardown race aborted
+    it too."""
     script = (
         "import atexit, sys\n"
         "atexit.register(print, 'teardown ran')\n"
-        "from core.config import cli_main\n"
+        "from core.kernel.job import cli_main\n"
         "from recipes.ddp import Config\n"
         "def main(cfg):\n"
         "    raise RuntimeError('Application timeout caused pair closure')\n"

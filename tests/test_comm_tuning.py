@@ -17,15 +17,15 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core.config import UsageError, parse_args
 from core.kernel.builtin import MLP
 from core.kernel.job import RecipeError
 from core.loss import Loss
-from core.models import CNN
 from core.plugins import comm_hook, tuning
 from core.steps import step_plain
+from core.zoo import CNN
 from recipes import ddp, ddp_monitored
 from recipes.ddp_monitored import Config
+from tools.options import UsageError, parse_args
 from world import GlooWorld
 
 pytestmark = pytest.mark.world

@@ -15,16 +15,14 @@ from torch.utils.data import TensorDataset
 
 from core.accum import Accumulation
 from core.amp import Precision
-from core.config import Training, UsageError, parse_args
-from core.data import build_data, make_loader
-from core.datasets import digits
-from core.dist import Topology
-from core.kernel.job import RecipeError
+from core.kernel.builtin import MLP, digits
+from core.kernel.job import RecipeError, Training
 from core.kernel.store import run_dirs
-from core.kernel.train import ResumableSampler
-from core.models import MODELS, build_model
-from core.plugins.factories import resolve_factory
-from helpers import REPO, user_env
+from core.kernel.train import ResumableSampler, Topology, make_loader
+from core.plugins.factories import MODELS, resolve_factory
+from core.zoo import quick_digits
+from helpers import REPO, build_data, build_model, user_env
+from tools.options import UsageError, parse_args
 from tools.precheck import finished_run
 
 pytestmark = pytest.mark.fast
@@ -63,14 +61,17 @@ def test_sampler_partitions_the_data_set(world_size, length, seed, epoch, drop_l
 
 
 def _topo(rank: int, world_size: int) -> Topology:
-    return Topology(rank, world_size, torch.device("cpu"), "gloo")
+    return Topology(rank, world_size, torch.device("cpu"))
 
 
 @settings(max_examples=50, deadline=None)
 @given(world_size=st.integers(1, 8), length=st.integers(0, 100), batch_size=st.integers(1, 9))
 def test_eval_shards_cover_every_sample_once(world_size, length, batch_size):
     data = TensorDataset(torch.arange(length))
-    loaders = [make_loader(data, _topo(r, world_size), batch_size=batch_size, train=False) for r in range(world_size)]
+    loaders = [
+        make_loader(data, _topo(r, world_size), batch_size=batch_size, collate_fn=None, train=False)
+        for r in range(world_size)
+    ]
     assert sorted(i for loader in loaders for (batch,) in loader for i in batch.tolist()) == list(range(length))
 
 
@@ -95,6 +96,8 @@ def test_resumable_sampler_skips_the_consumed_part_of_an_epoch():
 def test_digits_is_embedded_and_split():
     train, val = digits()
     assert len(train) + len(val) == 1797 and len(val) == 359
+    quick = quick_digits()  # the package's --data digits: the same tensors, read without importing scikit-learn
+    assert all(torch.equal(a, b) for mine, its in zip(quick, (train, val)) for a, b in zip(mine.tensors, its.tensors))
     x, y = train[0]
     assert x.shape == (64,) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1 and y.dtype == torch.int64
 
@@ -145,13 +148,13 @@ def test_config_is_frozen():
 
 
 def test_factories_resolve_builtins_and_module_functions():
-    from core.models import cnn, mlp
+    from core.zoo import cnn
 
-    assert resolve_factory("mlp", MODELS, option="--model") is mlp  # a built-in is imported when asked for
-    assert resolve_factory("core.models:cnn", MODELS, option="--model") is cnn
+    assert resolve_factory("mlp", MODELS, option="--model") is MLP  # the kernel's, called with no arguments
+    assert resolve_factory("core.zoo:cnn", MODELS, option="--model") is cnn
     for spec, words in [
         ("nosuchpkg.mod:build", "cannot import 'nosuchpkg.mod'"),
-        ("core.models:nothing", "has no function 'nothing'"),
+        ("core.zoo:nothing", "has no function 'nothing'"),
         ("resnet", "not a built-in"),
     ]:
         with pytest.raises(RecipeError, match=words):

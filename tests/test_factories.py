@@ -4,13 +4,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from core.data import build_data
 from core.kernel.job import RecipeError
-from core.models import build_model
+from core.plugins.factories import data_from_spec, model_from_spec
 from tools.precheck import check_data, check_model
 
 
@@ -136,9 +136,9 @@ def test_good_factories_are_accepted_and_build_the_same_things(factories):
     assert callable(check_data_factory("fx:data_with_collate")["collate"])
     found = check_data_factory("digits")
     assert len(found["train"]) == 1438 and len(found["val"]) == 359 and not found["stream"]
-    train, val, collate = build_data("digits")
+    train, val, collate = data_from_spec(SimpleNamespace(data="digits", seed=0))  # the run's (the plug-in's)
     assert len(train) == 1438 and len(val) == 359 and collate is None
-    assert build_model("fx:model_ok").out_features == 2
+    assert model_from_spec(SimpleNamespace(model="fx:model_ok")).out_features == 2
 
 
 @pytest.mark.fast

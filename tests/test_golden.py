@@ -47,7 +47,7 @@ def worlds():
 
 def data_digest(spec: str) -> str:
     """sha256 of the training set's samples' bytes: which data the records are of (a map-style set, as built in)."""
-    from core.data import build_data
+    from helpers import build_data
 
     train_set = build_data(spec)[0]
     digest = hashlib.sha256(str(len(train_set)).encode())

@@ -20,8 +20,7 @@ import pytest
 from torch import nn
 
 import tools.supervise
-from core.dist import free_port
-from helpers import REPO, run, user_env
+from helpers import REPO, free_port, run, user_env
 from tools.supervise import Supervisor, explain, shorten, torchrun_error
 
 SINGLE, MULTI = str(REPO / "launch_single_node.sh"), str(REPO / "launch_multi_node.sh")

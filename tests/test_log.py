@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from core.config import env_int
 from core.kernel import job as records  # the log lives in the kernel now
-from core.kernel.job import fail, open_log, os_error_line, say
+from core.kernel.job import RecipeError, fail, open_log, os_error_line, say
 from core.plugins.take_back import take_back
 from core.records import RunFolder, write_record
+from tools.options import env_number
 
 pytestmark = pytest.mark.fast
 LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \| (INFO|WARNING|ERROR) +\| rank (\d+) \| (.*)")
@@ -147,7 +147,9 @@ def test_fail_says_its_line_when_rank_or_world_size_is_malformed(variable, monke
     monkeypatch.setattr(records.time, "sleep", lambda s: None)
     assert fail("environment variable RANK='abc' is not an integer", 1) == 1
     assert capsys.readouterr().err.strip() == "error: environment variable RANK='abc' is not an integer"
-    assert env_int(variable, 0) is None and env_int("NOT_SET_HERE", 3) == 3
+    with pytest.raises(RecipeError, match=f"{variable}='abc' is not an integer"):  # the runner's reader says it
+        env_number(variable, 0)
+    assert env_number("NOT_SET_HERE", 3) == 3
 
 
 def test_a_refused_run_takes_back_a_folder_that_holds_nothing_but_its_config_lock_and_log(run, tmp_path):
@@ -216,7 +218,7 @@ def test_the_log_format_is_loguru_s(run):
 
 LEAVE = """
 import os, signal, sys
-from core.config import leave
+from tools.options import leave
 def peer_gone():
     raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
 def interrupted_while_saying():

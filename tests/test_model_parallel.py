@@ -22,11 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core import accum, amp, data, grads, models, steps
+from core import accum, amp, grads, steps
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
 from core.loss import Loss, make_loss
-from helpers import unfinished
+from helpers import build_data, build_model, unfinished
 from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng
 from world import GlooWorld
 
@@ -60,9 +60,9 @@ def test_pipeline_evaluates_every_validation_sample_once(world2, tmp_path):
     samples of the whole groups alone are 8e-4 away), accuracy within one target of 37 x 64."""
     cfg = config("pipeline", out=str(tmp_path), data="mp_reference:odd_text", accum=2, microbatches=2, max_steps=1)
     summary = world2.run(run_recipe, "pipeline", cfg)[0]
-    model = models.build_model("gpt")
+    model = build_model("gpt")
     model.load_state_dict(load_file(summary["weights"]))
-    _, val, _ = data.build_data(cfg.data)
+    _, val, _ = build_data(cfg.data)
     inputs, targets = (torch.stack(column) for column in zip(*[val[i] for i in range(len(val))]))
     with torch.no_grad():
         logits = model.eval()(inputs)
@@ -160,9 +160,9 @@ def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
     shorter rank repeats its last batch uncounted, so the job ends and val_loss is the whole set's, counted once."""
     cfg = config("fsdp", out=str(tmp_path), model="mlp", data="digits", batch_size=1, max_steps=1)
     summary = world2.run(run_recipe, "fsdp", cfg)[0]
-    model = models.build_model("mlp")
+    model = build_model("mlp")
     model.load_state_dict(load_file(summary["weights"]))
-    val = torch.utils.data.DataLoader(data.build_data("digits")[1], batch_size=64)
+    val = torch.utils.data.DataLoader(build_data("digits")[1], batch_size=64)
     loss_fn = make_exact_loss(make_loss(model=model), model=model)
     expected = steps.evaluate(model, val, loss_fn=loss_fn, device=torch.device("cpu"), forward=forward_exact)
     assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
@@ -215,7 +215,7 @@ def _check_resume(name: str, cfg) -> None:
 
     module, world_size = importlib.import_module(f"recipes.{name}"), int(os.environ.get("WORLD_SIZE", "1"))
     dp = module.mesh(cfg, world_size)["dp"]
-    check_resume(name, module, cfg, models.build_model(cfg.model), world_size=world_size, dp=dp)
+    check_resume(name, cfg, build_model(cfg.model), world_size=world_size, dp=dp)
 
 
 @pytest.mark.world

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from copy_jobs import recording
 
-from core.config import UsageError, parse_args
 from core.kernel.job import RecipeError
 from core.kernel.train import cleanup_pg
 from helpers import in_one_interpreter, recipe_params, waiting
+from tools.options import UsageError, parse_args
 from tools.registry import RECIPES, takers
 
 NAMES = sorted(RECIPES)

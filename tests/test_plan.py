@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from plan_models import MATRIX
 
-from core.config import parse_args
 from core.kernel.job import RecipeError
 from tools.cli import run_cli
+from tools.options import parse_args
 from tools.plan import plan_recipe
 from tools.plan_measure import measure
 from tools.registry import RECIPES

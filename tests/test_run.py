@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import KEPT
 from core.plugins.records import repair_records
 from core.records import RunFolder, write_record
 from helpers import REPO, in_one_interpreter, recipes_cli, run, torchrun, user_env
+from tools.options import KEPT
 
 pytestmark = pytest.mark.e2e
 TINY = ["--model", "tiny:mlp", "--batch-size", "16", "--timeout-s", "60"]

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from core.dist import free_port
-from helpers import REPO, run, user_env
+from helpers import REPO, free_port, run, user_env
 
 STUBS = {
     "scontrol": """#!/usr/bin/env bash

@@ -577,11 +577,10 @@ def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a
 
 def test_a_copy_without_stream_takes_map_style_data_and_refuses_a_stream_in_one_line(project):
     """The `stream` feature left out, a copy keeps the map-style branch of `if stream.is_stream(...)` alone, and
-    its make_loader (the package's too) refuses an IterableDataset in one line naming the recipes that read one."""
+    its make_loaders refuses an IterableDataset in one line naming `--with stream` (the package's refusal, before
+    launch: test_factories' stream test)."""
     import runpy
     from types import SimpleNamespace
-
-    from core import data
 
     class Numbers(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -596,8 +595,6 @@ def test_a_copy_without_stream_takes_map_style_data_and_refuses_a_stream_in_one_
     cfg = SimpleNamespace(batch_size=2, seed=0, epochs=1, max_steps=0, accum=1)
     with pytest.raises(lean["RecipeError"], match=r"a stream \(Numbers, an IterableDataset\).*--with stream"):
         lean["make_loaders"](cfg, topo, Numbers(), None, None)  # ddp_amp's copy, on the kernel
-    with pytest.raises(data.RecipeError, match=r"a stream \(Numbers, an IterableDataset\).*--with stream"):
-        data.make_loader(Numbers(), topo, batch_size=2)
 
 
 def test_a_ddp_amp_copy_without_loss_counts_takes_the_models_own_loss_as_a_mean_per_micro_batch(project):

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from core import data, stream
-from core.dist import Topology
-from core.kernel.train import set_epoch, to_device
+from core import stream
+from core.kernel.train import Topology, make_loader, set_epoch, to_device
 from core.stream import StreamShard
 from world import GlooWorld
 
@@ -24,7 +23,7 @@ def loader_for(dataset, topo, **options):
     if stream.is_stream(dataset):
         options.pop("seed", None)
         return stream.make_loader(dataset, topo, **options)
-    return data.make_loader(dataset, topo, **options)
+    return make_loader(dataset, topo, **{"collate_fn": None, **options})
 
 
 def batches_per_epoch(loader) -> int:
@@ -47,7 +46,7 @@ class SizedStream(Stream):
 
 
 def topology(rank: int, world_size: int) -> Topology:
-    return Topology(rank, world_size, torch.device("cpu"), "gloo")
+    return Topology(rank, world_size, torch.device("cpu"))
 
 
 # Layer 1: the data position, pure.
@@ -58,7 +57,7 @@ def map_steps(n: int, world_size: int, batch: int, *, consumed: int = 0, seed: i
     dataset = TensorDataset(torch.arange(n))
     per_rank = []
     for rank in range(world_size):
-        loader = data.make_loader(dataset, topology(rank, world_size), batch_size=batch, seed=seed)
+        loader = make_loader(dataset, topology(rank, world_size), batch_size=batch, collate_fn=None, seed=seed)
         set_epoch(loader, 3, consumed=consumed)
         per_rank.append([set(x.tolist()) for (x,) in loader])
     assert len({len(batches) for batches in per_rank}) == 1, "every rank takes the same number of steps"
@@ -96,7 +95,9 @@ def test_a_resume_at_another_world_size_trains_the_same_samples_each_step(n, ws,
     assert resumed[: max(whole - stopped, 0)] == full[stopped:whole]
     assert all(len(step) == global_batch for step in full[:whole])
     assert batches_per_epoch(
-        data.make_loader(TensorDataset(torch.arange(n)), topology(0, world), batch_size=global_batch // world)
+        make_loader(
+            TensorDataset(torch.arange(n)), topology(0, world), batch_size=global_batch // world, collate_fn=None
+        )
     ) == len(full)
 
 
@@ -134,7 +135,7 @@ class Tokens(Dataset):
 
 @pytest.mark.fast
 def test_dict_samples_collate_to_dicts_and_move_to_the_device():
-    loader = data.make_loader(Tokens(), topology(0, 1), batch_size=4, train=False)
+    loader = make_loader(Tokens(), topology(0, 1), batch_size=4, collate_fn=None, train=False)
     batch = to_device(next(iter(loader)), torch.device("cpu"))
     assert set(batch) == {"input_ids", "labels", "id"} and batch["input_ids"].shape == (4, 4)
     assert batch["labels"].tolist() == [0, 1, 2, 3] and batch["id"] == ["doc0", "doc1", "doc2", "doc3"]

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import parse_args
 from core.kernel.job import RecipeError, Training
 from core.plugins.trackers import (
     OPENED,
@@ -31,6 +30,7 @@ from core.plugins.trackers import (
     open_logs,
     open_trackers,
 )
+from tools.options import parse_args
 
 pytestmark = pytest.mark.fast
 

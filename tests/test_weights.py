@@ -346,8 +346,9 @@ def test_a_full_disk_during_the_hf_write_is_the_disk_full_line(tmp_path, monkeyp
 def test_init_from_is_an_option_group_of_its_own(capsys):
     """28.4: --init-from is the init_from plug-in's InitFrom, in every recipe, with its own --help section; the
     init_from plug-in is that group whole (a lean copy's Config has no such base)."""
-    from core.config import Training, parse_args
+    from core.kernel.job import Training
     from tools.copies import feature_options
+    from tools.options import parse_args
     from tools.registry import RECIPES
 
     assert "init_from" not in Training.__dataclass_fields__ and list(InitFrom.__annotations__) == ["init_from"]

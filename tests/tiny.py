@@ -80,7 +80,7 @@ class Named(Dataset):
 
 
 def named():
-    from core.datasets import digits
+    from core.zoo import quick_digits as digits
 
     train, val = digits()
     return Named(train), Named(val)

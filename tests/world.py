@@ -35,12 +35,12 @@ def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], ta
     import torch
     import torch.distributed as dist
 
-    from core.dist import Topology
+    from core.kernel.train import Topology
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    topo = Topology(rank, world_size, torch.device("cpu"), "gloo")
+    topo = Topology(rank, world_size, torch.device("cpu"))
     try:
         while (task := tasks.get()) is not None:
             fn, args, kwargs = task
@@ -51,7 +51,7 @@ def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], ta
     finally:
         dist.destroy_process_group()
     # Every result has been read (close() asks to stop only then): end here, past the interpreter's teardown,
-    # which with gloo's threads still alive can take seconds (or abort; see core.config.leave).
+    # which with gloo's threads still alive can take seconds (or abort; see tools/options.py's leave).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -28,7 +28,6 @@ from core.kernel.job import RecipeError
 from core.kernel.train import to_device
 from core.loss import make_loss
 from core.loss_options import choose_loss
-from core.models import build_model
 from tools.precheck import check_data, check_model, unequal_counts
 from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
 
@@ -242,7 +241,7 @@ def _as_named(crash: Crash, model: str, runs_model: str) -> Crash:
 
 def without_dropout() -> nn.Module:
     """`check`'s --model for a model with dropout: the user's (TDR_CHECK_MODEL) with every dropout at p=0."""
-    model = build_model(os.environ["TDR_CHECK_MODEL"])
+    model = check_model(os.environ["TDR_CHECK_MODEL"])
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from core.config import KEPT, UsageError, leave, parse_args
 from core.kernel.job import RecipeError, fail, os_error_line
+from tools.options import KEPT, UsageError, env_number, leave, parse_args
 from tools.registry import PLUGIN_PROBLEMS, RECIPES, Recipe, takers
 
 
@@ -63,8 +63,6 @@ def run_recipe(name: str | None, args: tuple[str, ...]):
         )
     except UsageError as err:
         raise _explained(err, name, module.Config) from None
-    from core.dist import env_number
-
     # RANK=abc: one line that names it, before the recipe or the pre-check reads any of them
     _, world_size, _ = (env_number(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     if "RANK" not in os.environ or dry_run or not os.environ.get("TDR_PRECHECKED"):  # the launcher ran it once
@@ -318,4 +316,4 @@ def run_cli(args: list[str] | None = None) -> int:
 
 
 def main() -> None:
-    leave(run_cli)  # without the interpreter's teardown: see core.config.leave
+    leave(run_cli)  # without the interpreter's teardown: see tools/options.py

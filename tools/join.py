@@ -8,10 +8,11 @@ import os
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from core.dist import env_number, init_pg
 from core.kernel.job import RecipeError
+from tools.options import env_number
 
 
 def check_nodes_alike() -> None:
@@ -52,5 +53,7 @@ def join(*, timeout_s: float) -> None:
         raise RecipeError(
             f"rank {os.environ['RANK']} could not host or reach the job's store on loopback ({err})"
         ) from None
-    if store is not None:
-        init_pg(timeout_s=timeout_s, store=store)  # the recipe's init_pg then finds the group joined
+    if store is not None:  # the recipe's init_pg then finds the group joined (and sets its device)
+        backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", timedelta(seconds=timeout_s)
+        rank, world_size = env_number("RANK", 0), env_number("WORLD_SIZE", 1)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import UsageError
+from tools.options import UsageError
 
 GIB, MIB, KIB = 2**30, 2**20, 2**10
 CONTEXT_GIB = {"lazy": 0.3, "eager": 0.7}  # pytorch/pytorch#86509: 287,047,680 bytes lazy, 666,632,192 eager
@@ -128,7 +128,7 @@ def fixed_terms(*, dims: dict[str, int], world_size: int, spec: str | None = Non
 
 
 def gpu_job() -> bool:
-    """Whether the job's ranks run on this machine's GPUs (core.dist.pick_device's choice)."""
+    """Whether the job's ranks run on this machine's GPUs (TDR_DEVICE=cpu: a CPU job on a GPU machine)."""
     return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
 
 

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from core import amp, models, schedules
+from core import amp, schedules
 from core.kernel.job import RecipeError
+from tools.precheck import check_model
 from tools.registry import RECIPES
 
 REPLICAS = ("ddp", "ddp_amp", "ddp_monitored")  # a whole replica on each rank, and DDP's buckets
@@ -72,7 +73,7 @@ def held_bytes(params) -> int:
     return total
 
 
-def build_layout(name: str, cfg, *, device_mesh, build=models.build_model, device=None) -> Layout:
+def build_layout(name: str, cfg, *, device_mesh, build=check_model, device=None) -> Layout:
     """Rank `rank`'s layout of recipe `name`, built on the current tensors (`device`: where a measured run puts it)."""
     model = build(cfg.model)
     if device is not None and name != "pipeline":  # the pipeline moves its stages after the split, as below

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import accum, parallel, schedules, steps
-from core.config import parse_args
 from core.kernel.train import Topology, to_device
+from tools.options import parse_args
 from tools.plan import first_batch, recipe_loss
 from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
 from tools.plan_step import quiet, tensors

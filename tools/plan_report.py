@@ -12,9 +12,8 @@ import sys
 
 import torch
 
-from core.config import UsageError, parse_args
-from core.dist import env_number
 from core.kernel.job import RecipeError
+from tools.options import UsageError, env_number, parse_args
 from tools.plan import Plan, plan_recipe
 from tools.plan_fixed import GIB, Fixed, fixed_terms, gpu_job, over, parse_fixed
 from tools.plan_layout import REPLICAS, mesh_dims

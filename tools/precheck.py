@@ -1,11 +1,6 @@
-"""The pre-check: everything that can be refused before any process starts, said in one line with the fix.
-
-The launchers run it once (`python -m recipes run NAME ... --dry-run`, WORLD_SIZE set to the job's) before
-torchrun; a single-process `python -m recipes run` runs it first too. It calls the factories once, takes one
-training step on the first samples through core.loss (the recipes' own forward), and checks what the run would
-refuse only once its ranks are up, with the same functions the run calls. Nothing is written by it. A copied
-recipe does not carry it: `python -m recipes run` does.
-"""
+"""The pre-check: what a run would refuse once its ranks are up, refused before any process starts (the launchers'
+`--dry-run`, or first in a single process), in one line with the fix: the factories called once, one training step
+on the first samples, the resume checked with the functions the run calls. It writes nothing; a copy lacks it."""
 
 from __future__ import annotations
 
@@ -22,6 +17,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+import core.attach  # noqa: F401 - the package's plug-ins and built-ins (cnn, gpt, synthetic, text)
 from core.accum import make_loaders
 from core.kernel.job import RecipeError
 from core.kernel.seams import TRAINS_ON
@@ -31,6 +27,7 @@ from core.loss import IGNORE, make_loss
 from core.loss_options import choose_loss
 from core.plugins.factories import DATASETS, MODELS, resolve_factory
 from core.plugins.stream import is_stream
+from tools.plan_fixed import gpu_job
 from tools.probes import (
     batchnorm_layers,
     check_call,
@@ -112,9 +109,7 @@ def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
     if not (isinstance(result, tuple | list) and len(result) in (2, 3)):
         raise RecipeError(f"--data {spec}: {shape}; it returned {type(result).__name__}")
     train, val, collate = (*result, None)[:3]
-    for name, dataset in (("train", train), ("val", val)):
-        if dataset is None and name == "val":
-            continue
+    for name, dataset in (("train", train), ("val", val))[: 1 + (val is not None)]:  # val may be None
         if is_stream(dataset):
             if not streams:
                 from tools.registry import RECIPES
@@ -149,9 +144,8 @@ def check_steps(found: dict, cfg, *, dp: int) -> None:
     steps = SimpleNamespace(**{"accum": 1, **vars(cfg)})  # ddp takes no --accum: one micro-batch a step
     total = make_loaders(steps, topo, found["train"], None, found["collate"])[2]
     if found["stream"] and total == 0 and cfg.epochs > 0 and not cfg.max_steps:  # a stream shorter than one step
-        what = f"--batch-size {cfg.batch_size}" + (f" --accum {steps.accum}" if steps.accum > 1 else "")
-        fix = "use a smaller --batch-size or fewer ranks"
-        raise RecipeError(f"{what}: the stream ({len(found['train'])} samples) holds no step for {dp} rank(s); {fix}")
+        fix = f"the stream ({len(found['train'])} samples) holds no step for {dp} rank(s); use a smaller --batch-size"
+        raise RecipeError(f"--batch-size {cfg.batch_size} --accum {steps.accum}: {fix} or fewer ranks")
 
 
 def check_model(spec: str) -> nn.Module:
@@ -180,15 +174,10 @@ def check_trainable(model: nn.Module, *, spec: str, init_from: str = "") -> None
         )
 
 
-def _gpu() -> bool:
-    """Whether the ranks will run on GPUs (the kernel's init_pg takes CUDA where it is)."""
-    return torch.cuda.is_available() and os.environ.get("TDR_DEVICE") != "cpu"
-
-
 def check_devices(model: nn.Module, *, spec: str, sync_batchnorm: bool) -> None:
     """SyncBatchNorm runs on GPUs only: --sync-batchnorm, or SyncBatchNorm layers in the model, on a CPU job is one
     line (torch would refuse it only in the first forward, with one process it would do nothing)."""
-    if _gpu():
+    if gpu_job():
         return
     if sync_batchnorm:
         raise RecipeError(
@@ -249,7 +238,7 @@ def unequal_counts(recipe, batch, loss_fn, *, dp: int) -> list[str]:
     """The line for a recipe that averages its replicas' mean losses (ddp, dp) when the first samples count
     different numbers of targets (-100 padding): a target then weighs more on a replica that counts fewer."""
     own = isinstance(batch, Mapping) or loss_fn.targets_as is not None  # the model's own loss, in each replica
-    replicas = dp if recipe.multi_node else (torch.cuda.device_count() if _gpu() and own else 1)  # dp: one process
+    replicas = dp if recipe.multi_node else (torch.cuda.device_count() if gpu_job() and own else 1)  # dp: one process
     targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
     if replicas < 2 or not torch.is_tensor(targets) or targets.is_floating_point() or targets.dim() < 1:
         return []
@@ -270,7 +259,7 @@ def batchnorm_warnings(model: nn.Module) -> list[str]:
     names = batchnorm_layers(model)
     if not names:
         return []
-    fix = "--sync-batchnorm shares them" if _gpu() else "--sync-batchnorm (GPUs only) would share them"
+    fix = "--sync-batchnorm shares them" if gpu_job() else "--sync-batchnorm (GPUs only) would share them"
     return [
         f"BatchNorm layers {few(names)} normalise with each rank's own batch and keep per-rank running statistics, "
         f"so the replicas' buffers end up different; {fix}"
@@ -297,18 +286,15 @@ def check_resume(recipe: str, cfg, model, *, world_size: int, dp: int) -> None:
     if finished_run(cfg, recipe, resume):
         return  # at any world size, its --epochs and --max-steps: the run is finished and trains nothing
     path = (newest_good(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
-    if path is None:
-        return  # --resume auto and nothing to resume: a fresh run
-    global_batch = cfg.batch_size * dp * getattr(cfg, "accum", 1)
-    config = {"recipe": recipe, "world_size": world_size, "global_batch": global_batch, **vars(cfg)}
-    meta = read_checkpoint(path, tensors=False)[1]  # whole, undamaged, and this model (a sharded one: its shards)
-    read_checkpoint(path, None if "shards" in meta else model)
-    check_continues(path, meta, config)
+    if path is not None:  # else --resume auto and nothing to resume: a fresh run
+        batch = cfg.batch_size * dp * getattr(cfg, "accum", 1)
+        meta = read_checkpoint(path, tensors=False)[1]  # whole, undamaged, and this model (a sharded one: its shards)
+        read_checkpoint(path, None if "shards" in meta else model)
+        check_continues(path, meta, {"recipe": recipe, "world_size": world_size, "global_batch": batch, **vars(cfg)})
 
 
 def finished_run(cfg, recipe: str, resume: str) -> bool:
-    """The kernel's `finished`, without its process group: `resume` continues a run whose last record is its
-    summary (written last), and no plug-in trains it on (the longer plug-in: other lengths)."""
+    """The kernel's `finished` without its process group: the last record is the summary and no plug-in trains on."""
     ckpt = Path(resume).parent  # RUN/ckpt/step-N continues RUN
     runs = [ckpt.parent] * (ckpt.name == "ckpt") if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1:]
     with contextlib.suppress(IndexError, OSError, ValueError):  # no run, no record, or a torn last line
