@@ -362,9 +362,12 @@ def test_third_party_recipe_joins_through_the_entry_point_group(tmp_path):
         '"""my_recipe: a plugin.\n\n    python -m recipes run my_recipe\n"""\n'
         "from dataclasses import dataclass\n\n"
         "from core.kernel.job import Training\n"
+        "from core.kernel.seams import OPTION_GROUPS\n"
+        "from core.plugins import factories, loss  # --model, --data, --loss: what the pre-check calls\n"
         "from tools.registry import Recipe\n\n"
-        "RECIPE = Recipe('my_recipe', 'my_recipe', 'a third-party recipe', builds_on='ddp')\n\n\n"
-        "@dataclass(frozen=True)\nclass Config(Training):\n    pass\n\n\n"
+        "PLUGINS = ('factories', 'loss')\n"
+        "RECIPE = Recipe('my_recipe', 'my_recipe', 'a third-party recipe', builds_on='ddp', plugins=PLUGINS)\n\n\n"
+        "@dataclass(frozen=True)\nclass Config(Training, *OPTION_GROUPS):\n    pass\n\n\n"
         "def main(cfg):\n    print('plugin ran with lr', cfg.lr)\n"
     )
     dist_info = tmp_path / "my_recipe-0.1.dist-info"
