@@ -109,18 +109,18 @@ def test_a_training_checkpoint_starts_a_run_from_its_model_part(tmp_path, group1
 
 
 def test_a_sharded_checkpoint_or_a_file_of_it_names_what_to_pass_instead(tmp_path):
-    """A review find: a file of ckpt/step-N/ was "another model", the folder "no such file", and --resume of the file
-    advised a folder that does not exist."""
+    """A review find: a file of ckpt/step-N/ was "another model", the folder "no such file" (core/shard_ckpt.py's
+    layout: the shards in ckpt/step-N/, the file --resume takes beside it)."""
     step = tmp_path / "ckpt" / "step-000010"
     step.mkdir(parents=True)
-    (step / "checkpoint.json").write_text("{}")
+    save_weights({"rng/0/cpu": torch.get_rng_state()}, step.with_suffix(".safetensors"))
     shard = step / "shard-00001-model-00001-of-00001.safetensors"
     save_weights(trained(gpt2)[1], shard)
     for path in (step, shard):
         with pytest.raises(RecipeError) as err:
             read_weights(path)
         assert one_line(err).startswith(f"--init-from {path}: a sharded training checkpoint")
-        assert f"continue it with --resume {step}" in one_line(err)
+        assert f"continue it with --resume {step}.safetensors" in one_line(err)
 
 
 @pytest.mark.parametrize(
