@@ -23,7 +23,7 @@ LAYERS = ("fast", "world", "e2e")
 SECONDS = {
     "test_launchers": 180, "test_run": 113, "test_check": 109, "test_standalone": 99, "test_multinode": 85,
     "test_plan": 66, "test_amp_accum_clip": 61, "test_cli": 50, "test_ckpt": 48, "test_model_parallel": 44,
-    "test_right": 41, "test_precheck": 35, "test_finetune": 30, "test_shard_ckpt": 29, "test_monitoring": 23,
+    "test_right": 41, "test_precheck": 35, "test_finetune": 30, "test_dcp": 29, "test_monitoring": 23,
     "test_options": 20, "test_model_parallel_2d": 19, "test_golden": 17, "test_model_parallel_e2e": 16,
     "test_comm_tuning": 16, "test_dist": 14, "test_loss_contract": 11, "test_ckpt_integrity": 10,
 }  # fmt: skip
