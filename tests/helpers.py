@@ -99,6 +99,11 @@ def unfinished(run_dir: Path) -> Path:
     return Path(run_dir)
 
 
+def checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The step-N.safetensors files of a ckpt/ folder, oldest first (a killed write's .step-N... files are not)."""
+    return sorted(Path(ckpt_dir).glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))
+
+
 def build_data(spec: str) -> tuple:
     """(train, val, collate_fn or None) of a --data spec: its factory called as the package calls it."""
     import core.attach  # noqa: F401 - the package's built-ins (synthetic, text)

@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core import ckpt, meter, monitor, records
+from core import meter, monitor, records
 from core.kernel.builtin import MLP
 from core.kernel.store import open_run
 from core.loss import Loss
 from core.plugins import watchdog
 from core.steps import step_plain
-from helpers import REPO, run, user_env
+from helpers import REPO, checkpoints, run, user_env
 from recipes import ddp_monitored
 
 TESTS = str(REPO / "tests")
@@ -230,7 +230,7 @@ def test_the_command_line_runs_main_with_debug_profile_and_async_checkpoints(tmp
     run_dir = next(tmp_path.glob("ddp_monitored-*"))
     trace = json.loads((run_dir / "profile" / "rank0.json").read_text())
     assert any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
-    assert [p.name for p in ckpt.list_checkpoints(run_dir / "ckpt")] == [
+    assert [p.name for p in checkpoints(run_dir / "ckpt")] == [
         "step-000006.safetensors",
         "step-000012.safetensors",
     ]

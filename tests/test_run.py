@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.kernel.job import RunFolder, write_record
 from core.plugins.records import repair_records
-from core.records import RunFolder, write_record
 from helpers import REPO, in_one_interpreter, recipes_cli, run, torchrun, user_env
 from tools.options import KEPT
 
