@@ -22,9 +22,7 @@ from core.accum import make_loaders
 from core.kernel.job import RecipeError
 from core.kernel.seams import TRAINS_ON
 from core.kernel.store import check_continues, newest_good, read_checkpoint, run_dirs
-from core.kernel.train import Topology, to_device
-from core.loss import IGNORE, make_loss
-from core.loss_options import choose_loss
+from core.kernel.train import IGNORE, Topology, make_loss, to_device
 from core.plugins.factories import DATASETS, MODELS, resolve_factory
 from core.plugins.stream import is_stream
 from tools.plan_fixed import gpu_job
@@ -68,7 +66,8 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
     grads = check_step(model, batch, model_spec=cfg.model, data_spec=cfg.data, loss=cfg.loss)
     if "find_unused_parameters" in takes and not (cfg.find_unused_parameters or cfg.static_graph):
         check_unused(model, grads, spec=cfg.model)
-    warnings = unequal_counts(recipe, batch, make_loss(model=model), dp=dp) if recipe.mean_per_replica else []
+    auto = make_loss(SimpleNamespace(loss="auto"), model)  # the model's own loss, else cross-entropy
+    warnings = unequal_counts(recipe, batch, auto, dp=dp) if recipe.mean_per_replica else []
     if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         check_resume(recipe.name, cfg, model, world_size=world_size, dp=dp)
     return warnings + (batchnorm_warnings(model) if "sync_batchnorm" in takes and not cfg.sync_batchnorm else [])
@@ -193,15 +192,14 @@ def check_devices(model: nn.Module, *, spec: str, sync_batchnorm: bool) -> None:
 
 
 def check_step(model: nn.Module, batch, *, model_spec: str, data_spec: str, loss: str) -> dict[str, torch.Tensor]:
-    """One forward and backward of the first samples through core.loss, as the recipes take it; the gradients.
+    """One forward and backward of the first samples, as the recipes take them (the kernel's Loss); the gradients.
     A sample that does not fit the forward's signature names the call and the signature; a --loss that cannot
     work names the ones that would."""
     where = f"--model {model_spec} --data {data_spec}"
-    device = next(model.parameters(), torch.empty(0)).device
-    batch = to_device(batch, device)
+    batch = to_device(batch, next(model.parameters(), torch.empty(0)).device)
     synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
     try:
-        loss_fn = choose_loss(loss, make_loss(model=model), model=model)  # as the recipes take it
+        loss_fn = make_loss(SimpleNamespace(loss=loss), model)  # as the recipes take it (the loss plug-in's --loss)
         check_call(model, batch, loss_fn, where=where)
         for layer in synced:  # SyncBatchNorm trains on GPUs only; here its running statistics stand in
             layer.eval()
@@ -216,7 +214,7 @@ def check_step(model: nn.Module, batch, *, model_spec: str, data_spec: str, loss
     working = " or ".join(losses_that_work(model, batch, besides=loss))
     if failed.startswith(where):  # the sample does not fit the signature: its own fix, and a --loss that fits
         raise RecipeError(failed + (f"; --loss {working} fits this model and data" if working else ""))
-    problem = failed.removeprefix(f"--loss {loss}: ").split("; ")[0]  # core.loss's problem; the fix is below
+    problem = failed.removeprefix(f"--loss {loss}: ").split("; ")[0]  # the loss's problem; the fix is below
     fix = (
         f"use --loss {working}, with which this model and data give a loss" if working else "fix the model or the data"
     )
