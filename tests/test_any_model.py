@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from core import comm, parallel, pipeline, shard, tp_plan, tuning
+from core import parallel, pipeline, shard, tp_plan, tuning
 from core.gpt import GPT
 from core.kernel.builtin import MLP
 from core.kernel.job import RecipeError
@@ -112,14 +112,6 @@ def test_batchnorm_layers_and_sync_batchnorm_on_cpu(monkeypatch):
         check_devices(model, spec="m", sync_batchnorm=True)
     with pytest.raises(RecipeError, match="SyncBatchNorm layers .* run on GPUs only"):
         check_devices(nn.SyncBatchNorm.convert_sync_batchnorm(model), spec="m", sync_batchnorm=False)
-
-
-@pytest.mark.fast
-def test_ddp_kwargs():
-    assert comm.ddp_kwargs(fixed_buckets=True)["find_unused_parameters"] is True
-    assert comm.ddp_kwargs(bucket_mb=4)["bucket_cap_mb"] == 4
-    with pytest.raises(RecipeError, match="--static-graph"):
-        comm.ddp_kwargs(static_graph=True, fixed_buckets=True)
 
 
 @pytest.mark.fast
