@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from core import accum, amp, dist, models  # noqa: E402
 from core.exact_loss import make_exact_loss  # noqa: E402
-from core.kernel.train import cleanup_pg
-from core.loss import Loss  # noqa: E402
+from core.kernel.train import Loss, cleanup_pg  # noqa: E402
 
 
 def always_sync(model, *, enabled):
@@ -50,7 +49,7 @@ def timed_steps(model, optimizer, batches, *, precision: str, sync, n: int) -> f
     """Seconds per optimizer step over n steps, every rank starting and ending together."""
     torch_dist.barrier()
     started = time.perf_counter()
-    loss_fn = make_exact_loss(Loss("ce"), model=model.module)
+    loss_fn = make_exact_loss(Loss(), model=model.module)
     for _ in range(n):
         accum.step_amp(model, batches, optimizer=optimizer, loss_fn=loss_fn, precision=precision, sync=sync)
     torch_dist.barrier()

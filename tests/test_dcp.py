@@ -15,11 +15,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from core import dcp, dcp_folder, parallel
+from core import dcp, dcp_folder
 from core.gpt import GPT
 from core.kernel.job import RecipeError
 from core.records import RunFolder
 from core.schedules import Stage, root_module
+from mp_reference import apply_fsdp, apply_tp
 from world import GlooWorld
 
 pytestmark = pytest.mark.world
@@ -43,12 +44,12 @@ def _build(kind: str, world: int, *, lr: float = 1e-2, context: int = CONTEXT):
     torch.manual_seed(0)
     model = GPT(vocab=VOCAB, context=context, dim=32, heads=2, layers=2)
     if kind == "fsdp":
-        parallel.apply_fsdp(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+        apply_fsdp(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
     elif kind == "tp":
-        parallel.apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+        apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
     elif kind == "fsdp_tp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        parallel.apply_fsdp(parallel.apply_tp(model, mesh["tp"]), mesh=mesh["dp"])
+        apply_fsdp(apply_tp(model, mesh["tp"]), mesh=mesh["dp"])
     elif kind == "pipeline":
         rank = torch.distributed.get_rank()
         model = Stage({i: model.blocks[i] for i in range(2 * rank, 2 * rank + 2)})  # two blocks a stage
