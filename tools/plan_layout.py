@@ -78,11 +78,13 @@ def build_layout(name: str, cfg, *, device_mesh, build=models.build_model, devic
     if device is not None and name != "pipeline":  # the pipeline moves its stages after the split, as below
         model = model.to(device)
     if name in REPLICAS or name == "dp":
-        from core.plugins.tuning import checkpoint_blocks, to_channels_last  # ddp_monitored's, attached by it
-
         if getattr(cfg, "channels_last", False) and not isinstance(next(model.parameters(), None), FakeTensor):
+            from core.plugins.tuning import to_channels_last  # the recipe's plug-in (ddp_monitored), attached already
+
             model = to_channels_last(model)  # the same bytes in another order: fake weights cannot be swapped
         if getattr(cfg, "activation_checkpointing", False):
+            from core.plugins.tuning import checkpoint_blocks
+
             checkpoint_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
         # DDP's buckets: one copy of the gradients at any world size (backward makes each gradient, views or not)
