@@ -4,7 +4,7 @@ Each behaviour end to end, on one process (tests/cli_cases.py: several `python -
 it needs ranks: the final checkpoint and --keep; the cosine recomputed over the new total (logged rates against the
 formula) while a run that is not extended keeps its rates (tests/golden, tests/test_right.py); the records (an
 `extend` record, both summaries, readers take the last); interruptions (bit for bit); only finished runs extend;
-the pre-check agrees; the older recipes (through core/ckpt.py and core/dcp.py) and the standalone copy do it too.
+the pre-check agrees; the other recipes (fsdp with its sharded checkpoints) and the standalone copy do it too.
 """
 
 from __future__ import annotations
@@ -260,21 +260,45 @@ def test_the_pre_check_agrees(finished, tmp_path):
         assert changed in str(refused.value)
 
 
-# 6. The other recipes, the sharded ones through core/dcp.py, and the standalone copy.
+# 6. The other recipes (fsdp: sharded checkpoints), and the standalone copy.
 
 
-@pytest.mark.parametrize("recipe", ["dp", "ddp_amp", "fsdp"])
-def test_the_other_recipes_train_longer(recipe, tmp_path):
-    model = [] if recipe == "fsdp" else ["--model", "tiny:mlp"]  # fsdp: its default, a small transformer
-    args = [*model, "--lr", str(LR), "--log-every", "1", "--ckpt-every", "0", "--out", str(tmp_path)]
-    for more in (["--max-steps", "3"], ["--max-steps", "5", "--resume", "auto"]):  # one process each: its lock goes
-        run([sys.executable, "-m", "recipes", "run", recipe, *args, *more], cwd=tmp_path, env=ENV, timeout=300)
-    records = _records(tmp_path / f"{recipe}-1")
+OTHERS = ["dp", "ddp_amp", "fsdp"]
+HF_EXAMPLE = ["--model", "tiny_gpt2:model", "--data", "tiny_gpt2:data", "--batch-size", "8"]  # docs/examples/
+
+
+@pytest.fixture(scope="module")
+def others_extended(tmp_path_factory) -> dict[str, Path]:
+    """Each of the other recipes, and ddp on a transformers model, run to 3 (2) steps and resumed to 5 (4): the first
+    runs in one interpreter (tests/cli_cases.py), the resumes in another: {recipe or "hf": its out folder}."""
+    outs = {name: tmp_path_factory.mktemp(name) for name in [*OTHERS, "hf"]}
+    first, then = [], []  # a run holds its folder's lock until its process ends: the resumes run in a second one
+    for recipe in OTHERS:
+        model = [] if recipe == "fsdp" else ["--model", "tiny:mlp"]  # fsdp: its default, a small transformer
+        args = ["run", recipe, *model, "--lr", str(LR), "--log-every", "1", "--ckpt-every", "0", "--out"]
+        first.append({"args": [*args, str(outs[recipe]), "--max-steps", "3"], "cwd": str(outs[recipe])})
+        then.append(
+            {"args": [*args, str(outs[recipe]), "--max-steps", "5", "--resume", "auto"], "cwd": str(outs[recipe])}
+        )
+    hf = {"args": ["run", "ddp", *HF_EXAMPLE, "--out", str(outs["hf"])], "cwd": str(outs["hf"])}
+    first.append(hf | {"args": [*hf["args"], "--max-steps", "2"]})
+    then.append(hf | {"args": [*hf["args"], "--max-steps", "4", "--resume", "auto"]})
+    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO / "docs" / "examples"), PATHS]))
+    for cases in (first, then):
+        for proc in in_one_interpreter(cases, env=env, timeout=400):
+            _ok(proc)
+    return outs
+
+
+@pytest.mark.parametrize("recipe", OTHERS)
+def test_the_other_recipes_train_longer(recipe, others_extended):
+    out = others_extended[recipe]
+    records = _records(out / f"{recipe}-1")
     assert [r["steps"] for r in records if r["kind"] == "summary"] == [3, 5]
     assert {"kind": "extend", "step": 3, "old_total": 3, "new_total": 5} in records
     lrs = {r["step"]: r["lr"] for r in records if r["kind"] == "train"}
     assert lrs == pytest.approx({s: _cosine(s, 3 if s <= 3 else 5) for s in range(1, 6)}, rel=1e-9, abs=1e-15)
-    saved = sorted({p.name.split(".")[0] for p in (tmp_path / f"{recipe}-1" / "ckpt").iterdir()})  # a file, a folder
+    saved = sorted({p.name.split(".")[0] for p in (out / f"{recipe}-1" / "ckpt").iterdir()})  # a file, a folder
     assert saved == ["step-000003", "step-000005"]
 
 
@@ -299,15 +323,11 @@ def test_the_standalone_copy_trains_longer_with_the_longer_plug_in_and_stays_fin
     assert [r["steps"] for r in lean if r["kind"] == "summary"] == [3] and "already finished" in procs[1].stdout
 
 
-def test_the_final_weights_and_hf_are_written_again_at_the_new_end(tmp_path):
+def test_the_final_weights_and_hf_are_written_again_at_the_new_end(others_extended):
     """A transformers model (docs/examples/tiny_gpt2.py): hf/ holds the extended run's weights."""
     from transformers import AutoModelForCausalLM
 
-    example = ["--model", "tiny_gpt2:model", "--data", "tiny_gpt2:data", "--batch-size", "8", "--out", str(tmp_path)]
-    env = user_env(PYTHONPATH=os.pathsep.join([str(REPO / "docs" / "examples"), PATHS]))
-    for more in (["--max-steps", "2"], ["--max-steps", "4", "--resume", "auto"]):
-        run([sys.executable, "-m", "recipes", "run", "ddp", *example, *more], cwd=tmp_path, env=env, timeout=300)
-    run_dir = tmp_path / "ddp-1"
+    run_dir = others_extended["hf"] / "ddp-1"
     assert [r["steps"] for r in _records(run_dir) if r["kind"] == "summary"] == [2, 4]
     saved = load_file(str(run_dir / "model.safetensors"))
     final = load_file(str(run_dir / "ckpt" / "step-000004.safetensors"))
