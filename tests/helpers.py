@@ -97,3 +97,8 @@ def unfinished(run_dir: Path) -> Path:
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text("".join(line for line in lines if '"kind": "summary"' not in line))
     return Path(run_dir)
+
+
+def checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The step-N.safetensors files of a ckpt/ folder, oldest first (a killed write's .step-N... files are not)."""
+    return sorted(Path(ckpt_dir).glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))

@@ -16,10 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from core import ckpt, weights
-from core.ckpt_io import list_checkpoints
-from core.records import RunFolder
-from helpers import REPO, run, torchrun, unfinished, user_env
+from core.kernel.job import RunFolder
+from core.kernel.store import load_checkpoint, newest_good, read_checkpoint, save_checkpoint, write_weights
+from helpers import REPO, checkpoints, run, torchrun, unfinished, user_env
 from tiny import TiedMLP
 
 TESTS = str(Path(__file__).parent)
@@ -62,7 +61,7 @@ class Holder(torch.nn.Module):
 def test_weights_round_trip_bitwise(tmp_path_factory, specs, seed, share):
     tensors = [_random(dtype, shape, seed + i) for i, (dtype, shape) in enumerate(specs)]
     holder = Holder(tensors, [(0, 0)] if share else [])
-    path = weights.write_weights(_run(tmp_path_factory.mktemp("rt")), holder.state_dict())
+    path = write_weights(_run(tmp_path_factory.mktemp("rt")), holder.state_dict())
     loaded = load_file(path)
     assert loaded.keys() == holder.state_dict().keys()
     for key, value in holder.state_dict().items():
@@ -75,7 +74,7 @@ def test_weights_round_trip_bitwise(tmp_path_factory, specs, seed, share):
 
 def test_tied_weights_load_into_the_plain_model(tmp_path):
     model = TiedMLP()
-    weights.write_weights(_run(tmp_path), model.state_dict())
+    write_weights(_run(tmp_path), model.state_dict())
     fresh = TiedMLP()
     fresh.load_state_dict(load_file(tmp_path / "model.safetensors"))
     assert torch.equal(fresh.encode.weight, model.encode.weight) and fresh.decode.weight is fresh.encode.weight
@@ -94,15 +93,15 @@ def _train_state(seed=0):
     return model, optimizer, scheduler
 
 
-def test_train_state_round_trips_in_a_world_of_one(tmp_path):
+def test_train_state_round_trips_in_a_world_of_one(tmp_path, group1):
     model, optimizer, scheduler = _train_state()
     progress = {"epoch": 1, "samples": 4, "step": 3, "skipped": 0, "window": {"loss_sum": 2.5, "count": 3.0}}
-    path = ckpt.save_checkpoint(
+    path = save_checkpoint(
         _run(tmp_path), model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=2
     )
     expected_rng = torch.rand(3)  # what the generator gives right after the save
     other_model, other_optimizer, other_scheduler = _train_state(seed=1)
-    restored = ckpt.load_checkpoint(
+    restored = load_checkpoint(
         _run(tmp_path, path), model=other_model, optimizer=other_optimizer, scheduler=other_scheduler
     )
     assert restored == progress
@@ -115,16 +114,17 @@ def test_train_state_round_trips_in_a_world_of_one(tmp_path):
         assert state.keys() == restored["state"][index].keys()
         assert all(torch.equal(state[k], restored["state"][index][k]) for k in state)
     assert scheduler.state_dict() == other_scheduler.state_dict()
-    header = json.loads(json.dumps(ckpt.read_checkpoint(path)[1]))
+    header = json.loads(json.dumps(read_checkpoint(path)[1]))
     assert header["world_size"] == "1" and header["torch"] == torch.__version__
 
 
-def test_keep_prunes_old_checkpoints_only_after_writing(tmp_path):
-    model, optimizer, _ = _train_state()
+def test_keep_prunes_old_checkpoints_only_after_writing(tmp_path, group1):
+    model, optimizer, scheduler = _train_state()
     for step in range(1, 6):
         progress = {"epoch": 0, "samples": step, "step": step}
-        ckpt.save_checkpoint(_run(tmp_path), model=model, optimizer=optimizer, keep=2, progress=progress)
-    assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == [
+        state = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+        save_checkpoint(_run(tmp_path), **state, keep=2, progress=progress)
+    assert [p.name for p in checkpoints(tmp_path / "ckpt")] == [
         "step-000004.safetensors",
         "step-000005.safetensors",
     ]
@@ -134,21 +134,26 @@ KILL_IN_RENAME = """
 import os, signal, sys, torch
 sys.path[:0] = [{tests!r}]
 from pathlib import Path
-from core import ckpt
-from core.records import RunFolder
+from core.kernel.job import RunFolder
+from core.kernel.store import save_checkpoint
 from tiny import TiedMLP
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 model = TiedMLP(); optimizer = torch.optim.AdamW(model.parameters())
+scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
 run = RunFolder(Path({folder!r}), None, "ddp", {{"global_batch": 8}}, True)
 os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # die between the write and the rename
-ckpt.save_checkpoint(run, model=model, optimizer=optimizer, keep=2, progress={{"epoch": 0, "samples": 9, "step": 9}})
+progress = {{"epoch": 0, "samples": 9, "step": 9}}
+save_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, keep=2, progress=progress)
 """
 
 
-def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path):
+def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path, group1):
     run_dir = tmp_path / "ddp-1"
-    model, optimizer, _ = _train_state()
+    run_dir.mkdir()  # as open_run makes it
+    model, optimizer, scheduler = _train_state()
     progress = {"epoch": 0, "samples": 5, "step": 5}
-    good = ckpt.save_checkpoint(_run(run_dir), model=model, optimizer=optimizer, progress=progress, keep=2)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    good = save_checkpoint(_run(run_dir), **state, progress=progress, keep=2)
     proc = subprocess.run(
         [sys.executable, "-c", KILL_IN_RENAME.format(tests=TESTS, folder=str(run_dir))],
         cwd=REPO,
@@ -157,8 +162,8 @@ def test_writer_killed_before_rename_leaves_the_last_checkpoint(tmp_path):
     )
     assert proc.returncode == -signal.SIGKILL
     assert any(p.name.startswith(".step-000009") for p in (run_dir / "ckpt").iterdir()), "the half-done write"
-    assert ckpt.newest_good(run_dir) == good
-    ckpt.read_checkpoint(good)  # whole and readable
+    assert newest_good(run_dir) == good
+    read_checkpoint(good)  # whole and readable
 
 
 def _recipe(*args, nproc=2, cwd, timeout=180, check=True, env=None):
@@ -388,7 +393,7 @@ def test_sigkill_of_a_worker_restarts_and_finishes_with_the_same_weights(finishe
     )
     ckpt_dir, killed, deadline = tmp_path / "runs" / "ddp-1" / "ckpt", False, time.monotonic() + 120
     while not killed and job.poll() is None and time.monotonic() < deadline:
-        if list_checkpoints(ckpt_dir):  # training is under way: kill rank 1 mid-run
+        if checkpoints(ckpt_dir):  # training is under way: kill rank 1 mid-run
             for pid in _worker_pids(int(marker)):
                 os.kill(pid, signal.SIGKILL)
                 killed = True

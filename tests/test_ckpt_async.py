@@ -12,12 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from core import ckpt_async
-from core.ckpt_io import list_checkpoints
 from core.config import UsageError, parse_args
 from core.kernel.job import RecipeError, RunFolder
 from core.kernel.store import read_checkpoint, save_checkpoint
 from core.plugins.lock import HELD
-from helpers import unfinished
+from helpers import checkpoints, unfinished
 from recipes import ddp_monitored
 from tiny import TiedMLP
 from tools.cli import _explained
@@ -39,14 +38,6 @@ def _train_state(seed=0, steps=3) -> dict:
     return dict(model=model, optimizer=optimizer, scheduler=scheduler)
 
 
-@pytest.fixture
-def alone():
-    """A process group of one (the kernel's save is a collective), left as it was found."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
 def _progress(step):
     return {"epoch": 0, "samples": 8 * step, "step": step, "skipped": 0}
 
@@ -60,7 +51,7 @@ def _run(path, *, writer=True) -> RunFolder:
 
 
 @pytest.mark.fast
-def test_async_save_writes_the_same_bytes_and_snapshots_before_returning(tmp_path, alone):
+def test_async_save_writes_the_same_bytes_and_snapshots_before_returning(tmp_path, group1):
     state = _train_state()
     model, optimizer = state["model"], state["optimizer"]
     sync_path = save_checkpoint(_run(tmp_path / "sync"), **state, progress=_progress(5), keep=2)
@@ -72,14 +63,14 @@ def test_async_save_writes_the_same_bytes_and_snapshots_before_returning(tmp_pat
     saver.save(run, **state, progress=_progress(6), keep=2)  # waits for step 5's write first
     saver.wait()
     assert async_path.read_bytes() == sync_path.read_bytes()
-    assert [p.name for p in list_checkpoints(tmp_path / "async" / "ckpt")] == [
+    assert [p.name for p in checkpoints(tmp_path / "async" / "ckpt")] == [
         async_path.name,
         "step-000006.safetensors",
     ]
 
 
 @pytest.mark.fast
-def test_the_step_waits_for_the_copy_only_and_reuses_the_host_buffers(tmp_path, monkeypatch, alone):
+def test_the_step_waits_for_the_copy_only_and_reuses_the_host_buffers(tmp_path, monkeypatch, group1):
     """The write is held back until the test lets it go: save() has returned by then, and the next save waits."""
     release, writers, real_write = threading.Event(), [], ckpt_async.write_tensors
 
@@ -118,7 +109,7 @@ def test_the_step_waits_for_the_copy_only_and_reuses_the_host_buffers(tmp_path, 
 
 
 @pytest.mark.fast
-def test_a_failed_background_write_is_named_by_its_own_step(tmp_path, alone):
+def test_a_failed_background_write_is_named_by_its_own_step(tmp_path, group1):
     (tmp_path / "file").write_text("not a folder")
     state = _train_state()
     saver, run = ckpt_async.CheckpointSaver(background=True), _run(tmp_path / "file")
@@ -212,7 +203,7 @@ def test_the_recipe_with_ckpt_async_resumes_bitwise_and_ends_after_its_last_writ
     (_, in_flight), _ = world2.run(_train_monitored, cfg)
     assert in_flight == 0  # train returned after its last write
     run_dir = tmp_path / "ddp_monitored-1"
-    saved = list_checkpoints(run_dir / "ckpt")
+    saved = checkpoints(run_dir / "ckpt")
     assert [p.name for p in saved] == ["step-000004.safetensors", "step-000008.safetensors"]
     _, meta = read_checkpoint(saved[-1])  # the run's last write had landed, whole, when train returned
     assert json.loads(meta["progress"])["step"] == 8

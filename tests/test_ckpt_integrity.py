@@ -9,13 +9,11 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from core import ckpt
-from core.ckpt_io import read_header
+import core.plugins.checks  # noqa: F401 - its READ_CHECKS: a diverged state's values, the model's shapes
 from core.folder import check_continues
-from core.kernel.job import RecipeError
-from core.kernel.store import checksum
+from core.kernel.job import RecipeError, RunFolder
+from core.kernel.store import checksum, load_checkpoint, newest_good, read_checkpoint, save_checkpoint
 from core.plugins.lock import remove_stale_temporaries
-from core.records import RunFolder
 from tiny import TiedMLP
 from world import GlooWorld
 
@@ -28,8 +26,7 @@ def _run(folder, resume_from=None, **config) -> RunFolder:
 
 def check_resume(path, *, model, recipe: str, precision: str, world_size: int, global_batch: int) -> dict:
     """What the pre-check checks of a one-file checkpoint: whole, this model, and continuable in this job."""
-    tensors, meta = ckpt.read_checkpoint(path)
-    ckpt.check_shapes(path, tensors, model)
+    _, meta = read_checkpoint(path, model)
     batch = global_batch // world_size
     config = CONFIG | {"recipe": recipe, "precision": precision, "global_batch": global_batch, "batch_size": batch}
     check_continues(path, meta, config, dp=world_size)
@@ -52,8 +49,18 @@ def _progress(step, **extra):
 
 
 def _save(run_dir, step, model, optimizer, **config):
-    progress = _progress(step)
-    return ckpt.save_checkpoint(_run(run_dir, **config), model=model, optimizer=optimizer, progress=progress, keep=10)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)  # as open_run makes it
+    state = dict(model=model, optimizer=optimizer, scheduler=_scheduler(optimizer))
+    return save_checkpoint(_run(run_dir, **config), **state, progress=_progress(step), keep=10)
+
+
+def _scheduler(optimizer):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+
+
+def _header(path) -> dict:
+    data = path.read_bytes()
+    return json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])
 
 
 def _data_start(data: bytes, key: str) -> int:
@@ -104,34 +111,35 @@ DAMAGE = [
 
 @pytest.mark.fast
 @pytest.mark.parametrize("damage,words", DAMAGE, ids=[d.__name__.strip("_") for d, _ in DAMAGE])
-def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before(tmp_path, capsys, damage, words):
+def test_damaged_checkpoint_is_refused_in_one_line_and_auto_takes_the_one_before(
+    tmp_path, capsys, group1, damage, words
+):
     folder = tmp_path / "ddp-1"
     model, optimizer = _train_state()
     good = _save(folder, 10, model, optimizer)
     newest = _save(folder, 20, model, optimizer)
     damage(newest)
     with pytest.raises(RecipeError) as refused:
-        ckpt.read_checkpoint(newest)
+        read_checkpoint(newest)
     assert words in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(RecipeError, match=words):
         check_resume(newest, model=model, recipe="ddp", precision="fp32", world_size=1, global_batch=8)
-    assert ckpt.newest_good(folder) == good
+    assert newest_good(folder) == good
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and f"skipping {newest}" in lines[0] and "taking the one before" in lines[0]
-    good.write_bytes(good.read_bytes()[:100])  # the only one left is damaged too: the line says so
-    assert ckpt.newest_good(folder) is None
+    assert len(lines) == 1 and f"skipping {newest}" in lines[0] and "trying the one before" in lines[0]
+    good.write_bytes(good.read_bytes()[:100])  # the only one left is damaged too: none is taken
+    assert newest_good(folder) is None
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and lines[1].startswith(f"warning: --resume auto: skipping {good}, damaged")
-    assert lines[1].endswith("; it is the oldest")
 
 
 @pytest.mark.fast
-def test_every_tensor_and_the_header_carry_checksums_that_hold(tmp_path):
+def test_every_tensor_and_the_header_carry_checksums_that_hold(tmp_path, group1):
     model, optimizer = _train_state()
     path = _save(tmp_path, 1, model, optimizer)
-    header = read_header(path)
+    header = _header(path)
     sums = json.loads(header["__metadata__"]["checksums"])
-    tensors, _ = ckpt.read_checkpoint(path)
+    tensors, _ = read_checkpoint(path)
     assert sums.keys() == tensors.keys() and all(sums[k] == checksum(t) for k, t in tensors.items())
     assert header["__metadata__"]["header_checksum"].startswith("crc32:") and all(
         s.startswith("xxh3:") for s in sums.values()
@@ -142,7 +150,9 @@ def _save_in_world(topo, folder):
     model, optimizer = _train_state(seed=0)
     torch.manual_seed(100 + topo.rank)  # each rank's generator differs: the checkpoint holds both
     run = RunFolder(Path(folder), None, "ddp", CONFIG | {"world_size": 2, "global_batch": 16}, topo.rank == 0)
-    ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=_progress(7), keep=2)
+    save_checkpoint(
+        run, model=model, optimizer=optimizer, scheduler=_scheduler(optimizer), progress=_progress(7), keep=2
+    )
     return torch.rand(1).item()  # what rank r's generator gives next
 
 
@@ -158,7 +168,8 @@ def _load_as(topo, path, seed):
     model, optimizer = _train_state(seed=5)
     torch.manual_seed(seed + topo.rank)
     seeded = torch.get_rng_state()
-    progress = ckpt.load_checkpoint(_run(Path(path).parent.parent, path), model=model, optimizer=optimizer)
+    run = RunFolder(Path(path).parent.parent, Path(path), "ddp", CONFIG, topo.rank == 0)
+    progress = load_checkpoint(run, model=model, optimizer=optimizer, scheduler=_scheduler(optimizer))
     restored = torch.equal(torch.get_rng_state(), seeded)
     return progress, model.state_dict(), torch.rand(1).item(), restored
 
@@ -167,7 +178,7 @@ def _load_as(topo, path, seed):
 @pytest.mark.parametrize("new_world", [1, 4])
 def test_world2_checkpoint_continues_at_another_world_size(world2_checkpoint, new_world):
     path, next_draws = world2_checkpoint
-    tensors, meta = ckpt.read_checkpoint(path)
+    tensors, meta = read_checkpoint(path)
     assert meta["world_size"] == "2" and meta["global_batch"] == "16"
     expected = TiedMLP()
     expected.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
@@ -267,7 +278,7 @@ def test_incompatible_resumes_are_refused_naming_both_sides(tmp_path, saved, rec
 
 
 @pytest.mark.fast
-def test_check_resume_refuses_before_any_group_and_writes_nothing(tmp_path):
+def test_check_resume_refuses_before_any_group_and_writes_nothing(tmp_path, group1):
     model, optimizer = _train_state()
     path = _save(tmp_path, 3, model, optimizer)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}

@@ -1,4 +1,4 @@
-"""A run's printed lines and its log (core.records): train.log through loguru, the error line a job prints once, and
+"""A run's printed lines and its log (core.kernel.job): train.log through loguru, the error line a job prints once, and
 the line a failed write gives (issue 28 item 5, issue 27 item 7). In-process: no process group, no launch."""
 
 import errno
@@ -13,9 +13,8 @@ from loguru import logger
 
 from core.config import env_int
 from core.kernel import job as records  # the log lives in the kernel now
-from core.kernel.job import fail, open_log, os_error_line, say
+from core.kernel.job import RunFolder, fail, open_log, os_error_line, say, write_record
 from core.plugins.take_back import take_back
-from core.records import RunFolder, write_record
 
 pytestmark = pytest.mark.fast
 LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \| (INFO|WARNING|ERROR) +\| rank (\d+) \| (.*)")
@@ -183,19 +182,32 @@ def test_a_full_disk_names_the_folder_written_to_never_the_working_directory(run
     assert os_error_line(tensorboard) == f"{run.path}/tensorboard/events.out: Permission denied; check the folder"
 
 
-def test_a_sharded_checkpoint_on_a_full_disk_is_the_ranks_oserror_not_a_checkpointexception(tmp_path):
+def test_a_sharded_checkpoint_on_a_full_disk_is_the_ranks_oserror_not_a_checkpointexception(run, monkeypatch, group1):
     """DCP's CheckpointException is a BaseException: past every handler, a traceback and 'rank 1 exited with code 1
-    without an error message'. dcp.save_checkpoint raises the OSError it holds."""
+    without an error message'. save_sharded raises the OSError it holds."""
+    import torch
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from core.dcp import _first_os_error
+    from core import shard_ckpt
 
-    failures = {0: (ValueError("other"), None), 1: (OSError(errno.ENOSPC, "No space left on device"), None)}
-    err = _first_os_error(CheckpointException("save", failures), tmp_path / ".step-000002.tmp")
-    assert isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename == str(tmp_path / ".step-000002.tmp")
-    assert os_error_line(err).startswith(f"{tmp_path}: the disk is full")
-    other = _first_os_error(CheckpointException("save", {0: (ValueError("bad"), None)}), tmp_path)
-    assert isinstance(other, RuntimeError) and "bad" in str(other)
+    def failing(failures):
+        def save(*args, **kwargs):
+            raise CheckpointException("save", failures)
+
+        return save
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shard_ckpt.dcp, "save", failing({0: (ValueError("other"), None), 1: (full, None)}))
+    with pytest.raises(OSError) as err:
+        shard_ckpt.save_sharded(run, **state, progress={"step": 2}, keep=2)
+    open_log(run)
+    assert err.value is full and os_error_line(err.value).startswith(f"{run.path}: the disk is full")
+    monkeypatch.setattr(shard_ckpt.dcp, "save", failing({0: (ValueError("bad"), None)}))
+    with pytest.raises(RuntimeError, match="bad"):
+        shard_ckpt.save_sharded(run, **state, progress={"step": 2}, keep=2)
 
 
 def test_say_prints_info_on_stdout_and_the_rest_on_stderr(capsys):

@@ -20,7 +20,7 @@ from core import ckpt, folder, monitor, records
 from core.kernel.builtin import MLP
 from core.kernel.train import Loss, Tally, log_train, step_plain
 from core.plugins import meter, watchdog
-from helpers import REPO, run, user_env
+from helpers import REPO, checkpoints, run, user_env
 from recipes import ddp_monitored
 
 TESTS = str(REPO / "tests")
@@ -233,7 +233,7 @@ def test_the_command_line_runs_main_with_debug_profile_and_async_checkpoints(tmp
     run_dir = next(tmp_path.glob("ddp_monitored-*"))
     trace = json.loads((run_dir / "profile" / "rank0.json").read_text())
     assert any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
-    assert [p.name for p in ckpt.list_checkpoints(run_dir / "ckpt")] == [
+    assert [p.name for p in checkpoints(run_dir / "ckpt")] == [
         "step-000006.safetensors",
         "step-000012.safetensors",
     ]

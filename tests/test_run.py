@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from core.config import KEPT
+from core.kernel.job import RunFolder, write_record
 from core.plugins.records import repair_records
-from core.records import RunFolder, write_record
 from helpers import REPO, in_one_interpreter, recipes_cli, run, torchrun, user_env
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,6 @@
-"""Starting from weights (core.weights) and the Hugging Face folder of a run (core.hf), on transformers
-models from tiny configs (no download): GPT-2 ties its embeddings to lm_head, Llama does not."""
+"""Starting from weights (the kernel's write_weights, the init_from plug-in) and the Hugging Face folder of a run
+(the hf plug-in), on transformers models from tiny configs (no download): GPT-2 ties its embeddings to lm_head, Llama
+does not."""
 
 import json
 import pickle
@@ -10,11 +11,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from core.kernel.job import RecipeError
+from core.kernel.job import RecipeError, RunFolder
+from core.kernel.store import save_checkpoint, write_weights
 from core.plugins.hf import hf_model, write_hf_folder
 from core.plugins.init_from import InitFrom, check_weights, load_weights, read_weights
-from core.records import RunFolder
-from core.weights import write_weights
 
 
 def _run(folder) -> RunFolder:
@@ -94,39 +94,33 @@ def test_a_runs_model_safetensors_starts_a_run(tmp_path):
         assert fresh.lm_head.weight is fresh.transformer.wte.weight
 
 
-def test_a_training_checkpoint_starts_a_run_from_its_model_part(tmp_path):
+def test_a_training_checkpoint_starts_a_run_from_its_model_part(tmp_path, group1):
     """A review find: --init-from RUN/ckpt/step-N.safetensors was called "another model" (its keys are model/...,
     beside the optimizer's); its model part is the weights at step N, a fine start for a new run."""
-    from core import ckpt
-
     model, state = trained(gpt2)
     optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
     progress = {"step": 4, "epoch": 0, "samples": 64, "skipped": 0}
     run = RunFolder(tmp_path, None, "ddp", {"model": "x", "global_batch": 16}, True)
-    path = ckpt.save_checkpoint(run, model=model, optimizer=optimizer, progress=progress, keep=2)
+    path = save_checkpoint(run, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, keep=2)
     fresh, _ = trained(gpt2, seed=2)
     load_weights(fresh, path)
     assert_same(state, fresh)
 
 
 def test_a_sharded_checkpoint_or_a_file_of_it_names_what_to_pass_instead(tmp_path):
-    """A review find: a file of ckpt/step-N/ was "another model", the folder "no such file", and --resume of the file
-    advised a folder that does not exist."""
-    from core import dcp_folder
-
+    """A review find: a file of ckpt/step-N/ was "another model", the folder "no such file" (core/shard_ckpt.py's
+    layout: the shards in ckpt/step-N/, the file --resume takes beside it)."""
     step = tmp_path / "ckpt" / "step-000010"
     step.mkdir(parents=True)
-    (step / "checkpoint.json").write_text("{}")
+    save_weights({"rng/0/cpu": torch.get_rng_state()}, step.with_suffix(".safetensors"))
     shard = step / "shard-00001-model-00001-of-00001.safetensors"
     save_weights(trained(gpt2)[1], shard)
     for path in (step, shard):
         with pytest.raises(RecipeError) as err:
             read_weights(path)
         assert one_line(err).startswith(f"--init-from {path}: a sharded training checkpoint")
-        assert f"continue it with --resume {step}" in one_line(err)
-    with pytest.raises(RecipeError) as err:
-        dcp_folder.read_info(shard)
-    assert one_line(err) == f"--resume {shard}: a file inside a sharded checkpoint; pass its folder: {step}"
+        assert f"continue it with --resume {step}.safetensors" in one_line(err)
 
 
 @pytest.mark.parametrize(
@@ -151,7 +145,9 @@ def test_a_damaged_run_file_is_refused(tmp_path):
     _, state = trained(gpt2)
     path = save_weights(state, tmp_path / "model.safetensors")
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0x40  # a bit of the last tensor
+    size = int.from_bytes(data[:8], "little")
+    end = 8 + size + json.loads(data[8 : 8 + size])["lm_head.weight"]["data_offsets"][1]
+    data[end - 3] ^= 0x40  # a bit of lm_head.weight
     path.write_bytes(bytes(data))
     with pytest.raises(RecipeError) as err:
         read_weights(path)

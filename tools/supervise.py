@@ -49,8 +49,7 @@ LOST = re.compile(
     r"|\[([0-9a-f.:]+)\]:\d+: (Connection (reset|closed|refused)[a-z ]*|Broken pipe)"
 )
 CKPT = re.compile(r"step-(\d+)(\.safetensors)?")
-TEMPORARY = re.compile(r"\..+\.tmp-(\d+)")  # core.ckpt_io's atomic writes, core.hf's folder: .NAME.tmp-PID
-SHARDED_TEMPORARY = re.compile(r"\.step-\d+\.tmp")  # core.dcp's checkpoint folder while its ranks write it
+TEMPORARY = re.compile(r"\..+\.tmp-(\d+)")  # the kernel's write_tensors, the hf plug-in's folder: .NAME.tmp-PID
 
 
 def signame(signum: int) -> str:
@@ -240,8 +239,8 @@ def log_line(run_dir: str | None, text: str, *, level: str) -> None:
             log.write(f"{stamp} | {level:<7} | launcher | {text}\n".encode())
 
 
-def remove_temporaries(run_dir: Path, *, sharded: bool) -> list[Path]:
-    """Delete what a killed write left in run_dir and run_dir/ckpt (and, `sharded`, DCP's .step-N.tmp folders)."""
+def remove_temporaries(run_dir: Path) -> list[Path]:
+    """Delete what a killed write left in run_dir and run_dir/ckpt (a sharded save's step-N/: its next save does)."""
     removed = []
     for folder in (run_dir, run_dir / "ckpt"):
         try:
@@ -250,7 +249,7 @@ def remove_temporaries(run_dir: Path, *, sharded: bool) -> list[Path]:
             continue
         for path in found:
             pid = TEMPORARY.fullmatch(path.name)
-            if (pid and not alive(int(pid[1]))) or (sharded and SHARDED_TEMPORARY.fullmatch(path.name)):
+            if pid and not alive(int(pid[1])):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
                 removed.append(path)
     return removed
@@ -487,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         pump(torchrun.stderr.fileno(), watch.feed, watch.tick, until=torchrun_gone_a_while)
         code = watch.finish(torchrun.wait())
         if code and watch.run_dir is not None:  # the job ended: no write of its own is in flight on this node
-            remove_temporaries(Path(watch.run_dir), sharded=opts.this_node is None)
+            remove_temporaries(Path(watch.run_dir))
         return code
     finally:
         if opts.remove:

@@ -29,10 +29,10 @@ def weight_files(path: str) -> list[Path]:
     """The safetensors files `path` names: itself, or a folder's model.safetensors, or the shards its index lists."""
     where = Path(path)
     step = where if where.is_dir() else where.parent
-    if (step / "checkpoint.json").is_file():  # a sharded checkpoint's ckpt/step-N/, or a file of it
+    if step.parent.name == "ckpt" and step.with_suffix(".safetensors").is_file():  # shard_ckpt's step-N/, a file
         raise RecipeError(
             f"--init-from {path}: a sharded training checkpoint (each file holds some ranks' shards), not weights; "
-            f"start from the run's model.safetensors or hf/, or continue it with --resume {step}"
+            f"start from the run's model.safetensors or hf/, or continue it with --resume {step}.safetensors"
         )
     if where.is_dir() and (where / INDEX).is_file():
         files = [where / name for name in index_files(where / INDEX, path=path)]
