@@ -23,8 +23,7 @@ from core.accum import step_amp
 from core.amp import grad_sync
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
-from core.kernel.train import Tally, evaluate, forward, split_outputs, step_plain, summarize
-from core.kernel.train import make_loss as kernel_make_loss
+from core.kernel.train import Tally, evaluate, forward, make_loss, split_outputs, step_plain, summarize
 from core.mesh import evaluate_sharded
 from core.plugins import meter
 from core.plugins.loss import split_any
@@ -162,13 +161,13 @@ class Regressor(nn.Module):
 
 def loss_for(spec: str, model):
     """--loss spec as the recipes take it: the kernel's make_loss, then the loss plug-in's choice."""
-    return kernel_make_loss(SimpleNamespace(loss=spec), model)
+    return make_loss(SimpleNamespace(loss=spec), model)
 
 
-def make_loss(*, model):
+def base_loss(model):
     """The kernel's loss without the loss plug-in: what a lean copy takes."""
     with mock.patch("core.kernel.train.LOSS_CHOICES", []):
-        return kernel_make_loss(None, model)
+        return make_loss(None, model)
 
 
 @pytest.fixture
@@ -578,17 +577,15 @@ def test_the_base_alone_takes_every_sample_shape_and_the_common_outputs():
     labels (the model's own loss), -100 ignored; logits, (logits,), (logits, loss), dict outputs. Float targets
     under --loss ce: one line (the plug-in's; a `targets` forward is the plug-in's, test_nanogpt_auto_...)."""
     model, (x, y) = gpt2(), lm_batch([8, 5, 3], seed=7, pairs=True)
-    mean, _ = forward(model, (x, y), make_loss(model=model))
+    mean, _ = forward(model, (x, y), base_loss(model))
     torch.testing.assert_close(mean, F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100))
     batch = lm_batch([8, 5, 3], seed=7)
-    torch.testing.assert_close(forward(model, batch, make_loss(model=model))[0], model(**batch).loss)
+    torch.testing.assert_close(forward(model, batch, base_loss(model))[0], model(**batch).loss)
     three, (a, mask, c) = ThreeParts(), (torch.randn(5, 4), torch.ones(5, 4), torch.tensor([0, 1, 2, -100, 0]))
-    torch.testing.assert_close(
-        forward(three, (a, mask, c), make_loss(model=three))[0], F.cross_entropy(three(a, mask), c)
-    )
+    torch.testing.assert_close(forward(three, (a, mask, c), base_loss(three))[0], F.cross_entropy(three(a, mask), c))
     for kind in ("tensor", "tuple", "list", "dict"):
         wrapped = Wrapped(kind)
-        mean, sums = forward(wrapped, (a, c), make_loss(model=wrapped))
+        mean, sums = forward(wrapped, (a, c), base_loss(wrapped))
         torch.testing.assert_close(mean, F.cross_entropy(wrapped.lin(a), c))
         assert sums["count"].item() == 4 and "correct" in sums
     with pytest.raises(RecipeError, match="cross-entropy needs logits and int64 targets; use --loss model or mse"):
@@ -641,7 +638,7 @@ def test_a_causal_lms_val_loss_weighs_each_counted_target_alike_in_the_base(one_
     row): val_loss over padded sequences of other lengths, by hand, is the mean over every shifted counted label."""
     model = gpt2(seed=3).eval()
     batches = [lm_batch([8, 2], seed=4), lm_batch([3, 7, 5], seed=5)]
-    result = evaluate(model, batches, loss_fn=make_loss(model=model), device=CPU)
+    result = evaluate(model, batches, loss_fn=base_loss(model), device=CPU)
     losses, hits = [], []
     for batch in batches:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
@@ -660,13 +657,13 @@ def test_a_batch_with_no_counted_target_counts_nowhere(one_rank):
     model = nn.Linear(4, 3)
     masked = (torch.randn(2, 4), torch.full((2,), -100))
     counted = (torch.randn(3, 4), torch.tensor([0, 2, 1]))
-    mean, metrics = forward(model, masked, make_loss(model=model))
+    mean, metrics = forward(model, masked, base_loss(model))
     assert math.isnan(mean.item()) and metrics["loss_sum"].item() == 0 and metrics["count"].item() == 0
     hand = F.cross_entropy(model(counted[0]), counted[1]).item()
-    assert evaluate(model, [masked, counted], loss_fn=make_loss(model=model), device=CPU)["val_loss"] == pytest.approx(
+    assert evaluate(model, [masked, counted], loss_fn=base_loss(model), device=CPU)["val_loss"] == pytest.approx(
         hand, rel=1e-6
     )
-    exact_fn = make_exact_loss(make_loss(model=model), model=model)
+    exact_fn = make_exact_loss(base_loss(model), model=model)
     assert evaluate_sharded(model, [masked, counted], loss_fn=exact_fn, device=CPU)["val_loss"] == (
         pytest.approx(hand, rel=1e-6)
     )
