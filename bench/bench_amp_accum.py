@@ -31,8 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout without i
 
 from core import accum, amp  # noqa: E402
 from core.exact_loss import make_exact_loss  # noqa: E402
-from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
-from core.loss import Loss  # noqa: E402
+from core.kernel.train import Loss, cleanup_pg, init_pg  # noqa: E402
 from helpers import free_port  # noqa: E402
 from tools.precheck import check_model  # noqa: E402
 
@@ -53,7 +52,7 @@ def timed_steps(model, optimizer, batches, *, precision: str, sync, n: int) -> f
     """Seconds per optimizer step over n steps, every rank starting and ending together."""
     torch_dist.barrier()
     started = time.perf_counter()
-    loss_fn = make_exact_loss(Loss("ce"), model=model.module)
+    loss_fn = make_exact_loss(Loss(), model=model.module)
     for _ in range(n):
         accum.step_amp(model, batches, optimizer=optimizer, loss_fn=loss_fn, precision=precision, sync=sync)
     torch_dist.barrier()

@@ -26,14 +26,16 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' free_port
 
-from core import parallel, schedules, steps  # noqa: E402
+from core import schedules  # noqa: E402
 from core.gpt import GPT  # noqa: E402
-from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
-from core.loss import Loss  # noqa: E402
+from core.kernel.train import Loss, cleanup_pg, init_pg, step_plain  # noqa: E402
+from core.mesh import build_mesh  # noqa: E402
+from core.shard import shard_blocks  # noqa: E402
 from helpers import free_port  # noqa: E402
 
 
@@ -122,7 +124,9 @@ def memory(topo, *, kind: str) -> dict:
     torch.manual_seed(0)
     model = GPT(dim=256, heads=8, layers=4).to(topo.device)
     if kind == "fsdp":  # the fsdp recipe's fully_shard calls
-        parallel.apply_fsdp(model, mesh=parallel.build_mesh(topo, {"dp": topo.world_size}))
+        mesh = build_mesh(topo, {"dp": topo.world_size})
+        for block in [*shard_blocks(None, model), model]:  # each block, then the root
+            fully_shard(block, mesh=mesh)
     else:
         ids = [topo.device.index] if topo.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -130,9 +134,9 @@ def memory(topo, *, kind: str) -> dict:
     if topo.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(topo.device)
     x = torch.randint(128, (8, 64), device=topo.device)
-    loss_fn = Loss("ce")
+    loss_fn = Loss()  # the GPT returns logits: cross-entropy
     for _ in range(2):
-        steps.step_plain(model, (x, x), optimizer=optimizer, loss_fn=loss_fn)
+        step_plain(model, (x, x), optimizer=optimizer, loss_fn=loss_fn)
     peak = torch.cuda.max_memory_allocated(topo.device) if topo.device.type == "cuda" else None
     return {"state_MiB": state_bytes(model, optimizer) / 2**20, "peak_MiB": peak and peak / 2**20}
 

@@ -34,7 +34,6 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core import meter  # noqa: E402
 from core.kernel.train import Topology  # noqa: E402
 from core.plugins import watchdog  # noqa: E402
 from core.plugins.factories import DATASETS  # noqa: E402
@@ -101,18 +100,18 @@ def recipe_run(topo: Topology, args, runner: str, changes: dict, marks: list, ou
         name="bench",
         **changes,
     )
-    log_train = meter.log_train
+    log_train = recipe.log_train  # the kernel's, as the recipe imported it
 
-    def observed(run, clock, *, step, **fields):  # after the record's collective, as the hand loop's all-reduce
-        log_train(run, clock, step=step, **fields)
+    def observed(run, window, *, step, **fields):  # after the record's collective, as the hand loop's all-reduce
+        log_train(run, window, step=step, **fields)
         marks.append((step, time.perf_counter(), time.process_time()))
 
-    stdout, sys.stdout, meter.log_train = sys.stdout, open(os.devnull, "w"), observed  # the table, not its lines
+    stdout, sys.stdout, recipe.log_train = sys.stdout, open(os.devnull, "w"), observed  # the table, not its lines
     try:
         recipe.train(cfg, topo)
     finally:
         sys.stdout.close()
-        sys.stdout, meter.log_train = stdout, log_train
+        sys.stdout, recipe.log_train = stdout, log_train
 
 
 def worker(rank, world_size, store_path, variants, args, result_dir):

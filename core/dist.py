@@ -1,4 +1,4 @@
-"""The collectives the older modules (core/ckpt.py, meter.py, stream.py) still call; the
+"""The collectives the older modules (core/ckpt.py, stream.py) still call; the
 process group is the kernel's init_pg (core/kernel/train.py). Goes with the last of them."""
 
 from __future__ import annotations

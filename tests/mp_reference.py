@@ -10,15 +10,39 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+import core.plugins.loss  # noqa: F401 - --loss, as the recipes take it
 from core.accum import step_amp
 from core.exact_loss import make_exact_loss
-from core.kernel.train import Topology, make_loader
-from core.loss import make_loss
-from core.loss_options import choose_loss
+from core.kernel.train import Topology, make_loader, make_loss
 from core.plugins.factories import data_from_spec, model_from_spec
 from core.plugins.init_from import load_weights
+from core.shard import fsdp_policy, shard_blocks
+from core.tp_plan import plan_of
 
 BASE = dict(model="gpt", data="mp_reference:short_text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
+
+
+def apply_fsdp(model: nn.Module, *, mesh) -> nn.Module:
+    """fully_shard each block, then the root, in fp32: the fsdp recipes' lines (core.shard's blocks and policy)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in shard_blocks(None, model):
+        fully_shard(block, mesh=mesh, **fsdp_policy("fp32"))
+    return fully_shard(model, mesh=mesh, **fsdp_policy("fp32"))
+
+
+def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """The recipes' TP split (core.tp_plan.plan_of) over a 1-D `mesh`, in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, mesh, plan_of(model, tp=mesh.size(), sequence_parallel=sequence_parallel))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights gathered from the shards on rank 0 ({} on the others; a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def config(name: str, **changes):
@@ -50,7 +74,7 @@ def reference(cfg, *, replicas: int) -> dict[str, torch.Tensor]:
     model = model_from_spec(cfg)
     if cfg.init_from:
         load_weights(model, cfg.init_from)
-    loss_fn = make_exact_loss(choose_loss(cfg.loss, make_loss(model=model), model=model), model=model)
+    loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
     loaders = [
         make_loader(
             train_set,

@@ -1,7 +1,7 @@
 """The models and data a user brings, for the proofs that the recipes train what the user meant (tests/test_right.py).
 
 A task with a known answer: tagging, `target[t] = (7 * x[t] + 3) % V`, aligned with the input position by position.
-Its samples come in every shape core.loss takes (the README's table): `(x, y)` pairs, `(x, mask, y)` triples,
+Its samples come in every shape the recipes take (the README's table): `(x, y)` pairs, `(x, mask, y)` triples,
 dicts with `labels` in transformers' convention (the model shifts them, so the label of x[t] sits at t + 1) and
 pairs padded with -100. Models from tiny configs (no download): transformers GPT-2 and Llama, a nanoGPT-style model
 (forward(idx, targets=None), the last position's logits when no targets are given) and the built-in GPT.

@@ -8,12 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from core import comm, parallel, pipeline, shard, tp_plan, tuning
+from core import pipeline, shard, tp_plan
 from core.gpt import GPT
 from core.kernel.builtin import MLP
 from core.kernel.job import RecipeError
+from core.mesh import build_mesh
 from core.plugins import blocks
 from core.plugins.replicas import replicas_report
+from core.plugins.tuning import checkpoint_blocks
+from mp_reference import apply_fsdp, full_state_dict
 from world import GlooWorld
 
 transformers = pytest.importorskip("transformers")
@@ -64,20 +67,18 @@ class NoBlocks(nn.Module):
     [(gpt2, "transformer.h"), (llama, "model.layers"), (NanoGPT, "transformer.h"), (GPT, "blocks"), (MLP, "blocks")],
 )
 def test_find_blocks_finds_the_repeated_layers(build, path):
-    for find_blocks in (parallel.find_blocks, shard.find_blocks):  # core.parallel's (until the sweep) and fsdp's
-        name, blocks = find_blocks(build())
-        assert name == path and len(blocks) >= 2
+    name, found = shard.find_blocks(build())
+    assert name == path and len(found) >= 2
 
 
 @pytest.mark.fast
 def test_find_blocks_by_name_and_a_bad_name():
     model = gpt2()
-    for named_blocks in (parallel.named_blocks, blocks.named_blocks):  # core.parallel's, the blocks plug-in's
-        assert named_blocks(model, "transformer.h")[0] == "transformer.h"
-        with pytest.raises(RecipeError, match=r"--blocks transformer\.blocks: .*candidates: transformer\.h") as err:
-            named_blocks(model, "transformer.blocks")
-        assert "\n" not in str(err.value)
-    assert parallel.find_blocks(NoBlocks()) is None and shard.find_blocks(NoBlocks()) is None
+    assert blocks.named_blocks(model, "transformer.h")[0] == "transformer.h"
+    with pytest.raises(RecipeError, match=r"--blocks transformer\.blocks: .*candidates: transformer\.h") as err:
+        blocks.named_blocks(model, "transformer.blocks")
+    assert "\n" not in str(err.value)
+    assert shard.find_blocks(NoBlocks()) is None
 
 
 @pytest.mark.fast
@@ -115,19 +116,11 @@ def test_batchnorm_layers_and_sync_batchnorm_on_cpu(monkeypatch):
 
 
 @pytest.mark.fast
-def test_ddp_kwargs():
-    assert comm.ddp_kwargs(fixed_buckets=True)["find_unused_parameters"] is True
-    assert comm.ddp_kwargs(bucket_mb=4)["bucket_cap_mb"] == 4
-    with pytest.raises(RecipeError, match="--static-graph"):
-        comm.ddp_kwargs(static_graph=True, fixed_buckets=True)
-
-
-@pytest.mark.fast
 def test_activation_checkpointing_on_a_transformers_model_recomputes_the_same_numbers():
     batches = _data("gpt2")
     plain = _train(gpt2(), batches, _lm_loss).state_dict()
     model = gpt2()
-    assert tuning.checkpoint_blocks(model) == 2  # transformer.h
+    assert checkpoint_blocks(model) == 2  # transformer.h
     for key, value in _train(model, batches, _lm_loss).state_dict().items():
         assert torch.equal(value, plain[key]), key
 
@@ -172,10 +165,10 @@ def fsdp_vs_one_process(topo, kind):
     model = build()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        parallel.apply_fsdp(model, mesh=parallel.build_mesh(topo, {"dp": 2}))
+        apply_fsdp(model, mesh=build_mesh(topo, {"dp": 2}))
     half = lambda b: b[topo.rank * 2 : (topo.rank + 1) * 2]  # noqa: E731  each rank: its half of the global batch
     shares = [half(b) if kind == "gpt2" else tuple(half(t) for t in b) for b in batches]
-    full = parallel.full_state_dict(_train(model, shares, loss_of))
+    full = full_state_dict(_train(model, shares, loss_of))
     if not full:  # rank 1: the gathered weights live on rank 0 only
         return None
     assert full.keys() == reference.keys()

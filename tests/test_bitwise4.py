@@ -6,7 +6,7 @@ The cause, in two facts shown here:
 2. DDP puts all gradients in one bucket in parameter order for the first step, then, before the second
    forward, rebuilds its buckets in the order gradients became ready. The run that never stopped reduces
    step k+1 with the rebuilt layout; a resumed process reduces it with the initial one.
-comm.ddp_kwargs(fixed_buckets=True) keeps one layout for the whole run (DDP never rebuilds when it looks for
+DDP's find_unused_parameters=True keeps one layout for the whole run (DDP never rebuilds when it looks for
 unused parameters), and the resume is bitwise. 4 processes on a 2-core machine: marked slow (~15 s)."""
 
 import copy
@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import comm
 from world import GlooWorld
 
 pytestmark = pytest.mark.slow
@@ -72,9 +71,9 @@ def test_gloo_sums_four_ranks_in_an_order_that_depends_on_the_offset(world4):
 
 
 def test_default_ddp_resume_differs_at_four_ranks_by_rounding(world4):
-    diffs = world4.run(resume_difference, comm.ddp_kwargs())
+    diffs = world4.run(resume_difference, {})
     assert all(0 < d < 1e-6 for d in diffs)  # the bucket rebuild: rounding, not a bug in the state
 
 
 def test_fixed_buckets_make_the_four_rank_resume_bitwise(world4):
-    assert world4.run(resume_difference, comm.ddp_kwargs(fixed_buckets=True)) == [0.0] * 4
+    assert world4.run(resume_difference, {"find_unused_parameters": True}) == [0.0] * 4

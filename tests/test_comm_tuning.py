@@ -19,9 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.kernel.builtin import MLP
 from core.kernel.job import RecipeError
-from core.loss import Loss
+from core.kernel.train import Loss, step_plain
 from core.plugins import comm_hook, tuning
-from core.steps import step_plain
 from core.zoo import CNN
 from recipes import ddp, ddp_monitored
 from recipes.ddp_monitored import Config
@@ -62,7 +61,7 @@ def train_ddp(topo, hook, ddp_options):
     if hook is not None:
         comm_hook.register(SimpleNamespace(comm_hook=hook), ddp_model)  # as the plug-in registers --comm-hook
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
-    loss_fn = Loss("ce")
+    loss_fn = Loss()
     share = GLOBAL_BATCH // topo.world_size
     losses = []
     for x, y in _batches(1):
@@ -135,7 +134,7 @@ def test_the_pre_check_refuses_what_the_backend_or_the_model_cannot_take(monkeyp
 
 
 def _train_plain(model, batches):
-    optimizer, loss_fn = torch.optim.AdamW(model.parameters(), lr=3e-3), Loss("ce")
+    optimizer, loss_fn = torch.optim.AdamW(model.parameters(), lr=3e-3), Loss()
     for x, y in batches:
         step_plain(model, (x, y), optimizer=optimizer, loss_fn=loss_fn)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -248,20 +248,20 @@ def test_the_sharded_recipes_offer_no_fp16_they_would_refuse(name):
 
 STARTUP = """
 import time
-time.sleep(0.5)  # before anything of the project: start-up counts from the process's start, not from the Meter
+time.sleep(0.5)  # before anything of the project: start-up counts from the process's start, not from the clock
 import torch
-from core.meter import Meter
-meter = Meter(torch.device("cpu"))
+from core.plugins import meter
+meter.clock_reset(None, None)  # the run starts (the kernel's open_run)
 one = torch.ones((), dtype=torch.float64)
-meter.add({"loss_sum": one, "count": one, "samples": one})  # the first optimizer step ends
-print(meter.clock.throughput()["startup_s"])
+meter.clock_step({"loss_sum": one, "count": one, "samples": one})  # the first optimizer step ends
+print(meter.throughput(None, None, None)["startup_s"])
 """
 
 
 def test_startup_counts_from_the_process_start_to_the_end_of_the_first_step():
-    """27.6: every recipe makes its Meter somewhere in train(); startup_s is the same measure in all of them: from
-    the process's start (imports included) to the end of the first optimizer step. A Meter made after half a second
-    of the process counts that half second."""
+    """27.6: every recipe starts the meter plug-in's clock somewhere in train(); startup_s is the same measure in all
+    of them: from the process's start (imports included) to the end of the first optimizer step. A clock started
+    after half a second of the process counts that half second."""
     proc = subprocess.run(
         [sys.executable, "-c", STARTUP], capture_output=True, text=True, env=user_env(PYTHONPATH=str(REPO)), timeout=60
     )
@@ -271,12 +271,12 @@ def test_startup_counts_from_the_process_start_to_the_end_of_the_first_step():
 
 @pytest.mark.fast
 def test_no_validation_set_writes_no_eval_record_and_prints_no_eval_line(tmp_path, capsys):
-    from core import meter
+    from core.kernel.train import log_eval
     from core.records import RunFolder
 
     run = RunFolder(tmp_path, None, "ddp", {}, True)
-    meter.log_eval(run, {}, step=3, epoch=0)  # evaluate() of no loader
+    log_eval(run, {}, step=3, epoch=0)  # evaluate() of no loader
     assert capsys.readouterr().out == "" and not (tmp_path / "metrics.jsonl").exists()
-    meter.log_eval(run, {"val_loss": 0.5}, step=3, epoch=0)
+    log_eval(run, {"val_loss": 0.5}, step=3, epoch=0)
     assert capsys.readouterr().out == "epoch 0 val_loss 0.5000\n"
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["kind"] == "eval"

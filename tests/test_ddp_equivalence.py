@@ -5,9 +5,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core.loss import Loss
+from core.kernel.train import Loss, step_plain
 from core.plugins.replicas import replicas_report
-from core.steps import step_plain
 from world import GlooWorld
 
 
@@ -32,7 +31,7 @@ def _batches(seed: int, steps: int, global_batch: int):
 
 def _train(model, batches, *, lr=0.05):
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    loss_fn = Loss("ce")
+    loss_fn = Loss()
     for batch in batches:
         step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

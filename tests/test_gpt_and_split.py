@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from core import gpt, schedules, steps
+from core import gpt, schedules
 from core.kernel.job import RecipeError
-from core.loss import make_loss
+from core.kernel.train import Loss, step_plain
 from core.pipeline import plan_split
 from core.plugins.balance import block_times
 from core.schedules import split_pipeline
@@ -116,10 +116,8 @@ def test_gpt_learns_on_cpu():
     train, _ = gpt.text()
     loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    loss_fn = make_loss(model=model)
-    losses = [
-        steps.step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)[0] for batch, _ in zip(loader, range(40))
-    ]
+    loss_fn = Loss()  # the GPT returns logits: cross-entropy
+    losses = [step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)[0] for batch, _ in zip(loader, range(40))]
     first, last = (m["loss_sum"] / m["count"] for m in (losses[0], losses[-1]))
     assert last < first - 1.0, (first, last)  # from ~ln(128)=4.85 to well under 3.85 in 40 steps
     with torch.no_grad():  # greedy continuation: what a trained model has learnt reads as text
@@ -179,7 +177,7 @@ def test_bad_configs_fail_before_any_process_group(monkeypatch, capsys, name, ar
 def test_mesh_sizes_must_multiply_to_the_world_size():
     from types import SimpleNamespace
 
-    from core.parallel import build_mesh
+    from core.mesh import build_mesh
 
     six = SimpleNamespace(world_size=6)  # refused before any process group is needed
     with pytest.raises(RecipeError, match="a dp=2 x pp=2 mesh needs 4 processes but the world size is 6; launch 4"):

@@ -1,13 +1,15 @@
-"""The loss contract (core.loss): model outputs, tuple and dict batches, -100, --loss; the exact normalisation over
-ranks and micro-batches (core.exact_loss, core.amp); throughput from the steps' own counts (core.meter)."""
+"""The loss contract (the kernel's forward, the loss plug-in): model outputs, tuple and dict batches, -100, --loss;
+the exact normalisation over ranks and micro-batches (core.exact_loss, core.amp); throughput from the steps' own
+counts (the meter plug-in)."""
 
 import dataclasses
-import inspect
 import math
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,11 +23,10 @@ from core.accum import step_amp
 from core.amp import grad_sync
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
-from core.kernel.train import make_loss as kernel_make_loss
-from core.loss import forward, make_loss, split_outputs
-from core.loss_options import split_any
-from core.meter import Meter
-from core.steps import evaluate, step_plain
+from core.kernel.train import Tally, evaluate, forward, make_loss, split_outputs, step_plain, summarize
+from core.mesh import evaluate_sharded
+from core.plugins import meter
+from core.plugins.loss import split_any
 from world import GlooWorld
 
 CPU = torch.device("cpu")
@@ -160,7 +161,21 @@ class Regressor(nn.Module):
 
 def loss_for(spec: str, model):
     """--loss spec as the recipes take it: the kernel's make_loss, then the loss plug-in's choice."""
-    return kernel_make_loss(SimpleNamespace(loss=spec), model)
+    return make_loss(SimpleNamespace(loss=spec), model)
+
+
+def base_loss(model):
+    """The kernel's loss without the loss plug-in: what a lean copy takes."""
+    with mock.patch("core.kernel.train.LOSS_CHOICES", []):
+        return make_loss(None, model)
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one (evaluation and the clock reduce over the ranks)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def exact(model, batch, spec="auto", normalizer=1.0):
@@ -221,7 +236,7 @@ def test_nanogpt_auto_uses_its_own_loss_called_with_the_targets():
     x, y = lm_batch([8, 5, 3], seed=1, pairs=True)
     model = NanoGPT()
     logits, own = model(x, targets=y)
-    assert make_loss(model=model).targets_as == "targets"
+    assert loss_for("auto", model).targets_as == "targets"
     for spec in ("auto", "model"):
         mean, metrics = forward(model, (x, y), loss_for(spec, model))
         torch.testing.assert_close(mean, own)
@@ -266,7 +281,7 @@ def test_custom_loss_is_weighted_by_count():
 
 
 @pytest.mark.fast
-def test_no_logits_no_accuracy():
+def test_no_logits_no_accuracy(one_rank):
     batch = {"x": torch.randn(5, 4), "labels": torch.randn(5)}
     _, metrics = exact(LossOnly(), batch)
     assert "correct" not in metrics and metrics["count"].item() == 5  # float labels: one per sample
@@ -398,7 +413,7 @@ def test_mean_of_means_is_not_the_global_mean():
 
 
 @pytest.mark.fast
-def test_step_plain_and_step_amp_on_dict_batches():
+def test_step_plain_and_step_amp_on_dict_batches(one_rank):
     model, batch = gpt2(), lm_batch([8, 2, 5], seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics, norm = step_plain(model, batch, optimizer=opt, loss_fn=loss_for("auto", model))
@@ -407,7 +422,7 @@ def test_step_plain_and_step_amp_on_dict_batches():
     metrics, stats = step_amp(model, [batch, batch], optimizer=opt, loss_fn=loss_fn, precision="bf16")
     assert metrics["samples"].item() == 6 and math.isfinite(stats.grad_norm) and not stats.skipped
     assert metrics["count"].item() == 2 * (7 + 1 + 4)  # shifted: one target fewer a sequence
-    evaluation = evaluate(model, [batch], loss_fn=loss_fn, device=CPU, forward=forward_exact)
+    evaluation = evaluate_sharded(model, [batch], loss_fn=loss_fn, device=CPU)  # the exact weights' evaluation
     assert evaluation.keys() == {"val_loss", "val_acc"}
 
 
@@ -416,18 +431,22 @@ def _sums(**values):
 
 
 @pytest.mark.fast
-def test_meter_samples_tokens_and_nonfinite():
+def test_meter_samples_tokens_and_nonfinite(one_rank):
     """The clock starts when the first step ends: the rates count the steps after it (issue 20 item 10)."""
-    meter = Meter(CPU)
-    meter.add(_sums(loss_sum=30, count=60, samples=4))  # the first step: start-up, not in the rates
-    assert "samples_per_s" not in meter.read()  # --log-every 1: no rate yet (review4: it said 0 samples/s)
-    meter.add(_sums(loss_sum=30, count=60, samples=4))
-    record = meter.read()
+    meter.clock_reset(None, None)
+    meter.clock_step(_sums(loss_sum=30, count=60, samples=4))  # the first step: start-up, not in the rates
+    assert "samples_per_s" not in meter.clock_rates()  # --log-every 1: no rate yet (review4: it said 0 samples/s)
+    window = Tally(CPU)
+    window.add(_sums(loss_sum=30, count=60, samples=4))
+    meter.clock_step(_sums(loss_sum=30, count=60, samples=4))
+    record = summarize(window.reduce()) | meter.clock_rates()
     assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(15.0)
     assert record["loss"] == 0.5 and "acc" not in record
-    assert meter.clock.throughput()["startup_s"] >= 0 and meter.clock.trained["samples"] == 4  # one timed step of 4
-    meter.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
-    record = meter.read()
+    assert meter.throughput(None, None, None)["startup_s"] >= 0 and meter.TRAINED["samples"] == 4  # one step of 4
+    window = Tally(CPU)
+    window.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
+    meter.clock_step(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
+    record = summarize(window.reduce()) | meter.clock_rates()
     assert math.isnan(record["loss"]) and record["acc"] == 0.75 and "tokens_per_s" not in record  # null in the record
 
 
@@ -500,7 +519,7 @@ def test_a_pair_target_is_compared_position_by_position_with_a_transformers_lm()
     x, y = lm_batch([8, 5, 3], seed=6, pairs=True)
     logits = model(x).logits
     by_hand = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-    assert make_loss(model=model).targets_as is None  # never `labels`
+    assert loss_for("auto", model).targets_as is None  # never `labels`
     mean, plain = forward(model, (x, y), loss_for("auto", model))
     torch.testing.assert_close(mean, by_hand)
     total, sums = exact(model, (x, y), normalizer=2.0)
@@ -529,7 +548,7 @@ def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_na
 
 @pytest.mark.fast
 def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
-    """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in core.loss and in
+    """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in the loss plug-in and in
     the pipeline's TokenLoss, where the shapes are compared; the pre-check quotes the same line."""
     import core.plugins.loss  # noqa: F401 - its line, which TokenLoss asks for (the LOSS_CHECKS seam)
     from core.schedules import TokenLoss
@@ -549,45 +568,28 @@ def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
     forward(model, batch, loss_for("auto", model))  # auto passes the targets: every position's logits
 
 
-# --- the base alone (issue 28.4): what a lean copy carries, core.loss without core.loss_options -------------------
+# --- the base alone (issue 28.4): what a lean copy carries, the kernel's loss without the loss plug-in -------------
 
 
 @pytest.mark.fast
 def test_the_base_alone_takes_every_sample_shape_and_the_common_outputs():
-    """make_loss() and forward, no opt-in: pairs (aligned cross-entropy, never `labels`), (x, mask, y), dicts with
-    labels (the model's own loss), a `targets` forward (its own loss), -100 ignored; logits, (logits,),
-    (logits, loss), dict outputs. Any other --loss is one line naming the opt-in."""
+    """make_loss() and forward, no plug-in: pairs (aligned cross-entropy, never `labels`), (x, mask, y), dicts with
+    labels (the model's own loss), -100 ignored; logits, (logits,), (logits, loss), dict outputs. Float targets
+    under --loss ce: one line (the plug-in's; a `targets` forward is the plug-in's, test_nanogpt_auto_...)."""
     model, (x, y) = gpt2(), lm_batch([8, 5, 3], seed=7, pairs=True)
-    mean, _ = forward(model, (x, y), make_loss(model=model))
+    mean, _ = forward(model, (x, y), base_loss(model))
     torch.testing.assert_close(mean, F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100))
     batch = lm_batch([8, 5, 3], seed=7)
-    torch.testing.assert_close(forward(model, batch, make_loss(model=model))[0], model(**batch).loss)
-    nano = NanoGPT()
-    torch.testing.assert_close(forward(nano, (x, y), make_loss(model=nano))[0], nano(x, targets=y)[1])
+    torch.testing.assert_close(forward(model, batch, base_loss(model))[0], model(**batch).loss)
     three, (a, mask, c) = ThreeParts(), (torch.randn(5, 4), torch.ones(5, 4), torch.tensor([0, 1, 2, -100, 0]))
-    torch.testing.assert_close(
-        forward(three, (a, mask, c), make_loss(model=three))[0], F.cross_entropy(three(a, mask), c)
-    )
+    torch.testing.assert_close(forward(three, (a, mask, c), base_loss(three))[0], F.cross_entropy(three(a, mask), c))
     for kind in ("tensor", "tuple", "list", "dict"):
         wrapped = Wrapped(kind)
-        mean, sums = forward(wrapped, (a, c), make_loss(model=wrapped))
+        mean, sums = forward(wrapped, (a, c), base_loss(wrapped))
         torch.testing.assert_close(mean, F.cross_entropy(wrapped.lin(a), c))
         assert sums["count"].item() == 4 and "correct" in sums
-    assert list(inspect.signature(make_loss).parameters) == ["model"]  # auto; ce is Loss("ce"), the rest opt-in
     with pytest.raises(RecipeError, match="cross-entropy needs logits and int64 targets; use --loss model or mse"):
-        forward(Regressor(), (a, torch.randn(5, 2)), make_loss(model=Regressor()))
-
-
-@pytest.mark.fast
-def test_the_base_never_imports_the_opt_in():
-    import ast
-    import inspect as inspect_
-
-    import core.loss
-
-    tree = ast.parse(inspect_.getsource(core.loss))
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert "core.loss_options" not in imported and "core.exact_loss" not in imported
+        forward(Regressor(), (a, torch.randn(5, 2)), loss_for("ce", Regressor()))
 
 
 @pytest.mark.fast
@@ -631,12 +633,12 @@ def test_a_lean_copy_without_check_aligned_still_refuses_logits_that_do_not_line
 
 
 @pytest.mark.fast
-def test_a_causal_lms_val_loss_weighs_each_counted_target_alike_in_the_base():
+def test_a_causal_lms_val_loss_weighs_each_counted_target_alike_in_the_base(one_rank):
     """review4: ddp's evaluate weighed a causal LM's mean loss by its labels before the shift (one token too many a
     row): val_loss over padded sequences of other lengths, by hand, is the mean over every shifted counted label."""
     model = gpt2(seed=3).eval()
     batches = [lm_batch([8, 2], seed=4), lm_batch([3, 7, 5], seed=5)]
-    result = evaluate(model, batches, loss_fn=make_loss(model=model), device=CPU)
+    result = evaluate(model, batches, loss_fn=base_loss(model), device=CPU)
     losses, hits = [], []
     for batch in batches:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
@@ -649,19 +651,19 @@ def test_a_causal_lms_val_loss_weighs_each_counted_target_alike_in_the_base():
 
 
 @pytest.mark.fast
-def test_a_batch_with_no_counted_target_counts_nowhere():
+def test_a_batch_with_no_counted_target_counts_nowhere(one_rank):
     """review4: a batch whose targets are all -100 (a prompt that fills the window) has a mean loss of 0/0 = nan; its
     sums are 0, so the val_loss of the others is not nan, in the base and in the exact weights alike."""
     model = nn.Linear(4, 3)
     masked = (torch.randn(2, 4), torch.full((2,), -100))
     counted = (torch.randn(3, 4), torch.tensor([0, 2, 1]))
-    mean, metrics = forward(model, masked, make_loss(model=model))
+    mean, metrics = forward(model, masked, base_loss(model))
     assert math.isnan(mean.item()) and metrics["loss_sum"].item() == 0 and metrics["count"].item() == 0
     hand = F.cross_entropy(model(counted[0]), counted[1]).item()
-    assert evaluate(model, [masked, counted], loss_fn=make_loss(model=model), device=CPU)["val_loss"] == pytest.approx(
+    assert evaluate(model, [masked, counted], loss_fn=base_loss(model), device=CPU)["val_loss"] == pytest.approx(
         hand, rel=1e-6
     )
-    exact_fn = make_exact_loss(make_loss(model=model), model=model)
-    assert evaluate(model, [masked, counted], loss_fn=exact_fn, device=CPU, forward=forward_exact)["val_loss"] == (
+    exact_fn = make_exact_loss(base_loss(model), model=model)
+    assert evaluate_sharded(model, [masked, counted], loss_fn=exact_fn, device=CPU)["val_loss"] == (
         pytest.approx(hand, rel=1e-6)
     )

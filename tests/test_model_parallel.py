@@ -22,12 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core import accum, amp, grads, steps
+from core import accum, amp, grads
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
-from core.loss import Loss, make_loss
+from core.kernel.train import Loss
+from core.mesh import build_mesh
+from core.shard import fsdp_sync
 from helpers import build_data, build_model, unfinished
-from mp_reference import assert_same_weights, config, reference, run_recipe, run_recipe_rng
+from mp_reference import apply_fsdp, assert_same_weights, config, full_state_dict, reference, run_recipe, run_recipe_rng
 from world import GlooWorld
 
 TOL = dict(atol=5e-5, rtol=1e-4)
@@ -163,8 +165,10 @@ def test_fsdp_evaluates_unequal_shares_without_hanging(world2, tmp_path):
     model = build_model("mlp")
     model.load_state_dict(load_file(summary["weights"]))
     val = torch.utils.data.DataLoader(build_data("digits")[1], batch_size=64)
-    loss_fn = make_exact_loss(make_loss(model=model), model=model)
-    expected = steps.evaluate(model, val, loss_fn=loss_fn, device=torch.device("cpu"), forward=forward_exact)
+    with torch.no_grad():  # by hand: the whole set's mean cross-entropy and accuracy, each sample once
+        logits, targets = map(torch.cat, zip(*((model(x), y) for x, y in val)))
+    expected = {"val_loss": torch.nn.functional.cross_entropy(logits, targets).item()}
+    expected["val_acc"] = logits.argmax(-1).eq(targets).double().mean().item()
     assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
     assert summary["val_acc"] == pytest.approx(expected["val_acc"])
 
@@ -382,7 +386,7 @@ def _one_process(batches, *, k: int, precision: str = "fp32", losses: bool = Fal
     """step_amp on the whole global batch, cut into k micro-batches: (weights, norms[, each step's mean loss])."""
     model = _tiny_gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(Loss("ce"), model=model)
+    loss_fn = make_exact_loss(Loss(), model=model)
     norms, means = [], []
     for x, y in batches:
         micro = list(zip(x.chunk(k), y.chunk(k)))
@@ -394,14 +398,12 @@ def _one_process(batches, *, k: int, precision: str = "fp32", losses: bool = Fal
 
 def fsdp_accum_clip(topo):
     """fully_shard over 2 ranks, K=2 micro-batches per rank, the reduce-scatter only on the second (fsdp_sync)."""
-    from core import parallel
-
     batches = _token_batches()
     expected, expected_norms = _one_process(batches, k=1)
-    mesh = parallel.build_mesh(topo, {"dp": 2})
-    model = parallel.apply_fsdp(_tiny_gpt(), mesh=mesh)
+    mesh = build_mesh(topo, {"dp": 2})
+    model = apply_fsdp(_tiny_gpt(), mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(Loss("ce"), model=model)
+    loss_fn = make_exact_loss(Loss(), model=model)
     norms = []
     for x, y in batches:
         mine = x.chunk(2)[topo.rank], y.chunk(2)[topo.rank]
@@ -412,11 +414,11 @@ def fsdp_accum_clip(topo):
             optimizer=optimizer,
             loss_fn=loss_fn,
             clip=CLIP,
-            sync=parallel.fsdp_sync,
+            sync=fsdp_sync,
             dp_group=mesh.get_group(),
         )
         norms.append(stats.grad_norm)
-    full = parallel.full_state_dict(model)
+    full = full_state_dict(model)
     return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
 
 
@@ -514,14 +516,12 @@ def accumulate(model, micro_batches, loss_fn, *, dp_group, sync=amp.grad_sync) -
 def tp_accum_clip(topo, via_step_amp: bool):
     """tensor parallel over 2 ranks (both see the whole batch), K=2 micro-batches, the clip's norm over the
     DTensor shards and the plain (replicated) layers the TP plan leaves out, together."""
-    from core import parallel
-
     batches = _token_batches()
     expected, expected_norms = _one_process(batches, k=2)
-    mesh = parallel.build_mesh(topo, {"dp": 1, "tp": 2})  # no data parallelism: the count is this rank's batch's
+    mesh = build_mesh(topo, {"dp": 1, "tp": 2})  # no data parallelism: the count is this rank's batch's
     model = _split_tp(_tiny_gpt(), mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(Loss("ce"), model=model)
+    loss_fn = make_exact_loss(Loss(), model=model)
     one = mesh["dp"].get_group()
     norms = []
     for x, y in batches:
@@ -534,7 +534,7 @@ def tp_accum_clip(topo, via_step_amp: bool):
         accumulate(model, micro, loss_fn, dp_group=one)
         norms.append(float(grads.clip_grad_norm(model.parameters(), CLIP)))
         optimizer.step()
-    full = parallel.full_state_dict(model)
+    full = full_state_dict(model)
     return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
 
 

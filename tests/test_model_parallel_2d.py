@@ -49,11 +49,12 @@ def pipeline_dp_accum_clip(topo):
     from test_model_parallel import CLIP, _one_process, _tiny_gpt, _token_batches
     from torch.distributed.pipelining import PipelineStage
 
-    from core import parallel, schedules
+    from core import schedules
+    from core.mesh import build_mesh
 
     batches = _token_batches(size=16, padded=True)  # each replica's count differs: the global count weighs
     expected, _ = _one_process(batches, k=1)
-    mesh = parallel.build_mesh(topo, {"dp": 2, "pp": 2})
+    mesh = build_mesh(topo, {"dp": 2, "pp": 2})
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     stage = schedules.split_pipeline(_tiny_gpt(), num_stages=2, stage_index=pp_rank)
     stages = [PipelineStage(stage, pp_rank, 2, topo.device, group=mesh["pp"].get_group())]
@@ -89,25 +90,28 @@ def fsdp_tp_accum_clip(topo):
     import torch
     from test_model_parallel import CLIP, _one_process, _split_tp, _tiny_gpt, _token_batches, accumulate
 
-    from core import grads, parallel
+    from core import grads
     from core.exact_loss import make_exact_loss
-    from core.loss import Loss
+    from core.kernel.train import Loss
+    from core.mesh import build_mesh
+    from core.shard import fsdp_sync
+    from mp_reference import apply_fsdp, full_state_dict
 
     batches = _token_batches(size=16)
     expected, expected_norms = _one_process(batches, k=1)
-    mesh = parallel.build_mesh(topo, {"dp": 2, "tp": 2})
-    model = parallel.apply_fsdp(_split_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
+    mesh = build_mesh(topo, {"dp": 2, "tp": 2})
+    model = apply_fsdp(_split_tp(_tiny_gpt(), mesh["tp"]), mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = make_exact_loss(Loss("ce"), model=model)
+    loss_fn = make_exact_loss(Loss(), model=model)
     norms, dp_rank = [], mesh["dp"].get_local_rank()
     for x, y in batches:
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
         optimizer.zero_grad(set_to_none=True)  # step_amp's fp32 path with grads.clip_grad_norm: the TP layers'
         micro = list(zip(x.chunk(2), y.chunk(2)))  # grads live on the dp x tp mesh, the others on dp's
-        accumulate(model, micro, loss_fn, dp_group=mesh["dp"].get_group(), sync=parallel.fsdp_sync)
+        accumulate(model, micro, loss_fn, dp_group=mesh["dp"].get_group(), sync=fsdp_sync)
         norms.append(float(grads.clip_grad_norm(model.parameters(), CLIP)))
         optimizer.step()
-    full = parallel.full_state_dict(model)
+    full = full_state_dict(model)
     return norms, expected_norms, {k: (full[k], v) for k, v in expected.items()} if full else None
 
 

@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core import meter, monitor, records
+from core import monitor, records
 from core.kernel.builtin import MLP
 from core.kernel.store import open_run
-from core.loss import Loss
-from core.plugins import watchdog
-from core.steps import step_plain
+from core.kernel.train import Loss, Tally, log_train, step_plain
+from core.plugins import meter, watchdog
 from helpers import REPO, checkpoints, run, user_env
 from recipes import ddp_monitored
 
@@ -52,12 +51,12 @@ def monitored_training(topo, out, steps):
     torch.manual_seed(0)
     cfg = ddp_monitored.Config(out=out, model="tiny:mlp")
     sizes = [8 + 4 * r for r in range(topo.world_size)]  # ranks with different batch sizes: sums combine exactly
-    folder = open_run(cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes))
-    run_folder = records.RunFolder(*folder)  # core.meter's log_train writes through core.records' RunFolder
+    run_folder = open_run(cfg, topo, recipe="ddp_monitored", global_batch=sum(sizes))
     model = MLP(hidden=32, depth=2)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    clock, timer, loss_fn = meter.Meter(topo.device), monitor.StepClock(ddp, optimizer, topo.device), Loss("ce")
+    totals, timer, loss_fn = Tally(topo.device), monitor.StepClock(ddp, optimizer, topo.device), Loss()
+    meter.clock_reset(cfg, run_folder)  # the training clock's start, as the kernel's open_run starts it
     gen = torch.Generator().manual_seed(topo.rank)
     local = 0.0
     for _ in range(steps):
@@ -69,10 +68,11 @@ def monitored_training(topo, out, steps):
         )
         metrics, grad_norm = step_plain(ddp, batch, optimizer=optimizer, loss_fn=loss_fn)
         local += metrics["loss_sum"].item()
-        clock.add(metrics)
+        totals.add(metrics)
+        meter.clock_step(metrics)  # as the recipe's ON_STEP hooks run it
     mine = timer.take()
     timing = monitor.breakdown(mine, topo.device, sum(sizes), 1e6, 1e12)
-    meter.log_train(run_folder, clock, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
+    log_train(run_folder, totals, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
     if topo.rank != 0:  # rank 0 writes the records; every rank returns what it trained on and timed
         return [], local, mine
     written = [json.loads(line) for line in (run_folder.path / "metrics.jsonl").read_text().splitlines()]
@@ -118,13 +118,15 @@ def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_
 
 
 @pytest.mark.fast
-def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys):
+def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys, monkeypatch):
     run_folder = records.RunFolder(tmp_path, None, "ddp_monitored", {}, True)
-    numbers = {"loss": 0.41234, "acc": 0.5, "samples_per_s": 1875.4, "tokens_per_s": 9e4}
-    job = SimpleNamespace(read=lambda: numbers, clock=meter.Clock)  # the rates' form is the clock's
-    meter.log_train(run_folder, job, step=40, total=115, epoch=1, step_ms=3.0)
+    monkeypatch.setattr("core.kernel.train.LOG_FIELDS", [lambda: {"samples_per_s": 1875.4, "tokens_per_s": 9e4}])
+    sums = {"loss_sum": 4.1234, "count": 10.0, "correct": 5.0, "scored": 10.0}  # the window, reduced over the ranks
+    window = SimpleNamespace(sums={}, last={}, reduce=lambda: sums)
+    log_train(run_folder, window, step=40, total=115, epoch=1, step_ms=3.0)
     assert capsys.readouterr().out == "step 40/115 epoch 1 loss 0.4123 acc 0.5000 1875 samples/s 90000 tokens/s\n"
-    meter.log_train(run_folder, SimpleNamespace(read=lambda: {}, clock=meter.Clock), step=1, total=2, epoch=0)
+    monkeypatch.setattr("core.kernel.train.LOG_FIELDS", [])
+    log_train(run_folder, SimpleNamespace(sums={}, last={}, reduce=lambda: {"count": 0.0}), step=1, total=2, epoch=0)
     assert capsys.readouterr().out == "step 1/2 epoch 0\n"  # nothing read yet
 
 

@@ -1,7 +1,7 @@
 """The pre-check (tools/precheck.py): what it can know before launch, it says in one line naming the fix.
 
 Fast: tools.precheck.precheck on the recipes' own Configs, with a user's models and data (tests/check_user.py):
-one training step on the first samples through core.loss, so the sample's shape against the forward's signature,
+one training step on the first samples as the recipes take it, so the sample's shape against the forward's signature,
 the loss choice, parameters no forward uses, SyncBatchNorm on CPU, the batch against the data set, streams
 without a length. End to end: the launcher and `python -m recipes run` refuse each before any rank starts, with
 one line and no torchrun report, and leave nothing behind.
@@ -53,7 +53,7 @@ def test_samples_of_three_parts_are_passed_as_inputs_and_target():
 
 @pytest.mark.fast
 def test_a_nanogpt_model_trains_on_its_own_loss_and_another_choice_names_the_one_that_works():
-    """forward(idx, targets=None): --loss auto hands it the targets (core.loss) and the pre-check agrees; --loss ce
+    """forward(idx, targets=None): --loss auto hands it the targets (loss plug-in) and the pre-check agrees; --loss ce
     takes its inference output (the last position only), which cannot work: one line naming --loss auto."""
     assert _precheck("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2) == []
     line = _refused("ddp_amp", model="check_user:nano", data="check_user:pair_stream", max_steps=2, loss="ce")
@@ -150,10 +150,11 @@ def test_an_hf_attr_that_names_no_transformers_model_is_refused_before_launch():
 @pytest.mark.fast
 def test_a_step_that_is_not_finite_names_only_options_the_recipe_takes():
     """ddp takes no --clip (review find: its line advised it); the amp recipes do."""
-    from core import accum, steps
+    from core import accum
+    from core.kernel.train import check_finite
 
     with pytest.raises(RecipeError) as plain:
-        steps.check_finite(float("nan"), step=1, on_nonfinite="stop")
+        check_finite(float("nan"), step=1, on_nonfinite="stop")
     assert "--clip" not in str(plain.value) and "lower --lr, or pass --on-nonfinite skip" in str(plain.value)
     with pytest.raises(RecipeError) as clipping:
         accum.check_step(accum.StepStats(float("inf"), True), step=3, on_nonfinite="stop")

@@ -553,7 +553,7 @@ def _on_2_ranks(check, path: Path, meta: dict, config: dict) -> None:
 
 
 def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a_llama_in_one_line(project):
-    """Without `model_plans` the copies split the built-in GPT's layout by core.parallel's plan; a transformers
+    """Without `model_plans` the copies split the built-in GPT's layout by core.tp_plan's plan; a transformers
     Llama, which the package splits by its own plan, is refused by the copy's check in one line naming fsdp."""
     import runpy
 

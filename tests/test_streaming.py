@@ -10,20 +10,14 @@ import torch
 import torch.distributed as torch_dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from core import stream
-from core.kernel.train import Topology, make_loader, set_epoch, to_device
-from core.stream import StreamShard
+from core.exact_loss import make_exact_loss
+from core.kernel.train import Loss, Topology, make_loader, set_epoch, to_device
+from core.mesh import evaluate_sharded
+from core.plugins.stream import StreamShard, stream_loader
 from world import GlooWorld
-
-
-def loader_for(dataset, topo, **options):
-    """A recipe that takes streams picks the loader by the data set's kind, as ddp_amp does."""
-    if stream.is_stream(dataset):
-        options.pop("seed", None)
-        return stream.make_loader(dataset, topo, **options)
-    return make_loader(dataset, topo, **{"collate_fn": None, **options})
 
 
 def batches_per_epoch(loader) -> int:
@@ -69,7 +63,7 @@ def stream_steps(n: int, world_size: int, batch: int, *, consumed: int = 0) -> l
     per_rank = []
     for rank in range(world_size):
         shard = StreamShard(range(n), rank=rank, world_size=world_size, batch_size=batch, drop_last=True)
-        shard.set_epoch(0, skip=consumed // world_size)  # as core.data.set_epoch hands it: per rank
+        shard.set_epoch(0, skip=consumed // world_size)  # as the kernel's set_epoch hands it: per rank
         per_rank.append([set(b) for b in shard])
     return [set().union(*step) for step in zip(*per_rank)]
 
@@ -116,7 +110,7 @@ def test_a_stream_resumes_at_another_world_size_on_the_same_global_order(n, ws, 
     assert full == [set(range(j * global_batch, (j + 1) * global_batch)) for j in range(n // global_batch)]
     stopped = min(stopped, len(full))
     assert stream_steps(n, world2, global_batch // world2, consumed=stopped * global_batch) == full[stopped:]
-    loader = stream.make_loader(SizedStream(n), topology(0, world), batch_size=global_batch // world)
+    loader = stream_loader(SizedStream(n), topology(0, world), batch_size=global_batch // world, collate_fn=None)
     assert batches_per_epoch(loader) == len(full) == len(loader)
 
 
@@ -152,8 +146,10 @@ def test_a_factory_collate_fn_is_used_for_streams_and_maps():
     def pad(samples):
         return {"n": torch.tensor([s["labels"] for s in samples])}
 
-    for dataset in (Stream(7), Tokens()):
-        loader = loader_for(dataset, topology(0, 1), batch_size=3, collate_fn=pad)
+    topo = topology(0, 1)  # no process group: the stream read as evaluation reads it (training agrees over ranks)
+    loaders = [stream_loader(Stream(7), topo, batch_size=3, collate_fn=pad, train=False)]
+    loaders.append(make_loader(Tokens(), topo, batch_size=3, collate_fn=pad))
+    for loader in loaders:
         set_epoch(loader, 0, consumed=0)
         assert all(set(batch) == {"n"} for batch in loader)
 
@@ -182,10 +178,8 @@ class RankStream(IterableDataset):
         return self.n
 
 
-def _train_two_epochs(topo, sizes, sized, workers):
-    loader = stream.make_loader(
-        RankStream(sizes, topo.rank, sized=sized), topo, batch_size=3, collate_fn=torch.tensor, workers=workers
-    )
+def _train_two_epochs(topo, sizes, sized):
+    loader = stream_loader(RankStream(sizes, topo.rank, sized=sized), topo, batch_size=3, collate_fn=torch.tensor)
     counts = []
     for epoch in range(2):
         set_epoch(loader, epoch, consumed=0)
@@ -203,7 +197,7 @@ def check_streams_stop_together(topo):
     results = {}
     for sized in (False, True):
         # Rank 0's source: 30 elements (5 batches of its half); rank 1's: 12 (2 batches).
-        results[sized] = _train_two_epochs(topo, (30, 12), sized, 0)
+        results[sized] = _train_two_epochs(topo, (30, 12), sized)
     return results
 
 
@@ -224,13 +218,11 @@ def test_two_workers_per_rank_read_each_rank_share_in_order(train):
         read = [
             [
                 b.tolist()
-                for b in stream.make_loader(
-                    range_stream(23),
-                    topology(rank, 2),
-                    batch_size=3,
+                for b in DataLoader(
+                    StreamShard(range_stream(23), rank=rank, world_size=2, batch_size=3, drop_last=train),
+                    batch_size=None,
+                    num_workers=workers,
                     collate_fn=torch.tensor,
-                    workers=workers,
-                    train=train,
                 )
             ]
             for workers in (0, 2)
@@ -239,7 +231,7 @@ def test_two_workers_per_rank_read_each_rank_share_in_order(train):
 
 
 def check_resume_skips_what_was_consumed(topo, consumed):
-    loader = stream.make_loader(range_stream(40), topo, batch_size=2, collate_fn=torch.tensor)
+    loader = stream_loader(range_stream(40), topo, batch_size=2, collate_fn=torch.tensor)
     set_epoch(loader, 1, consumed=consumed)
     return [b.tolist() for b in loader]
 
@@ -250,22 +242,37 @@ def test_a_resumed_stream_continues_where_the_global_order_stopped(world2):
     assert steps == [list(range(s, s + 4)) for s in range(12, 40, 4)]
 
 
+def _pairs(samples):
+    g = torch.tensor(samples)
+    return g.float()[:, None], g % 3  # (input, target): a class for each element
+
+
+def _by_hand(model, n: int) -> dict:
+    """The whole stream's mean cross-entropy and accuracy in one process, each element once."""
+    with torch.no_grad():
+        x, y = _pairs(list(range(n)))
+        logits = model(x)
+    accuracy = logits.argmax(-1).eq(y).double().mean().item()
+    return {"val_loss": nn.functional.cross_entropy(logits, y).item(), "val_acc": accuracy}
+
+
 def check_evaluation(topo):
     # Rank 0's share of 23 is 12 samples (3 batches of 4), rank 1's 11 (3 batches, the last of 3).
-    loader = stream.make_loader(range_stream(23), topo, batch_size=4, train=False, collate_fn=torch.tensor)
+    loader = stream_loader(range_stream(23), topo, batch_size=4, train=False, collate_fn=torch.tensor)
     plain = [b.tolist() for b in loader]
-    stepped = [(b.tolist(), counted) for b, counted in stream.in_step(loader, device=topo.device)]
-    short = stream.make_loader(range_stream(9), topo, batch_size=4, train=False, collate_fn=torch.tensor)
-    padded = [(b.tolist(), counted) for b, counted in stream.in_step(short, device=topo.device)]
-    one = stream.make_loader(range_stream(1), topo, batch_size=4, train=False, collate_fn=torch.tensor)
-    return plain, stepped, padded, [(b.tolist(), counted) for b, counted in stream.in_step(one, device=topo.device)]
+    torch.manual_seed(0)
+    model = nn.Linear(1, 3)
+    loss_fn = make_exact_loss(Loss(), model=model)
+    evaluated = {}
+    for n in (23, 9, 1):  # 9: rank 1 has one batch to rank 0's two; 1: rank 1 has none and runs rank 0's, uncounted
+        loader = stream_loader(range_stream(n), topo, batch_size=4, train=False, collate_fn=_pairs)
+        evaluated[n] = (evaluate_sharded(model, loader, loss_fn=loss_fn, device=topo.device), _by_hand(model, n))
+    return plain, evaluated
 
 
-def test_evaluation_reads_every_rank_share_once_and_in_step_pads_the_shorter(world2):
-    (plain0, stepped0, padded0, one0), (plain1, stepped1, padded1, one1) = world2.run(check_evaluation)
+def test_evaluation_reads_every_rank_share_once_and_a_sharded_eval_pads_the_shorter(world2):
+    (plain0, evaluated0), (plain1, evaluated1) = world2.run(check_evaluation)
     assert sorted(x for b in plain0 + plain1 for x in b) == list(range(23))
-    assert [b for b, _ in stepped0] == plain0 and all(c for _, c in stepped0 + stepped1)
-    # 9 samples: rank 0 has 5 (2 batches), rank 1 has 4 (1 batch): rank 1 repeats its last, not counted.
-    assert [c for _, c in padded0] == [True, True] and padded1 == [([1, 3, 5, 7], True), ([1, 3, 5, 7], False)]
-    # 1 sample (review4: fsdp failed after training): rank 1 has none and runs rank 0's batch, never counted
-    assert one0 == [([0], True)] and one1 == [([0], False)]
+    for n, (found, expected) in (evaluated0 | evaluated1).items():  # every rank reports the whole job's
+        assert found == pytest.approx(expected, rel=1e-6), n
+    assert evaluated0 == evaluated1

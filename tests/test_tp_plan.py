@@ -19,10 +19,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from core import parallel, tp_plan
+from core import tp_plan
 from core.gpt import GPT
 from core.kernel.job import RecipeError
 from core.plugins import model_plans
+from mp_reference import apply_fsdp
 
 transformers = pytest.importorskip("transformers")
 TOL = dict(atol=5e-5, rtol=1e-4)
@@ -95,7 +96,7 @@ def _same_training(topo, factory, overrides: dict, *, fsdp: bool = False, steps:
     mesh = init_device_mesh("cpu", (1, topo.world_size), mesh_dim_names=("dp", "tp"))
     apply_model_tp(model, mesh["tp"])
     if fsdp:
-        parallel.apply_fsdp(model, mesh=mesh["dp"])
+        apply_fsdp(model, mesh=mesh["dp"])
     if overrides.get("tie_word_embeddings"):  # one shared, sharded weight, as in the model it came from
         assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.layers[0].self_attn.k_proj.weight.to_local().shape[0] == 32 // topo.world_size

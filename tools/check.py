@@ -26,10 +26,8 @@ from torch import nn
 
 from core.kernel.job import RecipeError
 from core.kernel.train import to_device
-from core.loss import make_loss
-from core.loss_options import choose_loss
 from tools.precheck import check_data, check_model, unequal_counts
-from tools.probes import RANDOMNESS, Finding, check_call, few, one_line, probe, sample_batches
+from tools.probes import RANDOMNESS, Finding, check_call, few, loss_of, one_line, probe, sample_batches
 
 # N ranks sum a gradient in another order: float32 weights end ~1e-5..1e-4 of their training distance apart, a
 # real break (BatchNorm, dropout) ~1e-2 and more; bf16/fp16 round partial sums ~1e-2 apart.
@@ -255,7 +253,7 @@ def probe_spec(recipe, *, model: str, data: str, loss: str, batch_size: int, see
     np.random.seed(seed)
     torch.manual_seed(seed)
     built = check_model(model)
-    loss_fn = choose_loss(loss, make_loss(model=built), model=built)  # a bad --loss: one RecipeError line, as below
+    loss_fn = loss_of(loss, built)  # a bad --loss: one RecipeError line, as below
     found = check_data(data, streams=recipe.streams, recipe=recipe.name)
     batches = sample_batches(found["train"], found["collate"], spec=data, size=batch_size, count=2)
     device = next(built.parameters(), torch.empty(0)).device

@@ -24,13 +24,11 @@ from torch.utils import _pytree as pytree
 from core.exact_loss import make_exact_loss
 from core.kernel.job import RecipeError
 from core.kernel.train import Topology
-from core.loss import make_loss
-from core.loss_options import choose_loss
 from tools.plan_fixed import GIB
 from tools.plan_layout import EXACT_LOSS, build_layout, mesh_dims, pipeline_buffers, schedule_order, unplannable
 from tools.plan_step import planned_steps, quiet
 from tools.precheck import check_data, check_model
-from tools.probes import collated, first_samples
+from tools.probes import collated, first_samples, loss_of
 from tools.registry import RECIPES
 
 
@@ -108,9 +106,9 @@ def _plan_rank(name: str, cfg, batch, *, rank: int, world_size: int, dims: dict,
         topo = Topology(rank, world_size, torch.device("cpu"))
         mesh = None
         if dims:  # before fake mode: init_device_mesh reads the ranks' values
-            from core import parallel
+            from core.mesh import build_mesh
 
-            mesh = parallel.build_mesh(topo, dims)
+            mesh = build_mesh(topo, dims)
         with quiet(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             with _mesh_math_on_real_tensors():
                 layout = _built(name, cfg, mesh=mesh, build=check_model)
@@ -174,7 +172,7 @@ def recipe_loss(name: str, cfg, model):
     """The recipe's loss, taken as the recipe takes it."""
     if name == "pipeline":
         return None
-    loss = choose_loss(cfg.loss, make_loss(model=model), model=model)
+    loss = loss_of(cfg.loss, model)
     return make_exact_loss(loss, model=model) if name in EXACT_LOSS else loss
 
 

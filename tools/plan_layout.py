@@ -80,23 +80,22 @@ def build_layout(name: str, cfg, *, device_mesh, build=check_model, device=None)
         model = model.to(device)
     if name in REPLICAS or name == "dp":
         if getattr(cfg, "channels_last", False) and not isinstance(next(model.parameters(), None), FakeTensor):
-            from core.tuning import to_channels_last  # the same bytes in another order: fake weights cannot be swapped
+            from core.plugins.tuning import to_channels_last  # the recipe's plug-in (ddp_monitored), attached already
 
-            model = to_channels_last(model)
+            model = to_channels_last(model)  # the same bytes in another order: fake weights cannot be swapped
         if getattr(cfg, "activation_checkpointing", False):
-            from core.tuning import checkpoint_blocks
+            from core.plugins.tuning import checkpoint_blocks
 
             checkpoint_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
         # DDP's buckets: one copy of the gradients at any world size (backward makes each gradient, views or not)
         buckets = held_bytes(params) if name in REPLICAS else 0
         return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
-    from core import parallel, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
+    from core import shard, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
 
     if name == "fsdp":
-        policy = parallel.fsdp_policy(cfg.precision)
-        _fully_shard(model, device_mesh["dp"], policy, cfg.blocks)
-        return Layout(model, list(model.parameters()), sync=parallel.fsdp_sync)
+        _fully_shard(model, device_mesh["dp"], shard.fsdp_policy(cfg.precision), cfg)
+        return Layout(model, list(model.parameters()), sync=shard.fsdp_sync)
     if name in ("tensor_parallel", "fsdp_tp"):
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -107,8 +106,8 @@ def build_layout(name: str, cfg, *, device_mesh, build=check_model, device=None)
             parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":
             return Layout(model, list(model.parameters()), autocast=cfg.precision)
-        _fully_shard(model, device_mesh["dp"], parallel.fsdp_policy(cfg.precision), cfg.blocks)
-        return Layout(model, list(model.parameters()), sync=parallel.fsdp_sync)
+        _fully_shard(model, device_mesh["dp"], shard.fsdp_policy(cfg.precision), cfg)
+        return Layout(model, list(model.parameters()), sync=shard.fsdp_sync)
     if name == "pipeline":
         pp, pp_rank = device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
         return _pipeline_layout(model, cfg, pp=pp, pp_rank=pp_rank, device=device)
@@ -117,13 +116,12 @@ def build_layout(name: str, cfg, *, device_mesh, build=check_model, device=None)
     raise RecipeError(f"plan: no memory plan for the recipe {name!r} (a plugin); plan one of the built-in recipes")
 
 
-def _fully_shard(model: nn.Module, mesh, policy: dict, blocks: str) -> None:
+def _fully_shard(model: nn.Module, mesh, policy: dict, cfg) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from core import parallel
+    from core.shard import shard_blocks
 
-    found = parallel.named_blocks(model, blocks) if blocks else parallel.find_blocks(model)
-    for block in parallel.shard_units(model, found):  # as the recipes shard: each block, then the root
+    for block in shard_blocks(cfg, model):  # as the recipes shard: each block (--blocks NAME's), then the root
         fully_shard(block, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
 

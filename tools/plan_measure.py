@@ -12,8 +12,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core import accum, parallel, schedules, steps
-from core.kernel.train import Topology, to_device
+from core import accum, schedules
+from core.kernel.train import Topology, step_plain, to_device
+from core.mesh import build_mesh
 from tools.options import parse_args
 from tools.plan import first_batch, recipe_loss
 from tools.plan_layout import EXACT_LOSS, REPLICAS, build_layout, held_bytes, mesh_dims
@@ -30,7 +31,7 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(topo.device)
     dims = mesh_dims(name, cfg, topo.world_size)
-    mesh = parallel.build_mesh(topo, dims) if dims else None
+    mesh = build_mesh(topo, dims) if dims else None
     batch = to_device(first_batch(cfg), topo.device)
     micro_batches = [batch] * getattr(cfg, "accum", 1)
     with quiet():
@@ -48,7 +49,7 @@ def measure(topo: Topology, name: str, args: list[str]) -> dict[str, int]:
                 how = {"precision": layout.autocast, "sync": layout.sync, "dp_group": dp_group}
                 step = functools.partial(accum.step_amp, model, micro_batches, **how)
             else:
-                step = functools.partial(steps.step_plain, model, micro_batches[0])
+                step = functools.partial(step_plain, model, micro_batches[0])
             for _ in range(2):
                 step(optimizer=optimizer, loss_fn=loss_fn)
         return _held(layout, optimizer, peak_of(tracker))

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from core.accum import AUTOCAST
 from core.exact_loss import forward_exact
-from core.loss import forward, metrics
+from core.kernel.train import forward, metrics
 from core.schedules import TokenLoss
 from tools.plan_layout import EXACT_LOSS, Layout, held_bytes
 
@@ -158,7 +158,7 @@ def _autocast(precision: str):
 
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
-    """accum.step_amp's forwards and backwards (or core.steps.step_plain's one), without reading any value."""
+    """accum.step_amp's forwards and backwards (or the kernel's step_plain's one), without reading any value."""
     step = functools.partial(forward_exact, normalizer=torch.ones(())) if name in EXACT_LOSS else forward
     for i, batch in enumerate(micro_batches):
         with layout.sync(layout.model, enabled=i == len(micro_batches) - 1):
@@ -195,7 +195,7 @@ def pipeline_step(layout: Layout, micro_batches: list, *, cfg, order: list[tuple
             else:
                 out.backward(layout.grad_recv[stage][mb])
     if outputs:  # the schedule merges the last stage's outputs; step_pipeline's metrics read them
-        metrics(torch.cat(outputs), targets, torch.zeros(()), samples=len(targets))
+        metrics(torch.cat(outputs), targets, torch.zeros(()), samples=len(targets), shift=False)
 
 
 def tensors(batch) -> list[torch.Tensor]:

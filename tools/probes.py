@@ -1,4 +1,4 @@
-"""One training step on the first samples, as the recipes take it (core.loss), for the pre-check and `check`: what
+"""One training step on the first samples, as the recipes take it, for the pre-check and `check`: what
 would fail in the ranks (tools/precheck.py), and what makes N ranks train apart from one process (tools/check.py).
 """
 
@@ -9,15 +9,15 @@ import inspect
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
+from torch.utils.data import IterableDataset, default_collate
 
-from core import stream
 from core.kernel.job import RecipeError
-from core.loss import Loss, call_model, forward, make_loss
-from core.loss_options import CHOICES, choose_loss
+from core.kernel.train import Loss, forward, make_loss
+from core.plugins.loss import CHOICES  # importing it attaches --loss's choices to make_loss, as in the recipes
 
 
 @dataclass
@@ -42,7 +42,7 @@ def one_line(err: BaseException) -> str:
 def first_samples(dataset, n: int, *, spec: str) -> list:
     """The first `n` training samples of a map-style data set or a stream; one line when reading raises."""
     try:
-        if stream.is_stream(dataset):
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):  # a stream: read in order
             return list(itertools.islice(dataset, n))
         return [dataset[i] for i in range(min(n, len(dataset)))]
     except Exception as err:  # the user's data set raised while being read
@@ -75,10 +75,15 @@ def sample_batches(train, collate, *, spec: str, size: int, count: int = 1) -> l
     return [collated(chunk, collate, spec=spec) for chunk in chunks[:count]]
 
 
+def loss_of(spec: str, model: nn.Module) -> Loss:
+    """`--loss spec` for the plain `model`, as the recipes take it; a choice that cannot work is one line."""
+    return make_loss(SimpleNamespace(loss=spec), model)
+
+
 def check_call(model: nn.Module, batch, loss: Loss, *, where: str) -> None:
     """One line naming the call made and the forward's signature when the batch does not fit it."""
     made = []
-    call_model(lambda *args, **kwargs: made.append((args, kwargs)), batch, loss)  # the call the recipes make
+    loss.call(lambda *args, **kwargs: made.append((args, kwargs)), batch)  # the call the recipes make
     (args, kwargs), signature = made[0], inspect.signature(model.forward)
     try:
         signature.bind(*args, **kwargs)
@@ -98,7 +103,7 @@ def check_call(model: nn.Module, batch, loss: Loss, *, where: str) -> None:
 
 
 def train_step(model: nn.Module, batch, loss: Loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss and the gradients of one training-mode step through core.loss; the model's own are left as they were."""
+    """The loss and the gradients of one training-mode step (the kernel's forward); the model's own are left alone."""
     model.train()
     before = {n: p.grad for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -118,7 +123,7 @@ def losses_that_work(model: nn.Module, batch, *, besides: str) -> list[str]:
     for spec in (s for s in CHOICES if s != besides):
         try:
             with torch.no_grad():
-                forward(model, batch, choose_loss(spec, make_loss(model=model), model=model))
+                forward(model, batch, loss_of(spec, model))
             working.append(spec)
         except Exception:  # this choice cannot work either
             continue
@@ -134,7 +139,7 @@ def _forward_backward(model: nn.Module, batch, *, seed: int, loss: str) -> tuple
     """train_step on a copy of `model` (the original is untouched), seeded."""
     model = copy.deepcopy(model)
     torch.manual_seed(seed)
-    return train_step(model, batch, choose_loss(loss, make_loss(model=model), model=model))
+    return train_step(model, batch, loss_of(loss, model))
 
 
 def _same(a, b) -> bool:

@@ -33,9 +33,8 @@ class Recipe:
 
     @property
     def streams(self) -> bool:
-        """It reads streams (IterableDatasets) through core.stream or the stream plug-in; the others refuse them
-        before launch."""
-        return "stream" in self.opt_ins or "stream" in self.plugins
+        """It reads streams (IterableDatasets) through the stream plug-in; the others refuse them before launch."""
+        return "stream" in self.plugins
 
     def load(self) -> ModuleType:
         """The recipe's module, its Config built with its own plug-ins' option groups only (imported before by another
