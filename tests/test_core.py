@@ -271,8 +271,8 @@ def test_startup_counts_from_the_process_start_to_the_end_of_the_first_step():
 
 @pytest.mark.fast
 def test_no_validation_set_writes_no_eval_record_and_prints_no_eval_line(tmp_path, capsys):
+    from core.kernel.job import RunFolder
     from core.kernel.train import log_eval
-    from core.records import RunFolder
 
     run = RunFolder(tmp_path, None, "ddp", {}, True)
     log_eval(run, {}, step=3, epoch=0)  # evaluate() of no loader

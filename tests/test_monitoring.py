@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from core import monitor, records
+from core import monitor
 from core.kernel.builtin import MLP
+from core.kernel.job import RunFolder
 from core.kernel.store import open_run
 from core.kernel.train import Loss, Tally, log_train, step_plain
 from core.plugins import meter, watchdog
@@ -119,7 +120,7 @@ def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_
 
 @pytest.mark.fast
 def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys, monkeypatch):
-    run_folder = records.RunFolder(tmp_path, None, "ddp_monitored", {}, True)
+    run_folder = RunFolder(tmp_path, None, "ddp_monitored", {}, True)
     monkeypatch.setattr("core.kernel.train.LOG_FIELDS", [lambda: {"samples_per_s": 1875.4, "tokens_per_s": 9e4}])
     sums = {"loss_sum": 4.1234, "count": 10.0, "correct": 5.0, "scored": 10.0}  # the window, reduced over the ranks
     window = SimpleNamespace(sums={}, last={}, reduce=lambda: sums)
