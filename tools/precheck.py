@@ -285,6 +285,10 @@ def check_resume(recipe: str, cfg, model, *, world_size: int, dp: int) -> None:
         return  # at any world size, its --epochs and --max-steps: the run is finished and trains nothing
     path = (newest_good(runs[-1]) if runs else None) if resume == "auto" else Path(resume)
     if path is not None:  # else --resume auto and nothing to resume: a fresh run
+        with contextlib.suppress(OSError), open(path, "rb") as f:  # torch.save's zip or pickle: said, never unpickled
+            if f.read(2) in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):
+                why = "a pickle (torch.save) file, not a safetensors checkpoint; it is never unpickled here"
+                raise RecipeError(f"{path}: {why}: resume from a ckpt/step-N.safetensors file")
         batch = cfg.batch_size * dp * getattr(cfg, "accum", 1)
         meta = read_checkpoint(path, tensors=False)[1]  # whole, undamaged, and this model (a sharded one: its shards)
         read_checkpoint(path, None if "shards" in meta else model)
