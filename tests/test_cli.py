@@ -71,15 +71,10 @@ def _core_imports(name: str) -> set[str]:
 @pytest.mark.parametrize("name", recipe_params(sorted(RECIPES)))
 def test_the_registry_names_exactly_the_opt_ins_a_recipe_imports(name):
     """ddp is the base: a recipe's opt-ins are the core modules it imports beyond the kernel and the plug-ins (README's
-    table); a recipe not yet on the kernel also takes the modules ddp took before it moved (OLD_BASE)."""
+    table)."""
     assert RECIPES["ddp"].opt_ins == () and _core_imports("ddp") == {"kernel", "attach"}
-    base = _core_imports("ddp") | ({"plugins"} if RECIPES[name].plugins else OLD_BASE)  # its own plug-ins: no opt-in
+    base = _core_imports("ddp") | {"plugins"}  # its own plug-ins are no opt-in
     assert sorted(RECIPES[name].opt_ins) == sorted(_core_imports(name) - base)
-
-
-# What ddp imported before it was written on the kernel: the base of the recipes that have not moved yet.
-OLD_BASE = {"ckpt", "config", "data", "dist", "folder", "loss", "loss_options", "meter", "models", "records", "steps"}
-OLD_BASE |= {"weights", "kernel", "plugins"}  # and the kernel's and the plug-ins' names they already take
 
 
 README_MOST_LINES = 300  # issue 36: a README a newcomer reads; the reference lives in docs/

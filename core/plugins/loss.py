@@ -59,14 +59,14 @@ def choose(cfg, model: nn.Module, loss: Loss) -> Loss:
 
 
 def split_any(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """core.loss.split_outputs, and `(loss, logits, ...)`: a 0-dim loss first, as transformers returns it."""
+    """The kernel's split_outputs, and `(loss, logits, ...)`: a 0-dim loss first, as transformers returns it."""
     if isinstance(outputs, tuple | list) and len(outputs) > 1 and torch.is_tensor(outputs[0]) and outputs[0].dim() == 0:
         return outputs[1], outputs[0]
     return split_outputs(outputs)
 
 
 def choose_loss(spec: str, loss: ChosenLoss, *, model: nn.Module) -> Loss:
-    """`--loss spec` for `model` (the plain one), in place of core.loss.make_loss's `loss` (auto). A choice that cannot
+    """`--loss spec` for `model` (the plain one), in place of make_loss's `loss` (auto). A choice that cannot
     work is one RecipeError line."""
     if spec not in CHOICES:
         custom = resolve_loss(spec)
