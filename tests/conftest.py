@@ -48,14 +48,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def world2():
     """Two gloo ranks for the whole module: start once, run many checks on it."""
-    with GlooWorld(2) as world:
+    with GlooWorld(2, timeout_s=120) as world:  # a sharded step on a busy 2-core machine
         yield world
 
 
 @pytest.fixture(scope="module")
 def world1():
     """A world of one: the same code paths as world2, without a second process."""
-    with GlooWorld(1) as world:
+    with GlooWorld(1, timeout_s=120) as world:
         yield world
 
 

@@ -30,22 +30,9 @@ from core.mesh import build_mesh
 from core.shard import fsdp_sync
 from helpers import build_data, build_model, unfinished
 from mp_reference import apply_fsdp, assert_same_weights, config, full_state_dict, reference, run_recipe, run_recipe_rng
-from world import GlooWorld
 
 TOL = dict(atol=5e-5, rtol=1e-4)
 BF16_TOL = dict(atol=1e-2, rtol=1e-1)  # bf16 rounding of activations and weights in forward, 3 steps
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with GlooWorld(2, timeout_s=120) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world1():
-    with GlooWorld(1, timeout_s=120) as world:
-        yield world
 
 
 @pytest.fixture(scope="module")

@@ -30,18 +30,6 @@ pytestmark = pytest.mark.world
 VOCAB, CONTEXT, GLOBAL_BATCH = 32, 16, 8
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with GlooWorld(2, timeout_s=120) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world1():
-    with GlooWorld(1, timeout_s=120) as world:
-        yield world
-
-
 def _fsdp(model, mesh):
     """fully_shard each block, then the root: the fsdp recipe's lines."""
     for block in find_blocks(model)[1]:
