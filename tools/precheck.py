@@ -22,7 +22,7 @@ from core.accum import make_loaders
 from core.kernel.job import RecipeError
 from core.kernel.seams import TRAINS_ON
 from core.kernel.store import check_continues, newest_good, read_checkpoint, run_dirs
-from core.kernel.train import IGNORE, Topology, make_loss, to_device
+from core.kernel.train import IGNORE, Topology, to_device
 from core.plugins.factories import DATASETS, MODELS, resolve_factory
 from core.plugins.stream import is_stream
 from tools.plan_fixed import gpu_job
@@ -32,6 +32,7 @@ from tools.probes import (
     collated,
     few,
     first_samples,
+    loss_of,
     losses_that_work,
     one_line,
     train_step,
@@ -66,7 +67,7 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
     grads = check_step(model, batch, model_spec=cfg.model, data_spec=cfg.data, loss=cfg.loss)
     if "find_unused_parameters" in takes and not (cfg.find_unused_parameters or cfg.static_graph):
         check_unused(model, grads, spec=cfg.model)
-    auto = make_loss(SimpleNamespace(loss="auto"), model)  # the model's own loss, else cross-entropy
+    auto = loss_of("auto", model)  # the model's own loss, else cross-entropy
     warnings = unequal_counts(recipe, batch, auto, dp=dp) if recipe.mean_per_replica else []
     if getattr(cfg, "resume", "") or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         check_resume(recipe.name, cfg, model, world_size=world_size, dp=dp)
@@ -199,7 +200,7 @@ def check_step(model: nn.Module, batch, *, model_spec: str, data_spec: str, loss
     batch = to_device(batch, next(model.parameters(), torch.empty(0)).device)
     synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
     try:
-        loss_fn = make_loss(SimpleNamespace(loss=loss), model)  # as the recipes take it (the loss plug-in's --loss)
+        loss_fn = loss_of(loss, model)  # as the recipes take it (the loss plug-in's --loss)
         check_call(model, batch, loss_fn, where=where)
         for layer in synced:  # SyncBatchNorm trains on GPUs only; here its running statistics stand in
             layer.eval()
