@@ -444,7 +444,7 @@ def test_meter_samples_tokens_and_nonfinite(one_rank):
     assert record["loss"] == 0.5 and "acc" not in record
     assert meter.throughput(None, None, None)["startup_s"] >= 0 and meter.TRAINED["samples"] == 4  # one step of 4
     window = Tally(CPU)
-    window.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
+    window.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3, scored=4))  # metrics() gives both
     meter.clock_step(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
     record = summarize(window.reduce()) | meter.clock_rates()
     assert math.isnan(record["loss"]) and record["acc"] == 0.75 and "tokens_per_s" not in record  # null in the record

@@ -138,13 +138,12 @@ def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
 
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(logits, loss) of logits, a tuple (logits first, or `(logits, loss)`), a dict or a ModelOutput."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs, None
     if isinstance(outputs, Mapping):  # a transformers ModelOutput is an OrderedDict
         return outputs.get("logits"), outputs.get("loss")
     if isinstance(outputs, tuple | list) and outputs:  # a loss is 0-dim
-        loss = outputs[1] if len(outputs) > 1 and torch.is_tensor(outputs[1]) and outputs[1].dim() == 0 else None
-        return outputs[0], loss
+        return outputs[0], next((o for o in outputs[1:2] if torch.is_tensor(o) and o.dim() == 0), None)
+    if isinstance(outputs, torch.Tensor):
+        return outputs, None
     raise RecipeError(f"the model returned {type(outputs).__name__}; return logits, (logits, loss) or a dict of them")
 
 
@@ -158,8 +157,7 @@ class Loss:
         """(outputs, targets): model(**batch) for a dict (its labels), model(*inputs) for a tuple (its last)."""
         if isinstance(batch, Mapping):
             return model(**batch), batch.get("labels")
-        *inputs, targets = batch
-        return model(*inputs), targets
+        return model(*batch[:-1]), batch[-1]
 
     def logits_and_loss(self, outputs, targets, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         logits, mean = split_outputs(outputs)
@@ -191,11 +189,12 @@ def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool) -
     n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)
     if shift and targets is not None:  # scored as the loss compared them: logits[t] with targets[t + 1]
         logits, targets = logits if logits is None else logits[..., :-1, :], targets[..., 1:]
-    count = n if targets is None or targets.is_floating_point() else targets.ne(IGNORE).sum().double()
+    classes = targets is not None and not targets.is_floating_point()  # class indices, IGNORE counting nowhere
+    count = targets.ne(IGNORE).sum().double() if classes else n
     sums = {"loss_sum": torch.where(count > 0, mean.detach().double() * count, 0.0), "count": count, "samples": n}
-    if logits is not None and targets is not None and not targets.is_floating_point():
-        if logits.shape[:-1] == targets.shape:
-            sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
+    if classes and logits is not None and logits.shape[:-1] == targets.shape:
+        right = logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)
+        sums |= {"correct": right.sum().double(), "scored": count}
     return sums
 
 
@@ -211,8 +210,6 @@ class Tally:
         self.last = {}  # the last window's loss (and accuracy), read again by a window that counted nothing
 
     def add(self, metrics: dict) -> None:
-        if "correct" in metrics and "scored" not in metrics:
-            self.sums["scored"] = self.sums["scored"] + metrics["count"]
         for key, value in metrics.items():
             self.sums[key] = self.sums[key] + value
 
