@@ -26,7 +26,7 @@ from torch import nn
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
@@ -101,8 +101,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     plain = build_gpt(cfg)
-    for hook in AFTER_BUILD:  # the plain model, before its blocks are placed (--init-from)
-        hook(cfg, plain)
+    fire("after_build", cfg, plain)  # the plain model, before its blocks are placed (--init-from)
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
     model = PipelineParallelModel(plain, devices)
     output_device = model.placement[-1][0]  # targets meet the logits on the last device
@@ -135,8 +134,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:
                 lr = scheduler.get_last_lr()[0]
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
@@ -156,7 +154,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class Config(*gpt_defaults([Training, Checkpointing, *OPTION_GROUPS])):
+class Config(*gpt_defaults([Training, Checkpointing, *SEAMS["option_groups"]])):
     """pipeline_naive's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 

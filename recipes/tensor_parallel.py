@@ -32,7 +32,7 @@ from core.accum import Accumulation, check_step, make_loaders, micro_batch_group
 from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
 from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
@@ -82,8 +82,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg).to(topo.device)
-    for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its slices
-        hook(cfg, model)
+    fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its slices
     device_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
     tp = device_mesh["tp"].size()
     plan = plan_of(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # the Linear layers split by column or row
@@ -123,8 +122,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr, norm = scheduler.get_last_lr()[0], stats.grad_norm
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=norm, skipped=skipped)
@@ -151,7 +149,9 @@ class TPOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(*gpt_defaults([Training, Checkpointing, TPOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS])):
+class Config(
+    *gpt_defaults([Training, Checkpointing, TPOptions, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])
+):
     """tensor_parallel's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from core.kernel.job import RecipeError, RunFolder, say, write_record
-from core.kernel.seams import AFTER_JOB, LOG_FIELDS, LOSS_CHOICES, PAUSES
+from core.kernel.seams import SEAMS
 
 Topology = namedtuple("Topology", "rank world_size device")  # rank 0 decides, writes and prints; device: cuda or cpu
 
@@ -169,7 +169,7 @@ class Loss:
 def make_loss(cfg, model: nn.Module) -> Loss:
     """The plain `model`'s loss (or --loss's); a transformers decoder that generates shifts its labels."""
     loss = Loss(shifts=getattr(model, "can_generate", bool)() and not model.config.is_encoder_decoder)
-    for choose in LOSS_CHOICES:
+    for choose in SEAMS["loss_choices"]:
         loss = choose(cfg, model, loss)
     return loss
 
@@ -231,7 +231,7 @@ def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
 def not_training():
     """Evaluation and checkpoints: time the clock plug-in leaves out of training's."""
     with contextlib.ExitStack() as stack:
-        [stack.enter_context(pause()) for pause in PAUSES]
+        [stack.enter_context(pause()) for pause in SEAMS["pauses"]]
         yield
 
 
@@ -239,7 +239,7 @@ def log_train(run: RunFolder, window: Tally, *, step: int, total: int, epoch: in
     """A `train` record and line of the job's numbers since the last one (a collective)."""
     sums = window.reduce()
     window.sums = {key: torch.zeros_like(value) for key, value in window.sums.items()}
-    more = {k: v for hook in LOG_FIELDS for k, v in hook().items()}  # the clock's rates (a collective too)
+    more = {k: v for hook in SEAMS["log_fields"] for k, v in hook().items()}  # the clock's rates (a collective too)
     if sums["count"] > 0:  # else the last window's numbers stand
         window.last = summarize(sums) | more
     write_record(run, {"kind": "train", "step": step, "epoch": epoch, **fields, **window.last})
@@ -259,7 +259,7 @@ def log_summary(cfg, run: RunFolder, model, window: Tally, evaluation: dict, **n
     """The closing `summary` record and line, with the plug-ins' fields; every rank returns it."""
     summary = {**evaluation, "train_loss": window.last.get("loss"), **numbers}
     summary |= {key: run.config[key] for key in ("world_size", "global_batch")}
-    for hook in AFTER_JOB:
+    for hook in SEAMS["after_job"]:
         summary |= hook(cfg, run, model) or {}
     write_record(run, {"kind": "summary", **summary})
     shown = {k: (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}") if isinstance(v, float) else v for k, v in summary.items()}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from core.kernel.job import RecipeError
-from core.kernel.seams import STREAMS
+from core.kernel.seams import SEAMS
 
 
 class StreamShard(IterableDataset):
@@ -105,4 +105,4 @@ def stream_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple | None:
     return train, val, min(total, cfg.max_steps) if cfg.max_steps else total
 
 
-STREAMS.append(stream_loaders)
+SEAMS["streams"].append(stream_loaders)
