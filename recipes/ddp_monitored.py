@@ -42,7 +42,6 @@ from core.kernel.train import (
     make_loader,
     make_loss,
     not_training,
-    set_epoch,
     step_plain,
     to_device,
     total_steps,
@@ -111,7 +110,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
             batch = to_device(batch, topo.device)
             metrics, grad_norm = step_plain(train_model, batch, optimizer=optimizer, loss_fn=loss_fn)

@@ -45,7 +45,6 @@ from core.kernel.train import (
     log_summary,
     log_train,
     not_training,
-    set_epoch,
 )
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
@@ -143,7 +142,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         for micro_batches in itertools.islice(batch_groups(train_loader, cfg.accum, device=topo.device), total - step):
             # schedule.step: forwards and backwards, stage to stage
             metrics, grad_norm = step_pipeline(schedule, micro_batches, **step_options)

@@ -101,9 +101,10 @@ class ResumableSampler(DistributedSampler):
 
     skip = 0
 
-    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
+    def set_epoch(self, epoch: int, *, consumed: int = 0) -> None:
+        """Every epoch's start; `consumed` samples of the epoch's global order were trained already (a resume)."""
         super().set_epoch(epoch)  # the same shuffle on every rank
-        self.skip = skip  # this rank's samples already trained
+        self.skip = consumed // self.num_replicas  # this rank's share of them
 
     def __iter__(self) -> Iterator[int]:
         return iter(list(super().__iter__())[self.skip :])
@@ -122,11 +123,6 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)
     sampler = ResumableSampler(dataset, num_replicas=topo.world_size, rank=topo.rank, seed=seed, drop_last=True)
     return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
-
-
-def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
-    """Every epoch's start; `consumed` samples of the epoch's global order were trained already (a resume)."""
-    loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
 
 
 def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
