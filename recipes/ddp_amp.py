@@ -31,12 +31,12 @@ from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
+from core.kernel.step import evaluate
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,

@@ -22,13 +22,12 @@ import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a st
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite, evaluate, step_plain, total_steps
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
-    check_finite,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,
@@ -36,9 +35,7 @@ from core.kernel.train import (
     make_loader,
     make_loss,
     not_training,
-    step_plain,
     to_device,
-    total_steps,
 )
 
 

@@ -34,18 +34,9 @@ import core.attach  # noqa: F401 - the package runs it with every plug-in; a sta
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite
 from core.kernel.store import finished, open_run, write_weights
-from core.kernel.train import (
-    Tally,
-    Topology,
-    check_finite,
-    cleanup_pg,
-    init_pg,
-    log_eval,
-    log_summary,
-    log_train,
-    not_training,
-)
+from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, log_summary, log_train, not_training
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
 from core.schedules import (

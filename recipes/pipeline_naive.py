@@ -27,13 +27,12 @@ import core.attach  # noqa: F401 - the package runs it with every plug-in; a sta
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite, evaluate, step_plain, total_steps
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
-    check_finite,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,
@@ -41,9 +40,7 @@ from core.kernel.train import (
     make_loader,
     make_loss,
     not_training,
-    step_plain,
     to_device,
-    total_steps,
 )
 from core.pipeline import check_pipeline_model, plan_split
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 from collections import namedtuple
@@ -23,39 +22,6 @@ Topology = namedtuple("Topology", "rank world_size device")  # rank 0 decides, w
 
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
-
-
-def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:
-    """Forward, backward (DDP all-reduces the gradients there), and a step unless the gradient norm is not finite."""
-    optimizer.zero_grad(set_to_none=True)
-    loss, sums = forward(model, batch, loss_fn)
-    loss.backward()
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    norm = float(torch.nn.utils.get_total_norm(grads))  # the step's one host sync; every rank reads the same
-    if math.isfinite(norm):
-        optimizer.step()
-    return sums, norm
-
-
-def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
-    """1 for a step skipped for its non-finite gradient norm (--on-nonfinite skip); with stop, one line."""
-    if not math.isfinite(grad_norm) and on_nonfinite == "stop":  # every rank read the same all-reduced norm: all stop
-        fix = "lower --lr, or pass --on-nonfinite skip"
-        raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
-    return int(not math.isfinite(grad_norm))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
-    """val_loss and val_acc over every rank's share of the validation set ({} without one)."""
-    if loader is None:
-        return {}
-    was_training, tally = model.training, Tally(device)
-    model.eval()
-    for batch in loader:
-        tally.add(forward(model, to_device(batch, device), loss_fn)[1])
-    model.train(was_training)
-    return summarize(tally.reduce(), prefix="val_")
 
 
 def init_pg(*, timeout_s: float) -> Topology:
@@ -123,13 +89,6 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
         return DataLoader(Subset(dataset, range(topo.rank, len(dataset), topo.world_size)), batch_size, **options)
     sampler = ResumableSampler(dataset, num_replicas=topo.world_size, rank=topo.rank, seed=seed, drop_last=True)
     return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
-
-
-def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
-    """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
-    if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
-        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
-    return min(epochs * len(loader), max_steps or epochs * len(loader))
 
 
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
