@@ -15,8 +15,7 @@ from torch.utils.data import DataLoader
 
 from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import fire
-from core.kernel.step import total_steps
-from core.kernel.train import IGNORE, Tally, make_loader, metrics, summarize, to_device
+from core.kernel.train import IGNORE, Tally, make_loader, metrics, summarize, to_device, total_steps
 from core.pipeline import check_pipeline_model, plan_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")

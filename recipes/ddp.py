@@ -24,7 +24,7 @@ import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a st
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
-from core.kernel.step import check_finite, evaluate, step_plain, total_steps
+from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
@@ -38,6 +38,7 @@ from core.kernel.train import (
     make_loss,
     not_training,
     to_device,
+    total_steps,
 )
 
 

@@ -28,7 +28,7 @@ from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
-from core.kernel.step import check_finite, evaluate, step_plain, total_steps
+from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, load_checkpoint, open_run, write_weights
 from core.kernel.train import (
     Tally,
@@ -42,6 +42,7 @@ from core.kernel.train import (
     make_loss,
     not_training,
     to_device,
+    total_steps,
 )
 from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, flops_per_sample, peak_flops
 from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa: F401 - its own (tools/registry.py)

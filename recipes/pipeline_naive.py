@@ -27,7 +27,7 @@ import core.attach  # noqa: F401 - the package runs it with every plug-in; a sta
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import SEAMS, fire
-from core.kernel.step import check_finite, evaluate, step_plain, total_steps
+from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
@@ -41,6 +41,7 @@ from core.kernel.train import (
     make_loss,
     not_training,
     to_device,
+    total_steps,
 )
 from core.pipeline import check_pipeline_model, plan_split
 

@@ -1,4 +1,4 @@
-"""The replica's step: forward, backward, the optimizer step and its check; evaluation; the run's length."""
+"""The replica's step: forward, backward, the optimizer step and its check; evaluation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import math
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from core.kernel.job import RecipeError
 from core.kernel.train import Loss, Tally, forward, summarize, to_device
@@ -43,10 +42,3 @@ def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -
         tally.add(forward(model, to_device(batch, device), loss_fn)[1])
     model.train(was_training)
     return summarize(tally.reduce(), prefix="val_")
-
-
-def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
-    """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
-    if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
-        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
-    return min(epochs * len(loader), max_steps or epochs * len(loader))

@@ -91,6 +91,13 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
     return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
 
 
+def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
+    """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
+    if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
+        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
+    return min(epochs * len(loader), max_steps or epochs * len(loader))
+
+
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(logits, loss) of logits, a tuple (logits first, or `(logits, loss)`), a dict or a ModelOutput."""
     if isinstance(outputs, Mapping):  # a transformers ModelOutput is an OrderedDict
