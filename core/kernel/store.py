@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from core.kernel.job import RecipeError, RunFolder, open_log, os_error_line, say, write_record
-from core.kernel.seams import BEFORE_JOB, CHECKSUMS, ON_OPEN, ON_RESUME, READ_CHECKS, RESUME_CHECKS, TRAINS_ON, WRITERS
+from core.kernel.seams import CHECKSUMS, SEAMS, fire
 from core.kernel.train import Topology
 
 # The options that shape what is trained: a resumed run keeps them, or it would be another run.
@@ -47,7 +47,7 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
         with contextlib.suppress(IndexError, KeyError, OSError, ValueError):  # no run, no record, or a torn last line
             run = Path(resume).parents[1] if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1]
             last = json.loads((run / "metrics.jsonl").read_bytes().splitlines()[-1])  # the summary is written last
-            if last.pop("kind") == "summary" and not any(hook(cfg, run, resume) for hook in TRAINS_ON):
+            if last.pop("kind") == "summary" and not any(hook(cfg, run, resume) for hook in SEAMS["trains_on"]):
                 print(f"{run} already finished at step {last.get('steps')}; nothing to train", flush=True)
                 return {**last, "already_finished": True}
 
@@ -70,21 +70,19 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
         path and check_continues(path, read_checkpoint(path, tensors=False)[1], config)
         in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]
         folder = path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1]
-        for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json
-            hook(folder, config, new=not in_run)
+        fire("on_open", folder, config, new=not in_run)  # before anything in the folder is written: lock, config.json
         return folder, path
 
     run = RunFolder(*from_rank0(topo.rank == 0, choose), recipe, config, topo.rank == 0)
     open_log(run)
     say(run, f"run folder {run.path}", level="DEBUG")  # on stderr, where a launcher's supervisor reads it
-    for hook in BEFORE_JOB:
-        hook(cfg, run)
+    fire("before_job", cfg, run)
     return run
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     """One RecipeError line, naming both sides and the fix, when the checkpoint would train another run here."""
-    allowed = {key for check in RESUME_CHECKS for key in check(path, meta, config) or ()}  # the longer plug-in's
+    allowed = {key for check in SEAMS["resume_checks"] for key in check(path, meta, config) or ()}  # longer's
     saved, batch, now = json.loads(meta.get("config", "{}")), int(meta.get("global_batch", 0)), config["global_batch"]
     if batch and batch != now:  # every later step would differ
         per_rank, rest = divmod(batch, now // config["batch_size"])  # this job's ranks x --accum
@@ -125,8 +123,8 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict) 
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}  # safetensors keeps strings
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # copies: tied weights apart (safetensors refuses them)
     with open(tmp, "wb") as f:  # a write killed midway leaves only this hidden file, which no listing takes
-        if WRITERS:  # the fast_writer plug-in: straight from the tensors' memory
-            WRITERS[-1](f, out, meta)
+        if SEAMS["writers"]:  # the fast_writer plug-in: straight from the tensors' memory
+            SEAMS["writers"][-1](f, out, meta)
         else:
             meta["checksums"] = json.dumps({key: checksum(t) for key, t in out.items()})
             data = safetensors.torch.save(out, meta)  # its layout sets the offsets the header checksum covers
@@ -179,8 +177,7 @@ def read_checkpoint(path: Path, model: nn.Module | None = None, *, tensors: bool
     for key, tensor in found.items():  # an older format's checksum: its plug-in's (old_checksums)
         if CHECKSUMS.get(sums.get(key, "").partition(":")[0] + ":", checksum)(tensor) != sums.get(key):
             raise RecipeError(f"{path}: tensor {key} does not match its checksum (the file is damaged); {fix}")
-    for check in READ_CHECKS if tensors else ():
-        check(path, found, model)
+    tensors and fire("read_checks", path, found, model)  # (checks, shard_ckpt) not on a header-only read
     return found, meta
 
 
@@ -220,8 +217,7 @@ def resumed(run: RunFolder, meta: dict, tensors: dict, *, optimizer, scheduler) 
     window, shape = progress.pop("window"), {k: run.config[k] for k in ("world_size", "global_batch")}  # rank 0's
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    for hook in ON_RESUME:
-        hook(run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
+    fire("on_resume", run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
     return progress | {"window": window if run.writer else {}}  # the open log window: rank 0 carries it
 
 
