@@ -57,8 +57,8 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder, refusing a checkpoint that cannot continue in this job; every rank gets it."""
     config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **vars(cfg)}
-    prefix, restarted = cfg.name or recipe, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    resume = cfg.resume or "auto" * restarted  # torchrun restarted the job: it continues
+    prefix = cfg.name or recipe
+    resume = cfg.resume or "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")  # torchrun restarted it
 
     def choose() -> tuple[Path, Path | None]:
         open_log(None)  # the lines said while choosing go into train.log
@@ -68,7 +68,7 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
             where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
             say(None, f"--resume auto: {where} in {cfg.out}; starting a new run")
         path and check_continues(path, read_checkpoint(path, tensors=False)[1], config)
-        in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]
+        in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]  # else a new folder
         folder = path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1]
         fire("on_open", folder, config, new=not in_run)  # before anything in the folder is written: lock, config.json
         return folder, path
@@ -189,7 +189,6 @@ def newest_good(run_dir: Path) -> Path | None:
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; ")[0]
             say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", "WARNING")
-    return None
 
 
 def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -> dict:
