@@ -207,13 +207,12 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
 
 
 def resumed(run: RunFolder, meta: dict, tensors: dict, *, optimizer, scheduler) -> dict:
-    """The rest of a resume: the scheduler, this rank's generators, the resume record and line; the progress."""
-    saved = json.loads(meta["scheduler"])  # with this job's T_max: a run given more steps (--with longer) trains on
-    scheduler.load_state_dict(saved | {"T_max": scheduler.T_max})
+    """The rest of a resume: the scheduler (this job's T_max: --with longer), this rank's generators, the record."""
+    scheduler.load_state_dict((saved := json.loads(meta["scheduler"])) | {"T_max": scheduler.T_max})
     for key in (k for k in tensors if k.startswith(f"rng/{dist.get_rank()}/")):  # a new rank keeps its seeded ones
         torch.set_rng_state(tensors[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(tensors[key])
     progress = {**START, **json.loads(meta["progress"])}
-    window, shape = progress.pop("window"), {k: run.config[k] for k in ("world_size", "global_batch")}  # rank 0's
+    window, shape = progress.pop("window"), {k: run.config[k] for k in ("world_size", "global_batch")}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     fire("on_resume", run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
