@@ -46,15 +46,13 @@ from core.kernel.train import (
     log_train,
     not_training,
     set_epoch,
+    to_device,
 )
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
 from core.schedules import (
     Pipelining,
-    StageAccumulation,
-    StagePrecision,
     TokenLoss,
-    batch_groups,
     build_schedule,
     check_pipeline,
     evaluate_pipeline,
@@ -139,15 +137,14 @@ def train(cfg: Config, topo: Topology) -> dict:
     step, skipped, evaluation = start["step"], start["skipped"], {}
     step_options = dict(loss_fn=loss_fn, optimizer=optimizer, holds_last=holds_last, precision=cfg.precision)
     step_options |= dict(clip=cfg.clip, dp_group=dp_group, pp_group=pp_group)
-    eval_options = dict(stages=stages, loss_fn=loss_fn, accum=cfg.accum, holds_last=holds_last, device=topo.device)
+    eval_options = dict(model=state["model"], loss_fn=loss_fn, holds_last=holds_last, device=topo.device)
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         set_epoch(train_loader, epoch, consumed=consumed)
-        for micro_batches in itertools.islice(batch_groups(train_loader, cfg.accum, device=topo.device), total - step):
-            # schedule.step: forwards and backwards, stage to stage
-            metrics, grad_norm = step_pipeline(schedule, micro_batches, **step_options)
+        for batch in itertools.islice(train_loader, total - step):  # --accum batches in one
+            metrics, grad_norm = step_pipeline(schedule, to_device(batch, topo.device), **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
@@ -161,7 +158,7 @@ def train(cfg: Config, topo: Topology) -> dict:
                 with not_training():  # every rank writes its own stages
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     save_sharded(run, **state, progress=progress, keep=cfg.keep)
-        with not_training():  # forward only, through the same schedule: K batches a run, the smaller last one too
+        with not_training():  # forward only, through the same schedule: the smaller last batch too
             evaluation = evaluate_pipeline(schedule, val_loader, **eval_options)
         log_eval(run, evaluation, step=step, epoch=epoch)
 
@@ -175,7 +172,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class Config(*gpt_defaults([Pipelining, Training, Checkpointing, StagePrecision, StageAccumulation, *OPTION_GROUPS])):
+class Config(*gpt_defaults([Pipelining, Training, Checkpointing, *OPTION_GROUPS])):
     """pipeline's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 
