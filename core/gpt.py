@@ -27,11 +27,8 @@ def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Data
     if not parts:  # a Python shipped without sources: torch's own Python files
         parts = [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]
     tokens = encode("\n".join(parts)[:400_000])
-    split, out = int(len(tokens) * (1 - val_fraction)), []
-    for part in (tokens[:split], tokens[split:]):  # non-overlapping windows of `context` tokens
-        n = (len(part) - 1) // context
-        out.append(TensorDataset(part[: n * context].view(n, context), part[1 : n * context + 1].view(n, context)))
-    return out[0], out[1]
+    parts = tokens.tensor_split([int(len(tokens) * (1 - val_fraction))])  # train, val: windows of `context` tokens
+    return tuple(TensorDataset(p[:-1].unfold(0, context, context), p[1:].unfold(0, context, context)) for p in parts)
 
 
 class Embed(nn.Module):

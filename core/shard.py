@@ -27,9 +27,8 @@ def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
     found = next(filter(None, (pick(cfg, model) for pick in BLOCKS)), None) or find_blocks(model)  # --blocks NAME
     if found is None:
         warnings.warn(
-            f"fsdp: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one class); sharding it as one "
-            f"unit, which gathers the whole model for each forward; name them with --blocks (a standalone copy: made "
-            f"`--with blocks`)",
+            f"fsdp: {type(model).__name__} has no repeated blocks (a ModuleList of one class): sharded as one unit, "
+            f"gathered whole for each forward; name them with --blocks (a standalone copy: made `--with blocks`)",
             stacklevel=2,
         )
         return []
@@ -39,17 +38,12 @@ def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
 def fsdp_policy(precision: str, *, offload: bool = False) -> dict:
     """fully_shard's keyword arguments: bf16 computes in bf16, reduces in fp32; offload keeps shards in CPU memory."""
     dtype = torch.bfloat16 if precision == "bf16" else None
-    return {
-        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
-        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
-    }
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    return {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
 
 
 @contextmanager
 def fsdp_sync(model: nn.Module, *, enabled: bool):
     """step_amp's `sync`: enabled=False holds the reduce-scatter back while micro-batches add their gradients."""
-    model.set_requires_gradient_sync(enabled)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    model.set_requires_gradient_sync(enabled)  # the step's last micro-batch turns it back on
+    yield

@@ -34,9 +34,8 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
     gpt_like = all(isinstance(m, nn.Linear) for m in linear) and all(hasattr(b.attn, "head_dim") for b in blocks)
     if not blocks or not gpt_like:
         raise RecipeError(
-            f"--model {type(model).__name__}: tensor parallelism needs a plan: a transformers model's "
-            f"config.base_model_tp_plan (a copy made `--with model_plans`), or the built-in GPT's layout (model.blocks "
-            f"with attn.q/k/v/proj and mlp.fc/proj nn.Linear layers); this model has neither; use fsdp for this model"
+            f"--model {type(model).__name__}: tensor parallelism needs a plan: transformers config.base_model_tp_plan "
+            f"(a copy: `--with model_plans`) or the GPT's layout (model.blocks, attn.q/k/v/proj, mlp.fc/proj); use fsdp"
         )
     for block in blocks:
         heads = block.attn.q.out_features // block.attn.head_dim
@@ -52,20 +51,15 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
 
 def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
     """Megatron's plan for the GPT: q/k/v and fc by column, proj by row (sequence_parallel: LayerNorm on a shard)."""
-    row_out = Shard(1) if sequence_parallel else Replicate()
-    plan = {}
-    for i, block in enumerate(model.blocks):
-        if not (hasattr(block, "attn") and hasattr(block, "mlp")):
-            continue
-        for sub, first, last in (("attn", ("q", "k", "v"), "proj"), ("mlp", ("fc",), "proj")):
-            plan.update({f"blocks.{i}.{sub}.{name}": ColwiseParallel() for name in first})
-            plan[f"blocks.{i}.{sub}.{last}"] = RowwiseParallel(output_layouts=row_out)
-            if sequence_parallel:  # gather the sequence before the column-split layers
-                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
-                plan[f"blocks.{i}.ln{1 if sub == 'attn' else 2}"] = SequenceParallel()
-    if sequence_parallel:
+    row_out, plan = Shard(1) if sequence_parallel else Replicate(), {}
+    for i in [i for i, block in enumerate(model.blocks) if hasattr(block, "attn") and hasattr(block, "mlp")]:
+        plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
+        plan |= {f"blocks.{i}.{name}": RowwiseParallel(output_layouts=row_out) for name in ("attn.proj", "mlp.proj")}
+        if sequence_parallel:  # LayerNorm on a shard of the sequence, gathered before the column-split layers
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan |= {f"blocks.{i}.{name}": gather for name in ("attn", "mlp")}
+            plan |= {f"blocks.{i}.{name}": SequenceParallel() for name in ("ln1", "ln2")}
+    if sequence_parallel:  # the embedding's output split by sequence, the head's LayerNorm on it, the logits whole
         last = len(model.blocks) - 1
         plan["blocks.0"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
         plan[f"blocks.{last}.ln"] = SequenceParallel()
