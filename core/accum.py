@@ -16,7 +16,7 @@ from core.exact_loss import forward_exact, global_count
 from core.grads import clip_grad_norm
 from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import STREAMS
-from core.kernel.train import make_loader, to_device, total_steps
+from core.kernel.train import make_loader, to_device
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the forward's dtype; weights stay fp32
 
@@ -95,8 +95,13 @@ def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
         )
     train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
-    total_steps(train, epochs=1, max_steps=0)  # refuses a share of less than one batch, as the kernel's recipes
-    if (whole := train.sampler.num_samples // cfg.batch_size) < cfg.accum:
+    if (share := train.sampler.num_samples) < cfg.batch_size:
+        fix = f"--batch-size {share} or less" if share else f"fewer than {topo.world_size} rank(s)"
+        raise RecipeError(
+            f"--batch-size {cfg.batch_size}: the training set ({len(train_set)} samples) gives each of "
+            f"{topo.world_size} rank(s) {share}, not one whole batch; use {fix}"
+        )
+    if (whole := share // cfg.batch_size) < cfg.accum:
         raise RecipeError(
             f"--accum {cfg.accum}: an epoch has only {whole} whole micro-batches per rank; use --accum {whole} or less"
         )

@@ -48,8 +48,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.head_dim = dim // heads
-        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
-        self.proj = nn.Linear(dim, dim)
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time = x.shape[:2]

@@ -34,8 +34,9 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
     gpt_like = all(isinstance(m, nn.Linear) for m in linear) and all(hasattr(b.attn, "head_dim") for b in blocks)
     if not blocks or not gpt_like:
         raise RecipeError(
-            f"--model {type(model).__name__}: tensor parallelism needs a plan: transformers config.base_model_tp_plan "
-            f"(a copy: `--with model_plans`) or the GPT's layout (model.blocks, attn.q/k/v/proj, mlp.fc/proj); use fsdp"
+            f"--model {type(model).__name__}: tensor parallelism needs a plan: a transformers model's "
+            f"config.base_model_tp_plan (a copy made `--with model_plans`), or the built-in GPT's layout (model.blocks "
+            f"with attn.q/k/v/proj and mlp.fc/proj nn.Linear layers); this model has neither; use fsdp for this model"
         )
     for block in blocks:
         heads = block.attn.q.out_features // block.attn.head_dim
@@ -71,6 +72,5 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
 def tp_kept(model: nn.Module, plan: dict, *, tp: int):
     """Around parallelize_module: what the plug-ins keep across it (model_plans: tied weights, head counts)."""
     with contextlib.ExitStack() as stack:
-        for around in AROUND_TP:
-            stack.enter_context(around(model, plan, tp=tp))
+        [stack.enter_context(around(model, plan, tp=tp)) for around in AROUND_TP]
         yield
