@@ -91,7 +91,7 @@ def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
             return found
     if isinstance(train_set, IterableDataset):
         raise RecipeError(
-            f"the data set is a stream ({type(train_set).__name__}): give a map-style one or --with stream"
+            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one or --with stream"
         )
     train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
