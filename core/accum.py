@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset
 from core.exact_loss import forward_exact, global_count
 from core.grads import clip_grad_norm
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import STREAMS
+from core.kernel.seams import SEAMS
 from core.kernel.train import make_loader, to_device
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the forward's dtype; weights stay fp32
@@ -86,12 +86,13 @@ def check_step(stats: StepStats, *, step: int, on_nonfinite: str) -> int:
 
 def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
     """(train loader, val loader, optimizer steps at --accum micro-batches a step); a stream through the plug-in."""
-    for make in STREAMS:  # the stream plug-in: read in order, dealt out by position
+    for make in SEAMS["streams"]:  # the stream plug-in: read in order, dealt out by position
         if found := make(cfg, topo, train_set, val_set, collate_fn):
             return found
     if isinstance(train_set, IterableDataset):
         raise RecipeError(
-            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one or --with stream"
+            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one or "
+            "--with stream"
         )
     train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import LOSS_CHECKS
+from core.kernel.seams import fire
 from core.kernel.train import IGNORE, Tally, make_loader, metrics, summarize, to_device, total_steps
 from core.pipeline import check_pipeline_model, plan_split
 
@@ -90,8 +90,7 @@ class TokenLoss:
     normalizer = torch.ones(())  # step_pipeline's global count over dp (scale_grads=False); evaluate_pipeline's 1
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        for check in LOSS_CHECKS:  # output[..., t] against target[..., t], as the kernel's loss compares them
-            check(logits, targets)
+        fire("loss_checks", logits, targets)  # output[..., t] against target[..., t], as the kernel's loss compares
         flat = logits.flatten(0, -2).float()
         summed = nn.functional.cross_entropy(flat, targets.flatten(), ignore_index=IGNORE, reduction="sum")
         return summed / self.normalizer.to(summed.device)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from core.kernel.job import RecipeError, RunFolder, say, write_record
-from core.kernel.seams import ON_RESUME, READ_CHECKS
+from core.kernel.seams import SEAMS, fire
 from core.kernel.store import FORMAT, START, checksum, read_checkpoint, write_tensors
 
 
@@ -69,7 +69,7 @@ def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict,
 
 
 def check_shards(path: Path, tensors: dict, model) -> None:
-    """READ_CHECKS: the shard files beside a sharded checkpoint, all there and matching their checksums."""
+    """SEAMS["read_checks"]: the shard files beside a sharded checkpoint, all there and matching their checksums."""
     shards, folder = json.loads(read_checkpoint(path, tensors=False)[1].get("shards", "null")), path.with_suffix("")
     fix = f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
     for extra in (p.name for p in folder.glob("*.safetensors") if shards is not None and p.name not in shards):
@@ -83,7 +83,7 @@ def check_shards(path: Path, tensors: dict, model) -> None:
             raise RecipeError(f"{path}: shard file {name} is {why}; {fix}") from None
         if wrong := [k for k, want in sums.items() if k not in found or checksum(found[k]) != want]:
             raise RecipeError(f"{path}: tensor {wrong[0]} in {name} does not match its checksum; {fix}")
-        for check in (c for c in READ_CHECKS if c is not check_shards):  # the checks plug-in's, on every file
+        for check in (c for c in SEAMS["read_checks"] if c is not check_shards):  # the checks plug-in's, on every file
             check(folder / name, found, None)
 
 
@@ -122,9 +122,8 @@ def load_sharded(run: RunFolder, *, model, optimizer, scheduler) -> dict:
     where |= {k: run.config[k] for k in ("world_size", "global_batch")}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    for hook in ON_RESUME:
-        hook(run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
+    fire("on_resume", run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
     return progress | {"window": progress["window"] if run.writer else {}}  # the open log window: rank 0 carries it
 
 
-READ_CHECKS.append(check_shards)
+SEAMS["read_checks"].append(check_shards)

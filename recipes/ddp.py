@@ -23,14 +23,13 @@ from torch.nn.parallel import DistributedDataParallel
 import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a standalone copy joins those --with names
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
-    check_finite,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,
@@ -38,8 +37,6 @@ from core.kernel.train import (
     make_loader,
     make_loss,
     not_training,
-    set_epoch,
-    step_plain,
     to_device,
     total_steps,
 )
@@ -62,8 +59,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_data(cfg)
     model = build_model(cfg).to(topo.device)
-    for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from)
-        hook(cfg, model)
+    fire("after_build", cfg, model)  # the plain model, before DDP wraps it (--init-from)
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ids = [topo.device.index] if topo.device.type == "cuda" else None  # its GPU, or the CPU
@@ -90,7 +86,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
             batch = to_device(batch, topo.device)
             metrics, grad_norm = step_plain(ddp_model, batch, optimizer=optimizer, loss_fn=loss_fn)
@@ -98,8 +94,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr = scheduler.get_last_lr()[0]
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
@@ -126,7 +121,7 @@ class DDPOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, *OPTION_GROUPS):
+class Config(Training, Checkpointing, DDPOptions, *SEAMS["option_groups"]):
     """ddp's options, and those of the plug-ins it was joined with: --help lists them."""
 
 

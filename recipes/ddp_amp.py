@@ -30,20 +30,19 @@ from core.amp import Precision, grad_sync
 from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
+from core.kernel.step import evaluate
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,
     log_train,
     make_loss,
     not_training,
-    set_epoch,
 )
 from core.plugins import loss_counts, stream, trackers  # noqa: F401 - its own plug-ins (tools/registry.py)
 
@@ -65,8 +64,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_data(cfg)
     model = build_model(cfg).to(topo.device)
-    for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from)
-        hook(cfg, model)
+    fire("after_build", cfg, model)  # the plain model, before DDP wraps it (--init-from)
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ids = [topo.device.index] if topo.device.type == "cuda" else None  # its GPU, or the CPU
@@ -99,7 +97,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
             metrics, stats = step_amp(ddp_model, micro_batches, **step_options)
@@ -107,8 +105,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = dict(lr=scheduler.get_last_lr()[0], grad_norm=stats.grad_norm, skipped=skipped)
                 numbers |= {"loss_scale": stats.scale} if stats.scaled else {}  # fp16: the scaler's current scale
@@ -137,7 +134,7 @@ class DDPOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, DDPOptions, Precision, Accumulation, *OPTION_GROUPS):
+class Config(Training, Checkpointing, DDPOptions, Precision, Accumulation, *SEAMS["option_groups"]):
     """ddp_amp's options, and those of the plug-ins it was joined with: --help lists them."""
 
     epochs: int = option(10, "passes over the training set")  # --accum 4: 4x fewer steps an epoch

@@ -27,14 +27,13 @@ import core.attach  # noqa: F401 - the package runs ddp_monitored with every plu
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, load_checkpoint, open_run, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
-    check_finite,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,
@@ -42,8 +41,6 @@ from core.kernel.train import (
     make_loader,
     make_loss,
     not_training,
-    set_epoch,
-    step_plain,
     to_device,
     total_steps,
 )
@@ -76,8 +73,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_data(cfg)
     model = build_model(cfg).to(topo.device)
-    for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from, --channels-last, ...)
-        hook(cfg, model)
+    fire("after_build", cfg, model)  # the plain model, before DDP wraps it (--init-from, --channels-last, ...)
     if cfg.sync_batchnorm:  # BatchNorm statistics over the global batch (GPUs only: DDP refuses it on CPU)
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ids = [topo.device.index] if topo.device.type == "cuda" else None  # its GPU, or the CPU
@@ -112,7 +108,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
             batch = to_device(batch, topo.device)
             metrics, grad_norm = step_plain(train_model, batch, optimizer=optimizer, loss_fn=loss_fn)
@@ -120,8 +116,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
-            for hook in ON_STEP:  # the training clock, the watchdog's beat, the profiler
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock, the watchdog's beat, the profiler
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 numbers = dict(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, skipped=skipped)
                 timing = breakdown(timer.take(), topo.device, global_batch, flops, peak)  # every rank's (a collective)
@@ -152,7 +147,7 @@ class DDPOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions, *OPTION_GROUPS):
+class Config(Training, Checkpointing, AsyncCheckpoints, DDPOptions, *SEAMS["option_groups"]):
     """ddp_monitored's options, and those of the plug-ins it was joined with: --help lists them."""
 
 

@@ -21,14 +21,13 @@ from torch import nn
 import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a standalone copy joins those --with names
 from core.kernel.builtin import build_data, build_model
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
-    check_finite,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,
@@ -36,8 +35,6 @@ from core.kernel.train import (
     make_loader,
     make_loss,
     not_training,
-    set_epoch,
-    step_plain,
     to_device,
     total_steps,
 )
@@ -62,8 +59,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_data(cfg)
     model = build_model(cfg).to(topo.device)
-    for hook in AFTER_BUILD:  # the plain model, before DDP wraps it (--init-from)
-        hook(cfg, model)
+    fire("after_build", cfg, model)  # the plain model, before DDP wraps it (--init-from)
     gpus = torch.cuda.device_count()
     dp_model = nn.DataParallel(model) if gpus >= 2 else model  # the batch split over the GPUs inside forward
     train_loader = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate, seed=cfg.seed)
@@ -88,7 +84,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
             batch = to_device(batch, topo.device)
             metrics, grad_norm = step_plain(dp_model, batch, optimizer=optimizer, loss_fn=loss_fn)
@@ -96,8 +92,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr = scheduler.get_last_lr()[0]
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
@@ -117,7 +112,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class Config(Training, Checkpointing, *OPTION_GROUPS):
+class Config(Training, Checkpointing, *SEAMS["option_groups"]):
     """dp's options, and those of the plug-ins it was joined with: --help lists them."""
 
 

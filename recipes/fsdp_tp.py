@@ -29,7 +29,7 @@ from core.accum import Accumulation, check_step, make_loaders, micro_batch_group
 from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
 from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
@@ -41,7 +41,6 @@ from core.kernel.train import (
     log_train,
     make_loss,
     not_training,
-    set_epoch,
 )
 from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import blocks, loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins
@@ -90,8 +89,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg).to(topo.device)
-    for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its part
-        hook(cfg, model)
+    fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its part
     device_mesh = build_mesh(topo, dims)
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
     plan = plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
@@ -127,7 +125,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
         for micro_batches in itertools.islice(groups, total - step):
             metrics, stats = step_amp(model, micro_batches, **options)  # bf16: in fully_shard's policy, no autocast
@@ -135,8 +133,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr, norm = scheduler.get_last_lr()[0], stats.grad_norm
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=norm, skipped=skipped)
@@ -163,7 +160,9 @@ class MeshOptions(Options):
 
 
 @dataclass(frozen=True)
-class Config(*gpt_defaults([Training, Checkpointing, MeshOptions, ShardedPrecision, Accumulation, *OPTION_GROUPS])):
+class Config(
+    *gpt_defaults([Training, Checkpointing, MeshOptions, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])
+):
     """fsdp_tp's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 

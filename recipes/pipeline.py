@@ -33,19 +33,18 @@ from torch.distributed.pipelining import PipelineStage
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite
 from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
-    check_finite,
     cleanup_pg,
     init_pg,
     log_eval,
     log_summary,
     log_train,
     not_training,
-    set_epoch,
     to_device,
 )
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
@@ -105,8 +104,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg)
-    for hook in AFTER_BUILD:  # the whole weights into the plain model (--init-from): each rank keeps its stages
-        hook(cfg, model)
+    fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its stages
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
     weights = None  # the blocks' parameter counts: stages of about equal size
@@ -142,15 +140,14 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):  # --accum batches in one
             metrics, grad_norm = step_pipeline(schedule, to_device(batch, topo.device), **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)  # the last stage's; the other stages add zeros
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr = scheduler.get_last_lr()[0]
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
@@ -172,7 +169,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class Config(*gpt_defaults([Pipelining, Training, Checkpointing, *OPTION_GROUPS])):
+class Config(*gpt_defaults([Pipelining, Training, Checkpointing, *SEAMS["option_groups"]])):
     """pipeline's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 

@@ -26,14 +26,13 @@ from torch import nn
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
-from core.kernel.seams import AFTER_BUILD, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS, fire
+from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
 from core.kernel.train import (
     Tally,
     Topology,
-    check_finite,
     cleanup_pg,
-    evaluate,
     init_pg,
     log_eval,
     log_summary,
@@ -41,8 +40,6 @@ from core.kernel.train import (
     make_loader,
     make_loss,
     not_training,
-    set_epoch,
-    step_plain,
     to_device,
     total_steps,
 )
@@ -101,8 +98,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     plain = build_gpt(cfg)
-    for hook in AFTER_BUILD:  # the plain model, before its blocks are placed (--init-from)
-        hook(cfg, plain)
+    fire("after_build", cfg, plain)  # the plain model, before its blocks are placed (--init-from)
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
     model = PipelineParallelModel(plain, devices)
     output_device = model.placement[-1][0]  # targets meet the logits on the last device
@@ -127,7 +123,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        set_epoch(train_loader, epoch, consumed=consumed)
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         for batch in itertools.islice(train_loader, total - step):
             batch = to_device(batch, output_device)  # forward moves the inputs to the first device itself
             metrics, grad_norm = step_plain(model, batch, optimizer=optimizer, loss_fn=loss_fn)
@@ -135,8 +131,7 @@ def train(cfg: Config, topo: Topology) -> dict:
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)
-            for hook in ON_STEP:  # the training clock
-                hook(metrics)
+            fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:
                 lr = scheduler.get_last_lr()[0]
                 log_train(run, totals, step=step, total=total, epoch=epoch, lr=lr, grad_norm=grad_norm, skipped=skipped)
@@ -156,7 +151,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class Config(*gpt_defaults([Training, Checkpointing, *OPTION_GROUPS])):
+class Config(*gpt_defaults([Training, Checkpointing, *SEAMS["option_groups"]])):
     """pipeline_naive's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-import core.plugins.checks  # noqa: F401 - its READ_CHECKS: a diverged state's values, the model's shapes
+import core.plugins.checks  # noqa: F401 - its SEAMS["read_checks"]: a diverged state's values, the model's shapes
 from core.kernel.job import RecipeError, RunFolder
 from core.kernel.store import check_continues, checksum, load_checkpoint, newest_good, read_checkpoint, save_checkpoint
 from core.plugins.lock import remove_stale_temporaries

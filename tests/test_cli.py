@@ -357,12 +357,12 @@ def test_third_party_recipe_joins_through_the_entry_point_group(tmp_path):
         '"""my_recipe: a plugin.\n\n    python -m recipes run my_recipe\n"""\n'
         "from dataclasses import dataclass\n\n"
         "from core.kernel.job import Training\n"
-        "from core.kernel.seams import OPTION_GROUPS\n"
+        "from core.kernel.seams import SEAMS\n"
         "from core.plugins import factories, loss  # --model, --data, --loss: what the pre-check calls\n"
         "from tools.registry import Recipe\n\n"
         "PLUGINS = ('factories', 'loss')\n"
         "RECIPE = Recipe('my_recipe', 'my_recipe', 'a third-party recipe', builds_on='ddp', plugins=PLUGINS)\n\n\n"
-        "@dataclass(frozen=True)\nclass Config(Training, *OPTION_GROUPS):\n    pass\n\n\n"
+        "@dataclass(frozen=True)\nclass Config(Training, *SEAMS['option_groups']):\n    pass\n\n\n"
         "def main(cfg):\n    print('plugin ran with lr', cfg.lr)\n"
     )
     dist_info = tmp_path / "my_recipe-0.1.dist-info"
@@ -381,13 +381,13 @@ def test_third_party_plug_in_joins_through_its_entry_point_group(tmp_path):
         '"""my_plugin: a greeting after the job."""\n'
         "from dataclasses import dataclass\n\n"
         "from core.kernel.job import Options, option\n"
-        "from core.kernel.seams import AFTER_JOB, OPTION_GROUPS\n"
+        "from core.kernel.seams import SEAMS\n"
         "from tools.registry import Plugin\n\n"
         "PLUGIN = Plugin('greeting', 'my_plugin', 'a greeting in the summary')\n\n\n"
         "@dataclass(frozen=True)\nclass Greeting(Options):\n"
         "    greeting: str = option('hello', 'what the summary says')\n\n\n"
         "def greet(cfg, run, model):\n    return {'greeting': cfg.greeting}\n\n\n"
-        "OPTION_GROUPS.append(Greeting)\nAFTER_JOB.append(greet)\n"
+        "SEAMS['option_groups'].append(Greeting)\nSEAMS['after_job'].append(greet)\n"
     )
     dist_info = tmp_path / "my_plugin-0.1.dist-info"
     dist_info.mkdir()

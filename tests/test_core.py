@@ -89,7 +89,7 @@ def test_resumable_sampler_skips_the_consumed_part_of_an_epoch():
     data = TensorDataset(torch.arange(40))
     full, resumed = (ResumableSampler(data, num_replicas=2, rank=1, seed=0) for _ in range(2))
     full.set_epoch(2)
-    resumed.set_epoch(2, skip=6)
+    resumed.set_epoch(2, consumed=12)  # 6 samples of each of the 2 ranks
     assert list(resumed) == list(full)[6:] and len(resumed) == len(full) - 6
 
 

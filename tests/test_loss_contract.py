@@ -23,7 +23,9 @@ from core.accum import step_amp
 from core.amp import grad_sync
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
-from core.kernel.train import Tally, evaluate, forward, make_loss, split_outputs, step_plain, summarize
+from core.kernel.seams import SEAMS
+from core.kernel.step import evaluate, step_plain
+from core.kernel.train import Tally, forward, make_loss, split_outputs, summarize
 from core.mesh import evaluate_sharded
 from core.plugins import meter
 from core.plugins.loss import split_any
@@ -166,7 +168,7 @@ def loss_for(spec: str, model):
 
 def base_loss(model):
     """The kernel's loss without the loss plug-in: what a lean copy takes."""
-    with mock.patch("core.kernel.train.LOSS_CHOICES", []):
+    with mock.patch.dict(SEAMS, loss_choices=[]):
         return make_loss(None, model)
 
 
@@ -444,7 +446,7 @@ def test_meter_samples_tokens_and_nonfinite(one_rank):
     assert record["loss"] == 0.5 and "acc" not in record
     assert meter.throughput(None, None, None)["startup_s"] >= 0 and meter.TRAINED["samples"] == 4  # one step of 4
     window = Tally(CPU)
-    window.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
+    window.add(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3, scored=4))  # metrics() gives both
     meter.clock_step(_sums(loss_sum=float("nan"), count=4, samples=4, correct=3))
     record = summarize(window.reduce()) | meter.clock_rates()
     assert math.isnan(record["loss"]) and record["acc"] == 0.75 and "tokens_per_s" not in record  # null in the record
@@ -550,7 +552,7 @@ def test_loss_model_on_pairs_for_a_forward_that_takes_only_labels_is_one_line_na
 def test_logits_of_the_last_position_only_are_one_line_naming_cause_and_fix():
     """Issue 27.4: nanoGPT's inference path (no targets given: --loss ce) against T targets, in the loss plug-in and in
     the pipeline's TokenLoss, where the shapes are compared; the pre-check quotes the same line."""
-    import core.plugins.loss  # noqa: F401 - its line, which TokenLoss asks for (the LOSS_CHECKS seam)
+    import core.plugins.loss  # noqa: F401 - its line, which TokenLoss asks for (the SEAMS["loss_checks"] seam)
     from core.schedules import TokenLoss
     from tools.precheck import check_step
 

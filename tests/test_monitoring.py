@@ -19,8 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 from core import monitor
 from core.kernel.builtin import MLP
 from core.kernel.job import RunFolder
+from core.kernel.seams import SEAMS
+from core.kernel.step import step_plain
 from core.kernel.store import open_run
-from core.kernel.train import Loss, Tally, log_train, step_plain
+from core.kernel.train import Loss, Tally, log_train
 from core.plugins import meter, watchdog
 from helpers import REPO, checkpoints, run, user_env
 from recipes import ddp_monitored
@@ -70,7 +72,7 @@ def monitored_training(topo, out, steps):
         metrics, grad_norm = step_plain(ddp, batch, optimizer=optimizer, loss_fn=loss_fn)
         local += metrics["loss_sum"].item()
         totals.add(metrics)
-        meter.clock_step(metrics)  # as the recipe's ON_STEP hooks run it
+        meter.clock_step(metrics)  # as the recipe's SEAMS["on_step"] hooks run it
     mine = timer.take()
     timing = monitor.breakdown(mine, topo.device, sum(sizes), 1e6, 1e12)
     log_train(run_folder, totals, step=steps, total=steps, epoch=0, grad_norm=grad_norm, **timing)
@@ -121,12 +123,12 @@ def test_train_records_carry_the_breakdown_and_speak_for_every_rank(world2, tmp_
 @pytest.mark.fast
 def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys, monkeypatch):
     run_folder = RunFolder(tmp_path, None, "ddp_monitored", {}, True)
-    monkeypatch.setattr("core.kernel.train.LOG_FIELDS", [lambda: {"samples_per_s": 1875.4, "tokens_per_s": 9e4}])
+    monkeypatch.setitem(SEAMS, "log_fields", [lambda: {"samples_per_s": 1875.4, "tokens_per_s": 9e4}])
     sums = {"loss_sum": 4.1234, "count": 10.0, "correct": 5.0, "scored": 10.0}  # the window, reduced over the ranks
     window = SimpleNamespace(sums={}, last={}, reduce=lambda: sums)
     log_train(run_folder, window, step=40, total=115, epoch=1, step_ms=3.0)
     assert capsys.readouterr().out == "step 40/115 epoch 1 loss 0.4123 acc 0.5000 1875 samples/s 90000 tokens/s\n"
-    monkeypatch.setattr("core.kernel.train.LOG_FIELDS", [])
+    monkeypatch.setitem(SEAMS, "log_fields", [])
     log_train(run_folder, SimpleNamespace(sums={}, last={}, reduce=lambda: {"count": 0.0}), step=1, total=2, epoch=0)
     assert capsys.readouterr().out == "step 1/2 epoch 0\n"  # nothing read yet
 

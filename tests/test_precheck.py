@@ -151,7 +151,7 @@ def test_an_hf_attr_that_names_no_transformers_model_is_refused_before_launch():
 def test_a_step_that_is_not_finite_names_only_options_the_recipe_takes():
     """ddp takes no --clip (review find: its line advised it); the amp recipes do."""
     from core import accum
-    from core.kernel.train import check_finite
+    from core.kernel.step import check_finite
 
     with pytest.raises(RecipeError) as plain:
         check_finite(float("nan"), step=1, on_nonfinite="stop")

@@ -231,7 +231,7 @@ def save_nan(topo, run_dir: str) -> str:
 
 
 def load_checked(topo, path: str) -> str:
-    import core.plugins.checks  # noqa: F401 - the checks plug-in: its READ_CHECKS entry sees every shard file too
+    import core.plugins.checks  # noqa: F401 - the checks plug-in: its SEAMS["read_checks"] entry sees every shard file too
 
     return load_only(topo, path)
 

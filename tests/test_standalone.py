@@ -231,7 +231,7 @@ def test_lean_copies_leave_out_the_checkpoint_and_meter_code_of_their_features(p
     kept = ("def clock_paused(", "def remove_stale_temporaries(", "class InitFrom(")  # ddp: the plug-ins' files
     assert all(word in copy["ddp_all"] and word not in copy["ddp"] for word in kept)
     # fsdp: the trackers' sink, the NaN checks that `checks` runs on each shard file too, the clock's pause
-    sharded = ("LOG_SINKS.append(", "def check_read(", "def clock_paused(")
+    sharded = ('SEAMS["log_sinks"].append(', "def check_read(", "def clock_paused(")
     assert all(word in copy["fsdp_all"] and word not in copy["fsdp"] for word in sharded)
     # ddp takes no --log-to: no copy of it, --with all too, carries the trackers' code (a feature it does not have)
     assert "run.sinks" not in copy["ddp"] + copy["ddp_all"] and "--with trackers" not in copy["ddp"]
@@ -489,11 +489,12 @@ def test_with_names_the_valid_features_in_one_line(tmp_path):
 
 @pytest.mark.fast
 def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bit(tmp_path, monkeypatch):
-    """A lean copy writes with safetensors' own writer (core.kernel.store.write_tensors with no WRITERS), the package
+    """A lean copy writes with safetensors' own writer (the kernel's write_tensors, no writers seam), the package
     with its own (the fast_writer plug-in): the same checksums, verified by the same reader; one flipped bit is
     refused naming the tensor."""
     from core.kernel import store as ckpt
     from core.kernel.job import RecipeError
+    from core.kernel.seams import SEAMS
     from core.plugins.fast_writer import write_fast
 
     tensors = {
@@ -504,7 +505,7 @@ def test_the_copys_writer_writes_what_the_package_reads_and_refuses_a_flipped_bi
     }
     for writers in ([write_fast], []):
         path = tmp_path / f"{'fast' if writers else 'plain'}.safetensors"
-        monkeypatch.setattr(ckpt, "WRITERS", writers)
+        monkeypatch.setitem(SEAMS, "writers", writers)
         ckpt.write_tensors(path, tensors, {"format": ckpt.FORMAT, "step": "3"})
         loaded, meta = ckpt.read_checkpoint(path)
         assert meta["step"] == "3" and all(torch.equal(loaded[k], tensors[k]) for k in tensors)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from core.exact_loss import make_exact_loss
-from core.kernel.train import Loss, Topology, make_loader, set_epoch, to_device
+from core.kernel.train import Loss, Topology, make_loader, to_device
 from core.mesh import evaluate_sharded
 from core.plugins.stream import StreamShard, stream_loader
 from world import GlooWorld
@@ -52,7 +52,7 @@ def map_steps(n: int, world_size: int, batch: int, *, consumed: int = 0, seed: i
     per_rank = []
     for rank in range(world_size):
         loader = make_loader(dataset, topology(rank, world_size), batch_size=batch, collate_fn=None, seed=seed)
-        set_epoch(loader, 3, consumed=consumed)
+        loader.sampler.set_epoch(3, consumed=consumed)
         per_rank.append([set(x.tolist()) for (x,) in loader])
     assert len({len(batches) for batches in per_rank}) == 1, "every rank takes the same number of steps"
     return [set().union(*step) for step in zip(*per_rank)]
@@ -63,7 +63,7 @@ def stream_steps(n: int, world_size: int, batch: int, *, consumed: int = 0) -> l
     per_rank = []
     for rank in range(world_size):
         shard = StreamShard(range(n), rank=rank, world_size=world_size, batch_size=batch, drop_last=True)
-        shard.set_epoch(0, skip=consumed // world_size)  # as the kernel's set_epoch hands it: per rank
+        shard.set_epoch(0, consumed=consumed)  # as the recipes hand it: the global position
         per_rank.append([set(b) for b in shard])
     return [set().union(*step) for step in zip(*per_rank)]
 
@@ -150,7 +150,7 @@ def test_a_factory_collate_fn_is_used_for_streams_and_maps():
     loaders = [stream_loader(Stream(7), topo, batch_size=3, collate_fn=pad, train=False)]
     loaders.append(make_loader(Tokens(), topo, batch_size=3, collate_fn=pad))
     for loader in loaders:
-        set_epoch(loader, 0, consumed=0)
+        loader.sampler.set_epoch(0, consumed=0)
         assert all(set(batch) == {"n"} for batch in loader)
 
 
@@ -182,7 +182,7 @@ def _train_two_epochs(topo, sizes, sized):
     loader = stream_loader(RankStream(sizes, topo.rank, sized=sized), topo, batch_size=3, collate_fn=torch.tensor)
     counts = []
     for epoch in range(2):
-        set_epoch(loader, epoch, consumed=0)
+        loader.sampler.set_epoch(epoch, consumed=0)
         steps = 0
         for batch in itertools.islice(loader, 100):  # as a recipe loops: islice up to the planned steps
             torch_dist.all_reduce(batch.clone())  # a stand-in for DDP's gradient all-reduce, one per step
@@ -232,7 +232,7 @@ def test_two_workers_per_rank_read_each_rank_share_in_order(train):
 
 def check_resume_skips_what_was_consumed(topo, consumed):
     loader = stream_loader(range_stream(40), topo, batch_size=2, collate_fn=torch.tensor)
-    set_epoch(loader, 1, consumed=consumed)
+    loader.sampler.set_epoch(1, consumed=consumed)
     return [b.tolist() for b in loader]
 
 

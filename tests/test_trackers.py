@@ -270,7 +270,7 @@ def _checkpoint(run_dir: Path, step: int) -> Path:
 
 def test_a_tracker_that_cannot_open_on_resume_refuses_the_run_before_it_writes_a_record(tmp_path):
     """Issue 27 item 7: an unwritable RUN/tensorboard refused the resumed run after it had appended its `resume`
-    record to metrics.jsonl. The plug-in opens the trackers where the run folder is chosen (the kernel's BEFORE_JOB,
+    record to metrics.jsonl. The plug-in opens the trackers where the run folder is chosen (the before_job seam,
     before load_checkpoint writes that record): refused there, metrics.jsonl is as it was; one line names the folder."""
     from core.kernel.job import RunFolder, os_error_line, write_record
 
@@ -294,7 +294,7 @@ def test_the_plug_in_logs_the_runs_records_from_the_checkpoints_step_and_closes_
     open_logs(Tracking(log_to="tensorboard"), first)
     for record in (train(10, 1.0), train(20, 0.5), train(30, 9.0)):
         write_record(first, record)
-    close_logs(refused=False)  # the job dies after step 30: ON_FAIL
+    close_logs(refused=False)  # the job dies after step 30: SEAMS["on_fail"]
     assert "trackers" not in OPENED
     resumed = RunFolder(tmp_path, _checkpoint(tmp_path, 20), "ddp_amp", {}, True)
     open_logs(Tracking(log_to="tensorboard"), resumed)

@@ -23,12 +23,14 @@ from tools.registry import PLUGINS, RECIPES, plugins_of
 
 CORE = Path(__file__).resolve().parent.parent / "core"
 # The kernel's files, in the order a reader of the recipe meets what they define: the step first, the seams last.
-KERNEL = ("train", "store", "job", "builtin", "seams")
+# A copy joins those its files import (a recipe on another step, such as step_amp's, leaves step.py out).
+KERNEL = ("step", "train", "store", "job", "builtin", "seams")
 TAIL = "# Options and start:"  # the recipe's line where its Config and __main__ block begin
 # What the package's runner has and a standalone copy does not (its header says so, in one line).
 LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 OWN = re.compile(r"(from|import) (core|recipes)\b")
 OPT_IN = re.compile(r"^from core\.(\w+) import", re.M)  # core.NAME: an opt-in (kernel/, plugins/, attach are not)
+OWN_KERNEL = re.compile(r"^ *from core\.kernel\.(\w+) import", re.M)
 
 
 class CopyError(Exception):
@@ -151,6 +153,15 @@ def opt_ins(text: str, seen: list[Path] | None = None) -> list[Path]:
     return seen
 
 
+def kernel_files(texts: list[str]) -> list[Path]:
+    """The kernel's files that these texts import, and those that those import, in KERNEL's order."""
+    wanted, new = set(), {module for text in texts for module in OWN_KERNEL.findall(text)}
+    while new - wanted:
+        wanted |= new
+        new = {module for name in wanted for module in OWN_KERNEL.findall((CORE / "kernel" / f"{name}.py").read_text())}
+    return [CORE / "kernel" / f"{module}.py" for module in KERNEL if module in wanted]
+
+
 def check_names(files: list[Path]) -> None:
     """A name defined at the top of two joined files would run as the later one: refused, naming both."""
     where: dict[str, Path] = {}
@@ -171,9 +182,8 @@ def join(name: str, dest: str, *, kept: list[str]) -> str:
     head, _, tail = body.partition(TAIL)
     source = f"recipes/{Path(recipe.source_file).name}"
     parts = [f"# from {source}\n" + head.strip("\n")]
-    files = [CORE / "kernel" / f"{module}.py" for module in KERNEL]
-    files += opt_ins(text)
-    files += [Path(PLUGINS[plugin].load().__file__) for plugin in kept]
+    files = opt_ins(text) + [Path(PLUGINS[plugin].load().__file__) for plugin in kept]
+    files = kernel_files([text, *(path.read_text() for path in files)]) + files
     check_names(files)
     for path in files:
         part_doc, part_imports, part_body = split_file(path.read_text())

@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core import accum, schedules
-from core.kernel.train import Topology, step_plain, to_device
+from core.kernel.step import step_plain
+from core.kernel.train import Topology, to_device
 from core.mesh import build_mesh
 from tools.options import parse_args
 from tools.plan import first_batch, recipe_loss

@@ -20,7 +20,7 @@ from torch import nn
 import core.attach  # noqa: F401 - the package's plug-ins and built-ins (cnn, gpt, synthetic, text)
 from core.accum import make_loaders
 from core.kernel.job import RecipeError
-from core.kernel.seams import TRAINS_ON
+from core.kernel.seams import SEAMS
 from core.kernel.store import check_continues, newest_good, read_checkpoint, run_dirs
 from core.kernel.train import IGNORE, Topology, to_device
 from core.plugins.factories import DATASETS, MODELS, resolve_factory
@@ -302,5 +302,5 @@ def finished_run(cfg, recipe: str, resume: str) -> bool:
     runs = [ckpt.parent] * (ckpt.name == "ckpt") if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1:]
     with contextlib.suppress(IndexError, OSError, ValueError):  # no run, no record, or a torn last line
         last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])
-        return last.get("kind") == "summary" and not any(hook(cfg, runs[0], resume) for hook in TRAINS_ON)
+        return last.get("kind") == "summary" and not any(hook(cfg, runs[0], resume) for hook in SEAMS["trains_on"])
     return False

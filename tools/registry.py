@@ -39,19 +39,19 @@ class Recipe:
     def load(self) -> ModuleType:
         """The recipe's module, its Config built with its own plug-ins' option groups only (imported before by another
         path, after other recipes' plug-ins attached: built again)."""
-        from core.kernel.seams import OPTION_GROUPS
+        from core.kernel.seams import SEAMS
 
         attach_plugins(self)
         mine = {PLUGINS[name].module for name in plugins_of(self)}
-        attached = list(OPTION_GROUPS)  # every plug-in's, in the order they attached: other recipes' too
-        OPTION_GROUPS[:] = [group for group in attached if group.__module__ in mine]
+        attached = list(SEAMS["option_groups"])  # every plug-in's, in the order they attached: other recipes' too
+        SEAMS["option_groups"][:] = [group for group in attached if group.__module__ in mine]
         try:
             module = importlib.import_module(self.module)
-            if any(group in attached and group not in OPTION_GROUPS for group in module.Config.__mro__):
+            if any(group in attached and group not in SEAMS["option_groups"] for group in module.Config.__mro__):
                 module = importlib.reload(module)
             return module
         finally:
-            OPTION_GROUPS[:] = attached + [group for group in OPTION_GROUPS if group not in attached]
+            SEAMS["option_groups"][:] = attached + [group for group in SEAMS["option_groups"] if group not in attached]
 
     @property
     def source_file(self) -> str:

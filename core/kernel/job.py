@@ -19,7 +19,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from core.kernel.seams import LOG_SINKS, ON_FAIL
+from core.kernel.seams import fire
 
 
 class RecipeError(Exception):
@@ -129,8 +129,7 @@ def fail(message: str, code: int, *, everyone: bool = True) -> int:
     if world != "1" and (rank != "0" or not everyone) and not re.match(r"rank \d+: ", text):
         text = f"rank {rank}: {text}"  # its own error: which rank met it
     say(None, "error: " + text, level="ERROR")
-    for hook in ON_FAIL:
-        hook(refused=everyone and code == 1)  # a RecipeError, not an interrupt or a usage error
+    fire("on_fail", refused=everyone and code == 1)  # a RecipeError, not an interrupt or a usage error
     return code
 
 
@@ -150,5 +149,4 @@ def write_record(run: RunFolder, record: dict) -> None:
         clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with open(run.path / "metrics.jsonl", "ab") as f:
             f.write((json.dumps(clean) + "\n").encode())
-        for sink in LOG_SINKS:  # the trackers
-            sink(run, record)
+        fire("log_sinks", run, record)  # the trackers

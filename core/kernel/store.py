@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from core.kernel.job import RecipeError, RunFolder, open_log, os_error_line, say, write_record
-from core.kernel.seams import BEFORE_JOB, CHECKSUMS, ON_OPEN, ON_RESUME, READ_CHECKS, RESUME_CHECKS, TRAINS_ON, WRITERS
+from core.kernel.seams import CHECKSUMS, SEAMS, fire
 from core.kernel.train import Topology
 
 # The options that shape what is trained: a resumed run keeps them, or it would be another run.
@@ -34,7 +34,7 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
         runs = [ckpt.parent] * (ckpt.name == "ckpt") if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1:]
         with contextlib.suppress(IndexError, KeyError, OSError, ValueError):  # no run, no record, or a torn last line
             last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])  # the summary is written last
-            if last.pop("kind") == "summary" and not any(hook(cfg, runs[0], resume) for hook in TRAINS_ON):
+            if last.pop("kind") == "summary" and not any(hook(cfg, runs[0], resume) for hook in SEAMS["trains_on"]):
                 found = {**last, "already_finished": True}
                 print(f"{runs[0]} already finished at step {last.get('steps')}; nothing to train", flush=True)
     dist.broadcast_object_list(box := [found], src=0)  # rank 0's finding, on every rank
@@ -58,8 +58,9 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
                 check_continues(path, read_checkpoint(path, tensors=False)[1], config)
             in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]
             choice = (path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1], path)
-            for hook in ON_OPEN:  # before anything in the folder is written: its lock, config.json
-                hook(choice[0], config, new=not in_run)
+            fire(
+                "on_open", choice[0], config, new=not in_run
+            )  # before anything in the folder is written: its lock, config.json
         except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
             choice = os_error_line(err) if isinstance(err, OSError) else str(err)
     dist.broadcast_object_list(box := [choice], src=0)  # rank 0's choice, on every rank
@@ -68,14 +69,15 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
     run = RunFolder(*choice, recipe, config, topo.rank == 0)
     open_log(run)
     say(run, f"run folder {run.path}", level="DEBUG")  # on stderr, where a launcher's supervisor reads it
-    for hook in BEFORE_JOB:
-        hook(cfg, run)
+    fire("before_job", cfg, run)
     return run
 
 
 def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     """One RecipeError line, naming both sides and the fix, when the checkpoint would train another run here."""
-    allowed = {key for check in RESUME_CHECKS for key in check(path, meta, config) or ()}  # the longer plug-in's
+    allowed = {
+        key for check in SEAMS["resume_checks"] for key in check(path, meta, config) or ()
+    }  # the longer plug-in's
     saved, batch, now = json.loads(meta.get("config", "{}")), int(meta.get("global_batch", 0)), config["global_batch"]
     if batch and batch != now:  # every later step would differ
         per_rank, rest = divmod(batch, now // config["batch_size"])  # this job's ranks x --accum
@@ -123,8 +125,8 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     out = {k: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True) for k, t in tensors.items()}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # copies: tied weights apart (safetensors refuses them)
     with open(tmp, "wb") as f:  # a write killed midway leaves only this hidden file, which no listing takes
-        if WRITERS:  # the fast_writer plug-in: straight from the tensors' memory
-            WRITERS[-1](f, out, metadata)
+        if SEAMS["writers"]:  # the fast_writer plug-in: straight from the tensors' memory
+            SEAMS["writers"][-1](f, out, metadata)
         else:
             meta = {**metadata, "checksums": json.dumps({key: checksum(t) for key, t in out.items()})}
             data = safetensors.torch.save(out, meta)  # its layout sets the offsets the header checksum covers
@@ -181,7 +183,7 @@ def read_checkpoint(path: Path, model: nn.Module | None = None, *, tensors: bool
     for key, tensor in found.items():  # an older format's checksum: its plug-in's (old_checksums)
         if CHECKSUMS.get(sums.get(key, "").partition(":")[0] + ":", checksum)(tensor) != sums.get(key):
             raise RecipeError(f"{path}: tensor {key} does not match its checksum (the file is damaged); {fix}")
-    for check in READ_CHECKS if tensors else ():
+    for check in SEAMS["read_checks"] if tensors else ():
         check(path, found, model)
     return found, meta
 
@@ -225,8 +227,7 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
     }
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    for hook in ON_RESUME:
-        hook(run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
+    fire("on_resume", run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
     return progress | {"window": progress["window"] if run.writer else {}}  # the open log window: rank 0 carries it
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 from collections import namedtuple
@@ -17,45 +16,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from core.kernel.job import RecipeError, RunFolder, say, write_record
-from core.kernel.seams import AFTER_JOB, LOG_FIELDS, LOSS_CHOICES, PAUSES
+from core.kernel.seams import SEAMS
 
 Topology = namedtuple("Topology", "rank world_size device")  # rank 0 decides, writes and prints; device: cuda or cpu
 
 
 IGNORE = -100  # the target value that counts nowhere, as in cross_entropy and transformers
-
-
-def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:
-    """Forward, backward (DDP all-reduces the gradients there), and a step unless the gradient norm is not finite."""
-    optimizer.zero_grad(set_to_none=True)
-    loss, sums = forward(model, batch, loss_fn)
-    loss.backward()
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    norm = float(torch.nn.utils.get_total_norm(grads))  # the step's one host sync; every rank reads the same
-    if math.isfinite(norm):
-        optimizer.step()
-    return sums, norm
-
-
-def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
-    """1 for a step skipped for its non-finite gradient norm (--on-nonfinite skip); with stop, one line."""
-    if not math.isfinite(grad_norm) and on_nonfinite == "stop":  # every rank read the same all-reduced norm: all stop
-        fix = "lower --lr, or pass --on-nonfinite skip"
-        raise RecipeError(f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}")
-    return int(not math.isfinite(grad_norm))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
-    """val_loss and val_acc over every rank's share of the validation set ({} without one)."""
-    if loader is None:
-        return {}
-    was_training, tally = model.training, Tally(device)
-    model.eval()
-    for batch in loader:
-        tally.add(forward(model, to_device(batch, device), loss_fn)[1])
-    model.train(was_training)
-    return summarize(tally.reduce(), prefix="val_")
 
 
 def init_pg(*, timeout_s: float) -> Topology:
@@ -101,9 +67,10 @@ class ResumableSampler(DistributedSampler):
 
     skip = 0
 
-    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
+    def set_epoch(self, epoch: int, *, consumed: int = 0) -> None:
+        """Every epoch's start; `consumed` samples of the epoch's global order were trained already (a resume)."""
         super().set_epoch(epoch)  # the same shuffle on every rank
-        self.skip = skip  # this rank's samples already trained
+        self.skip = consumed // self.num_replicas  # this rank's share of them
 
     def __iter__(self) -> Iterator[int]:
         return iter(list(super().__iter__())[self.skip :])
@@ -124,11 +91,6 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
     return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
 
 
-def set_epoch(loader: DataLoader, epoch: int, *, consumed: int) -> None:
-    """Every epoch's start; `consumed` samples of the epoch's global order were trained already (a resume)."""
-    loader.sampler.set_epoch(epoch, skip=consumed // loader.sampler.num_replicas)
-
-
 def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
     """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
     if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
@@ -138,13 +100,12 @@ def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
 
 def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(logits, loss) of logits, a tuple (logits first, or `(logits, loss)`), a dict or a ModelOutput."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs, None
     if isinstance(outputs, Mapping):  # a transformers ModelOutput is an OrderedDict
         return outputs.get("logits"), outputs.get("loss")
     if isinstance(outputs, tuple | list) and outputs:  # a loss is 0-dim
-        loss = outputs[1] if len(outputs) > 1 and torch.is_tensor(outputs[1]) and outputs[1].dim() == 0 else None
-        return outputs[0], loss
+        return outputs[0], next((o for o in outputs[1:2] if torch.is_tensor(o) and o.dim() == 0), None)
+    if isinstance(outputs, torch.Tensor):
+        return outputs, None
     raise RecipeError(f"the model returned {type(outputs).__name__}; return logits, (logits, loss) or a dict of them")
 
 
@@ -158,8 +119,7 @@ class Loss:
         """(outputs, targets): model(**batch) for a dict (its labels), model(*inputs) for a tuple (its last)."""
         if isinstance(batch, Mapping):
             return model(**batch), batch.get("labels")
-        *inputs, targets = batch
-        return model(*inputs), targets
+        return model(*batch[:-1]), batch[-1]
 
     def logits_and_loss(self, outputs, targets, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         logits, mean = split_outputs(outputs)
@@ -171,7 +131,7 @@ class Loss:
 def make_loss(cfg, model: nn.Module) -> Loss:
     """The plain `model`'s loss (or --loss's); a transformers decoder that generates shifts its labels."""
     loss = Loss(shifts=getattr(model, "can_generate", bool)() and not model.config.is_encoder_decoder)
-    for choose in LOSS_CHOICES:
+    for choose in SEAMS["loss_choices"]:
         loss = choose(cfg, model, loss)
     return loss
 
@@ -191,11 +151,12 @@ def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool) -
     n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)
     if shift and targets is not None:  # scored as the loss compared them: logits[t] with targets[t + 1]
         logits, targets = logits if logits is None else logits[..., :-1, :], targets[..., 1:]
-    count = n if targets is None or targets.is_floating_point() else targets.ne(IGNORE).sum().double()
+    classes = targets is not None and not targets.is_floating_point()  # class indices, IGNORE counting nowhere
+    count = targets.ne(IGNORE).sum().double() if classes else n
     sums = {"loss_sum": torch.where(count > 0, mean.detach().double() * count, 0.0), "count": count, "samples": n}
-    if logits is not None and targets is not None and not targets.is_floating_point():
-        if logits.shape[:-1] == targets.shape:
-            sums["correct"] = (logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)).sum().double()
+    if classes and logits is not None and logits.shape[:-1] == targets.shape:
+        right = logits.detach().argmax(-1).eq(targets) & targets.ne(IGNORE)
+        sums |= {"correct": right.sum().double(), "scored": count}
     return sums
 
 
@@ -211,8 +172,6 @@ class Tally:
         self.last = {}  # the last window's loss (and accuracy), read again by a window that counted nothing
 
     def add(self, metrics: dict) -> None:
-        if "correct" in metrics and "scored" not in metrics:
-            self.sums["scored"] = self.sums["scored"] + metrics["count"]
         for key, value in metrics.items():
             self.sums[key] = self.sums[key] + value
 
@@ -234,7 +193,7 @@ def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
 def not_training():
     """Evaluation and checkpoints: time the clock plug-in leaves out of training's."""
     with contextlib.ExitStack() as stack:
-        [stack.enter_context(pause()) for pause in PAUSES]
+        [stack.enter_context(pause()) for pause in SEAMS["pauses"]]
         yield
 
 
@@ -242,7 +201,7 @@ def log_train(run: RunFolder, window: Tally, *, step: int, total: int, epoch: in
     """A `train` record and line of the job's numbers since the last one (a collective)."""
     sums = window.reduce()
     window.sums = {key: torch.zeros_like(value) for key, value in window.sums.items()}
-    more = {k: v for hook in LOG_FIELDS for k, v in hook().items()}  # the clock's rates (a collective too)
+    more = {k: v for hook in SEAMS["log_fields"] for k, v in hook().items()}  # the clock's rates (a collective too)
     if sums["count"] > 0:  # else the last window's numbers stand
         window.last = summarize(sums) | more
     write_record(run, {"kind": "train", "step": step, "epoch": epoch, **fields, **window.last})
@@ -262,7 +221,7 @@ def log_summary(cfg, run: RunFolder, model, window: Tally, evaluation: dict, **n
     """The closing `summary` record and line, with the plug-ins' fields; every rank returns it."""
     summary = {**evaluation, "train_loss": window.last.get("loss"), **numbers}
     summary |= {key: run.config[key] for key in ("world_size", "global_batch")}
-    for hook in AFTER_JOB:
+    for hook in SEAMS["after_job"]:
         summary |= hook(cfg, run, model) or {}
     write_record(run, {"kind": "summary", **summary})
     shown = {k: (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}") if isinstance(v, float) else v for k, v in summary.items()}

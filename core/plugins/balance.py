@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.kernel.job import Options, option
-from core.kernel.seams import OPTION_GROUPS
+from core.kernel.seams import SEAMS
 from core.pipeline import STAGE_WEIGHTS
 
 
@@ -50,5 +50,5 @@ def timed_weights(cfg, model: nn.Module, train_set) -> list[float] | None:
     return box[0]
 
 
-OPTION_GROUPS.append(Balance)
+SEAMS["option_groups"].append(Balance)
 STAGE_WEIGHTS.append(timed_weights)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import OPTION_GROUPS
+from core.kernel.seams import SEAMS
 from core.shard import BLOCKS
 
 
@@ -34,5 +34,5 @@ def pick(cfg, model: nn.Module) -> tuple[str, nn.Module] | None:
     return named_blocks(model, cfg.blocks) if getattr(cfg, "blocks", "") else None  # "": the ones found
 
 
-OPTION_GROUPS.append(BlocksOption)
+SEAMS["option_groups"].append(BlocksOption)
 BLOCKS.append(pick)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from core.kernel.job import RecipeError
-from core.kernel.seams import READ_CHECKS, RESUME_CHECKS
+from core.kernel.seams import SEAMS
 
 SHARDED = ("fsdp", "fsdp_tp", "tensor_parallel", "pipeline", "pipeline_naive")  # their state is laid out by the mesh
 NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # optimizer averages of squares
@@ -66,5 +66,5 @@ def check_read(path: Path, tensors: dict[str, torch.Tensor], model: nn.Module | 
             raise RecipeError(f"{path} holds another model ({'; '.join(found)}); {fix}")
 
 
-RESUME_CHECKS.append(check_layout)
-READ_CHECKS.append(check_read)
+SEAMS["resume_checks"].append(check_layout)
+SEAMS["read_checks"].append(check_read)

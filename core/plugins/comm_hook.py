@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import OPTION_GROUPS
+from core.kernel.seams import SEAMS
 from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -66,7 +66,7 @@ def register(cfg, ddp):
     return ddp
 
 
-OPTION_GROUPS.append(CommOptions)
+SEAMS["option_groups"].append(CommOptions)
 BEFORE_PG.append(check_comm)
 DDP_OPTIONS.append(bucket_options)
 WRAPPED.append(register)

@@ -16,7 +16,7 @@ from torch.utils.data import IterableDataset
 
 from core.kernel.builtin import MLP, digits
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import FACTORIES, OPTION_GROUPS, STREAMS
+from core.kernel.seams import FACTORIES, SEAMS
 
 MODELS: dict = {"mlp": MLP}  # name -> a factory, or "module:function", imported only when named
 DATASETS: dict = {"digits": digits}
@@ -66,7 +66,9 @@ def data_from_spec(cfg) -> tuple:
     np.random.seed(cfg.seed)
     found = resolve_factory(cfg.data, DATASETS, option="--data")()
     found = (*found, None)[:3] if isinstance(found, tuple | list) else (found, None, None)
-    if isinstance(found[0], IterableDataset) and not STREAMS:  # no length for a sampler; the stream plug-in reads it
+    if (
+        isinstance(found[0], IterableDataset) and not SEAMS["streams"]
+    ):  # no length for a sampler; the stream plug-in reads it
         raise RecipeError(
             f"the data set is a stream ({type(found[0]).__name__}, an IterableDataset): give a map-style one "
             f"(__len__, __getitem__), or take ddp_amp, fsdp, fsdp_tp or tensor_parallel (a copy of one made "
@@ -75,5 +77,5 @@ def data_from_spec(cfg) -> tuple:
     return found
 
 
-OPTION_GROUPS.append(Factories)
+SEAMS["option_groups"].append(Factories)
 FACTORIES.update(model=model_from_spec, data=data_from_spec)

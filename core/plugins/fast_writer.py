@@ -9,7 +9,7 @@ import struct
 
 import torch
 
-from core.kernel.seams import WRITERS
+from core.kernel.seams import SEAMS
 from core.kernel.store import checksum
 
 
@@ -55,4 +55,4 @@ def _write_all(f, view: memoryview) -> None:
         view = view[f.write(view) :]
 
 
-WRITERS.append(write_fast)
+SEAMS["writers"].append(write_fast)

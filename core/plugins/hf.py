@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from core.kernel.job import Options, RecipeError, RunFolder, option, say
-from core.kernel.seams import AFTER_JOB, OPTION_GROUPS
+from core.kernel.seams import SEAMS
 
 
 @dataclass(frozen=True)
@@ -108,5 +108,5 @@ def hf_after_job(cfg, run: RunFolder, model: nn.Module) -> None:
     write_hf_folder(run, model, model.state_dict(), attr=cfg.hf_attr, max_shard_mb=cfg.hf_shard_mb)
 
 
-OPTION_GROUPS.append(HFExport)
-AFTER_JOB.append(hf_after_job)
+SEAMS["option_groups"].append(HFExport)
+SEAMS["after_job"].append(hf_after_job)

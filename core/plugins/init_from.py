@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import AFTER_BUILD, AFTER_JOB, CHECKSUMS, OPTION_GROUPS
+from core.kernel.seams import CHECKSUMS, SEAMS
 from core.kernel.store import checksum
 
 INDEX = "model.safetensors.index.json"  # a sharded Hugging Face folder: tensor name -> file
@@ -155,6 +155,6 @@ def started_from(cfg, run, model) -> dict:
     return {"init_from": cfg.init_from} if cfg.init_from else {}
 
 
-OPTION_GROUPS.append(InitFrom)
-AFTER_BUILD.append(init_from_weights)
-AFTER_JOB.append(started_from)
+SEAMS["option_groups"].append(InitFrom)
+SEAMS["after_build"].append(init_from_weights)
+SEAMS["after_job"].append(started_from)

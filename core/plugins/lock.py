@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 
 from core.kernel.job import RecipeError
-from core.kernel.seams import ON_OPEN
+from core.kernel.seams import SEAMS
 
 HELD: list = []  # the open .lock files of this process: held for its life
 TEMPORARY = re.compile(r"\..+\.tmp-\d+")  # what the kernel's atomic_write names its temporary file
@@ -49,4 +49,4 @@ def lock_folder(path: Path, config: dict, *, new: bool) -> None:
     remove_stale_temporaries(path)
 
 
-ON_OPEN.append(lock_folder)
+SEAMS["on_open"].append(lock_folder)

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from core.kernel.job import RecipeError, write_record
-from core.kernel.seams import ON_RESUME, RESUME_CHECKS, TRAINS_ON
+from core.kernel.seams import SEAMS
 from core.kernel.store import read_checkpoint
 
 LENGTH = ("epochs", "max_steps")  # larger ones (0 steps: no limit) train on from a checkpoint at its run's end
@@ -44,6 +44,6 @@ def may_grow(path: Path, meta: dict[str, str], config: dict) -> list[str]:
     return [k for k in LENGTH if (config[k] or math.inf) >= (saved.get(k) or math.inf)]
 
 
-TRAINS_ON.append(asks_for_more)
-RESUME_CHECKS.append(may_grow)
-ON_RESUME.append(stretch)
+SEAMS["trains_on"].append(asks_for_more)
+SEAMS["resume_checks"].append(may_grow)
+SEAMS["on_resume"].append(stretch)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import LOSS_CHECKS, LOSS_CHOICES, OPTION_GROUPS
+from core.kernel.seams import SEAMS
 from core.kernel.train import IGNORE, Loss, split_outputs
 
 CHOICES = ("auto", "ce", "mse", "model")  # and module:function
@@ -192,6 +192,6 @@ def resolve_loss(spec: str) -> Callable:
     return found
 
 
-OPTION_GROUPS.append(LossOption)
-LOSS_CHOICES.append(choose)
-LOSS_CHECKS.append(check_aligned)  # the pipeline's loss on its last stage (core/schedules.py) checks alike
+SEAMS["option_groups"].append(LossOption)
+SEAMS["loss_choices"].append(choose)
+SEAMS["loss_checks"].append(check_aligned)  # the pipeline's loss on its last stage (core/schedules.py) checks alike

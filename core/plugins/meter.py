@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.kernel.seams import AFTER_JOB, BEFORE_JOB, LOG_FIELDS, ON_STEP, PAUSES
+from core.kernel.seams import SEAMS
 
 
 def process_start() -> float:
@@ -89,8 +89,8 @@ def throughput(cfg, run, model) -> dict[str, float]:
     return rates(**TRAINED) | {"startup_s": startup, "elapsed_s": round(elapsed, 3)}
 
 
-BEFORE_JOB.append(clock_reset)
-ON_STEP.append(clock_step)
-LOG_FIELDS.append(clock_rates)
-PAUSES.append(clock_paused)
-AFTER_JOB.append(throughput)
+SEAMS["before_job"].append(clock_reset)
+SEAMS["on_step"].append(clock_step)
+SEAMS["log_fields"].append(clock_rates)
+SEAMS["pauses"].append(clock_paused)
+SEAMS["after_job"].append(throughput)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from core.kernel.job import Options, option
-from core.kernel.seams import AFTER_JOB, BEFORE_JOB, ON_STEP, OPTION_GROUPS
+from core.kernel.seams import SEAMS
 
 PROFILER: dict = {}  # this process's profiler while a run with --profile trains: {"on": torch.profiler.profile}
 
@@ -49,7 +49,7 @@ def stop_profiler(cfg, run, model) -> None:
         PROFILER.pop("on").stop()
 
 
-OPTION_GROUPS.append(ProfileOption)
-BEFORE_JOB.append(start_profiler)
-ON_STEP.append(profile_step)
-AFTER_JOB.append(stop_profiler)
+SEAMS["option_groups"].append(ProfileOption)
+SEAMS["before_job"].append(start_profiler)
+SEAMS["on_step"].append(profile_step)
+SEAMS["after_job"].append(stop_profiler)

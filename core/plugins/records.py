@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from core.kernel.seams import ON_OPEN
+from core.kernel.seams import SEAMS
 
 
 def repair_records(path: Path) -> None:
@@ -26,4 +26,4 @@ def write_config(path: Path, config: dict, *, new: bool) -> None:
         os.replace(tmp, path / "config.json")
 
 
-ON_OPEN.append(write_config)
+SEAMS["on_open"].append(write_config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from core.kernel.seams import AFTER_JOB
+from core.kernel.seams import SEAMS
 from core.kernel.store import checksum
 
 
@@ -27,4 +27,4 @@ def report(cfg, run, model) -> dict:
     return replicas_report(model.state_dict())
 
 
-AFTER_JOB.append(report)
+SEAMS["after_job"].append(report)

@@ -10,22 +10,22 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from core.kernel.job import RecipeError
-from core.kernel.seams import STREAMS
+from core.kernel.seams import SEAMS
 
 
 class StreamShard(IterableDataset):
     """This rank's share of a stream, as lists of `batch_size` samples; batch k is read by worker k % num_workers."""
 
     def __init__(self, source, *, rank: int, world_size: int, batch_size: int, drop_last: bool):
-        # num_replicas: the name the kernel's set_epoch reads, as on a DistributedSampler
+        # num_replicas: as on a DistributedSampler
         self.source, self.rank, self.num_replicas = source, rank, world_size
         self.batch_size, self.drop_last, self.skip = batch_size, drop_last, 0
 
-    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
-        """A new epoch (a shuffling Hugging Face stream takes a new order), leaving out this rank's first `skip`."""
+    def set_epoch(self, epoch: int, *, consumed: int = 0) -> None:
+        """A new epoch (a shuffling Hugging Face stream takes a new order), leaving out the `consumed` first."""
         if hasattr(self.source, "set_epoch"):
             self.source.set_epoch(epoch)
-        self.skip = skip * self.num_replicas  # the elements of the global stream already trained on
+        self.skip = consumed  # the elements of the global stream already trained on (a multiple of the ranks)
 
     def __iter__(self) -> Iterator[list]:
         info = get_worker_info()
@@ -51,7 +51,7 @@ class StreamLoader:
 
     def __init__(self, loader: DataLoader, *, device: torch.device, together: bool):
         self.loader, self.dataset, self.device, self.together = loader, loader.dataset, device, together
-        self.sampler = self.dataset  # set_epoch(epoch, skip=...) and num_replicas, as the kernel's set_epoch calls them
+        self.sampler = self.dataset  # the recipes call loader.sampler.set_epoch(epoch, consumed=...)
 
     def __iter__(self) -> Iterator:
         batches = iter(self.loader)
@@ -105,4 +105,4 @@ def stream_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple | None:
     return train, val, min(total, cfg.max_steps) if cfg.max_steps else total
 
 
-STREAMS.append(stream_loaders)
+SEAMS["streams"].append(stream_loaders)

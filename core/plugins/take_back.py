@@ -4,7 +4,7 @@ the error again) leaves no new folder holding only its log, which `--resume auto
 from __future__ import annotations
 
 from core.kernel.job import RUN_LOG, open_log
-from core.kernel.seams import ON_FAIL
+from core.kernel.seams import SEAMS
 
 LOG_ONLY = {"config.json", ".lock", "train.log"}  # a new run folder that holds no more than these holds nothing
 
@@ -20,4 +20,4 @@ def take_back(*, refused: bool) -> None:
     path.rmdir()
 
 
-ON_FAIL.append(take_back)
+SEAMS["on_fail"].append(take_back)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import BEFORE_JOB, LOG_SINKS, ON_FAIL, OPTION_GROUPS
+from core.kernel.seams import SEAMS
 from core.kernel.store import read_checkpoint
 
 TRACKERS = ("tensorboard", "wandb")  # each needs the package of its name: the setup.cfg extra of that name
@@ -262,7 +262,7 @@ def close_logs(*, refused: bool) -> None:
             trackers.close(failed=True)
 
 
-OPTION_GROUPS.append(Tracking)
-BEFORE_JOB.append(open_logs)
-LOG_SINKS.append(log_record)
-ON_FAIL.append(close_logs)
+SEAMS["option_groups"].append(Tracking)
+SEAMS["before_job"].append(open_logs)
+SEAMS["log_sinks"].append(log_record)
+SEAMS["on_fail"].append(close_logs)

@@ -11,7 +11,7 @@ from torch.distributed._composable import checkpoint as checkpoint_module
 
 from core.kernel.builtin import build_model
 from core.kernel.job import Options, RecipeError, option
-from core.kernel.seams import AFTER_BUILD, OPTION_GROUPS
+from core.kernel.seams import SEAMS
 from core.monitor import BEFORE_PG, WRAPPED
 
 
@@ -75,7 +75,7 @@ def compiled(cfg, model: nn.Module) -> nn.Module:
     return torch.compile(model) if getattr(cfg, "compile", False) else model
 
 
-OPTION_GROUPS.append(TuningOptions)
+SEAMS["option_groups"].append(TuningOptions)
 BEFORE_PG.append(check_tuning)
-AFTER_BUILD.append(tune_model)
+SEAMS["after_build"].append(tune_model)
 WRAPPED.append(compiled)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from core.kernel.job import Options, option, say
-from core.kernel.seams import AFTER_JOB, BEFORE_JOB, ON_FAIL, ON_STEP, OPTION_GROUPS, PAUSES
+from core.kernel.seams import SEAMS
 from core.kernel.store import read_checkpoint
 from core.kernel.train import Topology
 from core.monitor import BEFORE_PG
@@ -232,10 +232,10 @@ def stop_watch(*args, **kwargs) -> None:
         watch.stop()
 
 
-OPTION_GROUPS.append(DebugOptions)
+SEAMS["option_groups"].append(DebugOptions)
 BEFORE_PG.append(prepare)
-BEFORE_JOB.append(start_watch)
-ON_STEP.append(beat)
-PAUSES.append(held)
-AFTER_JOB.append(stop_watch)
-ON_FAIL.append(stop_watch)
+SEAMS["before_job"].append(start_watch)
+SEAMS["on_step"].append(beat)
+SEAMS["pauses"].append(held)
+SEAMS["after_job"].append(stop_watch)
+SEAMS["on_fail"].append(stop_watch)
