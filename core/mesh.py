@@ -49,9 +49,8 @@ def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device)
         if flags[1]:  # a rank with no batch at all takes rank 0's first: every rank sees the flag, all broadcast
             dist.broadcast_object_list(box := [last], src=0)
             last = box[0] if last is None else last
-        metrics = forward_exact(model, to_device(last, device), loss_fn)[1]
-        if batch is not None:
-            tally.add(metrics)
+        metrics = forward_exact(model, to_device(last, device), loss_fn)[1]  # a collective: every rank runs it
+        tally.add(metrics if batch is not None else {})
     model.train()
     if hasattr(model, "reshard"):  # fully_shard keeps the root gathered after a forward with no backward: free it
         model.reshard()

@@ -17,9 +17,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
     """The ModuleList or Sequential of one repeated class holding the most parameters (GPT-2's transformer.h)."""
     containers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
     repeated = [(n, m) for n, m in containers if max(Counter(type(c) for c in m).values()) >= 2]
-    if not repeated:
-        return None
-    return max(repeated, key=lambda item: (sum(p.numel() for p in item[1].parameters()), -item[0].count(".")))
+    return max(repeated, key=lambda nm: (sum(p.numel() for p in nm[1].parameters()), -nm[0].count(".")), default=None)
 
 
 def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
