@@ -18,8 +18,6 @@ from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import SEAMS
 from core.kernel.train import make_loader, to_device
 
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the forward's dtype; weights stay fp32
-
 
 @dataclass(frozen=True)
 class Accumulation(Options):
@@ -53,7 +51,7 @@ def step_amp(
     group = dp_group if dp_group is not None else getattr(model, "process_group", None)  # DDP's own, or this rank
     world = dist.get_world_size(group) if group is not None else 1
     normalizer = global_count(micro_batches, loss_fn, group=group).clamp(min=1.0) / world  # none counted: no nan
-    dtype, sums = AUTOCAST[precision], {}
+    dtype, sums = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision), {}  # the weights stay fp32
     for i, batch in enumerate(micro_batches):
         with sync(model, enabled=i == len(micro_batches) - 1) if sync else contextlib.nullcontext():  # backward too
             with torch.autocast(normalizer.device.type, dtype=dtype, enabled=dtype is not None):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 VOCAB = 128  # 7-bit ASCII: the model's shape never depends on which corpus was read
@@ -54,7 +53,7 @@ class Attention(nn.Module):
         batch, time = x.shape[:2]
         # -1, not a stored head count: under tensor parallelism each rank holds only its heads
         q, k, v = (lin(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 

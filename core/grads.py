@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 
 @torch.no_grad()
@@ -15,10 +14,11 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
             kinds.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     parts = []
     for kind in kinds.values():  # each mesh its own norm, a DTensor's reduced over its shards by full_tensor()
-        norm = get_total_norm([p.grad for p in kind])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
         parts.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    norm = torch.zeros(()) if not parts else parts[0] if len(parts) == 1 else get_total_norm(parts)  # sqrt(sum sq)
+    # sqrt(sum of squares) of the meshes' norms
+    norm = torch.zeros(()) if not parts else parts[0] if len(parts) == 1 else torch.nn.utils.get_total_norm(parts)
     if max_norm > 0:
         for kind in kinds.values():  # fsdp_tp: the TP layers' mesh is 2-D
-            clip_grads_with_norm_(kind, max_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, norm)
     return norm

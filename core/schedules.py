@@ -66,8 +66,8 @@ def check_pipeline(*, world_size, pp, schedule, num_blocks, batch_size, microbat
         raise RecipeError(f"--microbatches {microbatches}: must divide --batch-size {batch_size}; use a divisor of it")
     if schedule == "1f1b" and microbatches < pp:
         raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
-    rounds = max(1, microbatches // pp)  # torch's interleaved schedule runs the micro-batches in equal rounds
-    if schedule == "interleaved1f1b" and microbatches % rounds:
+    # torch's interleaved schedule runs the micro-batches in equal rounds
+    if schedule == "interleaved1f1b" and microbatches % (rounds := max(1, microbatches // pp)):
         raise RecipeError(
             f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp}; use {pp * rounds}"
         )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ def fsdp_policy(precision: str, *, offload: bool = False) -> dict:
     return {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
 
 
-@contextmanager
+@contextlib.contextmanager
 def fsdp_sync(model: nn.Module, *, enabled: bool):
     """step_amp's `sync`: enabled=False holds the reduce-scatter back while micro-batches add their gradients."""
     model.set_requires_gradient_sync(enabled)  # the step's last micro-batch turns it back on

@@ -5,14 +5,8 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor import Replicate, Shard, parallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from core.kernel.job import RecipeError
 
@@ -57,13 +51,13 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
         plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
         plan |= {f"blocks.{i}.{name}": RowwiseParallel(output_layouts=row_out) for name in ("attn.proj", "mlp.proj")}
         if sequence_parallel:  # LayerNorm on a shard of the sequence, gathered before the column-split layers
-            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            gather = parallel.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             plan |= {f"blocks.{i}.{name}": gather for name in ("attn", "mlp")}
-            plan |= {f"blocks.{i}.{name}": SequenceParallel() for name in ("ln1", "ln2")}
+            plan |= {f"blocks.{i}.{name}": parallel.SequenceParallel() for name in ("ln1", "ln2")}
     if sequence_parallel:  # the embedding's output split by sequence, the head's LayerNorm on it, the logits whole
         last = len(model.blocks) - 1
-        plan["blocks.0"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        plan[f"blocks.{last}.ln"] = SequenceParallel()
+        plan["blocks.0"] = parallel.PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan[f"blocks.{last}.ln"] = parallel.SequenceParallel()
         plan[f"blocks.{last}.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     return plan
 

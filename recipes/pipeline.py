@@ -107,9 +107,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its stages
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
-    weights = None  # the blocks' parameter counts: stages of about equal size
-    for hook in STAGE_WEIGHTS:  # --balance time: of equal measured time
-        weights = hook(cfg, model, train_set) or weights
+    # None: the blocks' parameter counts, stages of about equal size; --balance time: of equal measured time
+    weights = next(filter(None, (hook(cfg, model, train_set) for hook in STAGE_WEIGHTS)), None)
     cut = dict(num_stages=num_stages, weights=weights)
     stages = [split_pipeline(model, stage_index=i, **cut).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
