@@ -102,7 +102,7 @@ def bubble(topo, *, schedule: str, m: int, steps_: int, micro: int = 16) -> floa
         torch.distributed.barrier()
         started = time.perf_counter()
         schedules.step_pipeline(
-            sched, [(x, x)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1
+            sched, (x, x), loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1
         )  # the recipe's step
         stage.flush()
         if i:

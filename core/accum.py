@@ -10,16 +10,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils.data import IterableDataset
 
-from core.exact_loss import ExactLoss, forward_exact, global_count
+from core.exact_loss import forward_exact, global_count
 from core.grads import clip_grad_norm
 from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import SEAMS
 from core.kernel.train import make_loader, to_device
-
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the forward's dtype; weights stay fp32
 
 
 @dataclass(frozen=True)
@@ -47,24 +44,14 @@ def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list
 
 
 def step_amp(
-    model: nn.Module,
-    micro_batches: list,
-    *,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: ExactLoss,
-    precision: str = "fp32",
-    scaler: torch.amp.GradScaler | None = None,
-    clip: float = 0.0,
-    sync=None,
-    dp_group=None,
+    model, micro_batches, *, optimizer, loss_fn, precision="fp32", scaler=None, clip=0.0, sync=None, dp_group=None
 ) -> tuple[dict[str, torch.Tensor], StepStats]:
     """One optimizer step over K micro-batches: autocast forward, exact loss, (scaled) backward, unscale, clip, step."""
     optimizer.zero_grad(set_to_none=True)
     group = dp_group if dp_group is not None else getattr(model, "process_group", None)  # DDP's own, or this rank
     world = dist.get_world_size(group) if group is not None else 1
-    count = global_count(micro_batches, loss_fn, group=group)
-    normalizer = count.clamp(min=1.0) / world  # no counted target anywhere: zero gradients, not nan
-    dtype, sums = AUTOCAST[precision], {}
+    normalizer = global_count(micro_batches, loss_fn, group=group).clamp(min=1.0) / world  # none counted: no nan
+    dtype, sums = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision), {}  # the weights stay fp32
     for i, batch in enumerate(micro_batches):
         with sync(model, enabled=i == len(micro_batches) - 1) if sync else contextlib.nullcontext():  # backward too
             with torch.autocast(normalizer.device.type, dtype=dtype, enabled=dtype is not None):
@@ -87,14 +74,12 @@ def step_amp(
 
 def check_step(stats: StepStats, *, step: int, on_nonfinite: str) -> int:
     """1 for a step skipped on a non-finite gradient norm (fp16's routine back-off: 0); with stop, one line."""
-    if stats.scaled or math.isfinite(stats.grad_norm):
-        return 0
-    if on_nonfinite == "stop":
+    if (bad := not (stats.scaled or math.isfinite(stats.grad_norm))) and on_nonfinite == "stop":
         fix = "lower --lr, set --clip, or pass --on-nonfinite skip"
         raise RecipeError(
             f"step {step}: the loss or the gradients are not finite (gradient norm {stats.grad_norm}); {fix}"
         )
-    return 1
+    return int(bad)
 
 
 def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
@@ -103,22 +88,21 @@ def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
         if found := make(cfg, topo, train_set, val_set, collate_fn):
             return found
     if isinstance(train_set, IterableDataset):
-        it = type(train_set).__name__
-        raise RecipeError(f"the data set is a stream ({it}, an IterableDataset): give a map-style one or --with stream")
+        raise RecipeError(
+            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one or "
+            "--with stream"
+        )
     train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
-    share, world, batch, accum = train.sampler.num_samples, train.sampler.num_replicas, cfg.batch_size, cfg.accum
-    if share < batch * accum:  # a rank's share holds less than one step
-        what = f"--batch-size {batch}" + (f" --accum {accum}" if accum > 1 else "")
-        if share >= batch:
-            raise RecipeError(
-                f"{what}: an epoch has only {share // batch} whole micro-batches per rank; "
-                f"use --accum {share // batch} or less"
-            )
-        fix = f"use --batch-size {share} or less" if share else f"use fewer than {world} rank(s)"
+    if (share := train.sampler.num_samples) < cfg.batch_size:
+        fix = f"--batch-size {share} or less" if share else f"fewer than {topo.world_size} rank(s)"
         raise RecipeError(
-            f"{what}: the training set ({len(train_set)} samples) gives each of {world} rank(s) {share}, "
-            f"not one whole batch; {fix}"
+            f"--batch-size {cfg.batch_size}: the training set ({len(train_set)} samples) gives each of "
+            f"{topo.world_size} rank(s) {share}, not one whole batch; use {fix}"
         )
-    total = cfg.epochs * (len(train) // accum)
+    if (whole := share // cfg.batch_size) < cfg.accum:
+        raise RecipeError(
+            f"--accum {cfg.accum}: an epoch has only {whole} whole micro-batches per rank; use --accum {whole} or less"
+        )
+    total = cfg.epochs * (len(train) // cfg.accum)
     return train, val, min(total, cfg.max_steps) if cfg.max_steps else total

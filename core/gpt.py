@@ -1,13 +1,13 @@
-"""A tiny GPT (model.blocks = [Embed, Block x n, Head], no dropout) and the stdlib's own source as its text."""
+"""A tiny GPT (model.blocks = [Embed, Block x n, head], no dropout) and the stdlib's own source as its text."""
 
 from __future__ import annotations
 
 import sysconfig
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 VOCAB = 128  # 7-bit ASCII: the model's shape never depends on which corpus was read
@@ -16,8 +16,7 @@ CORPUS_MODULES = "textwrap string heapq bisect fractions shlex calendar difflib 
 
 def encode(text: str) -> torch.Tensor:
     """Characters -> int64 token ids (non-ASCII characters become '?')."""
-    data = text.encode("ascii", errors="replace")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+    return torch.frombuffer(bytearray(text.encode("ascii", errors="replace")), dtype=torch.uint8).to(torch.int64)
 
 
 def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Dataset]:
@@ -27,11 +26,8 @@ def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Data
     if not parts:  # a Python shipped without sources: torch's own Python files
         parts = [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]
     tokens = encode("\n".join(parts)[:400_000])
-    split, out = int(len(tokens) * (1 - val_fraction)), []
-    for part in (tokens[:split], tokens[split:]):  # non-overlapping windows of `context` tokens
-        n = (len(part) - 1) // context
-        out.append(TensorDataset(part[: n * context].view(n, context), part[1 : n * context + 1].view(n, context)))
-    return out[0], out[1]
+    parts = tokens.tensor_split([int(len(tokens) * (1 - val_fraction))])  # train, val: windows of `context` tokens
+    return tuple(TensorDataset(p[:-1].unfold(0, context, context), p[1:].unfold(0, context, context)) for p in parts)
 
 
 class Embed(nn.Module):
@@ -51,26 +47,14 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.head_dim = dim // heads
-        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
-        self.proj = nn.Linear(dim, dim)
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time = x.shape[:2]
         # -1, not a stored head count: under tensor parallelism each rank holds only its heads
         q, k, v = (lin(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
-
-
-class FeedForward(nn.Module):
-    """x -> proj(gelu(fc(x))): the block's MLP (fc widens, proj narrows)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc, self.proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -79,34 +63,23 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
-        self.ln2, self.mlp = nn.LayerNorm(dim), FeedForward(dim, 4 * dim)
+        mlp = OrderedDict(fc=nn.Linear(dim, 4 * dim), gelu=nn.GELU(), proj=nn.Linear(4 * dim, dim))
+        self.ln2, self.mlp = nn.LayerNorm(dim), nn.Sequential(mlp)  # fc widens, proj narrows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
-class Head(nn.Module):
-    """Final norm and the projection to next-token logits (B, T, vocab)."""
-
-    def __init__(self, dim: int, vocab: int):
-        super().__init__()
-        self.ln, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.ln(x))
-
-
 class GPT(nn.Module):
-    """blocks = [Embed, Block x layers, Head]; forward(tokens) = blocks(tokens) -> logits."""
+    """blocks = [Embed, Block x layers, head (ln, out)]; forward(tokens) = blocks(tokens) -> logits."""
 
     def __init__(self, *, vocab: int = VOCAB, context: int = 64, dim: int = 64, heads: int = 4, layers: int = 4):
         super().__init__()
-        if dim % heads:
-            raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
-        self.blocks = nn.Sequential(
-            Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers)), Head(dim, vocab)
-        )
+        # the head is built last: the weights are drawn in the order the blocks run
+        body = [Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers))]
+        head = nn.Sequential(OrderedDict(ln=nn.LayerNorm(dim), out=nn.Linear(dim, vocab)))  # next-token logits
+        self.blocks = nn.Sequential(*body, head)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.blocks(tokens)

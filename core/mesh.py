@@ -19,18 +19,15 @@ from core.kernel.train import Tally, summarize, to_device
 class ShardedPrecision(Options):
     title = "mixed precision"
     # no fp16: its loss scaler would have to skip a step on every shard alike
-    precision: str = option(
-        "fp32", "compute precision (bf16: fully_shard's MixedPrecisionPolicy, or autocast)", choices=("fp32", "bf16")
-    )
+    precision: str = option("fp32", "compute precision (bf16: in fully_shard or autocast)", choices=("fp32", "bf16"))
 
 
 def build_mesh(topo, dims: dict[str, int]):
     """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2} (rank = dp_index * tp + tp_index), or one error line."""
-    if (total := math.prod(dims.values())) != topo.world_size or min(dims.values()) < 1:
+    if (total := math.prod(dims.values())) != topo.world_size:
         shape = " x ".join(f"{name}={size}" for name, size in dims.items())
         raise RecipeError(
-            f"a {shape} mesh needs {total} processes but the world size is {topo.world_size}; launch {total} "
-            f"processes (NPROC_PER_NODE) or pick sizes that multiply to {topo.world_size}"
+            f"a {shape} mesh needs {total} processes but the world size is {topo.world_size}; launch {total}"
         )
     return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
@@ -46,16 +43,14 @@ def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device)
         batch = next(batches, None)
         last = last if batch is None else batch
         flags = torch.tensor([batch is not None, last is None], device=device, dtype=torch.int32)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if not flags[0]:
             break
         if flags[1]:  # a rank with no batch at all takes rank 0's first: every rank sees the flag, all broadcast
             dist.broadcast_object_list(box := [last], src=0)
             last = box[0] if last is None else last
-        metrics = forward_exact(model, to_device(last, device), loss_fn)[1]
-        if batch is not None:
-            tally.add(metrics)
+        metrics = forward_exact(model, to_device(last, device), loss_fn)[1]  # a collective: every rank runs it
+        tally.add(metrics if batch is not None else {})
     model.train()
     if hasattr(model, "reshard"):  # fully_shard keeps the root gathered after a forward with no backward: free it
         model.reshard()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -17,9 +17,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
     """The ModuleList or Sequential of one repeated class holding the most parameters (GPT-2's transformer.h)."""
     containers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) and len(m)]
     repeated = [(n, m) for n, m in containers if max(Counter(type(c) for c in m).values()) >= 2]
-    if not repeated:
-        return None
-    return max(repeated, key=lambda item: (sum(p.numel() for p in item[1].parameters()), -item[0].count(".")))
+    return max(repeated, key=lambda nm: (sum(p.numel() for p in nm[1].parameters()), -nm[0].count(".")), default=None)
 
 
 def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
@@ -27,9 +25,8 @@ def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
     found = next(filter(None, (pick(cfg, model) for pick in BLOCKS)), None) or find_blocks(model)  # --blocks NAME
     if found is None:
         warnings.warn(
-            f"fsdp: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one class); sharding it as one "
-            f"unit, which gathers the whole model for each forward; name them with --blocks (a standalone copy: made "
-            f"`--with blocks`)",
+            f"fsdp: {type(model).__name__} has no repeated blocks (a ModuleList of one class): sharded as one unit, "
+            f"gathered whole for each forward; name them with --blocks (a standalone copy: made `--with blocks`)",
             stacklevel=2,
         )
         return []
@@ -39,17 +36,12 @@ def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
 def fsdp_policy(precision: str, *, offload: bool = False) -> dict:
     """fully_shard's keyword arguments: bf16 computes in bf16, reduces in fp32; offload keeps shards in CPU memory."""
     dtype = torch.bfloat16 if precision == "bf16" else None
-    return {
-        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
-        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
-    }
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    return {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
 
 
-@contextmanager
+@contextlib.contextmanager
 def fsdp_sync(model: nn.Module, *, enabled: bool):
     """step_amp's `sync`: enabled=False holds the reduce-scatter back while micro-batches add their gradients."""
-    model.set_requires_gradient_sync(enabled)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    model.set_requires_gradient_sync(enabled)  # the step's last micro-batch turns it back on
+    yield

@@ -5,14 +5,8 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor import Replicate, Shard, parallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from core.kernel.job import RecipeError
 
@@ -52,23 +46,18 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
 
 def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
     """Megatron's plan for the GPT: q/k/v and fc by column, proj by row (sequence_parallel: LayerNorm on a shard)."""
-    row_out = Shard(1) if sequence_parallel else Replicate()
-    plan = {}
-    for i, block in enumerate(model.blocks):
-        if not (hasattr(block, "attn") and hasattr(block, "mlp")):
-            continue
-        for sub, first, last in (("attn", ("q", "k", "v"), "proj"), ("mlp", ("fc",), "proj")):
-            plan.update({f"blocks.{i}.{sub}.{name}": ColwiseParallel() for name in first})
-            plan[f"blocks.{i}.{sub}.{last}"] = RowwiseParallel(output_layouts=row_out)
-            if sequence_parallel:  # gather the sequence before the column-split layers
-                plan[f"blocks.{i}.{sub}"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
-                plan[f"blocks.{i}.ln{1 if sub == 'attn' else 2}"] = SequenceParallel()
-    if sequence_parallel:
+    row_out, plan = Shard(1) if sequence_parallel else Replicate(), {}
+    for i in [i for i, block in enumerate(model.blocks) if hasattr(block, "attn") and hasattr(block, "mlp")]:
+        plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
+        plan |= {f"blocks.{i}.{name}": RowwiseParallel(output_layouts=row_out) for name in ("attn.proj", "mlp.proj")}
+        if sequence_parallel:  # LayerNorm on a shard of the sequence, gathered before the column-split layers
+            gather = parallel.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan |= {f"blocks.{i}.{name}": gather for name in ("attn", "mlp")}
+            plan |= {f"blocks.{i}.{name}": parallel.SequenceParallel() for name in ("ln1", "ln2")}
+    if sequence_parallel:  # the embedding's output split by sequence, the head's LayerNorm on it, the logits whole
         last = len(model.blocks) - 1
-        plan["blocks.0"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        plan[f"blocks.{last}.ln"] = SequenceParallel()
+        plan["blocks.0"] = parallel.PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan[f"blocks.{last}.ln"] = parallel.SequenceParallel()
         plan[f"blocks.{last}.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     return plan
 
@@ -77,6 +66,5 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
 def tp_kept(model: nn.Module, plan: dict, *, tp: int):
     """Around parallelize_module: what the plug-ins keep across it (model_plans: tied weights, head counts)."""
     with contextlib.ExitStack() as stack:
-        for around in AROUND_TP:
-            stack.enter_context(around(model, plan, tp=tp))
+        [stack.enter_context(around(model, plan, tp=tp)) for around in AROUND_TP]
         yield

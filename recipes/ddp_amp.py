@@ -18,7 +18,6 @@ total gradient norm over all ranks. Streams (an IterableDataset) are dealt out b
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +97,9 @@ def train(cfg: Config, topo: Topology) -> dict:
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         train_loader.sampler.set_epoch(epoch, consumed=consumed)
-        groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
-        for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = step_amp(ddp_model, micro_batches, **step_options)
+        # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
+        for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
+            metrics, stats = step_amp(ddp_model, group, **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone

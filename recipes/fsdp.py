@@ -20,7 +20,6 @@ gathers the full weights at the end into one safetensors file.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -87,10 +86,10 @@ def train(cfg: Config, topo: Topology) -> dict:
     model = build_gpt(cfg).to(topo.device)
     fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its shard
     dp_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
-    policy = fsdp_policy(cfg.precision, offload=cfg.offload)  # bf16 compute, fp32 gradient reduction
-    for block in shard_blocks(cfg, model):  # the repeated blocks (or --blocks NAME's), each gathered while it runs
-        fully_shard(block, mesh=dp_mesh, **policy)
-    fully_shard(model, mesh=dp_mesh, **policy)
+    # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
+    for block in shard_blocks(cfg, model):
+        fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision, offload=cfg.offload))
+    fully_shard(model, mesh=dp_mesh, **fsdp_policy(cfg.precision, offload=cfg.offload))
     torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
     # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
     train_loader, val_loader, total = make_loaders(cfg, topo, train_set, val_set, collate)
@@ -115,9 +114,9 @@ def train(cfg: Config, topo: Topology) -> dict:
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         train_loader.sampler.set_epoch(epoch, consumed=consumed)
-        groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
-        for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = step_amp(model, micro_batches, **options)  # bf16: in fully_shard's policy, no autocast
+        # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
+        for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
+            metrics, stats = step_amp(model, group, **options)  # bf16: in fully_shard's policy, no autocast
             step, consumed = step + 1, consumed + global_batch
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone

@@ -15,7 +15,6 @@ checkpoints are sharded and resume at another dp. Rank 0 gathers the full weight
 
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 from dataclasses import dataclass
@@ -95,10 +94,10 @@ def train(cfg: Config, topo: Topology) -> dict:
     plan = plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
     with tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
-    policy = fsdp_policy(cfg.precision)  # bf16 compute, fp32 gradient reduction
-    for block in shard_blocks(cfg, model):  # the repeated blocks (or --blocks NAME's), each gathered while it runs
-        fully_shard(block, mesh=dp_mesh, **policy)
-    fully_shard(model, mesh=dp_mesh, **policy)
+    # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
+    for block in shard_blocks(cfg, model):
+        fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision))
+    fully_shard(model, mesh=dp_mesh, **fsdp_policy(cfg.precision))
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     torch.manual_seed(cfg.seed + dp_rank)  # each dp group its own dropout; a tp group one stream, as DTensor needs
     my_group = Topology(dp_rank, dp, topo.device)  # a tp group shares its data
@@ -126,9 +125,9 @@ def train(cfg: Config, topo: Topology) -> dict:
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         train_loader.sampler.set_epoch(epoch, consumed=consumed)
-        groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
-        for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = step_amp(model, micro_batches, **options)  # bf16: in fully_shard's policy, no autocast
+        # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
+        for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
+            metrics, stats = step_amp(model, group, **options)  # bf16: in fully_shard's policy, no autocast
             step, consumed = step + 1, consumed + global_batch
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone

@@ -36,15 +36,22 @@ from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import check_finite
 from core.kernel.store import finished, open_run, write_weights
-from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, log_summary, log_train, not_training
+from core.kernel.train import (
+    Tally,
+    Topology,
+    cleanup_pg,
+    init_pg,
+    log_eval,
+    log_summary,
+    log_train,
+    not_training,
+    to_device,
+)
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
 from core.schedules import (
     Pipelining,
-    StageAccumulation,
-    StagePrecision,
     TokenLoss,
-    batch_groups,
     build_schedule,
     check_pipeline,
     evaluate_pipeline,
@@ -100,9 +107,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its stages
     per_rank = 2 if cfg.schedule == "interleaved1f1b" else 1
     num_stages, stage_ids = pp * per_rank, [pp_rank + v * pp for v in range(per_rank)]
-    weights = None  # the blocks' parameter counts: stages of about equal size
-    for hook in STAGE_WEIGHTS:  # --balance time: of equal measured time
-        weights = hook(cfg, model, train_set) or weights
+    # None: the blocks' parameter counts, stages of about equal size; --balance time: of equal measured time
+    weights = next(filter(None, (hook(cfg, model, train_set) for hook in STAGE_WEIGHTS)), None)
     cut = dict(num_stages=num_stages, weights=weights)
     stages = [split_pipeline(model, stage_index=i, **cut).to(topo.device) for i in stage_ids]
     pp_group, dp_group = device_mesh["pp"].get_group(), device_mesh["dp"].get_group()
@@ -128,15 +134,14 @@ def train(cfg: Config, topo: Topology) -> dict:
     step, skipped, evaluation = start["step"], start["skipped"], {}
     step_options = dict(loss_fn=loss_fn, optimizer=optimizer, holds_last=holds_last, precision=cfg.precision)
     step_options |= dict(clip=cfg.clip, dp_group=dp_group, pp_group=pp_group)
-    eval_options = dict(stages=stages, loss_fn=loss_fn, accum=cfg.accum, holds_last=holds_last, device=topo.device)
+    eval_options = dict(model=state["model"], loss_fn=loss_fn, holds_last=holds_last, device=topo.device)
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         train_loader.sampler.set_epoch(epoch, consumed=consumed)
-        for micro_batches in itertools.islice(batch_groups(train_loader, cfg.accum, device=topo.device), total - step):
-            # schedule.step: forwards and backwards, stage to stage
-            metrics, grad_norm = step_pipeline(schedule, micro_batches, **step_options)
+        for batch in itertools.islice(train_loader, total - step):  # --accum batches in one
+            metrics, grad_norm = step_pipeline(schedule, to_device(batch, topo.device), **step_options)
             step, consumed = step + 1, consumed + global_batch
             skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
@@ -149,7 +154,7 @@ def train(cfg: Config, topo: Topology) -> dict:
                 with not_training():  # every rank writes its own stages
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())
                     save_sharded(run, **state, progress=progress, keep=cfg.keep)
-        with not_training():  # forward only, through the same schedule: K batches a run, the smaller last one too
+        with not_training():  # forward only, through the same schedule: the smaller last batch too
             evaluation = evaluate_pipeline(schedule, val_loader, **eval_options)
         log_eval(run, evaluation, step=step, epoch=epoch)
 
@@ -163,9 +168,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class Config(
-    *gpt_defaults([Pipelining, Training, Checkpointing, StagePrecision, StageAccumulation, *SEAMS["option_groups"]])
-):
+class Config(*gpt_defaults([Pipelining, Training, Checkpointing, *SEAMS["option_groups"]])):
     """pipeline's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 

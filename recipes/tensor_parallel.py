@@ -20,7 +20,6 @@ the shards and the layers the plan leaves whole; checkpoints are sharded (every 
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
 
@@ -114,9 +113,9 @@ def train(cfg: Config, topo: Topology) -> dict:
             break
         consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
         train_loader.sampler.set_epoch(epoch, consumed=consumed)
-        groups = micro_batch_groups(train_loader, cfg.accum, device=topo.device)  # an incomplete tail is dropped
-        for micro_batches in itertools.islice(groups, total - step):
-            metrics, stats = step_amp(model, micro_batches, **options)
+        # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
+        for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
+            metrics, stats = step_amp(model, group, **options)
             step, consumed = step + 1, consumed + global_batch
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone

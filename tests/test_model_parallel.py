@@ -425,10 +425,10 @@ def pipeline_accum_clip(topo, precision):
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     losses = []
     for x, y in batches:
-        accumulated = [(x[:4], y[:4]), (x[4:], y[4:])]  # K=2 batches through a schedule of 2 x 2 micro-batches
+        # K=2 batches of 4 through a schedule of 2 x 2 micro-batches: step_pipeline takes them as one
         sums, _ = schedules.step_pipeline(
             sched,
-            accumulated,
+            (x, y),
             loss_fn=loss_fn,
             optimizer=optimizer,
             holds_last=topo.rank == 1,
@@ -457,9 +457,7 @@ def pipeline_float_targets(topo):
     tokens, soft = torch.randint(0, 40, (4, 16)), torch.rand(4, 16, 40).softmax(-1)
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
     try:
-        schedules.step_pipeline(
-            sched, [(tokens, soft)], loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1
-        )
+        schedules.step_pipeline(sched, (tokens, soft), loss_fn=loss_fn, optimizer=optimizer, holds_last=topo.rank == 1)
     except RecipeError as err:
         return str(err)
 

@@ -65,7 +65,7 @@ def pipeline_dp_accum_clip(topo):
         x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
         schedules.step_pipeline(
             sched,
-            [(x[:4], y[:4]), (x[4:], y[4:])],
+            (x, y),
             loss_fn=loss_fn,
             optimizer=optimizer,
             holds_last=pp_rank == 1,

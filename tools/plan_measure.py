@@ -97,7 +97,8 @@ def _measure_pipeline(cfg, layout, micro_batches: list, *, mesh, device) -> tupl
     with tracker:
         optimizer = torch.optim.AdamW(layout.params, lr=cfg.lr)
         for _ in range(2):
-            schedules.step_pipeline(schedule, micro_batches, loss_fn=loss_fn, optimizer=optimizer, **how)
+            batch = tuple(torch.cat(parts) for parts in zip(*micro_batches))  # --accum batches as one
+            schedules.step_pipeline(schedule, batch, loss_fn=loss_fn, optimizer=optimizer, **how)
     return optimizer, peak_of(tracker)
 
 

@@ -12,7 +12,6 @@ from torch._guards import active_fake_mode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from core.accum import AUTOCAST
 from core.exact_loss import forward_exact
 from core.kernel.train import forward, metrics
 from core.schedules import TokenLoss
@@ -154,7 +153,8 @@ def planned_steps(name: str, layout: Layout, micro_batches: list, *, cfg, loss_f
 
 def _autocast(precision: str):
     """step_amp's (and step_pipeline's) autocast on the CPU: the forward in bf16/fp16, nothing for fp32."""
-    return torch.autocast("cpu", dtype=AUTOCAST[precision], enabled=AUTOCAST[precision] is not None)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)  # as core.accum.step_amp's
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
 
 
 def micro_steps(name: str, layout: Layout, micro_batches: list, *, loss_fn, after_forward=lambda: None) -> None:
