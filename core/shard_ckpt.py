@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from core.kernel.job import RecipeError, RunFolder, say, write_record
-from core.kernel.seams import SEAMS, fire
-from core.kernel.store import FORMAT, START, checksum, read_checkpoint, write_tensors
+from core.kernel.job import RecipeError, RunFolder
+from core.kernel.seams import SEAMS
+from core.kernel.store import FORMAT, START, checksum, from_rank0, read_checkpoint, resumed, write_tensors
 
 
 def flat_state(model, optimizer) -> tuple[dict, dict, dict]:
@@ -22,45 +22,38 @@ def flat_state(model, optimizer) -> tuple[dict, dict, dict]:
     model_sd, optim = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     tensors = {f"model/{k}": v for k, v in model_sd.items()}
     tensors |= {f"optim/{k}": v for k, v in optim.items() if torch.is_tensor(v)}
-    once, seen = {}, set()
-    for key, value in tensors.items():  # safetensors refuses shared memory: a tied weight goes under its first name
-        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard on this rank
-        where = (local.untyped_storage().data_ptr(), local.storage_offset(), local.shape) if local.numel() else key
-        once |= {} if where in seen else {key: value}
-        seen.add(where)
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tensors.items()}  # a DTensor: this rank's
+    at = {k: (t.data_ptr(), t.shape) if t.numel() else k for k, t in local.items()}  # where its bytes are
+    first = {where: k for k, where in reversed(at.items())}  # safetensors refuses shared memory: a tied weight once
+    once = {k: v for k, v in tensors.items() if first[at[k]] == k}
     return tensors, once, {k: v for k, v in optim.items() if not torch.is_tensor(v)}
 
 
 def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
     """RUN/ckpt/step-N/ (every rank its shard), then step-N.safetensors; all but the newest `keep` go. A collective."""
     path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
-    folder = path.with_suffix("")
     if run.writer:  # the same step saved again (resumed from before it), or saves cut short: their folders go
         path.unlink(missing_ok=True)
-        for old in [folder, *(p for p in path.parent.glob("step-*") if not p.with_suffix(".safetensors").exists())]:
+        for old in (p for p in path.parent.glob("step-*") if not p.with_suffix(".safetensors").exists()):
             shutil.rmtree(old, ignore_errors=True)
-        folder.mkdir(parents=True)
+        path.with_suffix("").mkdir(parents=True)
     dist.barrier()
     _, once, optim = flat_state(model, optimizer)
     try:
-        dcp.save(once, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
+        dcp.save(once, storage_writer=dcp.HuggingFaceStorageWriter(str(path.with_suffix("")), save_distributed=True))
     except dcp.api.CheckpointException as err:  # every rank's errors: a full disk's OSError makes the error line
         raise next((e for e, _ in err.failures.values() if isinstance(e, OSError)), RuntimeError(str(err))) from None
-    mine = {}
-    for file in sorted(folder.glob(f"shard-{dist.get_rank() + 1:05d}-*.safetensors")):  # read back, once closed
-        with safe_open(str(file), framework="pt") as f:
-            mine[file.name] = {key: checksum(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118
+    files = sorted(path.with_suffix("").glob(f"shard-{dist.get_rank() + 1:05d}-*.safetensors"))  # read back, closed
+    mine = {file.name: {key: checksum(t) for key, t in load_file(file).items()} for file in files}
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mine, optim, rng))  # each rank its own generators: bitwise resume
-    rest = {"config": run.config, "global_batch": run.config["global_batch"], "world_size": len(everyone)}
-    rest |= {"progress": progress, "shards": {name: sums for files, _, _ in everyone for name, sums in files.items()}}
-    rest["optimizer"] = {k: v for _, values, _ in everyone for k, v in values.items()}  # a pipeline's stages differ
-    rest["scheduler"] = scheduler.state_dict()
+    dist.all_gather_object(everyone := [None] * dist.get_world_size(), (mine, optim, rng))  # each rank its own rng
     if run.writer:
         states = {f"rng/{rank}/{kind}": s for rank, (_, _, own) in enumerate(everyone) for kind, s in own.items()}
-        meta = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__}
-        write_tensors(path, states, meta | {key: json.dumps(value) for key, value in rest.items()})
+        meta = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__, "config": run.config}
+        meta |= {"global_batch": run.config["global_batch"], "world_size": len(everyone), "progress": progress}
+        meta["shards"] = {name: sums for files, _, _ in everyone for name, sums in files.items()}
+        meta["optimizer"] = {k: v for _, values, _ in everyone for k, v in values.items()}  # a pipeline's stages differ
+        write_tensors(path, states, meta | {"scheduler": scheduler.state_dict()})
         for old in sorted(path.parent.glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[:-keep]:
             old.unlink(missing_ok=True)  # only once the new one is in place
             shutil.rmtree(old.with_suffix(""), ignore_errors=True)
@@ -75,15 +68,14 @@ def check_shards(path: Path, tensors: dict, model) -> None:
     for extra in (p.name for p in folder.glob("*.safetensors") if shards is not None and p.name not in shards):
         raise RecipeError(f"{path}: {extra} is not one of its files; {fix}")
     for name, sums in (shards or {}).items():
-        try:
-            with safe_open(str(folder / name), framework="pt") as f:  # checks the header and that no byte is missing
-                found = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        try:  # checks the header and that no byte is missing
+            found = load_file(folder / name)
         except Exception as err:  # noqa: BLE001 - missing, truncated or unreadable
             why = "missing" if isinstance(err, FileNotFoundError) else "unreadable"
             raise RecipeError(f"{path}: shard file {name} is {why}; {fix}") from None
         if wrong := [k for k, want in sums.items() if k not in found or checksum(found[k]) != want]:
             raise RecipeError(f"{path}: tensor {wrong[0]} in {name} does not match its checksum; {fix}")
-        for check in (c for c in SEAMS["read_checks"] if c is not check_shards):  # the checks plug-in's, on every file
+        for check in (c for c in SEAMS["read_checks"] if c is not check_shards):  # the checks plug-in's, every file
             check(folder / name, found, None)
 
 
@@ -91,39 +83,18 @@ def load_sharded(run: RunFolder, *, model, optimizer, scheduler) -> dict:
     """The checkpoint's train state resharded to this mesh; its progress, or START. A collective."""
     if run.resume_from is None:
         return dict(START)
-    payload = None
-    if run.writer:
-        try:
-            payload = read_checkpoint(run.resume_from)
-        except RecipeError as err:
-            payload = str(err)  # every rank raises it
-    dist.broadcast_object_list(box := [payload], src=0)
-    if isinstance(payload := box[0], str):
-        raise RecipeError(payload)
-    states, meta = payload
+    states, meta = from_rank0(run.writer, lambda: read_checkpoint(run.resume_from))
     tensors, once, _ = flat_state(model, optimizer)  # this rank's shapes and shards, for DCP to fill
     try:
         dcp.load(once, storage_reader=dcp.HuggingFaceStorageReader(str(run.resume_from.with_suffix(""))))
     except (dcp.api.CheckpointException, RuntimeError, KeyError) as err:  # another model's tensors under one --model
-        why = str(err).strip().splitlines()[-1][:200]
-        raise RecipeError(
-            f"{run.resume_from}: its tensors do not fit this model ({why}); use the model it saved, or a new --out"
-        ) from None
+        why = f"its tensors do not fit this model ({str(err).strip().splitlines()[-1][:200]})"
+        raise RecipeError(f"{run.resume_from}: {why}; use the model it saved, or a new --out") from None
     optim = {k[6:]: v for k, v in tensors.items() if k.startswith("optim/")}
     optim |= {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["optimizer"]).items()}  # betas
     model_sd = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim)
-    saved = json.loads(meta["scheduler"])  # with this job's T_max: a run given more steps (--with longer) trains on
-    scheduler.load_state_dict(saved | {"T_max": scheduler.T_max})
-    for key in (k for k in states if k.startswith(f"rng/{dist.get_rank()}/")):  # a new rank keeps its seeded ones
-        torch.set_rng_state(states[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(states[key])
-    progress = {**START, **json.loads(meta["progress"])}
-    where = {k: v for k, v in progress.items() if k != "window"}
-    where |= {k: run.config[k] for k in ("world_size", "global_batch")}
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where})
-    say(run, f"resumed from {run.resume_from} at step {progress['step']}")
-    fire("on_resume", run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
-    return progress | {"window": progress["window"] if run.writer else {}}  # the open log window: rank 0 carries it
+    return resumed(run, meta, states, optimizer=optimizer, scheduler=scheduler)
 
 
 SEAMS["read_checks"].append(check_shards)

@@ -11,7 +11,16 @@ from torch.utils.data import DistributedSampler
 
 import core.plugins.checks  # noqa: F401 - its SEAMS["read_checks"]: a diverged state's values, the model's shapes
 from core.kernel.job import RecipeError, RunFolder
-from core.kernel.store import check_continues, checksum, load_checkpoint, newest_good, read_checkpoint, save_checkpoint
+from core.kernel.store import (
+    check_continues,
+    checksum,
+    from_rank0,
+    load_checkpoint,
+    newest_good,
+    read_checkpoint,
+    save_checkpoint,
+    write_tensors,
+)
 from core.plugins.lock import remove_stale_temporaries
 from tiny import TiedMLP
 from world import GlooWorld
@@ -313,3 +322,30 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     assert sorted(remove_stale_temporaries(run_dir)) == sorted(stale)
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
     assert (run_dir / "ckpt" / ".dir.tmp-3").is_dir()
+
+
+def test_from_rank0_gives_every_rank_its_value_and_its_error_as_one_line(tmp_path, group1):
+    """Rank 0's decision on every rank; its RecipeError or OSError raised as one RecipeError line (none waits)."""
+    assert from_rank0(True, lambda: {"folder": 1}) == {"folder": 1}
+    with pytest.raises(RecipeError, match="^refused$"):
+        from_rank0(True, lambda: _raise(RecipeError("refused")))
+    with pytest.raises(RecipeError, match=f"{tmp_path / 'none'}: .*; check the folder"):
+        from_rank0(True, lambda: (tmp_path / "none").read_bytes())
+
+
+def _raise(err):
+    raise err
+
+
+def test_an_older_file_with_the_optimizers_scalars_in_json_still_loads(tmp_path, group1):
+    """A non-tensor optimizer value, once kept in the header's "scalars", loads as it was saved."""
+    model, optimizer = _train_state()
+    tensors, meta = read_checkpoint(_save(tmp_path, 1, model, optimizer))
+    step = float(tensors.pop("optim/0/step"))
+    saved = json.loads(meta["optimizer"]) | {"scalars": {"0/step": step}}
+    meta = {k: v for k, v in meta.items() if k not in ("checksums", "header_checksum")} | {"optimizer": saved}
+    write_tensors(path := tmp_path / "ckpt" / "step-000001.safetensors", tensors, meta)
+    fresh, fresh_optimizer = _train_state(steps=0)
+    load_checkpoint(_run(tmp_path, path), model=fresh, optimizer=fresh_optimizer, scheduler=_scheduler(fresh_optimizer))
+    loaded, trained = fresh_optimizer.state_dict()["state"][0], optimizer.state_dict()["state"][0]
+    assert loaded["step"] == step and torch.equal(loaded["exp_avg"], trained["exp_avg"])

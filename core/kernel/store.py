@@ -9,7 +9,6 @@ import re
 import zlib
 from pathlib import Path
 
-import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -24,49 +23,57 @@ from core.kernel.train import Topology
 # The options that shape what is trained: a resumed run keeps them, or it would be another run.
 TRAJECTORY = ("lr", "seed", "model", "data", "loss", "precision", "accum", "clip", "epochs", "max_steps", "init_from")
 IMPLIED = {"precision": "fp32", "accum": 1, "clip": 0.0}  # how a recipe that does not take the option trains
+FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
+START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}  # a new run's progress
+
+
+def from_rank0(rank0: bool, fn):
+    """fn() on rank 0, its value on every rank; its RecipeError or OSError is raised on every rank (none waits)."""
+    try:
+        value = fn() if rank0 else None
+    except (RecipeError, OSError) as err:
+        value = RecipeError(os_error_line(err) if isinstance(err, OSError) else str(err))
+    dist.broadcast_object_list(box := [value], src=0)  # rank 0's own objects between our processes, not a file
+    if isinstance(box[0], RecipeError):
+        raise box[0]
+    return box[0]
 
 
 def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
     """The summary of the finished run --resume continues, said in one line (nothing is touched); else None."""
-    found, resume = None, cfg.resume or "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")
-    if topo.rank == 0 and resume:  # rank 0 reads the folder: other nodes need not see it
-        ckpt = Path(resume).parent  # RUN/ckpt/step-N continues RUN
-        runs = [ckpt.parent] * (ckpt.name == "ckpt") if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1:]
+    resume = cfg.resume or "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")  # torchrun restarted it
+
+    def summary() -> dict | None:  # rank 0 reads the folder: other nodes need not see it
         with contextlib.suppress(IndexError, KeyError, OSError, ValueError):  # no run, no record, or a torn last line
-            last = json.loads((runs[0] / "metrics.jsonl").read_bytes().splitlines()[-1])  # the summary is written last
-            if last.pop("kind") == "summary" and not any(hook(cfg, runs[0], resume) for hook in SEAMS["trains_on"]):
-                found = {**last, "already_finished": True}
-                print(f"{runs[0]} already finished at step {last.get('steps')}; nothing to train", flush=True)
-    dist.broadcast_object_list(box := [found], src=0)  # rank 0's finding, on every rank
-    return box[0]
+            run = Path(resume).parents[1] if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1]
+            last = json.loads((run / "metrics.jsonl").read_bytes().splitlines()[-1])  # the summary is written last
+            if last.pop("kind") == "summary" and not any(hook(cfg, run, resume) for hook in SEAMS["trains_on"]):
+                print(f"{run} already finished at step {last.get('steps')}; nothing to train", flush=True)
+                return {**last, "already_finished": True}
+
+    return from_rank0(topo.rank == 0, summary)
 
 
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
     """Rank 0 picks the run folder, refusing a checkpoint that cannot continue in this job; every rank gets it."""
     config = {"recipe": recipe, "world_size": topo.world_size, "global_batch": global_batch, **vars(cfg)}
-    prefix, choice = cfg.name or recipe, None
+    prefix = cfg.name or recipe
     resume = cfg.resume or "auto" * (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")  # torchrun restarted it
-    if topo.rank == 0:
+
+    def choose() -> tuple[Path, Path | None]:
         open_log(None)  # the lines said while choosing go into train.log
-        try:
-            runs = run_dirs(cfg.out, prefix)
-            path = (newest_good(runs[-1]) if runs else None) if resume == "auto" else Path(resume) if resume else None
-            if resume == "auto" and not path:  # not silently a new run
-                where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
-                say(None, f"--resume auto: {where} in {cfg.out}; starting a new run")
-            if path:
-                check_continues(path, read_checkpoint(path, tensors=False)[1], config)
-            in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]
-            choice = (path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1], path)
-            fire(
-                "on_open", choice[0], config, new=not in_run
-            )  # before anything in the folder is written: its lock, config.json
-        except (RecipeError, OSError) as err:  # every rank raises it: none waits for a folder that never comes
-            choice = os_error_line(err) if isinstance(err, OSError) else str(err)
-    dist.broadcast_object_list(box := [choice], src=0)  # rank 0's choice, on every rank
-    if isinstance(choice := box[0], str):
-        raise RecipeError(choice)
-    run = RunFolder(*choice, recipe, config, topo.rank == 0)
+        runs = run_dirs(cfg.out, prefix)
+        path = (newest_good(runs[-1]) if runs else None) if resume == "auto" else Path(resume) if resume else None
+        if resume == "auto" and not path:  # not silently a new run
+            where = f"{runs[-1]}, the newest {prefix} run, has no usable checkpoint" if runs else f"no {prefix} run"
+            say(None, f"--resume auto: {where} in {cfg.out}; starting a new run")
+        path and check_continues(path, read_checkpoint(path, tensors=False)[1], config)
+        in_run = bool(path) and path.resolve().parent.parent in [r.resolve() for r in runs]  # else a new folder
+        folder = path.parent.parent if in_run else run_dirs(cfg.out, prefix, new=True)[-1]
+        fire("on_open", folder, config, new=not in_run)  # before anything in the folder is written: lock, config.json
+        return folder, path
+
+    run = RunFolder(*from_rank0(topo.rank == 0, choose), recipe, config, topo.rank == 0)
     open_log(run)
     say(run, f"run folder {run.path}", level="DEBUG")  # on stderr, where a launcher's supervisor reads it
     fire("before_job", cfg, run)
@@ -75,17 +82,14 @@ def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolde
 
 def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
     """One RecipeError line, naming both sides and the fix, when the checkpoint would train another run here."""
-    allowed = {
-        key for check in SEAMS["resume_checks"] for key in check(path, meta, config) or ()
-    }  # the longer plug-in's
+    allowed = {key for check in SEAMS["resume_checks"] for key in check(path, meta, config) or ()}  # longer's
     saved, batch, now = json.loads(meta.get("config", "{}")), int(meta.get("global_batch", 0)), config["global_batch"]
     if batch and batch != now:  # every later step would differ
         per_rank, rest = divmod(batch, now // config["batch_size"])  # this job's ranks x --accum
         fix = f"--batch-size {per_rank}" if not rest else f"a number of ranks that divides {batch}"
         raise RecipeError(f"{path}: saved with global batch {batch} and this job's is {now}; use {fix}")
-    both = [k for k in TRAJECTORY if (k in IMPLIED or k in saved and k in config) and k not in allowed]
-    old, new = ({k: side.get(k, IMPLIED.get(k)) for k in both} for side in (saved, config))
-    if differ := [k for k in both if old[k] != new[k]]:
+    old, new = {**IMPLIED, **saved}, {**IMPLIED, **config}  # an option on one side only is not compared
+    if differ := [k for k in TRAJECTORY if k in old and k in new and k not in allowed and old[k] != new[k]]:
         changed = ", ".join(f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in differ)
         fix = [saved.get("recipe", "")] * any(k not in config for k in differ)  # an option this recipe lacks
         fix += [f"--{k.replace('_', '-')} {old[k]}" for k in differ]
@@ -95,19 +99,13 @@ def check_continues(path: Path, meta: dict[str, str], config: dict) -> None:
 def run_dirs(out: str, prefix: str, *, new: bool = False) -> list[Path]:
     """The folders OUT/PREFIX-N, lowest N first; new: and the next one, made now so that no other job takes it."""
     name = re.compile(re.escape(prefix) + r"-(\d+)")
-    named = sorted((int(m[1]), p) for p in Path(out).glob("*") if (m := name.fullmatch(p.name)))  # none: no folder
-    if new:
-        path = Path(out) / f"{prefix}-{named[-1][0] + 1 if named else 1}"
-        try:
-            path.mkdir(parents=True)
-        except FileExistsError:  # another job took it between the listing and the mkdir
-            return run_dirs(out, prefix, new=True)
-        named.append((0, path))
-    return [p for _, p in named]
-
-
-FORMAT = "torch-dist-recipes/2"  # /2: checksums in every file
-START = {"epoch": 0, "samples": 0, "step": 0, "skipped": 0, "window": {}}  # a new run's progress
+    numbered = sorted((int(m[1]), p) for p in Path(out).glob("*") if (m := name.fullmatch(p.name)))  # none: no folder
+    with contextlib.suppress(FileExistsError):  # another job took it between the listing and the mkdir: the next
+        if new:
+            (path := Path(out) / f"{prefix}-{numbered[-1][0] + 1 if numbered else 1}").mkdir(parents=True)
+            numbered.append((0, path))
+        return [p for _, p in numbered]
+    return run_dirs(out, prefix, new=True)
 
 
 def checksum(x: torch.Tensor | dict) -> str:
@@ -116,47 +114,44 @@ def checksum(x: torch.Tensor | dict) -> str:
         meta = {k: v for k, v in x.get("__metadata__", {}).items() if k != "header_checksum"}
         canonical = json.dumps({**x, "__metadata__": meta}, sort_keys=True, separators=(",", ":"))
         return f"crc32:{zlib.crc32(canonical.encode()):08x}"
-    t = x.detach().cpu().contiguous().reshape(-1)
-    return "xxh3:" + xxhash.xxh3_64_hexdigest(t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8))
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
     """A safetensors file with its checksums, written to a temporary file renamed over `path`: never half a file."""
     out = {k: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True) for k, t in tensors.items()}
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}  # safetensors keeps strings
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # copies: tied weights apart (safetensors refuses them)
     with open(tmp, "wb") as f:  # a write killed midway leaves only this hidden file, which no listing takes
         if SEAMS["writers"]:  # the fast_writer plug-in: straight from the tensors' memory
-            SEAMS["writers"][-1](f, out, metadata)
+            SEAMS["writers"][-1](f, out, meta)
         else:
-            meta = {**metadata, "checksums": json.dumps({key: checksum(t) for key, t in out.items()})}
+            meta["checksums"] = json.dumps({key: checksum(t) for key, t in out.items()})
             data = safetensors.torch.save(out, meta)  # its layout sets the offsets the header checksum covers
             meta["header_checksum"] = checksum(json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]))
             f.write(safetensors.torch.save(out, meta))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    os.fsync(folder)  # the rename itself survives a power cut
+    os.fsync(folder := os.open(path.parent, os.O_RDONLY))  # the rename itself survives a power cut
     os.close(folder)
 
 
 def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler, progress: dict, keep: int) -> Path:
     """RUN/ckpt/step-N.safetensors: the train state, every rank's generators too (a collective); `keep` newest stay."""
+    optim, tensors = optimizer.state_dict(), {f"model/{k}": v for k, v in model.state_dict().items()}
+    tensors |= {f"optim/{i}/{name}": v for i, state in optim["state"].items() for name, v in state.items()}  # AdamW's
     mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    rng, optim = [None] * dist.get_world_size(), optimizer.state_dict()
-    dist.all_gather_object(rng, mine)  # each rank's own generators: bitwise resume
-    flat = {f"{index}/{name}": value for index, state in optim["state"].items() for name, value in state.items()}
-    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-    tensors |= {f"optim/{k}": v for k, v in flat.items() if torch.is_tensor(v)}  # other values go to JSON
+    dist.all_gather_object(rng := [None] * dist.get_world_size(), mine)  # each rank's own generators: bitwise resume
     tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
-    rest = {"param_groups": optim["param_groups"], "scalars": {k: v for k, v in flat.items() if not torch.is_tensor(v)}}
     meta = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__, "config": run.config}
-    meta |= {"global_batch": run.config["global_batch"], "world_size": len(rng), "optimizer": rest}
-    meta |= {"progress": progress, "scheduler": scheduler.state_dict()}
+    groups = {"param_groups": optim["param_groups"], "scalars": {}}  # scalars: AdamW's state is all tensors
+    meta |= {"global_batch": run.config["global_batch"], "world_size": len(rng), "optimizer": groups}
+    meta |= {"progress": progress, "scheduler": scheduler.state_dict()}  # this order: ckpt_async writes the same bytes
     path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
     if run.writer:  # a full disk raises OSError here, and the checkpoints before stay whole
         path.parent.mkdir(exist_ok=True)
-        write_tensors(path, tensors, {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
+        write_tensors(path, tensors, meta)
         for old in sorted(path.parent.glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[:-keep]:
             old.unlink()  # only once the new one is in place
     dist.barrier()  # the others wait for it: a kill after this finds the checkpoint
@@ -166,25 +161,23 @@ def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler, p
 def read_checkpoint(path: Path, model: nn.Module | None = None, *, tensors: bool = True) -> tuple[dict, dict]:
     """A checkpoint's tensors (or none) and metadata, the header and each tensor checked against its checksum."""
     fix = f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
-    if not path.is_file():  # a run folder, or its ckpt folder (which step?), or nothing
-        raise RecipeError(f"--resume {path}: no such checkpoint file; pass a ckpt/step-N.safetensors, or auto")
     try:
         with safe_open(str(path), framework="pt") as f:  # checks the header and that no byte is missing
-            if (meta := f.metadata() or {}).get("format") != FORMAT:
-                raise RecipeError(f"{path}: not a checkpoint of this project (format {meta.get('format')!r}); {fix}")
-            found = {key: f.get_tensor(key) for key in f.keys()} if tensors else {}  # noqa: SIM118
+            meta, found = f.metadata() or {}, {key: f.get_tensor(key) for key in f.keys()} if tensors else {}  # noqa: SIM118
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    except (SafetensorError, OSError) as err:
-        raise RecipeError(f"{path}: truncated or corrupted ({err}); {fix}") from None
+    except (SafetensorError, OSError) as err:  # or no file: a run folder, its ckpt folder (which step?), nothing
+        gone = f"--resume {path}: no such checkpoint file; pass a ckpt/step-N.safetensors, or auto"
+        raise RecipeError(f"{path}: truncated or corrupted ({err}); {fix}" if path.is_file() else gone) from None
+    if meta.get("format") != FORMAT:
+        raise RecipeError(f"{path}: not a checkpoint of this project (format {meta.get('format')!r}); {fix}")
     if meta.get("header_checksum") != checksum(header):
         raise RecipeError(f"{path}: the header does not match its checksum (edited or damaged); {fix}")
     sums = json.loads(meta["checksums"])
     for key, tensor in found.items():  # an older format's checksum: its plug-in's (old_checksums)
         if CHECKSUMS.get(sums.get(key, "").partition(":")[0] + ":", checksum)(tensor) != sums.get(key):
             raise RecipeError(f"{path}: tensor {key} does not match its checksum (the file is damaged); {fix}")
-    for check in SEAMS["read_checks"] if tensors else ():
-        check(path, found, model)
+    tensors and fire("read_checks", path, found, model)  # (checks, shard_ckpt) not on a header-only read
     return found, meta
 
 
@@ -196,39 +189,35 @@ def newest_good(run_dir: Path) -> Path | None:
         except RecipeError as err:
             why = str(err).removeprefix(f"{path}: ").split("; ")[0]
             say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", "WARNING")
-    return None
 
 
 def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -> dict:
     """The checkpoint's train state on every rank (rank 0 reads and sends it); its progress, or START for a new run."""
     if run.resume_from is None:
         return dict(START)
-    try:
-        payload = read_checkpoint(run.resume_from, model) if run.writer else None
-    except RecipeError as err:
-        payload = str(err)  # every rank raises it
-    dist.broadcast_object_list(box := [payload], src=0)  # our own tensors between our processes, not the file
-    if isinstance(payload := box[0], str):
-        raise RecipeError(payload)
-    tensors, meta = payload
-    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
-    rest, state = json.loads(meta["optimizer"]), {}
-    for key, value in ({k[6:]: v for k, v in tensors.items() if k.startswith("optim/")} | rest["scalars"]).items():
+    tensors, meta = from_rank0(run.writer, lambda: read_checkpoint(run.resume_from, model))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model/")})
+    saved, state = json.loads(meta["optimizer"]), {}
+    flat = {k[6:]: v for k, v in tensors.items() if k.startswith("optim/")} | saved.get("scalars", {})  # older files
+    for key, value in flat.items():
         state.setdefault(int(key.split("/")[0]), {})[key.split("/", 1)[1]] = value
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in rest["param_groups"]]
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in saved["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # JSON made AdamW's betas a list
+    return resumed(run, meta, tensors, optimizer=optimizer, scheduler=scheduler)
+
+
+def resumed(run: RunFolder, meta: dict, tensors: dict, *, optimizer, scheduler) -> dict:
+    """The rest of a resume: the scheduler, this rank's generators, the resume record and line; the progress."""
     saved = json.loads(meta["scheduler"])  # with this job's T_max: a run given more steps (--with longer) trains on
     scheduler.load_state_dict(saved | {"T_max": scheduler.T_max})
     for key in (k for k in tensors if k.startswith(f"rng/{dist.get_rank()}/")):  # a new rank keeps its seeded ones
         torch.set_rng_state(tensors[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(tensors[key])
     progress = {**START, **json.loads(meta["progress"])}
-    where = {k: v for k, v in progress.items() if k != "window"} | {
-        k: run.config[k] for k in ("world_size", "global_batch")
-    }
-    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **where})
+    window, shape = progress.pop("window"), {k: run.config[k] for k in ("world_size", "global_batch")}  # rank 0's
+    write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     fire("on_resume", run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
-    return progress | {"window": progress["window"] if run.writer else {}}  # the open log window: rank 0 carries it
+    return progress | {"window": window if run.writer else {}}  # the open log window: rank 0 carries it
 
 
 def write_weights(run: RunFolder, state: dict[str, torch.Tensor]) -> Path:
