@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections import namedtuple
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,14 +27,10 @@ class Accumulation(Options):
     clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """What one optimizer step did: its gradient norm before clipping, whether it was skipped, fp16's loss scale."""
-
-    grad_norm: float
-    skipped: bool  # gradients were not finite, so the parameters were left as they were
-    scale: float = 1.0  # fp16's loss scale (1.0 otherwise)
-    scaled: bool = False  # fp16 loss scaling is on: a skipped step is its routine back-off, not a failure
+# What one optimizer step did: its gradient norm before clipping, whether it was skipped (the gradients were not
+# finite: the parameters were left as they were), fp16's loss scale (1.0 otherwise), and whether fp16 loss scaling is
+# on (a skipped step is then its routine back-off, not a failure).
+StepStats = namedtuple("StepStats", "grad_norm skipped scale scaled", defaults=(1.0, False))
 
 
 def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list]:
@@ -61,8 +58,8 @@ def step_amp(
     if scaling := scaler is not None and scaler.is_enabled():
         scaler.unscale_(optimizer)  # true gradients before the norm is read or clipped
     scale = scaler.get_scale() if scaling else 1.0
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    norm = float(clip_grad_norm(params, clip))  # the step's one host sync; every rank decides alike
+    # the step's one host sync; every rank decides alike
+    norm = float(clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], clip))
     if scaling:
         scaler.step(optimizer)  # skipped by the scaler itself when unscale_ found inf/nan
         scaler.update()

@@ -40,7 +40,7 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
                 f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both"
             )
     if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
-        raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., Head(ln, out)]")
+        raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., head (ln, out)]")
     return gpt_tp_plan(model, sequence_parallel=sequence_parallel)
 
 

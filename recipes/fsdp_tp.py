@@ -58,8 +58,7 @@ def check(cfg: Config) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % cfg.tp:
         raise RecipeError(
-            f"--tp {cfg.tp}: the world size {world} is not a multiple of it, so no dp x tp mesh "
-            f"can be built; launch a multiple of {cfg.tp} processes or use --tp {world}"
+            f"--tp {cfg.tp}: the world size {world} is not a multiple of it; use --tp {world} or a divisor"
         )
     with torch.device("meta"):  # shapes only: no memory
         model = build_gpt(cfg)
