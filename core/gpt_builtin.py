@@ -7,7 +7,6 @@ from dataclasses import field, make_dataclass
 from torch import nn
 
 from core.gpt import gpt, text
-from core.kernel.builtin import build_data, build_model
 from core.kernel.seams import FACTORIES
 
 GPT_DEFAULTS = {"model": "gpt", "data": "text", "epochs": 1, "lr": 3e-3}  # the GPT on text, one epoch at 3e-3
@@ -25,9 +24,10 @@ def gpt_defaults(groups: list[type]) -> list[type]:
 
 def build_gpt(cfg) -> nn.Module:
     """The GPT, or the --model a user named (the factories plug-in; without it, the GPT)."""
-    return build_model(cfg) if "model" in FACTORIES and cfg.model != "gpt" else gpt()  # your model
+    return FACTORIES["model"](cfg) if "model" in FACTORIES and cfg.model != "gpt" else gpt()  # your model
 
 
 def build_text(cfg) -> tuple:
     """(train, val, collate_fn or None): the text's windows, or the --data a user named (the factories plug-in)."""
-    return build_data(cfg) if "data" in FACTORIES and cfg.data != "text" else (*text(), None)  # your data
+    found = FACTORIES["data"](cfg) if "data" in FACTORIES and cfg.data != "text" else text()  # your data
+    return (*found, None)[:3]
