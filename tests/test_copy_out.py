@@ -136,6 +136,11 @@ def test_tools_join_on_lines_and_import_no_ast():
         assert "ast" not in [m.split(".")[0] for m in _imports(REPO / "tools" / name)]
 
 
+def test_tools_is_at_most_3700_lines():
+    """35.7: the command line, pre-check, plan and join together; the kernel's pieces do the rest."""
+    assert sum(len(p.read_text().splitlines()) for p in (REPO / "tools").glob("*.py")) <= 3700
+
+
 def test_the_join_changes_no_line_of_a_file_it_joins(tmp_path):
     """35.4: beyond the imports merged, the package's own imports dropped and the header, every line of the recipe,
     the kernel and the plug-ins stands in the copy as written, the recipe's functions first and its options last."""

@@ -283,8 +283,7 @@ def one_process_args(plan: CheckPlan, distributed: dict) -> dict[str, list[str]]
     accum = int(args[args.index("--accum") + 1]) if "--accum" in args else 1  # the one process accumulates too
     global_batch = distributed.get("global_batch", plan.global_batch)
     batch = str(global_batch // accum)  # as the recipe counts it (tensor parallel: one batch)
-    # --max-steps on both: a stream without a length needs it even for no step.
-    return {
+    return {  # --max-steps on both: a stream without a length needs it even for no step
         "single": [*args, "--max-steps", str(plan.steps), "--batch-size", batch],
         "initial": [*args, "--epochs", "0", "--max-steps", "1", "--batch-size", batch],
     }

@@ -22,12 +22,10 @@ from pathlib import Path
 from tools.registry import PLUGINS, RECIPES, plugins_of
 
 CORE = Path(__file__).resolve().parent.parent / "core"
-# The kernel's files, in the order a reader of the recipe meets what they define: the step first, the seams last.
-# A copy joins those its files import (a recipe on another step, such as step_amp's, leaves step.py out; one with
-# sharded checkpoints, ckpt.py).
+# The kernel's files in the order a reader meets what they define; a copy joins those its files import (a recipe on
+# another step leaves step.py out, one with sharded checkpoints ckpt.py).
 KERNEL = ("step", "train", "store", "ckpt", "job", "builtin", "seams")
 TAIL = "# Options and start:"  # the recipe's line where its Config and __main__ block begin
-# What the package's runner has and a standalone copy does not (its header says so, in one line).
 LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 OWN = re.compile(r"(from|import) (core|recipes)\b")
 OPT_IN = re.compile(r"^from core\.(\w+) import", re.M)  # core.NAME: an opt-in (kernel/, plugins/, attach are not)
@@ -51,10 +49,8 @@ def launch_lines(docstring: str, dest: str, nproc: int) -> str:
         rf"^(\s*)(?:NPROC_PER_NODE=(\d+)\s+)?\./launch_single_node\.sh\s+{re.escape(dest)}(?=\s|$)", re.M
     )
     lines = docstring.splitlines(keepends=True)
-    converted = [
-        pattern.sub(lambda m: f"{m[1]}torchrun --standalone --nproc-per-node {m[2] or nproc} {dest}", line)
-        for line in lines
-    ]
+    torchrun = lambda m: f"{m[1]}torchrun --standalone --nproc-per-node {m[2] or nproc} {dest}"  # noqa: E731
+    converted = [pattern.sub(torchrun, line) for line in lines]
     # a launcher line that became the same command as another line of the docstring goes
     return "".join(
         new for new, old in zip(converted, lines) if new == old or new.strip() not in {other.strip() for other in lines}
@@ -156,10 +152,9 @@ def opt_ins(text: str, seen: list[Path] | None = None) -> list[Path]:
 
 def kernel_files(texts: list[str]) -> list[Path]:
     """The kernel's files that these texts import, and those that those import, in KERNEL's order."""
-    wanted, new = set(), {module for text in texts for module in OWN_KERNEL.findall(text)}
-    while new - wanted:
-        wanted |= new
-        new = {module for name in wanted for module in OWN_KERNEL.findall((CORE / "kernel" / f"{name}.py").read_text())}
+    wanted = {module for text in texts for module in OWN_KERNEL.findall(text)}
+    for _ in KERNEL:  # no chain of imports is longer than the kernel
+        wanted |= {m for name in wanted for m in OWN_KERNEL.findall((CORE / "kernel" / f"{name}.py").read_text())}
     return [CORE / "kernel" / f"{module}.py" for module in KERNEL if module in wanted]
 
 

@@ -73,8 +73,7 @@ def plan_recipe(name: str, cfg, *, world_size: int, gpu: bool | None = None) -> 
     gpu = torch.cuda.is_available() if gpu is None else gpu
     dims = mesh_dims(name, cfg, world_size)
     batch = first_batch(cfg)
-    pp = dims.get("pp", 1)
-    # the pipeline's ranks differ by stage; every other layout's ranks hold alike
+    pp = dims.get("pp", 1)  # the pipeline's ranks differ by stage; every other layout's ranks hold alike
     planned = [_plan_rank(name, cfg, batch, rank=r, world_size=world_size, dims=dims, gpu=gpu) for r in range(pp)]
     ranks = [dataclasses.replace(planned[r % pp], rank=r) for r in range(world_size)]
     return Plan(name, world_size, ranks)

@@ -257,8 +257,7 @@ _RECIPE_ENTRIES, _RECIPE_PROBLEMS = _load_entries(ENTRY_POINT_GROUP, Recipe)
 _PLUGIN_ENTRIES, _PLUGIN_PROBLEMS = _load_entries(PLUGIN_GROUP, Plugin)
 PLUGIN_PROBLEMS = _RECIPE_PROBLEMS + _PLUGIN_PROBLEMS
 RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILT_IN} | _RECIPE_ENTRIES
-# The plug-ins: the built-in ones, and a third party's (entry points of PLUGIN_GROUP), which `run` attaches to every
-# recipe written on the kernel before it loads the recipe, and which `cp --with` offers.
+# The plug-ins, built in and a third party's (PLUGIN_GROUP): `run` attaches them before it loads a recipe; `cp --with`.
 PLUGINS: dict[str, Plugin] = {p.name: p for p in _BUILT_IN_PLUGINS} | _PLUGIN_ENTRIES
 
 

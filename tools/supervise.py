@@ -35,8 +35,7 @@ RECEIVED = re.compile(r"Received (\d+) death signal")
 QUIET = ("Sending process", "Unable to shutdown process", "did not exit after", "failed (exitcode")
 TAGGED = re.compile(r"\x1e([^\x1f\x1d]*)([\x1f\x1d])(.*)", re.S)
 EXCEPTION = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)):? ?(.*)")
-# A rank's error that only follows from another's failure: the network, a peer gone, a collective timed out.
-SYMPTOM = re.compile(
+SYMPTOM = re.compile(  # a rank's error that only follows from another's failure: a peer gone, a collective timed out
     r"DistNetworkError|DistStoreError|Connection (reset|closed|refused)|Broken pipe|[Tt]imed out|Socket Timeout"
     r"|pair closure|[Ww]atchdog caught collective operation timeout"
 )
