@@ -22,10 +22,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a standalone copy joins those --with names
 from core.kernel.builtin import build_data, build_model
+from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import check_finite, evaluate, step_plain
-from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
+from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
     Topology,

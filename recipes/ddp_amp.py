@@ -28,10 +28,11 @@ from core.accum import Accumulation, check_step, make_loaders, micro_batch_group
 from core.amp import Precision, grad_sync
 from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
+from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import evaluate
-from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
+from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
     Topology,

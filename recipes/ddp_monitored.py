@@ -26,10 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 import core.attach  # noqa: F401 - the package runs ddp_monitored with every plug-in; a copy joins its --with ones
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.kernel.builtin import build_data, build_model
+from core.kernel.ckpt import load_checkpoint
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import check_finite, evaluate, step_plain
-from core.kernel.store import finished, load_checkpoint, open_run, write_weights
+from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
     Topology,

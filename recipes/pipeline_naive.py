@@ -25,10 +25,11 @@ from torch import nn
 
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
+from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import check_finite, evaluate, step_plain
-from core.kernel.store import finished, load_checkpoint, open_run, save_checkpoint, write_weights
+from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
     Topology,

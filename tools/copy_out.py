@@ -23,8 +23,9 @@ from tools.registry import PLUGINS, RECIPES, plugins_of
 
 CORE = Path(__file__).resolve().parent.parent / "core"
 # The kernel's files, in the order a reader of the recipe meets what they define: the step first, the seams last.
-# A copy joins those its files import (a recipe on another step, such as step_amp's, leaves step.py out).
-KERNEL = ("step", "train", "store", "job", "builtin", "seams")
+# A copy joins those its files import (a recipe on another step, such as step_amp's, leaves step.py out; one with
+# sharded checkpoints, ckpt.py).
+KERNEL = ("step", "train", "store", "ckpt", "job", "builtin", "seams")
 TAIL = "# Options and start:"  # the recipe's line where its Config and __main__ block begin
 # What the package's runner has and a standalone copy does not (its header says so, in one line).
 LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"

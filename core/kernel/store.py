@@ -137,27 +137,6 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict) 
     os.close(folder)
 
 
-def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler, progress: dict, keep: int) -> Path:
-    """RUN/ckpt/step-N.safetensors: the train state, every rank's generators too (a collective); `keep` newest stay."""
-    optim, tensors = optimizer.state_dict(), {f"model/{k}": v for k, v in model.state_dict().items()}
-    tensors |= {f"optim/{i}/{name}": v for i, state in optim["state"].items() for name, v in state.items()}  # AdamW's
-    mine = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    dist.all_gather_object(rng := [None] * dist.get_world_size(), mine)  # each rank's own generators: bitwise resume
-    tensors |= {f"rng/{rank}/{kind}": state for rank, states in enumerate(rng) for kind, state in states.items()}
-    meta = {"format": FORMAT, "recipe": run.recipe, "torch": torch.__version__, "config": run.config}
-    groups = {"param_groups": optim["param_groups"], "scalars": {}}  # scalars: AdamW's state is all tensors
-    meta |= {"global_batch": run.config["global_batch"], "world_size": len(rng), "optimizer": groups}
-    meta |= {"progress": progress, "scheduler": scheduler.state_dict()}  # this order: ckpt_async writes the same bytes
-    path = run.path / "ckpt" / f"step-{progress['step']:06d}.safetensors"
-    if run.writer:  # a full disk raises OSError here, and the checkpoints before stay whole
-        path.parent.mkdir(exist_ok=True)
-        write_tensors(path, tensors, meta)
-        for old in sorted(path.parent.glob("step-*.safetensors"), key=lambda p: (len(p.name), p.name))[:-keep]:
-            old.unlink()  # only once the new one is in place
-    dist.barrier()  # the others wait for it: a kill after this finds the checkpoint
-    return path
-
-
 def read_checkpoint(path: Path, model: nn.Module | None = None, *, tensors: bool = True) -> tuple[dict, dict]:
     """A checkpoint's tensors (or none) and metadata, the header and each tensor checked against its checksum."""
     fix = f"resume from an older checkpoint in {path.parent} (--resume auto skips damaged ones)"
@@ -191,29 +170,13 @@ def newest_good(run_dir: Path) -> Path | None:
             say(None, f"warning: --resume auto: skipping {path}, damaged ({why}); trying the one before", "WARNING")
 
 
-def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -> dict:
-    """The checkpoint's train state on every rank (rank 0 reads and sends it); its progress, or START for a new run."""
-    if run.resume_from is None:
-        return dict(START)
-    tensors, meta = from_rank0(run.writer, lambda: read_checkpoint(run.resume_from, model))
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model/")})
-    saved, state = json.loads(meta["optimizer"]), {}
-    flat = {k[6:]: v for k, v in tensors.items() if k.startswith("optim/")} | saved.get("scalars", {})  # older files
-    for key, value in flat.items():
-        state.setdefault(int(key.split("/")[0]), {})[key.split("/", 1)[1]] = value
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in saved["param_groups"]]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})  # JSON made AdamW's betas a list
-    return resumed(run, meta, tensors, optimizer=optimizer, scheduler=scheduler)
-
-
 def resumed(run: RunFolder, meta: dict, tensors: dict, *, optimizer, scheduler) -> dict:
-    """The rest of a resume: the scheduler, this rank's generators, the resume record and line; the progress."""
-    saved = json.loads(meta["scheduler"])  # with this job's T_max: a run given more steps (--with longer) trains on
-    scheduler.load_state_dict(saved | {"T_max": scheduler.T_max})
+    """The rest of a resume: the scheduler (this job's T_max: --with longer), this rank's generators, the record."""
+    scheduler.load_state_dict((saved := json.loads(meta["scheduler"])) | {"T_max": scheduler.T_max})
     for key in (k for k in tensors if k.startswith(f"rng/{dist.get_rank()}/")):  # a new rank keeps its seeded ones
         torch.set_rng_state(tensors[key]) if key.endswith("/cpu") else torch.cuda.set_rng_state(tensors[key])
     progress = {**START, **json.loads(meta["progress"])}
-    window, shape = progress.pop("window"), {k: run.config[k] for k in ("world_size", "global_batch")}  # rank 0's
+    window, shape = progress.pop("window"), {k: run.config[k] for k in ("world_size", "global_batch")}
     write_record(run, {"kind": "resume", "checkpoint": str(run.resume_from), **progress, **shape})
     say(run, f"resumed from {run.resume_from} at step {progress['step']}")
     fire("on_resume", run, saved, optimizer=optimizer, scheduler=scheduler, step=progress["step"])
