@@ -23,6 +23,7 @@ stages under autocast. Checkpoints are sharded (every rank writes its stages).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from dataclasses import dataclass
 
@@ -34,7 +35,6 @@ import core.attach  # noqa: F401 - the package runs it with every plug-in; a sta
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.seams import SEAMS, fire
-from core.kernel.step import check_finite
 from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
@@ -143,7 +143,12 @@ def train(cfg: Config, topo: Topology) -> dict:
         for batch in itertools.islice(train_loader, total - step):  # --accum batches in one
             metrics, grad_norm = step_pipeline(schedule, to_device(batch, topo.device), **step_options)
             step, consumed = step + 1, consumed + global_batch
-            skipped += check_finite(grad_norm, step=step, on_nonfinite=cfg.on_nonfinite)
+            if not math.isfinite(grad_norm) and cfg.on_nonfinite == "stop":  # every rank read the same norm: all stop
+                fix = "lower --lr, or pass --on-nonfinite skip"
+                raise RecipeError(
+                    f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}"
+                )
+            skipped += not math.isfinite(grad_norm)  # --on-nonfinite skip: step_pipeline left the parameters
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)  # the last stage's; the other stages add zeros
             fire("on_step", metrics)  # the training clock
