@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections import namedtuple
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ StepStats = namedtuple("StepStats", "grad_norm skipped scale scaled", defaults=(
 def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list]:
     """The loader's batches K at a time, moved to `device`; an incomplete group at the end is dropped."""
     batches = iter(loader)
-    while len(group := [to_device(batch, device) for batch in itertools.islice(batches, k)]) == k:
+    while len(group := [to_device(batch, device) for _, batch in zip(range(k), batches)]) == k:
         yield group
 
 

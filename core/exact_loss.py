@@ -19,7 +19,7 @@ class ExactLoss:
     """A Loss, and the forward that hands the model's own loss the global count (None: a mean, weighed here)."""
 
     loss: Loss
-    counted: Callable | None = None  # fn(model, batch, loss, norm) -> (loss, its sum, metric sums), or None
+    counted: Callable | None = None  # fn(model, batch, loss, normalizer) -> (loss, metric sums), or None
 
 
 def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
@@ -48,13 +48,7 @@ def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torc
 
 def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer=1.0) -> tuple[torch.Tensor, dict]:
     """One micro-batch: (its summed loss / normalizer, its metric sums); 1.0: the plain sums evaluation reads."""
-    count = count_targets(batch, loss_fn)
-    norm = torch.as_tensor(normalizer, dtype=torch.float64, device=count.device)
-    if loss_fn.counted is not None and (found := loss_fn.counted(model, batch, loss_fn.loss, norm)):
-        loss, total, metrics = found  # the model's own loss, which divides its sum by the count it is handed
-    else:  # a mean over the counted targets, weighed by their count (0/0 = nan where none counts: 0)
-        mean, metrics = forward(model, batch, loss_fn.loss)
-        total = torch.where(count > 0, mean * count, torch.zeros_like(count))
-        loss = total / norm
-    metrics |= {"loss_sum": total.detach().double(), "count": count}
-    return loss, metrics
+    if loss_fn.counted is not None and (found := loss_fn.counted(model, batch, loss_fn.loss, normalizer)):
+        return found  # the model's own loss, which divides its sum by the count it is handed
+    mean, metrics = forward(model, batch, loss_fn.loss)  # a mean over the counted targets, weighed by their count
+    return torch.where(metrics["count"] > 0, mean * metrics["count"], 0.0) / normalizer, metrics  # none counted: 0

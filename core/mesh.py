@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from core.exact_loss import forward_exact
 from core.kernel.job import Options, RecipeError, option
@@ -29,7 +28,7 @@ def build_mesh(topo, dims: dict[str, int]):
         raise RecipeError(
             f"a {shape} mesh needs {total} processes but the world size is {topo.world_size}; launch {total}"
         )
-    return init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    return dist.init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
 @torch.no_grad()

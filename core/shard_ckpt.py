@@ -6,10 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from core.kernel.job import RecipeError, RunFolder
@@ -44,7 +44,7 @@ def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict,
     except dcp.api.CheckpointException as err:  # every rank's errors: a full disk's OSError makes the error line
         raise next((e for e, _ in err.failures.values() if isinstance(e, OSError)), RuntimeError(str(err))) from None
     files = sorted(path.with_suffix("").glob(f"shard-{dist.get_rank() + 1:05d}-*.safetensors"))  # read back, closed
-    mine = {file.name: {key: checksum(t) for key, t in load_file(file).items()} for file in files}
+    mine = {file.name: {key: checksum(t) for key, t in safetensors.torch.load_file(file).items()} for file in files}
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
     dist.all_gather_object(everyone := [None] * dist.get_world_size(), (mine, optim, rng))  # each rank its own rng
     if run.writer:
@@ -69,7 +69,7 @@ def check_shards(path: Path, tensors: dict, model) -> None:
         raise RecipeError(f"{path}: {extra} is not one of its files; {fix}")
     for name, sums in (shards or {}).items():
         try:  # checks the header and that no byte is missing
-            found = load_file(folder / name)
+            found = safetensors.torch.load_file(folder / name)
         except Exception as err:  # noqa: BLE001 - missing, truncated or unreadable
             why = "missing" if isinstance(err, FileNotFoundError) else "unreadable"
             raise RecipeError(f"{path}: shard file {name} is {why}; {fix}") from None

@@ -40,18 +40,20 @@ def counts_of(model: nn.Module, loss):
     return forward_counted if getattr(loss, "spec", "auto") in ("auto", "model") and takes_count(model) else None
 
 
-def forward_counted(model: nn.Module, batch, loss, norm: torch.Tensor) -> tuple | None:
-    """(loss, its sum, metric sums) of the model's own loss handed num_items_in_batch=norm; None if not its own."""
+def forward_counted(model: nn.Module, batch, loss, normalizer) -> tuple | None:
+    """(loss, metric sums) of the model's own loss handed num_items_in_batch=normalizer; None if not its own."""
     spec, labeled = getattr(loss, "spec", "auto"), getattr(loss, "targets_as", None) is not None
     if isinstance(batch, Mapping):
         labeled = batch.get("labels") is not None
     if spec != "model" and not (spec == "auto" and labeled):
         return None
+    first = next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t))
+    norm = torch.as_tensor(normalizer, dtype=torch.float64, device=first.device)
     outputs, targets = loss.call(functools.partial(model, num_items_in_batch=norm), batch)
     logits, mean = loss.logits_and_loss(outputs, targets, batch)
-    samples = len(next(t for t in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(t)))
     shift = loss.shifts and isinstance(batch, Mapping)  # a causal LM's own loss on its labels
-    return mean, mean * norm, metrics(logits, targets, mean, samples=samples, shift=shift)
+    sums = metrics(logits, targets, mean, samples=len(first), shift=shift)
+    return mean, sums | {"loss_sum": (mean * norm).detach().double()}  # its sum: the mean times the count it divided by
 
 
 LOSS_COUNTS.append(counts_of)
