@@ -225,11 +225,11 @@ def test_every_top_level_function_of_the_lean_copy_is_called(tmp_path):
 
 # The kernel's functions a lean copy carries uncalled: a copy joins the kernel files its files import, whole, and these
 # recipes use part of one (ddp_amp steps with step_amp, yet evaluates with step.py's evaluate; pipeline computes its
-# loss with schedules' TokenLoss, not train.py's make_loss; the sharded recipes count their steps in accum's
+# loss with schedules' TokenLoss, not train.py's make_loss and forward; the sharded recipes count their steps in accum's
 # make_loaders). What is left to cut.
 UNCALLED = {
     "ddp_amp": {"step_plain", "check_finite", "total_steps"},
-    "pipeline": {"make_loss"},
+    "pipeline": {"make_loss", "forward"},
     "fsdp": {"total_steps"},
     "tensor_parallel": {"total_steps"},
     "fsdp_tp": {"total_steps"},
