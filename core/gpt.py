@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-VOCAB = 128  # 7-bit ASCII: the model's shape never depends on which corpus was read
 CORPUS_MODULES = "textwrap string heapq bisect fractions shlex calendar difflib argparse dataclasses functools".split()
 
 
@@ -23,8 +22,8 @@ def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Data
     """The `text` data factory: (train, val) windows of the stdlib's sources, each target its input shifted by one."""
     files = [Path(sysconfig.get_paths()["stdlib"]) / f"{name}.py" for name in CORPUS_MODULES]
     parts = [file.read_text(encoding="utf-8") for file in files if file.is_file()]
-    if not parts:  # a Python shipped without sources: torch's own Python files
-        parts = [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]
+    # a Python shipped without sources: torch's own Python files
+    parts = parts or [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]
     tokens = encode("\n".join(parts)[:400_000])
     parts = tokens.tensor_split([int(len(tokens) * (1 - val_fraction))])  # train, val: windows of `context` tokens
     return tuple(TensorDataset(p[:-1].unfold(0, context, context), p[1:].unfold(0, context, context)) for p in parts)
@@ -50,11 +49,10 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time = x.shape[:2]
         # -1, not a stored head count: under tensor parallelism each rank holds only its heads
-        q, k, v = (lin(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k, v = (lin(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
@@ -74,12 +72,12 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """blocks = [Embed, Block x layers, head (ln, out)]; forward(tokens) = blocks(tokens) -> logits."""
 
-    def __init__(self, *, vocab: int = VOCAB, context: int = 64, dim: int = 64, heads: int = 4, layers: int = 4):
+    # vocab 128: 7-bit ASCII, so the model's shape never depends on which corpus was read
+    def __init__(self, *, vocab: int = 128, context: int = 64, dim: int = 64, heads: int = 4, layers: int = 4):
         super().__init__()
-        # the head is built last: the weights are drawn in the order the blocks run
+        # the head (ln, out: next-token logits) is built last: the weights are drawn in the order the blocks run
         body = [Embed(vocab, context, dim), *(Block(dim, heads) for _ in range(layers))]
-        head = nn.Sequential(OrderedDict(ln=nn.LayerNorm(dim), out=nn.Linear(dim, vocab)))  # next-token logits
-        self.blocks = nn.Sequential(*body, head)
+        self.blocks = nn.Sequential(*body, nn.Sequential(OrderedDict(ln=nn.LayerNorm(dim), out=nn.Linear(dim, vocab))))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.blocks(tokens)

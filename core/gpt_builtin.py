@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import field, make_dataclass
 
 from torch import nn
@@ -12,14 +13,12 @@ from core.kernel.seams import FACTORIES
 GPT_DEFAULTS = {"model": "gpt", "data": "text", "epochs": 1, "lr": 3e-3}  # the GPT on text, one epoch at 3e-3
 
 
-def gpt_defaults(groups: list[type]) -> list[type]:
+def gpt_defaults(groups: list[type]) -> Iterator[type]:
     """The option groups of a Config, with GPT_DEFAULTS for the options they have, each option's help and check kept."""
-    out = []
     for group in groups:
         own = group.__dataclass_fields__
         new = [(k, type(v), field(default=v, metadata=own[k].metadata)) for k, v in GPT_DEFAULTS.items() if k in own]
-        out.append(make_dataclass(group.__name__, new, bases=(group,), frozen=True) if new else group)
-    return out
+        yield make_dataclass(group.__name__, new, bases=(group,), frozen=True) if new else group
 
 
 def build_gpt(cfg) -> nn.Module:

@@ -13,7 +13,7 @@ from torch import nn
 
 from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import fire
-from core.kernel.train import IGNORE, Tally, make_loader, metrics, summarize, to_device, total_steps
+from core.kernel.train import IGNORE, Tally, metrics, summarize, to_device
 from core.pipeline import check_pipeline_model, plan_split
 
 
@@ -28,25 +28,19 @@ class Pipelining(Options):
     clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
 
 
-class Stage(nn.Module):
+class Stage(nn.Sequential):
     """Blocks of a model under their original names (`indices`): forward = those blocks in order."""
 
     def __init__(self, blocks: dict[int, nn.Module]):
-        super().__init__()
-        self.blocks = nn.Sequential(OrderedDict((str(i), block) for i, block in blocks.items()))
+        super().__init__(OrderedDict(blocks=nn.Sequential(OrderedDict((str(i), b) for i, b in blocks.items()))))
         self.indices = list(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x)
 
 
 def split_pipeline(model: nn.Module, *, num_stages: int, stage_index: int, weights: list | None = None) -> Stage:
     """Stage `stage_index` of `num_stages`, cut by plan_split of `weights` (None: the blocks' parameter counts)."""
     check_pipeline_model(model)
-    weights = weights or [float(sum(p.numel() for p in block.parameters())) for block in model.blocks]
-    sizes = plan_split(weights, num_stages)
-    lo = sum(sizes[:stage_index])
-    return Stage({i: model.blocks[i] for i in range(lo, lo + sizes[stage_index])})
+    sizes = plan_split(weights or [float(sum(p.numel() for p in b.parameters())) for b in model.blocks], num_stages)
+    return Stage({i: model.blocks[i] for i in range(sum(sizes[:stage_index]), sum(sizes[: stage_index + 1]))})
 
 
 def root_module(stages: list[Stage]) -> Stage:
@@ -56,32 +50,19 @@ def root_module(stages: list[Stage]) -> Stage:
 
 def check_pipeline(*, world_size, pp, schedule, num_blocks, batch_size, microbatches) -> None:
     """Everything about a pipeline job that can be refused before any process group exists."""
+    said = f"--microbatches {microbatches}:"  # the start of the micro-batch refusals
     if pp < 1 or world_size % pp:
-        raise RecipeError(
-            f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; use a divisor of it"
-        )
+        fix = "use a divisor of it"
+        raise RecipeError(f"--pp {pp}: the world size {world_size} must be a multiple of the pipeline stages; {fix}")
     if num_blocks < (stages := pp * (2 if schedule == "interleaved1f1b" else 1)):
         raise RecipeError(f"the model has {num_blocks} blocks, fewer than the {stages} pipeline stages; lower --pp")
     if batch_size % microbatches:
-        raise RecipeError(f"--microbatches {microbatches}: must divide --batch-size {batch_size}; use a divisor of it")
+        raise RecipeError(f"{said} must divide --batch-size {batch_size}; use a divisor of it")
     if schedule == "1f1b" and microbatches < pp:
-        raise RecipeError(f"--microbatches {microbatches}: 1f1b needs at least one per stage ({pp}); use {pp} or more")
+        raise RecipeError(f"{said} 1f1b needs at least one per stage ({pp}); use {pp} or more")
     # torch's interleaved schedule runs the micro-batches in equal rounds
     if schedule == "interleaved1f1b" and microbatches % (rounds := max(1, microbatches // pp)):
-        raise RecipeError(
-            f"--microbatches {microbatches}: interleaved1f1b on {pp} ranks needs a multiple of {pp}; use {pp * rounds}"
-        )
-
-
-def pipeline_loaders(cfg, row, train_set, val_set, collate_fn) -> tuple:
-    """(train loader, val loader, optimizer steps) of one pipeline (`row`: its dp rank), --accum batches in one."""
-    size = cfg.batch_size * cfg.accum  # --accum K: K batches as one schedule run
-    train = make_loader(train_set, row, batch_size=size, collate_fn=collate_fn, seed=cfg.seed)
-    train.batch_sampler.drop_last = True  # the schedule needs its micro-batches whole: no smaller last batch
-    if (share := train.sampler.num_samples) < size:
-        raise RecipeError(f"--batch-size {cfg.batch_size} --accum {cfg.accum}: a rank has {share} samples; use less")
-    val = make_loader(val_set, row, batch_size=size, collate_fn=collate_fn, train=False)
-    return train, val, total_steps(train, epochs=cfg.epochs, max_steps=cfg.max_steps)
+        raise RecipeError(f"{said} interleaved1f1b on {pp} ranks needs a multiple of {pp}; use {pp * rounds}")
 
 
 class TokenLoss:
@@ -112,11 +93,9 @@ def gather_state_dict(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in part.items()}
 
 
-@torch.no_grad()
 def clip_over_stages(params: list[nn.Parameter], max_norm: float, *, group) -> torch.Tensor:
     """The norm of all stages' gradients (each rank holds its own, summed as squares over `group`), clipped to it."""
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     if group is not None and dist.get_world_size(group) > 1:  # disjoint stages: sqrt(sum of squares)
         dist.all_reduce(norm := norm.pow(2.0), op=dist.ReduceOp.SUM, group=group)
         norm = norm.pow(1.0 / 2.0)
@@ -131,10 +110,9 @@ def step_pipeline(
     """One optimizer step of the whole (input, target) batch through the schedule: (metric sums, gradient norm)."""
     inputs, targets = batch
     if targets.is_floating_point():  # every rank holds the targets: all refuse at once, none waits for another
-        raise RecipeError(
-            f"pipeline's loss is cross-entropy over class indices; these targets are {targets.dtype} (soft labels or "
-            f"regression): give int64 class indices (-100 ignored), or train with ddp_amp or fsdp (--loss mse)"
-        )
+        kind = f"these targets are {targets.dtype} (soft labels or regression)"
+        fix = "give int64 class indices (-100 ignored), or train with ddp_amp or fsdp (--loss mse)"
+        raise RecipeError(f"pipeline's loss is cross-entropy over class indices; {kind}: {fix}")
     dp = dist.get_world_size(dp_group) if dp_group is not None else 1
     counted = targets.ne(IGNORE).sum().double()  # this pipeline's counted targets; every rank holds the targets
     if dp > 1:

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
@@ -44,8 +44,10 @@ from core.kernel.train import (
     log_eval,
     log_summary,
     log_train,
+    make_loader,
     not_training,
     to_device,
+    total_steps,
 )
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
@@ -56,7 +58,6 @@ from core.schedules import (
     check_pipeline,
     evaluate_pipeline,
     gather_state_dict,
-    pipeline_loaders,
     root_module,
     split_pipeline,
     step_pipeline,
@@ -66,8 +67,7 @@ from core.shard_ckpt import load_sharded, save_sharded
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
     """The device mesh: dp pipelines of pp ranks each."""
-    pp = cfg.pp or world_size
-    return {"dp": max(world_size // pp, 1), "pp": pp}
+    return {"dp": max(world_size // (cfg.pp or world_size), 1), "pp": cfg.pp or world_size}
 
 
 def check(cfg: Config) -> None:
@@ -95,7 +95,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     if done := finished(cfg, topo, recipe="pipeline"):  # resumed, finished: nothing is touched
         return done
     dims = mesh(cfg, topo.world_size)
-    device_mesh = init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    device_mesh = dist.init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     dp, pp, pp_rank = dims["dp"], dims["pp"], device_mesh["pp"].get_local_rank()
     dp_rank, global_batch = device_mesh["dp"].get_local_rank(), cfg.batch_size * dp * cfg.accum
 
@@ -118,8 +118,14 @@ def train(cfg: Config, topo: Topology) -> dict:
     schedule = build_schedule(cfg.schedule, runners, microbatches=micro, loss_fn=loss_fn)
     holds_last = stage_ids[-1] == num_stages - 1
     torch.manual_seed(cfg.seed + dp_rank)  # from here each pipeline draws its own dropout, as one process would
-    my_row = Topology(dp_rank, dp, topo.device)  # the stages of one pipeline share its batches
-    train_loader, val_loader, total = pipeline_loaders(cfg, my_row, train_set, val_set, collate)
+    # the stages of one pipeline share its batches; --accum K: K batches as one schedule run
+    my_row, size = Topology(dp_rank, dp, topo.device), cfg.batch_size * cfg.accum
+    train_loader = make_loader(train_set, my_row, batch_size=size, collate_fn=collate, seed=cfg.seed)
+    train_loader.batch_sampler.drop_last = True  # the schedule needs its micro-batches whole: no smaller last batch
+    if (share := train_loader.sampler.num_samples) < size:
+        raise RecipeError(f"--batch-size {cfg.batch_size} --accum {cfg.accum}: a rank has {share} samples; use less")
+    val_loader = make_loader(val_set, my_row, batch_size=size, collate_fn=collate, train=False)
+    total = total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
     optimizer = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
 
@@ -144,10 +150,8 @@ def train(cfg: Config, topo: Topology) -> dict:
             metrics, grad_norm = step_pipeline(schedule, to_device(batch, topo.device), **step_options)
             step, consumed = step + 1, consumed + global_batch
             if not math.isfinite(grad_norm) and cfg.on_nonfinite == "stop":  # every rank read the same norm: all stop
-                fix = "lower --lr, or pass --on-nonfinite skip"
-                raise RecipeError(
-                    f"step {step}: the loss or the gradients are not finite (gradient norm {grad_norm}); {fix}"
-                )
+                why = f"the loss or the gradients are not finite (gradient norm {grad_norm})"
+                raise RecipeError(f"step {step}: {why}; lower --lr, or pass --on-nonfinite skip")
             skipped += not math.isfinite(grad_norm)  # --on-nonfinite skip: step_pipeline left the parameters
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             totals.add(metrics)  # the last stage's; the other stages add zeros
@@ -165,10 +169,8 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # Every rank gathers the stages' tensors into the plain model (the summary's plug-ins read it); rank 0 writes them.
     model.load_state_dict(gather_state_dict(stages))
-    saved = write_weights(run, model.state_dict())
-    return log_summary(
-        cfg, run, model, totals, evaluation, steps=step, skipped_steps=skipped, weights=str(saved), pp=pp, dp=dp
-    )
+    numbers = dict(steps=step, skipped_steps=skipped, weights=str(write_weights(run, model.state_dict())), pp=pp, dp=dp)
+    return log_summary(cfg, run, model, totals, evaluation, **numbers)
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
