@@ -149,7 +149,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         for batch in itertools.islice(train_loader, total - step):  # --accum batches in one
             metrics, grad_norm = step_pipeline(schedule, to_device(batch, topo.device), **step_options)
             step, consumed = step + 1, consumed + global_batch
-            if not math.isfinite(grad_norm) and cfg.on_nonfinite == "stop":  # every rank read the same norm: all stop
+            if cfg.on_nonfinite == "stop" and not math.isfinite(grad_norm):  # every rank read the same norm: all stop
                 why = f"the loss or the gradients are not finite (gradient norm {grad_norm})"
                 raise RecipeError(f"step {step}: {why}; lower --lr, or pass --on-nonfinite skip")
             skipped += not math.isfinite(grad_norm)  # --on-nonfinite skip: step_pipeline left the parameters
