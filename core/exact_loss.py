@@ -24,14 +24,14 @@ def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
     return ExactLoss(loss, next((found for check in LOSS_COUNTS if (found := check(model, loss))), None))
 
 
-def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
+def count_targets(batch, exact: ExactLoss) -> torch.Tensor:
     """Counted targets of a batch (!= -100, after a causal LM's shift), or its samples if none are integers."""
     targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
     tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
     if targets is None or targets.is_floating_point():
         return torch.tensor(float(len(tensors[0])), dtype=torch.float64, device=tensors[0].device)
     # a causal LM's own loss counts labels[..., 1:]
-    return targets[..., 1 if loss_fn.loss.shifts and isinstance(batch, Mapping) else 0 :].ne(IGNORE).sum().double()
+    return (targets[..., 1:] if exact.loss.shifts and isinstance(batch, Mapping) else targets).ne(IGNORE).sum().double()
 
 
 def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:
