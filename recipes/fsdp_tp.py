@@ -94,9 +94,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
     for block in [*shard_blocks(cfg, model), model]:  # the root last: it holds what no block does
         fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision))
-    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
-    torch.manual_seed(cfg.seed + dp_rank)  # each dp group its own dropout; a tp group one stream, as DTensor needs
-    my_group = Topology(dp_rank, dp, topo.device)  # a tp group shares its data
+    my_group = Topology(dp_mesh.get_local_rank(), dp_mesh.size(), topo.device)  # a tp group shares its data
+    torch.manual_seed(cfg.seed + my_group.rank)  # each dp group its own dropout; a tp group one stream (DTensor)
     # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
     train_loader, val_loader, total = make_loaders(cfg, my_group, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
@@ -142,7 +141,7 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
     whole, saved = whole_model(model, lambda: build_gpt(cfg), run)
-    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=dp)
+    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=my_group.world_size)
     return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
 
