@@ -71,34 +71,26 @@ def step_amp(
 def check_step(stats: StepStats, *, step: int, on_nonfinite: str) -> int:
     """1 for a step skipped on a non-finite gradient norm (fp16's routine back-off: 0); with stop, one line."""
     if (bad := not (stats.scaled or math.isfinite(stats.grad_norm))) and on_nonfinite == "stop":
-        fix = "lower --lr, set --clip, or pass --on-nonfinite skip"
-        raise RecipeError(
-            f"step {step}: the loss or the gradients are not finite (gradient norm {stats.grad_norm}); {fix}"
-        )
+        why = f"the loss or the gradients are not finite (gradient norm {stats.grad_norm})"
+        raise RecipeError(f"step {step}: {why}; lower --lr, set --clip, or pass --on-nonfinite skip")
     return int(bad)
 
 
 def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
     """(train loader, val loader, optimizer steps at --accum micro-batches a step); a stream through the plug-in."""
-    for make in SEAMS["streams"]:  # the stream plug-in: read in order, dealt out by position
-        if found := make(cfg, topo, train_set, val_set, collate_fn):
-            return found
+    # the stream plug-in: read in order, dealt out by position
+    if found := next((f for make in SEAMS["streams"] if (f := make(cfg, topo, train_set, val_set, collate_fn))), None):
+        return found
     if isinstance(train_set, IterableDataset):
-        raise RecipeError(
-            f"the data set is a stream ({type(train_set).__name__}, an IterableDataset): give a map-style one or "
-            "--with stream"
-        )
+        stream = f"the data set is a stream ({type(train_set).__name__}, an IterableDataset)"
+        raise RecipeError(f"{stream}: give a map-style one or --with stream")
     train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
     if (share := train.sampler.num_samples) < cfg.batch_size:
         fix = f"--batch-size {share} or less" if share else f"fewer than {topo.world_size} rank(s)"
-        raise RecipeError(
-            f"--batch-size {cfg.batch_size}: the training set ({len(train_set)} samples) gives each of "
-            f"{topo.world_size} rank(s) {share}, not one whole batch; use {fix}"
-        )
+        gives = f"the training set ({len(train_set)} samples) gives each of {topo.world_size} rank(s) {share}"
+        raise RecipeError(f"--batch-size {cfg.batch_size}: {gives}, not one whole batch; use {fix}")
     if (whole := share // cfg.batch_size) < cfg.accum:
-        raise RecipeError(
-            f"--accum {cfg.accum}: an epoch has only {whole} whole micro-batches per rank; use --accum {whole} or less"
-        )
-    total = cfg.epochs * (len(train) // cfg.accum)
-    return train, val, min(total, cfg.max_steps) if cfg.max_steps else total
+        why = f"an epoch has only {whole} whole micro-batches per rank"
+        raise RecipeError(f"--accum {cfg.accum}: {why}; use --accum {whole} or less")
+    return train, val, min(cfg.epochs * (len(train) // cfg.accum), cfg.max_steps or math.inf)  # --max-steps 0: no cap

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,12 +14,9 @@ from core.kernel.train import IGNORE, Loss, forward
 LOSS_COUNTS: list = []  # fn(model, loss) -> a `counted` forward for a model whose loss takes num_items_in_batch
 
 
-@dataclass(frozen=True)
-class ExactLoss:
-    """A Loss, and the forward that hands the model's own loss the global count (None: a mean, weighed here)."""
-
-    loss: Loss
-    counted: Callable | None = None  # fn(model, batch, loss, normalizer) -> (loss, metric sums), or None
+# A Loss, and the forward that hands the model's own loss the global count (None: a mean, weighed here):
+# counted(model, batch, loss, normalizer) -> (loss, metric sums), or None.
+ExactLoss = make_dataclass("ExactLoss", ["loss", ("counted", Callable | None, None)], frozen=True)
 
 
 def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
@@ -27,15 +24,14 @@ def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
     return ExactLoss(loss, next((found for check in LOSS_COUNTS if (found := check(model, loss))), None))
 
 
-def count_targets(batch, loss_fn: ExactLoss) -> torch.Tensor:
+def count_targets(batch, exact: ExactLoss) -> torch.Tensor:
     """Counted targets of a batch (!= -100, after a causal LM's shift), or its samples if none are integers."""
     targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
     tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
     if targets is None or targets.is_floating_point():
         return torch.tensor(float(len(tensors[0])), dtype=torch.float64, device=tensors[0].device)
-    if loss_fn.loss.shifts and isinstance(batch, Mapping):  # a causal LM's own loss counts labels[..., 1:]
-        targets = targets[..., 1:]
-    return targets.ne(IGNORE).sum().double()
+    # a causal LM's own loss counts labels[..., 1:]
+    return (targets[..., 1:] if exact.loss.shifts and isinstance(batch, Mapping) else targets).ne(IGNORE).sum().double()
 
 
 def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:

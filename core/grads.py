@@ -12,10 +12,8 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     for p in (p for p in parameters if p.grad is not None):
         kinds.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     # each mesh its own norm, a DTensor's reduced over its shards by full_tensor(); then sqrt(sum of their squares)
-    parts = [
-        n.full_tensor() if hasattr(n := torch.nn.utils.get_total_norm([p.grad for p in kind]), "full_tensor") else n
-        for kind in kinds.values()
-    ]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in kind]) for kind in kinds.values()]
+    parts = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
     norm = parts[0] if len(parts) == 1 else torch.nn.utils.get_total_norm(parts)  # none: 0
     if max_norm > 0:
         for kind in kinds.values():  # fsdp_tp: the TP layers' mesh is 2-D

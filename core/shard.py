@@ -24,13 +24,10 @@ def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
     """The blocks to fully_shard before the root, so a rank holds 1/N of the model plus the block that runs."""
     found = next(filter(None, (pick(cfg, model) for pick in BLOCKS)), None) or find_blocks(model)  # --blocks NAME
     if found is None:
-        warnings.warn(
-            f"fsdp: {type(model).__name__} has no repeated blocks (a ModuleList of one class): sharded as one unit, "
-            f"gathered whole for each forward; name them with --blocks (a standalone copy: made `--with blocks`)",
-            stacklevel=2,
-        )
-        return []
-    return list(found[1])
+        why = f"fsdp: {type(model).__name__} has no repeated blocks (a ModuleList of one class): sharded as one unit,"
+        fix = "name them with --blocks (a standalone copy: made `--with blocks`)"
+        warnings.warn(f"{why} gathered whole for each forward; {fix}", stacklevel=2)
+    return list(found[1]) if found else []
 
 
 def fsdp_policy(precision: str, *, offload: bool = False) -> dict:
@@ -40,8 +37,7 @@ def fsdp_policy(precision: str, *, offload: bool = False) -> dict:
     return {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
 
 
-@contextlib.contextmanager
-def fsdp_sync(model: nn.Module, *, enabled: bool):
+def fsdp_sync(model: nn.Module, *, enabled: bool) -> contextlib.nullcontext:
     """step_amp's `sync`: enabled=False holds the reduce-scatter back while micro-batches add their gradients."""
     model.set_requires_gradient_sync(enabled)  # the step's last micro-batch turns it back on
-    yield
+    return contextlib.nullcontext()  # set already: the `with` around the micro-batch has nothing to undo

@@ -17,16 +17,16 @@ from core.kernel.seams import SEAMS
 from core.kernel.store import FORMAT, START, checksum, from_rank0, read_checkpoint, resumed, write_tensors
 
 
-def flat_state(model, optimizer) -> tuple[dict, dict, dict]:
-    """(every tensor by flat name, the same with each storage once for DCP, the optimizer's other values)."""
+def flat_state(model, optimizer) -> tuple[dict, dict, dict, dict]:
+    """(the model's tensors, the optimizer's (flat names), each storage once for DCP, the optimizer's other values)."""
     model_sd, optim = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    tensors = {f"model/{k}": v for k, v in model_sd.items()}
-    tensors |= {f"optim/{k}": v for k, v in optim.items() if torch.is_tensor(v)}
+    # its tensors, and its other values (lr, betas, ...: JSON in the step-N file)
+    optim, other = ({k: v for k, v in optim.items() if torch.is_tensor(v) is kind} for kind in (True, False))
+    tensors = {f"model/{k}": v for k, v in model_sd.items()} | {f"optim/{k}": v for k, v in optim.items()}
     local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tensors.items()}  # a DTensor: this rank's
     at = {k: (t.data_ptr(), t.shape) if t.numel() else k for k, t in local.items()}  # where its bytes are
     first = {where: k for k, where in reversed(at.items())}  # safetensors refuses shared memory: a tied weight once
-    once = {k: v for k, v in tensors.items() if first[at[k]] == k}
-    return tensors, once, {k: v for k, v in optim.items() if not torch.is_tensor(v)}
+    return model_sd, optim, {k: v for k, v in tensors.items() if first[at[k]] == k}, other
 
 
 def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
@@ -38,7 +38,7 @@ def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict,
             shutil.rmtree(old, ignore_errors=True)
         path.with_suffix("").mkdir(parents=True)
     dist.barrier()
-    _, once, optim = flat_state(model, optimizer)
+    _, _, once, optim = flat_state(model, optimizer)
     try:
         dcp.save(once, storage_writer=dcp.HuggingFaceStorageWriter(str(path.with_suffix("")), save_distributed=True))
     except dcp.api.CheckpointException as err:  # every rank's errors: a full disk's OSError makes the error line
@@ -84,15 +84,13 @@ def load_sharded(run: RunFolder, *, model, optimizer, scheduler) -> dict:
     if run.resume_from is None:
         return dict(START)
     states, meta = from_rank0(run.writer, lambda: read_checkpoint(run.resume_from))
-    tensors, once, _ = flat_state(model, optimizer)  # this rank's shapes and shards, for DCP to fill
+    model_sd, optim, once, _ = flat_state(model, optimizer)  # this rank's shapes and shards, for DCP to fill
     try:
         dcp.load(once, storage_reader=dcp.HuggingFaceStorageReader(str(run.resume_from.with_suffix(""))))
     except (dcp.api.CheckpointException, RuntimeError, KeyError) as err:  # another model's tensors under one --model
         why = f"its tensors do not fit this model ({str(err).strip().splitlines()[-1][:200]})"
         raise RecipeError(f"{run.resume_from}: {why}; use the model it saved, or a new --out") from None
-    optim = {k[6:]: v for k, v in tensors.items() if k.startswith("optim/")}
     optim |= {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["optimizer"]).items()}  # betas
-    model_sd = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim)
     return resumed(run, meta, states, optimizer=optimizer, scheduler=scheduler)
 

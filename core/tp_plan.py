@@ -18,27 +18,23 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
     """{module name: ParallelStyle}: the model's own plan, else the GPT's, or one error line if tp cannot split it."""
     if (own := next((p for find in TP_PLANS if (p := find(model, tp=tp)) is not None), None)) is not None:
         if sequence_parallel:
-            raise RecipeError(
-                "--sequence-parallel: only the built-in GPT's plan splits the sequence; drop --sequence-parallel"
-            )
+            why = "only the built-in GPT's plan splits the sequence"
+            raise RecipeError(f"--sequence-parallel: {why}; drop --sequence-parallel")
         return own
     blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
     linear = [getattr(b.attn, n, None) for b in blocks for n in ("q", "k", "v", "proj")]
     linear += [getattr(b.mlp, n, None) for b in blocks for n in ("fc", "proj")]  # GPT-2's are c_fc, c_proj
     gpt_like = all(isinstance(m, nn.Linear) for m in linear) and all(hasattr(b.attn, "head_dim") for b in blocks)
     if not blocks or not gpt_like:
-        raise RecipeError(
-            f"--model {type(model).__name__}: tensor parallelism needs a plan: a transformers model's "
-            f"config.base_model_tp_plan (a copy made `--with model_plans`), or the built-in GPT's layout (model.blocks "
-            f"with attn.q/k/v/proj and mlp.fc/proj nn.Linear layers); this model has neither; use fsdp for this model"
-        )
+        own = "a transformers model's config.base_model_tp_plan (a copy made `--with model_plans`)"
+        gpt = "the built-in GPT's layout (model.blocks with attn.q/k/v/proj and mlp.fc/proj nn.Linear layers)"
+        needs = f"--model {type(model).__name__}: tensor parallelism needs a plan: {own}, or {gpt}"
+        raise RecipeError(f"{needs}; this model has neither; use fsdp for this model")
     for block in blocks:
         heads = block.attn.q.out_features // block.attn.head_dim
         if heads % tp or block.mlp.fc.out_features % tp:
-            raise RecipeError(
-                f"tensor parallel size {tp} must divide the {heads} attention heads and the "
-                f"{block.mlp.fc.out_features} MLP units; use a tp size that divides both"
-            )
+            units = f"the {heads} attention heads and the {block.mlp.fc.out_features} MLP units"
+            raise RecipeError(f"tensor parallel size {tp} must divide {units}; use a tp size that divides both")
     if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
         raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., head (ln, out)]")
     return gpt_tp_plan(model, sequence_parallel=sequence_parallel)

@@ -29,7 +29,7 @@ from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
-from core.kernel.store import finished, open_run, write_weights
+from core.kernel.store import finished, open_run
 from core.kernel.train import (
     Tally,
     Topology,
@@ -55,11 +55,9 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 def check(cfg: Config) -> None:
     """What is refused before any process starts (the pre-check calls it too): a bad world size, --tp or --blocks."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % cfg.tp:
-        raise RecipeError(
-            f"--tp {cfg.tp}: the world size {world} is not a multiple of it; use --tp {world} or a divisor"
-        )
+    if (world := int(os.environ.get("WORLD_SIZE", "1"))) % cfg.tp:
+        why = f"the world size {world} is not a multiple of it"
+        raise RecipeError(f"--tp {cfg.tp}: {why}; use --tp {world} or a divisor")
     with torch.device("meta"):  # shapes only: no memory
         model = build_gpt(cfg)
     plan_of(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
@@ -94,12 +92,10 @@ def train(cfg: Config, topo: Topology) -> dict:
     with tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
         parallelize_module(model, tp_mesh, plan)
     # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
-    for block in shard_blocks(cfg, model):
+    for block in [*shard_blocks(cfg, model), model]:  # the root last: it holds what no block does
         fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision))
-    fully_shard(model, mesh=dp_mesh, **fsdp_policy(cfg.precision))
-    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
-    torch.manual_seed(cfg.seed + dp_rank)  # each dp group its own dropout; a tp group one stream, as DTensor needs
-    my_group = Topology(dp_rank, dp, topo.device)  # a tp group shares its data
+    my_group = Topology(dp_mesh.get_local_rank(), dp_mesh.size(), topo.device)  # a tp group shares its data
+    torch.manual_seed(cfg.seed + my_group.rank)  # each dp group its own dropout; a tp group one stream (DTensor)
     # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
     train_loader, val_loader, total = make_loaders(cfg, my_group, train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # built after sharding: it holds this rank's shards
@@ -122,8 +118,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
-        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        train_loader.sampler.set_epoch(epoch, consumed=consumed)
+        # resumed mid-epoch: skip what was trained
+        train_loader.sampler.set_epoch(epoch, consumed=(consumed := start["samples"] if epoch == start["epoch"] else 0))
         # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
         for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
             metrics, stats = step_amp(model, group, **options)  # bf16: in fully_shard's policy, no autocast
@@ -144,9 +140,8 @@ def train(cfg: Config, topo: Topology) -> dict:
         log_eval(run, evaluation, step=step, epoch=epoch)
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
-    whole = whole_model(model, lambda: build_gpt(cfg))
-    saved = write_weights(run, whole.state_dict())
-    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=dp)
+    whole, saved = whole_model(model, lambda: build_gpt(cfg), run)
+    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=my_group.world_size)
     return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
 

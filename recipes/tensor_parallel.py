@@ -32,7 +32,7 @@ from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.seams import SEAMS, fire
-from core.kernel.store import finished, open_run, write_weights
+from core.kernel.store import finished, open_run
 from core.kernel.train import (
     Tally,
     Topology,
@@ -111,8 +111,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
-        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
-        train_loader.sampler.set_epoch(epoch, consumed=consumed)
+        # resumed mid-epoch: skip what was trained
+        train_loader.sampler.set_epoch(epoch, consumed=(consumed := start["samples"] if epoch == start["epoch"] else 0))
         # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
         for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
             metrics, stats = step_amp(model, group, **options)
@@ -133,8 +133,7 @@ def train(cfg: Config, topo: Topology) -> dict:
         log_eval(run, evaluation, step=step, epoch=epoch)
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
-    whole = whole_model(model, lambda: build_gpt(cfg))
-    saved = write_weights(run, whole.state_dict())
+    whole, saved = whole_model(model, lambda: build_gpt(cfg), run)
     numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp)
     return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
