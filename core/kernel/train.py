@@ -168,12 +168,10 @@ class Tally:
         self.last = {}  # the last window's loss (and accuracy), read again by a window that counted nothing
 
     def add(self, metrics: dict) -> None:
-        for key, value in metrics.items():
-            self.sums[key] = self.sums[key] + value
+        self.sums |= {key: self.sums[key] + value for key, value in metrics.items()}
 
     def reduce(self) -> dict[str, float]:
-        total = torch.stack([self.sums[k] for k in TALLY_KEYS])
-        dist.all_reduce(total)
+        dist.all_reduce(total := torch.stack([self.sums[k] for k in TALLY_KEYS]))
         return dict(zip(TALLY_KEYS, total.tolist()))
 
 
