@@ -14,11 +14,8 @@ class MLP(nn.Module):
 
     def __init__(self, in_dim: int = 64, hidden: int = 1024, depth: int = 3, classes: int = 10):
         super().__init__()
-        widths = [in_dim] + [hidden] * depth
-        self.blocks = nn.Sequential(
-            *(nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:])),
-            nn.Linear(hidden, classes),
-        )
+        blocks = [nn.Sequential(nn.Linear(hidden if i else in_dim, hidden), nn.ReLU()) for i in range(depth)]
+        self.blocks = nn.Sequential(*blocks, nn.Linear(hidden, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.blocks(x.flatten(1))
@@ -32,8 +29,7 @@ def digits(*, val_fraction: float = 0.2, split_seed: int = 0) -> tuple[TensorDat
     inputs = torch.tensor(images, dtype=torch.float32) / 16.0
     targets = torch.tensor(labels, dtype=torch.int64)
     order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(split_seed))
-    n_val = int(len(targets) * val_fraction)
-    val, train = order[:n_val], order[n_val:]
+    val, train = order.tensor_split([int(len(targets) * val_fraction)])
     return TensorDataset(inputs[train], targets[train]), TensorDataset(inputs[val], targets[val])
 
 

@@ -100,12 +100,11 @@ RunFolder = namedtuple("RunFolder", "path resume_from recipe config writer")  # 
 def open_log(run: RunFolder | None) -> None:
     """Rank 0's lines go to RUN/train.log from here, after those kept since open_log(None) (the folder's choice)."""
     if run is None or run.writer:
-        kept = RUN_LOG.get("kept", [])
         with contextlib.suppress(ValueError):  # the log before, or loguru's own handler: it would print lines again
             logger.remove(RUN_LOG.get("id", 0))
         if run:
             with open(run.path / "train.log", "a") as log:
-                log.writelines(kept)
+                log.writelines(RUN_LOG.get("kept", []))  # the sink that appended to them is gone
         RUN_LOG.update(path=run and run.path, kept=[])
         sink = run.path / "train.log" if run else RUN_LOG["kept"].append  # ours only: never a user's loguru lines
         RUN_LOG["id"] = logger.add(sink, format=LOG_FORMAT, filter=lambda r: "rank" in r["extra"], catch=False)

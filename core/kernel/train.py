@@ -29,8 +29,7 @@ def init_pg(*, timeout_s: float) -> Topology:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # tools/ checks them
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")  # not RANK
-    if cuda:
-        torch.cuda.set_device(device)
+    cuda and torch.cuda.set_device(device)
     store = dist.HashStore() if "MASTER_PORT" not in os.environ and world_size == 1 else None  # no launcher: no port
     try:
         if not dist.is_initialized():  # the package's runner may have joined already
@@ -44,12 +43,10 @@ def init_pg(*, timeout_s: float) -> Topology:
 
 def cleanup_pg() -> None:
     """Leave the process group; after a run that ended well, a bounded barrier first: no rank exits mid-talk."""
-    if not dist.is_initialized():
-        return
-    if dist.get_world_size() > 1 and sys.exc_info()[1] is None:
+    if dist.is_initialized() and dist.get_world_size() > 1 and sys.exc_info()[1] is None:
         with contextlib.suppress(Exception):  # a peer that died or hung: leave anyway, the run's outcome stands
             dist.barrier(async_op=True).wait(timeout=timedelta(seconds=60))
-    dist.destroy_process_group()
+    dist.is_initialized() and dist.destroy_process_group()
 
 
 def to_device(batch, device: torch.device):
@@ -102,10 +99,9 @@ def split_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(logits, loss) of logits, a tuple (logits first, or `(logits, loss)`), a dict or a ModelOutput."""
     if isinstance(outputs, Mapping):  # a transformers ModelOutput is an OrderedDict
         return outputs.get("logits"), outputs.get("loss")
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs  # logits alone
     if isinstance(outputs, tuple | list) and outputs:  # a loss is 0-dim
         return outputs[0], next((o for o in outputs[1:2] if torch.is_tensor(o) and o.dim() == 0), None)
-    if isinstance(outputs, torch.Tensor):
-        return outputs, None
     raise RecipeError(f"the model returned {type(outputs).__name__}; return logits, (logits, loss) or a dict of them")
 
 
@@ -172,12 +168,10 @@ class Tally:
         self.last = {}  # the last window's loss (and accuracy), read again by a window that counted nothing
 
     def add(self, metrics: dict) -> None:
-        for key, value in metrics.items():
-            self.sums[key] = self.sums[key] + value
+        self.sums |= {key: self.sums[key] + value for key, value in metrics.items()}
 
     def reduce(self) -> dict[str, float]:
-        total = torch.stack([self.sums[k] for k in TALLY_KEYS])
-        dist.all_reduce(total)
+        dist.all_reduce(total := torch.stack([self.sums[k] for k in TALLY_KEYS]))
         return dict(zip(TALLY_KEYS, total.tolist()))
 
 
@@ -189,12 +183,11 @@ def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
     return record
 
 
-@contextlib.contextmanager
-def not_training():
+def not_training() -> contextlib.ExitStack:
     """Evaluation and checkpoints: time the clock plug-in leaves out of training's."""
-    with contextlib.ExitStack() as stack:
-        [stack.enter_context(pause()) for pause in SEAMS["pauses"]]
-        yield
+    stack = contextlib.ExitStack()  # the pauses entered here, left when the `with` block ends
+    [stack.enter_context(pause()) for pause in SEAMS["pauses"]]
+    return stack
 
 
 def log_train(run: RunFolder, window: Tally, *, step: int, total: int, epoch: int, **fields) -> None:
