@@ -29,7 +29,8 @@ def init_pg(*, timeout_s: float) -> Topology:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # tools/ checks them
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")  # not RANK
-    cuda and torch.cuda.set_device(device)
+    if cuda:
+        torch.cuda.set_device(device)
     store = dist.HashStore() if "MASTER_PORT" not in os.environ and world_size == 1 else None  # no launcher: no port
     try:
         if not dist.is_initialized():  # the package's runner may have joined already
@@ -46,7 +47,8 @@ def cleanup_pg() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1 and sys.exc_info()[1] is None:
         with contextlib.suppress(Exception):  # a peer that died or hung: leave anyway, the run's outcome stands
             dist.barrier(async_op=True).wait(timeout=timedelta(seconds=60))
-    dist.is_initialized() and dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def to_device(batch, device: torch.device):
