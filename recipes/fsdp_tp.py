@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import parallel
 
 import core.attach  # noqa: F401 - the package runs it with its plug-ins; a standalone copy joins those --with names
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
@@ -90,7 +90,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
     plan = plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
     with tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
-        parallelize_module(model, tp_mesh, plan)
+        parallel.parallelize_module(model, tp_mesh, plan)
     # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
     for block in [*shard_blocks(cfg, model), model]:  # the root last: it holds what no block does
         fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision))
@@ -103,7 +103,6 @@ def train(cfg: Config, topo: Topology) -> dict:
     # The model's own loss, else cross-entropy; every counted target of the global batch weighs the same, across
     # ranks and micro-batches.
     loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
-    counts = tp_mesh.get_local_rank() == 0  # one rank per tp group counts the group's batch
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
     # checkpoint's state: every rank reads its own shards, resharded to this job's dp.
@@ -126,7 +125,8 @@ def train(cfg: Config, topo: Topology) -> dict:
             step, consumed = step + 1, consumed + global_batch
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            totals.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
+            # one rank per tp group counts the group's batch
+            totals.add(metrics if tp_mesh.get_local_rank() == 0 else {k: v * 0 for k, v in metrics.items()})
             fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr, norm = scheduler.get_last_lr()[0], stats.grad_norm
@@ -141,21 +141,19 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
     whole, saved = whole_model(model, lambda: build_gpt(cfg), run)
-    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=my_group.world_size)
+    numbers = dict(steps=step, skipped_steps=skipped, weights=saved, tp=tp_mesh.size(), dp=my_group.world_size)
     return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class MeshOptions(Options):
+class Mesh(Options):
     title = "2-D parallelism"
     tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", low=1)
 
 
 @dataclass(frozen=True)
-class Config(
-    *gpt_defaults([Training, Checkpointing, MeshOptions, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])
-):
+class Config(*gpt_defaults([Training, Checkpointing, Mesh, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])):
     """fsdp_tp's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 
