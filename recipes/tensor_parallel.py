@@ -96,12 +96,11 @@ def train(cfg: Config, topo: Topology) -> dict:
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
     # checkpoint's state: every rank reads its own slices.
     run = open_run(cfg, topo, recipe="tensor_parallel", global_batch=cfg.batch_size * cfg.accum)  # every rank's batch
-    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
-    start = load_sharded(run, **state)
-    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
+    start = load_sharded(run, **(state := dict(model=model, optimizer=optimizer, scheduler=scheduler)))  # and the RNGs
 
     # Train. Each Linear's forward and backward all-reduce inside the tp group; AdamW steps each rank's slices.
-    step, skipped, evaluation = start["step"], start["skipped"], {}
+    # totals: each log window's loss and accuracy (and the checkpoint's open one)
+    totals, step, skipped, evaluation = Tally(topo.device, start["window"]), start["step"], start["skipped"], {}
     # no dp group: every rank holds the same batch, nothing is averaged
     options = dict(optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, clip=cfg.clip)
     for epoch in range(start["epoch"], cfg.epochs):
