@@ -34,9 +34,8 @@ StepStats = namedtuple("StepStats", "grad_norm skipped scale scaled", defaults=(
 
 def micro_batch_groups(loader, k: int, *, device: torch.device) -> Iterator[list]:
     """The loader's batches K at a time, moved to `device`; an incomplete group at the end is dropped."""
-    batches = iter(loader)
-    while len(group := [to_device(batch, device) for _, batch in zip(range(k), batches)]) == k:
-        yield group
+    for group in zip(*[iter(loader)] * k):  # one iterator k times: k batches a group, an incomplete tail dropped
+        yield [to_device(batch, device) for batch in group]
 
 
 def step_amp(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,11 +53,11 @@ def evaluate_sharded(model: nn.Module, loader, *, loss_fn, device: torch.device)
     return summarize(tally.reduce(), prefix="val_")
 
 
-def whole_model(model: nn.Module, build, run: RunFolder) -> tuple[nn.Module, Path]:
+def whole_model(model: nn.Module, build, run: RunFolder) -> tuple[nn.Module, str]:
     """A plain twin given the whole weights one tensor at a time (a collective), each rank its own buffers; rank 0
-    writes them as RUN/model.safetensors (its path)."""
+    writes them as RUN/model.safetensors (its path, a str for the summary)."""
     with torch.device("meta"):
         twin = build()
     local = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - a DTensor's whole tensor
     twin.load_state_dict({key: local(t).cpu() for key, t in model.state_dict().items()}, assign=True)
-    return twin, write_weights(run, twin.state_dict())
+    return twin, str(write_weights(run, twin.state_dict()))

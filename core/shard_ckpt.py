@@ -24,9 +24,9 @@ def flat_state(model, optimizer) -> tuple[dict, dict, dict, dict]:
     optim, other = ({k: v for k, v in optim.items() if torch.is_tensor(v) is kind} for kind in (True, False))
     tensors = {f"model/{k}": v for k, v in model_sd.items()} | {f"optim/{k}": v for k, v in optim.items()}
     local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tensors.items()}  # a DTensor: this rank's
-    at = {k: (t.data_ptr(), t.shape) if t.numel() else k for k, t in local.items()}  # where its bytes are
-    first = {where: k for k, where in reversed(at.items())}  # safetensors refuses shared memory: a tied weight once
-    return model_sd, optim, {k: v for k, v in tensors.items() if first[at[k]] == k}, other
+    # where its bytes are -> the first name there: safetensors refuses shared memory, a tied weight goes once
+    first = {((t.data_ptr(), t.shape) if t.numel() else k): k for k, t in reversed(local.items())}
+    return model_sd, optim, {k: v for k, v in tensors.items() if k in first.values()}, other
 
 
 def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
@@ -75,8 +75,8 @@ def check_shards(path: Path, tensors: dict, model) -> None:
             raise RecipeError(f"{path}: shard file {name} is {why}; {fix}") from None
         if wrong := [k for k, want in sums.items() if k not in found or checksum(found[k]) != want]:
             raise RecipeError(f"{path}: tensor {wrong[0]} in {name} does not match its checksum; {fix}")
-        for check in (c for c in SEAMS["read_checks"] if c is not check_shards):  # the checks plug-in's, every file
-            check(folder / name, found, None)
+        # the checks plug-in's, on every file
+        [check(folder / name, found, None) for check in SEAMS["read_checks"] if check is not check_shards]
 
 
 def load_sharded(run: RunFolder, *, model, optimizer, scheduler) -> dict:

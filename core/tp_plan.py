@@ -6,12 +6,12 @@ import contextlib
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, parallel
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from core.kernel.job import RecipeError
 
-TP_PLANS: list = []  # fn(model, *, tp) -> a model's own tensor-parallel plan or None (model_plans)
-AROUND_TP: list = []  # fn(model, plan, *, tp) -> a context manager around parallelize_module (model_plans)
+# The model_plans plug-in's: TP_PLANS, fn(model, *, tp) -> a model's own tensor-parallel plan or None; AROUND_TP,
+# fn(model, plan, *, tp) -> a context manager around parallelize_module.
+TP_PLANS, AROUND_TP = [], []
 
 
 def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> dict:
@@ -30,11 +30,10 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
         gpt = "the built-in GPT's layout (model.blocks with attn.q/k/v/proj and mlp.fc/proj nn.Linear layers)"
         needs = f"--model {type(model).__name__}: tensor parallelism needs a plan: {own}, or {gpt}"
         raise RecipeError(f"{needs}; this model has neither; use fsdp for this model")
-    for block in blocks:
-        heads = block.attn.q.out_features // block.attn.head_dim
-        if heads % tp or block.mlp.fc.out_features % tp:
-            units = f"the {heads} attention heads and the {block.mlp.fc.out_features} MLP units"
-            raise RecipeError(f"tensor parallel size {tp} must divide {units}; use a tp size that divides both")
+    for heads, units in ((b.attn.q.out_features // b.attn.head_dim, b.mlp.fc.out_features) for b in blocks):
+        if heads % tp or units % tp:
+            why = f"must divide the {heads} attention heads and the {units} MLP units"
+            raise RecipeError(f"tensor parallel size {tp} {why}; use a tp size that divides both")
     if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
         raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., head (ln, out)]")
     return gpt_tp_plan(model, sequence_parallel=sequence_parallel)
@@ -42,25 +41,23 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
 
 def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
     """Megatron's plan for the GPT: q/k/v and fc by column, proj by row (sequence_parallel: LayerNorm on a shard)."""
-    row_out, plan = Shard(1) if sequence_parallel else Replicate(), {}
+    row_out, plan, last = Shard(1) if sequence_parallel else Replicate(), {}, len(model.blocks) - 1
     for i in [i for i, block in enumerate(model.blocks) if hasattr(block, "attn") and hasattr(block, "mlp")]:
-        plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
-        plan |= {f"blocks.{i}.{name}": RowwiseParallel(output_layouts=row_out) for name in ("attn.proj", "mlp.proj")}
+        plan |= {f"blocks.{i}.{n}": parallel.ColwiseParallel() for n in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
+        plan |= {f"blocks.{i}.{n}": parallel.RowwiseParallel(output_layouts=row_out) for n in ("attn.proj", "mlp.proj")}
         if sequence_parallel:  # LayerNorm on a shard of the sequence, gathered before the column-split layers
             gather = parallel.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             plan |= {f"blocks.{i}.{name}": gather for name in ("attn", "mlp")}
             plan |= {f"blocks.{i}.{name}": parallel.SequenceParallel() for name in ("ln1", "ln2")}
     if sequence_parallel:  # the embedding's output split by sequence, the head's LayerNorm on it, the logits whole
-        last = len(model.blocks) - 1
         plan["blocks.0"] = parallel.PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
         plan[f"blocks.{last}.ln"] = parallel.SequenceParallel()
-        plan[f"blocks.{last}.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan[f"blocks.{last}.out"] = parallel.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     return plan
 
 
-@contextlib.contextmanager
-def tp_kept(model: nn.Module, plan: dict, *, tp: int):
+def tp_kept(model: nn.Module, plan: dict, *, tp: int) -> contextlib.ExitStack:
     """Around parallelize_module: what the plug-ins keep across it (model_plans: tied weights, head counts)."""
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # entered here (undone if one fails): a `with` around it exits them
         [stack.enter_context(around(model, plan, tp=tp)) for around in AROUND_TP]
-        yield
+        return stack.pop_all()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import parallel
 
 import core.attach  # noqa: F401 - the package runs it with its plug-ins; a standalone copy joins those --with names
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
@@ -61,8 +61,7 @@ def check(cfg: Config) -> None:
     with torch.device("meta"):  # shapes only: no memory
         model = build_gpt(cfg)
     plan_of(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
-    for pick in BLOCKS:  # --blocks NAME must name a container of the model
-        pick(cfg, model)
+    [pick(cfg, model) for pick in BLOCKS]  # --blocks NAME must name a container of the model
 
 
 def main(cfg: Config) -> dict:
@@ -78,19 +77,17 @@ def train(cfg: Config, topo: Topology) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # logits are views, never edited in place
     if done := finished(cfg, topo, recipe="fsdp_tp"):  # resumed, finished: nothing is touched
         return done
-    dims = mesh(cfg, topo.world_size)
-    global_batch = cfg.batch_size * dims["dp"] * cfg.accum  # a tp group shares one batch
 
     # Build: slice within each tp group first, then shard those slices across the dp groups.
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg).to(topo.device)
     fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its part
-    device_mesh = build_mesh(topo, dims)
+    device_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
     plan = plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
     with tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
-        parallelize_module(model, tp_mesh, plan)
+        parallel.parallelize_module(model, tp_mesh, plan)
     # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
     for block in [*shard_blocks(cfg, model), model]:  # the root last: it holds what no block does
         fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision))
@@ -103,17 +100,16 @@ def train(cfg: Config, topo: Topology) -> dict:
     # The model's own loss, else cross-entropy; every counted target of the global batch weighs the same, across
     # ranks and micro-batches.
     loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
-    counts = tp_mesh.get_local_rank() == 0  # one rank per tp group counts the group's batch
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
     # checkpoint's state: every rank reads its own shards, resharded to this job's dp.
-    run = open_run(cfg, topo, recipe="fsdp_tp", global_batch=global_batch)
-    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
-    start = load_sharded(run, **state)
-    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
+    # The global batch: --batch-size x dp x --accum (a tp group shares one batch).
+    run = open_run(cfg, topo, recipe="fsdp_tp", global_batch=cfg.batch_size * my_group.world_size * cfg.accum)
+    start = load_sharded(run, **(state := dict(model=model, optimizer=optimizer, scheduler=scheduler)))  # and the RNGs
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
-    step, skipped, evaluation = start["step"], start["skipped"], {}
+    # totals: each log window's loss and accuracy (and the checkpoint's open one)
+    totals, step, skipped, evaluation = Tally(topo.device, start["window"]), start["step"], start["skipped"], {}
     options = dict(optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, sync=fsdp_sync, dp_group=dp_mesh.get_group())
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
@@ -123,10 +119,11 @@ def train(cfg: Config, topo: Topology) -> dict:
         # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
         for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
             metrics, stats = step_amp(model, group, **options)  # bf16: in fully_shard's policy, no autocast
-            step, consumed = step + 1, consumed + global_batch
+            step, consumed = step + 1, consumed + cfg.batch_size * my_group.world_size * cfg.accum
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            totals.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
+            # one rank per tp group counts the group's batch
+            totals.add(metrics if tp_mesh.get_local_rank() == 0 else {k: v * 0 for k, v in metrics.items()})
             fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr, norm = scheduler.get_last_lr()[0], stats.grad_norm
@@ -141,21 +138,19 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
     whole, saved = whole_model(model, lambda: build_gpt(cfg), run)
-    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp_mesh.size(), dp=my_group.world_size)
+    numbers = dict(steps=step, skipped_steps=skipped, weights=saved, tp=tp_mesh.size(), dp=my_group.world_size)
     return log_summary(cfg, run, whole, totals, evaluation, **numbers)
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class MeshOptions(Options):
+class Mesh(Options):
     title = "2-D parallelism"
     tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", low=1)
 
 
 @dataclass(frozen=True)
-class Config(
-    *gpt_defaults([Training, Checkpointing, MeshOptions, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])
-):
+class Config(*gpt_defaults([Training, Checkpointing, Mesh, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])):
     """fsdp_tp's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import parallel
 
 import core.attach  # noqa: F401 - the package runs it with its plug-ins; a standalone copy joins those --with names
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
@@ -57,9 +57,8 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 def check(cfg: Config) -> None:
     """What is refused before any process starts (the pre-check calls it too): a plan the world size cannot split."""
-    with torch.device("meta"):  # shapes only: no memory
-        model = build_gpt(cfg)
-    plan_of(model, tp=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)  # else a line
+    with torch.device("meta"):  # shapes only: no memory; a plan that cannot split it: one line
+        plan_of(build_gpt(cfg), tp=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)
 
 
 def main(cfg: Config) -> dict:
@@ -74,40 +73,36 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, topo: Topology) -> dict:
     if done := finished(cfg, topo, recipe="tensor_parallel"):  # resumed, finished: nothing is touched
         return done
-    global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
 
     # Build. The same seed on every rank gives the same weights; parallelize_module keeps each rank's slices.
     torch.manual_seed(cfg.seed)  # the same weights and data on every rank (--data's factory: its own seeds)
     train_set, val_set, collate = build_text(cfg)
     model = build_gpt(cfg).to(topo.device)
     fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its slices
-    device_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
-    tp = device_mesh["tp"].size()
-    plan = plan_of(model, tp=tp, sequence_parallel=cfg.sequence_parallel)  # the Linear layers split by column or row
+    tp_mesh = build_mesh(topo, mesh(cfg, topo.world_size))["tp"]
+    plan = plan_of(model, tp=(tp := tp_mesh.size()), sequence_parallel=cfg.sequence_parallel)  # by column or row
     with tp_kept(model, plan, tp=tp):  # a tied lm_head stays tied
-        parallelize_module(model, device_mesh["tp"], plan)
+        parallel.parallelize_module(model, tp_mesh, plan)
     torch.manual_seed(cfg.seed)  # one group, one stream of dropout: DTensor needs it the same on every rank
-    one_group = Topology(0, 1, topo.device)  # every rank loads the group's whole batch
-    # A stream (an IterableDataset) is read in order; map-style data by a seeded sampler, the same on every rank.
-    train_loader, val_loader, total = make_loaders(cfg, one_group, train_set, val_set, collate)
+    # A stream (an IterableDataset) is read in order; map-style data by a seeded sampler, the same on every rank:
+    # every rank loads the group's whole batch, as a world of one.
+    train_loader, val_loader, total = make_loaders(cfg, Topology(0, 1, topo.device), train_set, val_set, collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # AdamW steps each slice on its own rank
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
     # The model's own loss, else cross-entropy; every counted target of the global batch weighs the same, across
     # ranks and micro-batches.
     loss_fn = make_exact_loss(make_loss(cfg, model), model=model)
-    counts = device_mesh["tp"].get_local_rank() == 0  # the ranks hold one batch: one of them counts it
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
     # checkpoint's state: every rank reads its own slices.
-    run = open_run(cfg, topo, recipe="tensor_parallel", global_batch=global_batch)
-    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
-    start = load_sharded(run, **state)
-    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
+    run = open_run(cfg, topo, recipe="tensor_parallel", global_batch=cfg.batch_size * cfg.accum)  # every rank's batch
+    start = load_sharded(run, **(state := dict(model=model, optimizer=optimizer, scheduler=scheduler)))  # and the RNGs
 
     # Train. Each Linear's forward and backward all-reduce inside the tp group; AdamW steps each rank's slices.
-    step, skipped, evaluation = start["step"], start["skipped"], {}
-    dp_group = device_mesh["dp"].get_group()  # a group of one: every rank holds the same batch, nothing is averaged
-    options = dict(optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, clip=cfg.clip, dp_group=dp_group)
+    # totals: each log window's loss and accuracy (and the checkpoint's open one)
+    totals, step, skipped, evaluation = Tally(topo.device, start["window"]), start["step"], start["skipped"], {}
+    # no dp group: every rank holds the same batch, nothing is averaged
+    options = dict(optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, clip=cfg.clip)
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
@@ -116,10 +111,11 @@ def train(cfg: Config, topo: Topology) -> dict:
         # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
         for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
             metrics, stats = step_amp(model, group, **options)
-            step, consumed = step + 1, consumed + global_batch
+            step, consumed = step + 1, consumed + cfg.batch_size * cfg.accum
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
-            totals.add(metrics if counts else {k: v * 0 for k, v in metrics.items()})
+            # the ranks hold one batch: one of them counts it
+            totals.add(metrics if topo.rank == 0 else {k: v * 0 for k, v in metrics.items()})
             fire("on_step", metrics)  # the training clock
             if step % cfg.log_every == 0 or step == total:  # a collective: every rank reads at the same step
                 lr, norm = scheduler.get_last_lr()[0], stats.grad_norm
@@ -134,21 +130,18 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # Every rank gathers the whole weights (its own buffers: the summary says whether they agree); rank 0 writes them.
     whole, saved = whole_model(model, lambda: build_gpt(cfg), run)
-    numbers = dict(steps=step, skipped_steps=skipped, weights=str(saved), tp=tp)
-    return log_summary(cfg, run, whole, totals, evaluation, **numbers)
+    return log_summary(cfg, run, whole, totals, evaluation, steps=step, skipped_steps=skipped, weights=saved, tp=tp)
 
 
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
-class TPOptions(Options):
+class TP(Options):
     title = "tensor parallelism"
     sequence_parallel: bool = option(False, "split LayerNorm and the residual stream along the sequence (the GPT)")
 
 
 @dataclass(frozen=True)
-class Config(
-    *gpt_defaults([Training, Checkpointing, TPOptions, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])
-):
+class Config(*gpt_defaults([Training, Checkpointing, TP, ShardedPrecision, Accumulation, *SEAMS["option_groups"]])):
     """tensor_parallel's options (the GPT on text by default), and those of the plug-ins it was joined with."""
 
 
