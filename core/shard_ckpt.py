@@ -24,9 +24,10 @@ def flat_state(model, optimizer) -> tuple[dict, dict, dict, dict]:
     optim, other = ({k: v for k, v in optim.items() if torch.is_tensor(v) is kind} for kind in (True, False))
     tensors = {f"model/{k}": v for k, v in model_sd.items()} | {f"optim/{k}": v for k, v in optim.items()}
     local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tensors.items()}  # a DTensor: this rank's
-    # where its bytes are -> the first name there: safetensors refuses shared memory, a tied weight goes once
-    first = {((t.data_ptr(), t.shape) if t.numel() else k): k for k, t in reversed(local.items())}
-    return model_sd, optim, {k: v for k, v in tensors.items() if k in first.values()}, other
+    # the first name at each place bytes are (a set: one look-up each): safetensors refuses shared memory, a tied
+    # weight goes once
+    first = set({((t.data_ptr(), t.shape) if t.numel() else k): k for k, t in reversed(local.items())}.values())
+    return model_sd, optim, {k: v for k, v in tensors.items() if k in first}, other
 
 
 def save_sharded(run: RunFolder, *, model, optimizer, scheduler, progress: dict, keep: int) -> Path:
