@@ -111,8 +111,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
-        # resumed mid-epoch: skip what was trained
-        train_loader.sampler.set_epoch(epoch, consumed=(consumed := start["samples"] if epoch == start["epoch"] else 0))
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
         for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
             metrics, stats = step_amp(model, group, **options)  # bf16: in fully_shard's policy, no autocast

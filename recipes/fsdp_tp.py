@@ -61,7 +61,8 @@ def check(cfg: Config) -> None:
     with torch.device("meta"):  # shapes only: no memory
         model = build_gpt(cfg)
     plan_of(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
-    [pick(cfg, model) for pick in BLOCKS]  # --blocks NAME must name a container of the model
+    for pick in BLOCKS:  # --blocks NAME must name a container of the model
+        pick(cfg, model)
 
 
 def main(cfg: Config) -> dict:
@@ -103,23 +104,24 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
     # checkpoint's state: every rank reads its own shards, resharded to this job's dp.
-    # The global batch: --batch-size x dp x --accum (a tp group shares one batch).
-    run = open_run(cfg, topo, recipe="fsdp_tp", global_batch=cfg.batch_size * my_group.world_size * cfg.accum)
-    start = load_sharded(run, **(state := dict(model=model, optimizer=optimizer, scheduler=scheduler)))  # and the RNGs
+    global_batch = cfg.batch_size * my_group.world_size * cfg.accum  # x dp, not x world: a tp group shares one batch
+    run = open_run(cfg, topo, recipe="fsdp_tp", global_batch=global_batch)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
+    start = load_sharded(run, **state)
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
 
     # Train. K micro-batches a step; the gradients are reduce-scattered over dp in the last one's backward only.
-    # totals: each log window's loss and accuracy (and the checkpoint's open one)
-    totals, step, skipped, evaluation = Tally(topo.device, start["window"]), start["step"], start["skipped"], {}
+    step, skipped, evaluation = start["step"], start["skipped"], {}
     options = dict(optimizer=optimizer, loss_fn=loss_fn, clip=cfg.clip, sync=fsdp_sync, dp_group=dp_mesh.get_group())
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
-        # resumed mid-epoch: skip what was trained
-        train_loader.sampler.set_epoch(epoch, consumed=(consumed := start["samples"] if epoch == start["epoch"] else 0))
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
         for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
             metrics, stats = step_amp(model, group, **options)  # bf16: in fully_shard's policy, no autocast
-            step, consumed = step + 1, consumed + cfg.batch_size * my_group.world_size * cfg.accum
+            step, consumed = step + 1, consumed + global_batch
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             # one rank per tp group counts the group's batch

@@ -95,23 +95,25 @@ def train(cfg: Config, topo: Topology) -> dict:
 
     # The run folder, new or resumed (refused before it is touched when the checkpoint cannot continue), and the
     # checkpoint's state: every rank reads its own slices.
-    run = open_run(cfg, topo, recipe="tensor_parallel", global_batch=cfg.batch_size * cfg.accum)  # every rank's batch
-    start = load_sharded(run, **(state := dict(model=model, optimizer=optimizer, scheduler=scheduler)))  # and the RNGs
+    global_batch = cfg.batch_size * cfg.accum  # every rank holds the same batch
+    run = open_run(cfg, topo, recipe="tensor_parallel", global_batch=global_batch)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler)  # what a checkpoint holds, with the generators
+    start = load_sharded(run, **state)
+    totals = Tally(topo.device, start["window"])  # each log window's loss and accuracy (and the checkpoint's open one)
 
     # Train. Each Linear's forward and backward all-reduce inside the tp group; AdamW steps each rank's slices.
-    # totals: each log window's loss and accuracy (and the checkpoint's open one)
-    totals, step, skipped, evaluation = Tally(topo.device, start["window"]), start["step"], start["skipped"], {}
+    step, skipped, evaluation = start["step"], start["skipped"], {}
     # no dp group: every rank holds the same batch, nothing is averaged
     options = dict(optimizer=optimizer, loss_fn=loss_fn, precision=cfg.precision, clip=cfg.clip)
     for epoch in range(start["epoch"], cfg.epochs):
         if step >= total and epoch > start["epoch"]:  # --max-steps reached (resumed at the last step: evaluate)
             break
-        # resumed mid-epoch: skip what was trained
-        train_loader.sampler.set_epoch(epoch, consumed=(consumed := start["samples"] if epoch == start["epoch"] else 0))
+        consumed = start["samples"] if epoch == start["epoch"] else 0  # resumed mid-epoch: skip what was trained
+        train_loader.sampler.set_epoch(epoch, consumed=consumed)
         # K batches a step, an incomplete tail dropped; at most total - step of them (--max-steps)
         for _, group in zip(range(total - step), micro_batch_groups(train_loader, cfg.accum, device=topo.device)):
             metrics, stats = step_amp(model, group, **options)
-            step, consumed = step + 1, consumed + cfg.batch_size * cfg.accum
+            step, consumed = step + 1, consumed + global_batch
             skipped += check_step(stats, step=step, on_nonfinite=cfg.on_nonfinite)
             scheduler.step()  # after the check: a stop at step 1 prints the error line alone
             # the ranks hold one batch: one of them counts it
