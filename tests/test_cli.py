@@ -269,6 +269,23 @@ def test_every_recipe_docstring_starts_with_its_launch_commands():
         assert any(name in c and ("launch_single_node.sh" in c or "recipes run" in c) for c in commands), name
 
 
+@pytest.mark.fast
+def test_python_m_recipes_reads_the_console_script_and_says_one_line_without_it(monkeypatch):
+    """recipes/__main__.py imports no tools/: it runs the installed torch-dist-recipes entry point (tools.cli:main);
+    a source tree that was never installed has none, and `python -m recipes` says so in one line."""
+    import importlib.metadata
+    import runpy
+
+    (command,) = importlib.metadata.entry_points(group="console_scripts", name="torch-dist-recipes")
+    assert command.value == "tools.cli:main"
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("recipes", run_name="__main__")
+    message = str(exited.value.code)
+    assert message.startswith("error: python -m recipes needs the package installed") and "\n" not in message
+    assert message.endswith("run pip install -e . in the repository")
+
+
 def test_the_import_graph_is_one_way_and_has_no_cycle():
     """recipes -> core, tools -> recipes and core; nothing in core imports upward; no module imports itself back."""
     graph = {}
@@ -288,7 +305,6 @@ def test_the_import_graph_is_one_way_and_has_no_cycle():
                 and m in {f"{f}.{p.stem}" for f in ("core", "recipes", "tools") for p in (REPO / f).glob("*.py")}
             }
     layer = {"core": 0, "recipes": 1, "tools": 2}
-    graph.pop("recipes.__main__")  # `python -m recipes`: the command line's entry point, tools' in all but name
     for module, imports in graph.items():
         for imported in imports:
             assert layer[imported.split(".")[0]] <= layer[module.split(".")[0]], f"{module} imports {imported}"
