@@ -51,7 +51,7 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
                 print(f"{run} already finished at step {last.get('steps')}; nothing to train", flush=True)
                 return {**last, "already_finished": True}
 
-    return from_rank0(topo.rank == 0, summary)
+    return from_rank0(topo.rank == 0 and bool(resume), summary)  # no --resume: a new run, nothing to look for
 
 
 def open_run(cfg, topo: Topology, *, recipe: str, global_batch: int) -> RunFolder:
