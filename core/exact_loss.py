@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.kernel.train import IGNORE, Loss, forward
+from core.kernel.loss import Loss, forward
+from core.kernel.train import IGNORE
 
 LOSS_COUNTS: list = []  # fn(model, loss) -> a `counted` forward for a model whose loss takes num_items_in_batch
 

@@ -24,6 +24,7 @@ import core.attach  # noqa: F401 - the package runs ddp with every plug-in; a st
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
+from core.kernel.loss import make_loss
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, open_run, write_weights
@@ -36,7 +37,6 @@ from core.kernel.train import (
     log_summary,
     log_train,
     make_loader,
-    make_loss,
     not_training,
     to_device,
     total_steps,

@@ -30,20 +30,11 @@ from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
 from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
+from core.kernel.loss import make_loss
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import evaluate
 from core.kernel.store import finished, open_run, write_weights
-from core.kernel.train import (
-    Tally,
-    Topology,
-    cleanup_pg,
-    init_pg,
-    log_eval,
-    log_summary,
-    log_train,
-    make_loss,
-    not_training,
-)
+from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, log_summary, log_train, not_training
 from core.plugins import loss_counts, stream, trackers  # noqa: F401 - its own plug-ins (tools/registry.py)
 
 

@@ -28,19 +28,10 @@ from core.accum import Accumulation, check_step, make_loaders, micro_batch_group
 from core.exact_loss import make_exact_loss
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
+from core.kernel.loss import make_loss
 from core.kernel.seams import SEAMS, fire
 from core.kernel.store import finished, open_run
-from core.kernel.train import (
-    Tally,
-    Topology,
-    cleanup_pg,
-    init_pg,
-    log_eval,
-    log_summary,
-    log_train,
-    make_loss,
-    not_training,
-)
+from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, log_summary, log_train, not_training
 from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import blocks, loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins
 from core.shard import BLOCKS, fsdp_policy, fsdp_sync, shard_blocks

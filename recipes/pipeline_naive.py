@@ -27,6 +27,7 @@ import core.attach  # noqa: F401 - the package runs it with every plug-in; a sta
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
 from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
+from core.kernel.loss import make_loss
 from core.kernel.seams import SEAMS, fire
 from core.kernel.step import check_finite, evaluate, step_plain
 from core.kernel.store import finished, open_run, write_weights
@@ -39,7 +40,6 @@ from core.kernel.train import (
     log_summary,
     log_train,
     make_loader,
-    make_loss,
     not_training,
     to_device,
     total_steps,

@@ -13,7 +13,8 @@ from torch import nn
 import core.plugins.loss  # noqa: F401 - --loss, as the recipes take it
 from core.accum import step_amp
 from core.exact_loss import make_exact_loss
-from core.kernel.train import Topology, make_loader, make_loss
+from core.kernel.loss import make_loss
+from core.kernel.train import Topology, make_loader
 from core.plugins.factories import data_from_spec, model_from_spec
 from core.plugins.init_from import load_weights
 from core.shard import fsdp_policy, shard_blocks

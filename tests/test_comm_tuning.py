@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.kernel.builtin import MLP
 from core.kernel.job import RecipeError
+from core.kernel.loss import Loss
 from core.kernel.step import step_plain
-from core.kernel.train import Loss
 from core.plugins import comm_hook, tuning
 from core.zoo import CNN
 from recipes import ddp, ddp_monitored

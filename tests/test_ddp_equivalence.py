@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from core.kernel.loss import Loss
 from core.kernel.step import step_plain
-from core.kernel.train import Loss
 from core.plugins.replicas import replicas_report
 from world import GlooWorld
 

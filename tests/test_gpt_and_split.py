@@ -14,8 +14,8 @@ from torch import nn
 
 from core import gpt, schedules
 from core.kernel.job import RecipeError
+from core.kernel.loss import Loss
 from core.kernel.step import step_plain
-from core.kernel.train import Loss
 from core.pipeline import plan_split
 from core.plugins.balance import block_times
 from core.schedules import split_pipeline

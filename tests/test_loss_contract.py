@@ -23,9 +23,10 @@ from core.accum import step_amp
 from core.amp import grad_sync
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
+from core.kernel.loss import forward, make_loss, split_outputs
 from core.kernel.seams import SEAMS
 from core.kernel.step import evaluate, step_plain
-from core.kernel.train import Tally, forward, make_loss, split_outputs, summarize
+from core.kernel.train import Tally, summarize
 from core.mesh import evaluate_sharded
 from core.plugins import meter
 from core.plugins.loss import split_any

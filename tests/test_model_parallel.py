@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from core import accum, amp, grads
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
-from core.kernel.train import Loss
+from core.kernel.loss import Loss
 from core.mesh import build_mesh
 from core.shard import fsdp_sync
 from helpers import build_data, build_model, unfinished

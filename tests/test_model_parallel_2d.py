@@ -92,7 +92,7 @@ def fsdp_tp_accum_clip(topo):
 
     from core import grads
     from core.exact_loss import make_exact_loss
-    from core.kernel.train import Loss
+    from core.kernel.loss import Loss
     from core.mesh import build_mesh
     from core.shard import fsdp_sync
     from mp_reference import apply_fsdp, full_state_dict

@@ -19,10 +19,11 @@ from torch.nn.parallel import DistributedDataParallel
 from core import monitor
 from core.kernel.builtin import MLP
 from core.kernel.job import RunFolder
+from core.kernel.loss import Loss
 from core.kernel.seams import SEAMS
 from core.kernel.step import step_plain
 from core.kernel.store import open_run
-from core.kernel.train import Loss, Tally, log_train
+from core.kernel.train import Tally, log_train
 from core.plugins import meter, watchdog
 from helpers import REPO, checkpoints, run, user_env
 from recipes import ddp_monitored

@@ -604,7 +604,7 @@ def test_a_ddp_amp_copy_without_loss_counts_takes_the_models_own_loss_as_a_mean_
 
     import core.plugins.loss_counts  # noqa: F401 - as the package runs ddp_amp
     from core.exact_loss import make_exact_loss
-    from core.kernel.train import make_loss
+    from core.kernel.loss import make_loss
 
     class Counts(torch.nn.Module):  # a user model that divides its own summed loss by num_items_in_batch
         def forward(self, x, targets=None, num_items_in_batch=None):

@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from core.exact_loss import make_exact_loss
-from core.kernel.train import Loss, Topology, make_loader, to_device
+from core.kernel.loss import Loss
+from core.kernel.train import Topology, make_loader, to_device
 from core.mesh import evaluate_sharded
 from core.plugins.stream import StreamShard, stream_loader
 from world import GlooWorld

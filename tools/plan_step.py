@@ -13,7 +13,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from core.exact_loss import forward_exact
-from core.kernel.train import forward, metrics
+from core.kernel.loss import forward
+from core.kernel.train import metrics
 from core.schedules import TokenLoss
 from tools.plan_layout import EXACT_LOSS, Layout, held_bytes
 

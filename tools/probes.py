@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from core.kernel.job import RecipeError
-from core.kernel.train import Loss, forward, make_loss
+from core.kernel.loss import Loss, forward, make_loss
 from core.plugins.loss import CHOICES  # importing it attaches --loss's choices to make_loss, as in the recipes
 
 

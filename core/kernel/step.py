@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from core.kernel.job import RecipeError
-from core.kernel.train import Loss, Tally, forward, summarize, to_device
+from core.kernel.loss import Loss, forward
+from core.kernel.train import Tally, summarize, to_device
 
 
 def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from core.kernel.job import Options, RecipeError, option
+from core.kernel.loss import Loss, split_outputs
 from core.kernel.seams import SEAMS
-from core.kernel.train import IGNORE, Loss, split_outputs
+from core.kernel.train import IGNORE
 
 CHOICES = ("auto", "ce", "mse", "model")  # and module:function
 TARGETS = "targets"  # nanoGPT's forward(idx, targets=None): given a pair's target, unshifted; never `labels`
