@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sysconfig
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -20,7 +20,7 @@ def encode(text: str) -> torch.Tensor:
 
 def text(*, context: int = 64, val_fraction: float = 0.1) -> tuple[Dataset, Dataset]:
     """The `text` data factory: (train, val) windows of the stdlib's sources, each target its input shifted by one."""
-    files = [Path(sysconfig.get_paths()["stdlib"]) / f"{name}.py" for name in CORPUS_MODULES]
+    files = [Path(os.__file__).parent / f"{name}.py" for name in CORPUS_MODULES]  # the stdlib's folder
     parts = [file.read_text(encoding="utf-8") for file in files if file.is_file()]
     # a Python shipped without sources: torch's own Python files
     parts = parts or [p.read_text(encoding="utf-8") for p in sorted(Path(nn.__file__).parent.glob("modules/*.py"))]

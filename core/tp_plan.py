@@ -9,23 +9,21 @@ from torch.distributed.tensor import Replicate, Shard, parallel
 
 from core.kernel.job import RecipeError
 
-# The model_plans plug-in's: TP_PLANS, fn(model, *, tp) -> a model's own tensor-parallel plan or None; AROUND_TP,
-# fn(model, plan, *, tp) -> a context manager around parallelize_module.
+# The model_plans plug-in's: TP_PLANS, fn(model, *, tp, sequence_parallel) -> a model's own tensor-parallel plan or
+# None; AROUND_TP, fn(model, plan, *, tp) -> a context manager around parallelize_module.
 TP_PLANS, AROUND_TP = [], []
 
 
 def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> dict:
     """{module name: ParallelStyle}: the model's own plan, else the GPT's, or one error line if tp cannot split it."""
-    if (own := next((p for find in TP_PLANS if (p := find(model, tp=tp)) is not None), None)) is not None:
-        if sequence_parallel:
-            why = "only the built-in GPT's plan splits the sequence"
-            raise RecipeError(f"--sequence-parallel: {why}; drop --sequence-parallel")
-        return own
+    for find in TP_PLANS:  # the model_plans plug-in: a model's own plan (it refuses --sequence-parallel)
+        if (own := find(model, tp=tp, sequence_parallel=sequence_parallel)) is not None:
+            return own
     blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
-    linear = [getattr(b.attn, n, None) for b in blocks for n in ("q", "k", "v", "proj")]
-    linear += [getattr(b.mlp, n, None) for b in blocks for n in ("fc", "proj")]  # GPT-2's are c_fc, c_proj
-    gpt_like = all(isinstance(m, nn.Linear) for m in linear) and all(hasattr(b.attn, "head_dim") for b in blocks)
-    if not blocks or not gpt_like:
+    layers = dict(model.named_modules(remove_duplicate=False))  # by name, as the plan names them
+    # every layer the GPT's plan splits is an nn.Linear there (GPT-2's are c_fc, c_proj: missing)
+    gpt_like = bool(blocks) and all(isinstance(layers.get(name), nn.Linear) for name in gpt_tp_plan(model))
+    if not gpt_like or not all(hasattr(b.attn, "head_dim") for b in blocks):
         own = "a transformers model's config.base_model_tp_plan (a copy made `--with model_plans`)"
         gpt = "the built-in GPT's layout (model.blocks with attn.q/k/v/proj and mlp.fc/proj nn.Linear layers)"
         needs = f"--model {type(model).__name__}: tensor parallelism needs a plan: {own}, or {gpt}"

@@ -47,8 +47,7 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 def check(cfg: Config) -> None:
     """What is refused before any process starts (the pre-check calls it too): a bad world size, --tp or --blocks."""
     if (world := int(os.environ.get("WORLD_SIZE", "1"))) % cfg.tp:
-        why = f"the world size {world} is not a multiple of it"
-        raise RecipeError(f"--tp {cfg.tp}: {why}; use --tp {world} or a divisor")
+        raise RecipeError(f"--tp {cfg.tp}: the world size {world} is not a multiple of it; use a divisor of {world}")
     with torch.device("meta"):  # shapes only: no memory
         model = build_gpt(cfg)
     plan_of(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line

@@ -129,8 +129,9 @@ def _check_ties(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
             )
 
 
-def checked_plan(model: nn.Module, *, tp: int) -> dict[str, ParallelStyle] | None:
-    """The model's own plan, once `tp` is known to split every layer in it into whole shards; None if it has none."""
+def checked_plan(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> dict[str, ParallelStyle] | None:
+    """The model's own plan, once `tp` is known to split every layer in it into whole shards; None if it has none.
+    --sequence-parallel is refused: only the built-in GPT's plan splits the sequence."""
     plan = model_tp_plan(model)
     if plan is None:
         return None
@@ -144,6 +145,9 @@ def checked_plan(model: nn.Module, *, tp: int) -> dict[str, ParallelStyle] | Non
                 f"{name}; use a tp size that splits every layer in its plan evenly: {fits}"
             )
     _check_ties(model, plan)
+    if sequence_parallel:
+        why = "only the built-in GPT's plan splits the sequence"
+        raise RecipeError(f"--sequence-parallel: {why}; drop --sequence-parallel")
     return plan
 
 
