@@ -23,7 +23,7 @@ from core.kernel.train import make_loader, to_device
 class Accumulation(Options):
     title = "gradient accumulation and clipping"
     accum: int = option(1, "micro-batches per optimizer step (accumulation)", low=1)
-    clip: float = option(0.0, "clip the global gradient norm to this (0: off)", check=lambda v: v >= 0, fix="use 0+")
+    clip: float = option(0.0, "clip the global gradient norm to this (0: off)")  # below 0, nan, inf: out of its range
 
 
 # What one optimizer step did: its gradient norm before clipping, whether it was skipped (the gradients were not

@@ -139,7 +139,8 @@ def summarize(sums: dict[str, float], *, prefix: str = "") -> dict[str, float]:
 def not_training() -> contextlib.ExitStack:
     """Evaluation and checkpoints: time the clock plug-in leaves out of training's."""
     stack = contextlib.ExitStack()  # the pauses entered here, left when the `with` block ends
-    [stack.enter_context(pause()) for pause in SEAMS["pauses"]]
+    for pause in SEAMS["pauses"]:
+        stack.enter_context(pause())
     return stack
 
 
