@@ -57,5 +57,6 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
 def tp_kept(model: nn.Module, plan: dict, *, tp: int) -> contextlib.ExitStack:
     """Around parallelize_module: what the plug-ins keep across it (model_plans: tied weights, head counts)."""
     with contextlib.ExitStack() as stack:  # entered here (undone if one fails): a `with` around it exits them
-        [stack.enter_context(around(model, plan, tp=tp)) for around in AROUND_TP]
+        for around in AROUND_TP:
+            stack.enter_context(around(model, plan, tp=tp))
         return stack.pop_all()
