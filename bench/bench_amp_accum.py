@@ -31,7 +31,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout without i
 
 from core import accum, amp  # noqa: E402
 from core.exact_loss import make_exact_loss  # noqa: E402
-from core.kernel.train import Loss, cleanup_pg, init_pg  # noqa: E402
+from core.kernel.loss import Loss  # noqa: E402
+from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
 from helpers import free_port  # noqa: E402
 from tools.precheck import check_model  # noqa: E402
 

@@ -33,8 +33,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' free_port
 
 from core import schedules  # noqa: E402
 from core.gpt import GPT  # noqa: E402
+from core.kernel.loss import Loss  # noqa: E402
 from core.kernel.step import step_plain  # noqa: E402
-from core.kernel.train import Loss, cleanup_pg, init_pg  # noqa: E402
+from core.kernel.train import cleanup_pg, init_pg  # noqa: E402
 from core.mesh import build_mesh  # noqa: E402
 from core.shard import shard_blocks  # noqa: E402
 from helpers import free_port  # noqa: E402
