@@ -234,7 +234,8 @@ def test_unwritable_out_is_one_line(commands):
 
 @pytest.mark.parametrize("recipe", [["ddp"], []], ids=["named", "default"])
 def test_bad_input_under_the_launcher_is_one_line(tmp_path, recipe):
-    proc = run([str(REPO / "launch_single_node.sh"), *recipe, "--lr", "-1"], cwd=tmp_path, check=False, timeout=60)
+    launcher = [str(REPO / "launch_single_node.sh"), *recipe, "--lr", "-1"]  # NPROC_PER_NODE: no python counts GPUs
+    proc = run(launcher, cwd=tmp_path, env=user_env(NPROC_PER_NODE="2"), check=False, timeout=60)
     assert "--lr -1.0" in _one_error_line(proc)
 
 
