@@ -466,13 +466,15 @@ def test_contenders_for_one_run_folder_at_the_same_instant_leave_exactly_one_hol
 
 
 def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(tmp_path):
-    """The same with processes (two jobs), a few times: one holds the folder, the other is refused naming it."""
+    """The same with processes (two jobs), a few times: one holds the folder, the other is refused naming it. The
+    trials go side by side, each pair of jobs on a folder of its own, all at one instant (one wait for the imports)."""
     env = user_env(PYTHONPATH=str(REPO))
+    start = time.time() + 4  # every job has imported torch by then: they go at this instant
+    trials = {}
     for trial in range(2):
         folder = tmp_path / f"run-{trial}"
         folder.mkdir()
-        start = time.time() + 4  # both have imported torch by then: they go at this instant
-        jobs = [
+        trials[folder] = [
             subprocess.Popen(
                 [sys.executable, "-c", RACE, str(start), str(folder)],
                 stdin=subprocess.PIPE,
@@ -482,6 +484,7 @@ def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(t
             )
             for _ in range(2)
         ]
+    for folder, jobs in trials.items():
         said = sorted(job.stdout.readline().strip() for job in jobs)
         for job in jobs:
             job.communicate("", timeout=60)
