@@ -23,7 +23,7 @@ from torch import nn
 
 import check_user
 from core.kernel.job import RecipeError
-from helpers import REPO, build_data, build_model, recipes_cli, run, torchrun, user_env
+from helpers import REPO, build_data, build_model, in_one_interpreter, run, torchrun, user_env
 from tools import probes
 from tools.check import (
     REL_TOL,
@@ -271,11 +271,26 @@ def test_what_fails_before_any_launch_is_one_line(model, data, message):
 # --- the command, end to end: each case one `check`, two launches ----------------------------------------
 
 
-def _check(*args, tmp_path):
-    """`python -m recipes check ...` from a folder holding the user's own module, as a user runs it."""
-    shutil.copy(Path(check_user.__file__), tmp_path / "usermodels.py")
-    env = user_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))  # this checkout, not an installed one
-    return recipes_cli("check", *args, cwd=tmp_path, env=env, check=False, timeout=420)
+CHECKS = {  # the commands of the tests below: `python -m recipes check ARGS`
+    "user model and stream": ["ddp_amp", "--model", "usermodels:nano", "--data", "usermodels:pair_stream"],
+    "dropout": ["ddp", "--model", "usermodels:dropout"],
+    "unused": ["ddp", "--model", "usermodels:unused_dropout"],
+    "crashing": ["ddp", "--model", "usermodels:crashing"],
+    "failing stream": ["ddp_amp", "--data", "usermodels:failing_stream"],
+}
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory) -> dict:
+    """CHECKS, each `python -m recipes check ...` from a folder holding the user's own module, as a user runs it: one
+    after another in one interpreter (tests/cli_cases.py; each check's own runs are processes of their own, as
+    always), which pays its imports once: {case: what it returned}."""
+    folder = tmp_path_factory.mktemp("user")
+    shutil.copy(Path(check_user.__file__), folder / "usermodels.py")
+    env = user_env(PYTHONPATH=os.pathsep.join([str(folder), str(REPO)]))  # this checkout, not an installed one
+    said = in_one_interpreter([{"args": ["check", *a], "cwd": str(folder)} for a in CHECKS.values()], env=env,
+                              timeout=420 * len(CHECKS))  # fmt: skip
+    return dict(zip(CHECKS, said, strict=True))
 
 
 def _agrees(proc):
@@ -285,26 +300,26 @@ def _agrees(proc):
 
 
 @pytest.mark.e2e
-def test_check_agrees_on_a_users_model_and_stream(tmp_path):
-    _agrees(_check("ddp_amp", "--model", "usermodels:nano", "--data", "usermodels:pair_stream", tmp_path=tmp_path))
+def test_check_agrees_on_a_users_model_and_stream(checked):
+    _agrees(checked["user model and stream"])
 
 
 @pytest.mark.e2e
-def test_check_reports_dropout_as_equal_in_distribution_not_bitwise(tmp_path):
+def test_check_reports_dropout_as_equal_in_distribution_not_bitwise(checked):
     """Each rank draws its own masks (seed + rank): the runs are compared with dropout off, and the verdict says
     what holds with it on."""
-    proc = _check("ddp", "--model", "usermodels:dropout", tmp_path=tmp_path)
+    proc = checked["dropout"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dropout (2) is off (p=0) in both runs" in proc.stdout and "within" in proc.stdout
     assert "equivalent: in distribution, not bit for bit: with dropout off the runs match" in proc.stdout
 
 
 @pytest.mark.e2e
-def test_check_fails_on_an_unused_parameter_and_names_the_option(tmp_path):
+def test_check_fails_on_an_unused_parameter_and_names_the_option(checked):
     """The runs' own pre-check refuses the model before DDP's first step; the probe names the likely cause. The
     model has dropout too, so the runs take it through check's own factory with dropout off: what check prints
     names the model as the user did (27.6), never that factory."""
-    proc = _check("ddp", "--model", "usermodels:unused_dropout", tmp_path=tmp_path)
+    proc = checked["unused"]
     assert proc.returncode == 1 and "tools.check" not in proc.stdout + proc.stderr
     assert "equivalent: NO: the run on 2 processes crashed" in proc.stdout
     crash = "the run crashed: error: --model usermodels:unused_dropout: parameters spare.weight, spare.bias get no "
@@ -315,8 +330,8 @@ def test_check_fails_on_an_unused_parameter_and_names_the_option(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_run_that_crashes_is_named_as_a_crash_with_its_error(tmp_path):
-    proc = _check("ddp", "--model", "usermodels:crashing", tmp_path=tmp_path)
+def test_a_run_that_crashes_is_named_as_a_crash_with_its_error(checked):
+    proc = checked["crashing"]
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
     assert "equivalent: NO: the run on 2 processes crashed" in proc.stdout
     assert "the run crashed: error: --model usermodels:crashing: the factory raised RuntimeError: " in proc.stdout
@@ -324,8 +339,8 @@ def test_a_run_that_crashes_is_named_as_a_crash_with_its_error(tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_command_prints_one_error_line_not_a_traceback(tmp_path):
-    proc = _check("ddp_amp", "--data", "usermodels:failing_stream", tmp_path=tmp_path)
+def test_the_command_prints_one_error_line_not_a_traceback(checked):
+    proc = checked["failing stream"]
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "error: --data usermodels:failing_stream: reading the training set raised ConnectionError: "

@@ -234,7 +234,8 @@ def test_unwritable_out_is_one_line(commands):
 
 @pytest.mark.parametrize("recipe", [["ddp"], []], ids=["named", "default"])
 def test_bad_input_under_the_launcher_is_one_line(tmp_path, recipe):
-    proc = run([str(REPO / "launch_single_node.sh"), *recipe, "--lr", "-1"], cwd=tmp_path, check=False, timeout=60)
+    launcher = [str(REPO / "launch_single_node.sh"), *recipe, "--lr", "-1"]  # NPROC_PER_NODE: no python counts GPUs
+    proc = run(launcher, cwd=tmp_path, env=user_env(NPROC_PER_NODE="2"), check=False, timeout=60)
     assert "--lr -1.0" in _one_error_line(proc)
 
 
@@ -409,11 +410,15 @@ def test_third_party_plug_in_joins_through_its_entry_point_group(tmp_path):
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 0.1\n")
     (dist_info / "entry_points.txt").write_text("[torch_dist_recipes.plugins]\ngreeting = my_plugin:PLUGIN\n")
-    env = user_env(PYTHONPATH=str(tmp_path))
-    assert "--greeting" in recipes_cli("run", "ddp", "--help", env=env).stdout
-    ran = recipes_cli("run", "ddp", "--max-steps", "1", "--epochs", "1", "--greeting", "hi", env=env, cwd=tmp_path)
-    assert "greeting=hi" in ran.stdout, ran.stderr
-    bad = recipes_cli("cp", "ddp", "x.py", "--standalone", "--with", "nosuch", env=env, cwd=tmp_path, check=False)
+    commands = [  # in one interpreter, in turn (tests/cli_cases.py)
+        ["run", "ddp", "--help"],
+        ["run", "ddp", "--max-steps", "1", "--epochs", "1", "--greeting", "hi"],
+        ["cp", "ddp", "x.py", "--standalone", "--with", "nosuch"],
+    ]
+    cases = [{"args": args, "cwd": str(tmp_path)} for args in commands]
+    helped, ran, bad = in_one_interpreter(cases, env=user_env(PYTHONPATH=str(tmp_path)))
+    assert helped.returncode == 0 and "--greeting" in helped.stdout, helped.stderr
+    assert ran.returncode == 0 and "greeting=hi" in ran.stdout, ran.stderr
     assert bad.stderr.strip().endswith("take_back, replicas, longer, greeting"), bad.stderr
 
 

@@ -176,10 +176,11 @@ LAUNCH = [  # (options, words of the one line): each was refused only in the ran
 @pytest.mark.parametrize("options,words", LAUNCH, ids=[" ".join(o) for o, _ in LAUNCH])
 def test_the_launcher_refuses_before_any_rank_starts(options, words, tmp_path):
     recipe = "ddp_amp" if any("pair_stream" in o for o in options) else "ddp"
+    # NPROC_PER_NODE set (2, a CPU's default): the launcher starts no python of its own to count the GPUs
     proc = run(
         [str(REPO / "launch_single_node.sh"), recipe, *options],
         cwd=tmp_path,
-        env=user_env(PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), TDR_DEVICE="cpu"),
+        env=user_env(PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), TDR_DEVICE="cpu", NPROC_PER_NODE="2"),
         check=False,
         timeout=120,
     )

@@ -161,14 +161,19 @@ def test_a_run_stopped_during_its_hf_write_writes_what_is_missing_and_trains_not
     and writes the weights, hf/ and the summary, the same bytes and numbers as the run that was not stopped. A torn
     last record (the kill came mid-write) is dropped first."""
     gpt2 = ["--model", "check_user:gpt2", "--data", "check_user:lm_val", "--batch-size", "8", "--max-steps", "4"]
-    _run(tmp_path, *gpt2, "--ckpt-every", "2")
-    run_dir = tmp_path / "runs" / "ddp-1"
-    promised = {p: p.read_bytes() for p in [run_dir / "model.safetensors", *(run_dir / "hf").iterdir()]}
-    records = _strict(run_dir / "metrics.jsonl")
-    kept = "".join(json.dumps(r) + "\n" for r in records[:-1])  # all but the summary
-    (run_dir / "metrics.jsonl").write_text(kept + '{"kind": "train", "step": 5, "lo')
-    (run_dir / "hf" / "model.safetensors").unlink()
-    proc = _run(tmp_path, *gpt2, "--ckpt-every", "2", "--resume", "auto")
+    run_dir, kept = tmp_path / "runs" / "ddp-1", tmp_path / "kept"
+    command = ["run", "ddp", *TINY, "--out", str(tmp_path / "runs"), *gpt2, "--ckpt-every", "2"]
+    (tmp_path / "stop.py").write_text(STOPPED)
+    stop = {"file": str(tmp_path / "stop.py"), "args": [str(run_dir), str(kept)]}  # what it left is kept aside first
+    cases = [{"args": command}, stop, {"args": [*command, "--resume", "auto"]}]  # the run, its stop, the resume
+    said = in_one_interpreter([case | {"cwd": str(tmp_path)} for case in cases], env=_env())  # in turn
+    for case in said:
+        assert case.returncode == 0, case.stdout + case.stderr
+    proc = said[-1]
+    promised = {
+        run_dir / p.relative_to(kept): p.read_bytes() for p in [kept / "model.safetensors", *(kept / "hf").iterdir()]
+    }
+    records = _strict(kept / "metrics.jsonl")
     after = _strict(run_dir / "metrics.jsonl")
     assert after[: len(records) - 1] == records[:-1] and "already finished" not in proc.stdout
     assert [r["kind"] for r in after[len(records) - 1 :]] == ["resume", "eval", "summary"]
@@ -176,6 +181,25 @@ def test_a_run_stopped_during_its_hf_write_writes_what_is_missing_and_trains_not
     same = ("val_loss", "val_acc", "steps", "weights")
     assert {k: after[-1].get(k) for k in same} == {k: records[-1].get(k) for k in same} and "val_loss" in after[-1]
     assert after[-2] | {"epoch": None} == [r for r in records if r["kind"] == "eval"][-1] | {"epoch": None}
+
+
+STOPPED = """
+import json, shutil, sys
+from pathlib import Path
+from core.plugins.lock import HELD
+for handle in HELD:  # the stopped run's process ends: its lock with it (the run, in this interpreter, left it held)
+    handle.close()
+HELD.clear()
+run_dir, kept = Path(sys.argv[1]), Path(sys.argv[2])
+kept.mkdir()
+shutil.copy(run_dir / "model.safetensors", kept)
+shutil.copytree(run_dir / "hf", kept / "hf")
+shutil.copy(run_dir / "metrics.jsonl", kept)
+records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+done = "".join(json.dumps(r) + "\\n" for r in records[:-1])  # all but the summary
+(run_dir / "metrics.jsonl").write_text(done + '{"kind": "train", "step": 5, "lo')
+(run_dir / "hf" / "model.safetensors").unlink()
+"""
 
 
 @pytest.mark.parametrize("refused", range(len(REFUSED)), ids=[" ".join(args) for args, _ in REFUSED])
@@ -442,13 +466,15 @@ def test_contenders_for_one_run_folder_at_the_same_instant_leave_exactly_one_hol
 
 
 def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(tmp_path):
-    """The same with processes (two jobs), a few times: one holds the folder, the other is refused naming it."""
+    """The same with processes (two jobs), a few times: one holds the folder, the other is refused naming it. The
+    trials go side by side, each pair of jobs on a folder of its own, all at one instant (one wait for the imports)."""
     env = user_env(PYTHONPATH=str(REPO))
+    start = time.time() + 4  # every job has imported torch by then: they go at this instant
+    trials = {}
     for trial in range(2):
         folder = tmp_path / f"run-{trial}"
         folder.mkdir()
-        start = time.time() + 4  # both have imported torch by then: they go at this instant
-        jobs = [
+        trials[folder] = [
             subprocess.Popen(
                 [sys.executable, "-c", RACE, str(start), str(folder)],
                 stdin=subprocess.PIPE,
@@ -458,6 +484,7 @@ def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(t
             )
             for _ in range(2)
         ]
+    for folder, jobs in trials.items():
         said = sorted(job.stdout.readline().strip() for job in jobs)
         for job in jobs:
             job.communicate("", timeout=60)
