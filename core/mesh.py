@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.exact_loss import forward_exact
-from core.kernel.job import Options, RunFolder, option
+from core.kernel.job import Options, RecipeError, RunFolder, option
 from core.kernel.store import write_weights
 from core.kernel.train import Tally, summarize, to_device
 
@@ -22,8 +23,10 @@ class ShardedPrecision(Options):
 
 
 def build_mesh(topo, dims: dict[str, int]):
-    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2} (rank = dp_index * tp + tp_index): a recipe's mesh() fills
-    its world (fsdp_tp's check() refuses a world size that --tp does not divide, before any process starts)."""
+    """A DeviceMesh over all ranks, e.g. {"dp": 2, "tp": 2} (rank = dp_index * tp + tp_index), or one error line."""
+    if (total := math.prod(dims.values())) != (world := topo.world_size):
+        shape = " x ".join(f"{name}={size}" for name, size in dims.items())
+        raise RecipeError(f"a {shape} mesh needs {total} processes but the world size is {world}; launch {total}")
     return dist.init_device_mesh(topo.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 

@@ -518,6 +518,23 @@ def test_a_collective_timeout_is_named_in_either_of_gloos_words(line):
 
 
 @pytest.mark.fast
+def test_a_timeout_beside_a_rank_torchrun_closed_names_node_0_when_it_cannot_be_reached():
+    """A review find (a flake of the cut-cable test under load): on the cut node one rank timed out, torchrun closed
+    the other before its own timeout, and the line blamed that rank ("had not failed: hung") though node 0 did not
+    answer a probe. Node 0 unreachable is said first; where node 0 answers (or is this node), both causes are named."""
+    ranks = {
+        "2": ended(error="rank 2: RuntimeError: Timed out waiting 20000ms for recv operation to complete", code=1),
+        "3": ended(closed_by="torchrun", t=1.0),
+    }
+    cut = explain(ranks, this_node="10.0.0.2", peer=lambda: "node 0 at 10.0.0.1")[0]
+    assert cut.startswith("no answer from node 0 at 10.0.0.1 within 20s (--timeout-s): the peer is unreachable"), cut
+    here = explain(ranks, this_node="10.0.0.1")[0]
+    assert "rank 3 had not failed: hung, or slower than --timeout-s; or a peer node is unreachable" in here, here
+    alone = explain(ranks)[0]  # one node: the rank beside it hung
+    assert alone.endswith("while rank 3 had not failed: hung, or slower than --timeout-s"), alone
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "closed", ["Connection closed by peer [10.0.0.2]:41234", "[10.0.0.2]:41234: Connection reset by peer"]
 )

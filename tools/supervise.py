@@ -63,8 +63,7 @@ def shorten(text: str, limit: int = LIMIT) -> str:
     text = " ".join(text.split())
     if len(text) <= limit:
         return text
-    head = text[: limit - 3]
-    head = head.rsplit(" ", 1)[0] if " " in head else head
+    head = text[: limit - 3].rsplit(" ", 1)[0]  # no space in it: all of it
     return head.rstrip(" ,;:") + "..."
 
 
@@ -125,7 +124,7 @@ def fate(rank: str, state: dict) -> tuple[str, str, list[str]]:
 def explain(
     ranks: dict[str, dict], *, this_node: str | None = None, peer: Callable[[], str] = lambda: "a peer node"
 ) -> tuple[str | None, list[str]]:
-    """Why a group failed: (one line, the traceback to show), or (None, []); `peer()` (it may probe) is asked last."""
+    """Why a group failed: (one line, the traceback to show), or (None, []); `peer()` may probe: asked on a timeout."""
     order = sorted(ranks, key=lambda r: ((ranks[r]["end"] or {}).get("t", math.inf), int(r) if r.isdigit() else 0))
     fates = {r: fate(r, ranks[r]) for r in order}
     symptoms = [fates[r][1] for r in order if fates[r][0] == "symptom"]
@@ -140,14 +139,16 @@ def explain(
     if this_node is not None and (lost := lost_peer(symptoms, this_node=this_node)):
         return lost, []
     silent = [r for r in order if fates[r][0] == "silent"]
-    if timeout and silent:
+    reached = peer() if timeout and this_node is not None else None  # multi-node: does node 0 answer a probe?
+    if timeout and silent and reached in (None, "a peer node"):  # a rank here did not fail: it hung, or it waited
         who = f"rank {silent[0]} had" if len(silent) == 1 else f"ranks {', '.join(silent)} had"
-        return f"a collective timed out ({timeout}) while {who} not failed: hung, or slower than --timeout-s", []
-    if timeout and this_node is not None:
+        also = "; or a peer node is unreachable (network down?)" if reached else ""
+        return f"a collective timed out ({timeout}) while {who} not failed: hung, or slower than --timeout-s{also}", []
+    if reached:
         seconds = re.search(r"(\d+)ms", timeout)
         within = f"within {int(seconds[1]) // 1000}s " if seconds else ""
         unreachable = "the peer is unreachable (network down?) or stuck; see its log"
-        return f"no answer from {peer()} {within}(--timeout-s): {unreachable}", []
+        return f"no answer from {reached} {within}(--timeout-s): {unreachable}", []
     if timeout:
         return f"a collective timed out ({timeout}): a rank hung or stopped answering within --timeout-s", []
     if symptoms:
@@ -180,10 +181,9 @@ def progress(run_dir: Path) -> tuple[int | None, Path | None]:
                 continue
             if record.get("kind") == "train":
                 step = record.get("step")
-    try:
+    saved = []
+    with contextlib.suppress(OSError):  # no ckpt folder yet
         saved = [(int(m[1]), p) for p in (run_dir / "ckpt").iterdir() if (m := CKPT.fullmatch(p.name))]
-    except OSError:
-        saved = []
     newest = max(saved, default=None)
     if newest is not None and (step is None or newest[0] > step):
         step = newest[0]
