@@ -19,15 +19,15 @@ LAYERS = ("fast", "world", "e2e")
 # Seconds each file takes alone (pytest --durations, 2-core machine). Only the order uses them: the longest
 # files start first, so that under `-n 2 --dist loadfile` the short ones fill the end and neither worker
 # waits alone for a long file at the end (longest-first scheduling). A stale number only schedules worse.
-# (A full run's --durations, divided by the load other jobs put on the machine; every file over 10 s is listed.)
+# (A full run's --durations on a quiet machine, 2026-12-07: every file of 6 s or more is listed.)
 SECONDS = {
-    "test_launchers": 180, "test_standalone": 125, "test_run": 113, "test_check": 109, "test_multinode": 107,
-    "test_plan": 68, "test_amp_accum_clip": 61, "test_train_longer": 60, "test_cli": 50, "test_shard_ckpt": 48,
-    "test_ckpt": 48, "test_model_parallel": 44, "test_right": 41, "test_precheck": 35, "test_dist": 34,
-    "test_finetune": 30, "test_slurm": 29, "test_monitoring": 23, "test_any_model": 20,
-    "test_options": 20, "test_model_parallel_2d": 19, "test_bitwise4": 18, "test_golden": 17, "test_ckpt_async": 17,
-    "test_model_parallel_e2e": 16, "test_comm_tuning": 16, "test_ckpt_integrity": 15, "test_tp_plan": 14,
-    "test_copy_out": 13, "test_loss_contract": 11, "test_ddp_equivalence": 10,
+    "test_launchers": 122, "test_multinode": 102, "test_standalone": 100, "test_check": 89, "test_model_parallel": 61,
+    "test_cli": 60, "test_plan": 60, "test_amp_accum_clip": 52, "test_run": 51, "test_train_longer": 51,
+    "test_right": 42, "test_ckpt": 39, "test_shard_ckpt": 34, "test_options": 24, "test_finetune": 23,
+    "test_golden": 18, "test_monitoring": 17, "test_model_parallel_e2e": 17, "test_model_parallel_2d": 17,
+    "test_dist": 16, "test_ckpt_integrity": 15, "test_precheck": 14, "test_comm_tuning": 11, "test_tp_plan": 9,
+    "test_loss_contract": 8, "test_ddp_equivalence": 7, "test_ckpt_async": 6, "test_bitwise4": 6, "test_any_model": 6,
+    "test_slurm": 6,
 }  # fmt: skip
 
 
