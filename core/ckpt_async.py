@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.kernel.ckpt import save_checkpoint
 from core.kernel.job import Options, RecipeError, RunFolder, option
+from core.kernel.replica import save_checkpoint
 from core.kernel.store import FORMAT, write_tensors
 
 

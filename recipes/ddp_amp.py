@@ -28,11 +28,10 @@ from core.accum import Accumulation, check_step, make_loaders, micro_batch_group
 from core.amp import Precision, grad_sync
 from core.exact_loss import make_exact_loss
 from core.kernel.builtin import build_data, build_model
-from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, Options, RecipeError, Training, cli_main, option
 from core.kernel.loss import make_loss
+from core.kernel.replica import evaluate, load_checkpoint, save_checkpoint
 from core.kernel.seams import SEAMS, fire
-from core.kernel.step import evaluate
 from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, log_summary, log_train, not_training
 from core.plugins import loss_counts, stream, trackers  # noqa: F401 - its own plug-ins (tools/registry.py)

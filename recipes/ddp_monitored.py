@@ -26,11 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 import core.attach  # noqa: F401 - the package runs ddp_monitored with every plug-in; a copy joins its --with ones
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.kernel.builtin import build_data, build_model
-from core.kernel.ckpt import load_checkpoint
 from core.kernel.job import Checkpointing, Options, Training, cli_main, option
 from core.kernel.loss import make_loss
+from core.kernel.replica import evaluate, load_checkpoint
 from core.kernel.seams import SEAMS, fire
-from core.kernel.step import check_finite, evaluate, step_plain
+from core.kernel.step import check_finite, step_plain, total_steps
 from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
@@ -43,7 +43,6 @@ from core.kernel.train import (
     make_loader,
     not_training,
     to_device,
-    total_steps,
 )
 from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, flops_per_sample, peak_flops
 from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa: F401 - its own (tools/registry.py)

@@ -47,7 +47,6 @@ from core.kernel.train import (
     make_loader,
     not_training,
     to_device,
-    total_steps,
 )
 from core.pipeline import STAGE_WEIGHTS, check_pipeline_model
 from core.plugins import balance, trackers  # noqa: F401 - pipeline's own plug-ins: --balance, --log-to
@@ -125,7 +124,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     if (share := train_loader.sampler.num_samples) < size:
         raise RecipeError(f"--batch-size {cfg.batch_size} --accum {cfg.accum}: a rank has {share} samples; use less")
     val_loader = make_loader(val_set, my_row, batch_size=size, collate_fn=collate, train=False)
-    total = total_steps(train_loader, epochs=cfg.epochs, max_steps=cfg.max_steps)
+    total = min(cfg.epochs * len(train_loader), cfg.max_steps or math.inf)  # optimizer steps; --max-steps 0: no cap
     optimizer = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(total, 1))
 

@@ -25,11 +25,11 @@ from torch import nn
 
 import core.attach  # noqa: F401 - the package runs it with every plug-in; a standalone copy joins those --with names
 from core.gpt_builtin import build_gpt, build_text, gpt_defaults
-from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import Checkpointing, RecipeError, Training, cli_main, say
 from core.kernel.loss import make_loss
+from core.kernel.replica import evaluate, load_checkpoint, save_checkpoint
 from core.kernel.seams import SEAMS, fire
-from core.kernel.step import check_finite, evaluate, step_plain
+from core.kernel.step import check_finite, step_plain, total_steps
 from core.kernel.store import finished, open_run, write_weights
 from core.kernel.train import (
     Tally,
@@ -42,7 +42,6 @@ from core.kernel.train import (
     make_loader,
     not_training,
     to_device,
-    total_steps,
 )
 from core.pipeline import check_pipeline_model, plan_split
 

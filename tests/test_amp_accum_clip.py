@@ -28,8 +28,8 @@ from core.accum import make_loaders, micro_batch_groups, step_amp
 from core.amp import grad_sync
 from core.exact_loss import make_exact_loss
 from core.grads import clip_grad_norm
-from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import RecipeError, RunFolder
+from core.kernel.replica import load_checkpoint, save_checkpoint
 from core.kernel.step import step_plain
 from core.kernel.train import Topology
 from core.plugins.loss import ChosenLoss

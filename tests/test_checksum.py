@@ -13,8 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from core.kernel.ckpt import save_checkpoint
 from core.kernel.job import RecipeError, RunFolder
+from core.kernel.replica import save_checkpoint
 from core.kernel.seams import CHECKSUMS
 from core.kernel.store import checksum, newest_good, read_checkpoint
 from core.plugins.fast_writer import write_fast

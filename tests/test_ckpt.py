@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import RunFolder
+from core.kernel.replica import load_checkpoint, save_checkpoint
 from core.kernel.store import newest_good, read_checkpoint, write_weights
 from helpers import REPO, checkpoints, run, torchrun, unfinished, user_env
 from tiny import TiedMLP
@@ -136,7 +136,7 @@ import os, signal, sys, torch
 sys.path[:0] = [{tests!r}]
 from pathlib import Path
 from core.kernel.job import RunFolder
-from core.kernel.ckpt import save_checkpoint
+from core.kernel.replica import save_checkpoint
 from tiny import TiedMLP
 torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 model = TiedMLP(); optimizer = torch.optim.AdamW(model.parameters())

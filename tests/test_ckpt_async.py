@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from core import ckpt_async
-from core.kernel.ckpt import save_checkpoint
 from core.kernel.job import RecipeError, RunFolder
+from core.kernel.replica import save_checkpoint
 from core.kernel.store import read_checkpoint
 from core.plugins.lock import HELD
 from helpers import checkpoints, unfinished

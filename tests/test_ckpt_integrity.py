@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import core.plugins.checks  # noqa: F401 - its SEAMS["read_checks"]: a diverged state's values, the model's shapes
-from core.kernel.ckpt import load_checkpoint, save_checkpoint
 from core.kernel.job import RecipeError, RunFolder
+from core.kernel.replica import load_checkpoint, save_checkpoint
 from core.kernel.store import check_continues, checksum, from_rank0, newest_good, read_checkpoint, write_tensors
 from core.plugins.lock import remove_stale_temporaries
 from tiny import TiedMLP

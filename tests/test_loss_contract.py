@@ -24,8 +24,9 @@ from core.amp import grad_sync
 from core.exact_loss import forward_exact, global_count, make_exact_loss
 from core.kernel.job import RecipeError
 from core.kernel.loss import forward, make_loss, split_outputs
+from core.kernel.replica import evaluate
 from core.kernel.seams import SEAMS
-from core.kernel.step import evaluate, step_plain
+from core.kernel.step import step_plain
 from core.kernel.train import Tally, summarize
 from core.mesh import evaluate_sharded
 from core.plugins import meter

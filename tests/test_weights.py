@@ -11,8 +11,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from core.kernel.ckpt import save_checkpoint
 from core.kernel.job import RecipeError, RunFolder
+from core.kernel.replica import save_checkpoint
 from core.kernel.store import write_weights
 from core.plugins.hf import hf_model, write_hf_folder
 from core.plugins.init_from import InitFrom, check_weights, load_weights, read_weights

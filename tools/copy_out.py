@@ -23,7 +23,7 @@ from tools.registry import PLUGINS, RECIPES, plugins_of
 
 CORE = Path(__file__).resolve().parent.parent / "core"
 # The kernel's files in the order a reader meets what they define; a copy joins those its files import (and no other).
-KERNEL = ("step", "loss", "train", "store", "ckpt", "job", "builtin", "seams")
+KERNEL = ("step", "loss", "train", "store", "replica", "job", "builtin", "seams")
 TAIL = "# Options and start:"  # the recipe's line where its Config and __main__ block begin
 LEFT_OUT = "the pre-launch checks (tools/precheck.py), the loopback-only store (tools/join.py), other built-in models"
 OWN = re.compile(r"(from|import) (core|recipes)\b")

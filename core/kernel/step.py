@@ -1,4 +1,4 @@
-"""The replica's step: forward, backward, the optimizer step and its check; evaluation."""
+"""The replica's step: forward, backward, the optimizer step and its check; how many steps the run takes."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from core.kernel.job import RecipeError
 from core.kernel.loss import Loss, forward
-from core.kernel.train import Tally, summarize, to_device
 
 
 def step_plain(model: nn.Module, batch, *, optimizer: torch.optim.Optimizer, loss_fn: Loss) -> tuple[dict, float]:
@@ -32,14 +32,8 @@ def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
     return int(not math.isfinite(grad_norm))
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
-    """val_loss and val_acc over every rank's share of the validation set ({} without one)."""
-    if loader is None:
-        return {}
-    was_training, tally = model.training, Tally(device)
-    model.eval()
-    for batch in loader:
-        tally.add(forward(model, to_device(batch, device), loss_fn)[1])
-    model.train(was_training)
-    return summarize(tally.reduce(), prefix="val_")
+def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
+    """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
+    if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
+        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
+    return min(epochs * len(loader), max_steps or epochs * len(loader))

@@ -88,13 +88,6 @@ def make_loader(dataset, topo, *, batch_size: int, collate_fn, seed: int = 0, tr
     return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options)
 
 
-def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
-    """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
-    if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
-        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
-    return min(epochs * len(loader), max_steps or epochs * len(loader))
-
-
 def metrics(logits, targets, mean: torch.Tensor, *, samples: int, shift: bool) -> dict[str, torch.Tensor]:
     """loss_sum, count (counted targets, else samples), samples, and correct where the logits score the targets."""
     n = torch.tensor(float(samples), dtype=torch.float64, device=mean.device)

@@ -1,4 +1,4 @@
-"""The replica's checkpoint: the whole train state in one RUN/ckpt/step-N.safetensors, written by rank 0, read back."""
+"""A whole replica on every rank: its evaluation, and its checkpoint (the train state in one RUN/ckpt/step-N file)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from core.kernel.job import RunFolder
+from core.kernel.loss import Loss, forward
 from core.kernel.store import FORMAT, START, from_rank0, read_checkpoint, resumed, write_tensors
+from core.kernel.train import Tally, summarize, to_device
 
 
 def save_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler, progress: dict, keep: int) -> Path:
@@ -47,3 +49,16 @@ def load_checkpoint(run: RunFolder, *, model: nn.Module, optimizer, scheduler) -
     groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in saved["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # JSON made AdamW's betas a list
     return resumed(run, meta, tensors, optimizer=optimizer, scheduler=scheduler)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, *, loss_fn: Loss, device: torch.device) -> dict[str, float]:
+    """val_loss and val_acc over every rank's share of the validation set ({} without one)."""
+    if loader is None:
+        return {}
+    was_training, tally = model.training, Tally(device)
+    model.eval()
+    for batch in loader:
+        tally.add(forward(model, to_device(batch, device), loss_fn)[1])
+    model.train(was_training)
+    return summarize(tally.reduce(), prefix="val_")
