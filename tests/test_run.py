@@ -493,7 +493,7 @@ def test_two_jobs_started_at_the_same_instant_on_one_run_folder_one_is_refused(t
 
 KILLED_SAVE = """
 import os, signal, sys
-from core.kernel import ckpt, store  # ddp's checkpoints: the kernel's, written by the fast_writer plug-in
+from core.kernel import replica, store  # ddp's checkpoints: the kernel's, written by the fast_writer plug-in
 from core.plugins import fast_writer
 point, at_step = sys.argv[1], int(sys.argv[2])
 sys.argv[1:3] = []
@@ -511,7 +511,7 @@ def wrap(module, name, when):
 
 saving = lambda path, *a: f"step-{at_step:06d}" in str(path)
 if point == "before the write":
-    wrap(ckpt, "write_tensors", saving)  # the name save_checkpoint calls
+    wrap(replica, "write_tensors", saving)  # the name save_checkpoint calls
 elif point == "mid-file":
     calls = []
     wrap(fast_writer, "_write_all", lambda f, view: saving(f.name) and len(calls.append(1) or calls) == 3)
