@@ -21,7 +21,8 @@ from core.kernel.train import make_loader, to_device
 
 @dataclass(frozen=True)
 class Accumulation(Options):
-    title = "gradient accumulation and clipping"
+    """gradient accumulation and clipping"""
+
     accum: int = option(1, "micro-batches per optimizer step (accumulation)", low=1)
     clip: float = option(0.0, "clip the global gradient norm to this (0: off)")  # below 0, nan, inf: out of its range
 

@@ -13,7 +13,8 @@ from core.kernel.job import Options, option
 
 @dataclass(frozen=True)
 class Precision(Options):
-    title = "mixed precision"
+    """mixed precision"""
+
     precision: str = option(
         "fp32",
         "compute precision (autocast; fp16 adds dynamic loss scaling)",

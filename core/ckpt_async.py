@@ -17,7 +17,8 @@ from core.kernel.store import FORMAT, write_tensors
 
 @dataclass(frozen=True)
 class AsyncCheckpoints(Options):
-    title = "checkpoints"
+    """checkpoints"""
+
     ckpt_async: bool = option(False, "write checkpoints in a background thread: the step waits for the host copy only")
 
 

@@ -17,7 +17,8 @@ from core.kernel.train import Tally, summarize, to_device
 
 @dataclass(frozen=True)
 class ShardedPrecision(Options):
-    title = "mixed precision"
+    """mixed precision"""
+
     # no fp16: its loss scaler would have to skip a step on every shard alike
     precision: str = option("fp32", "compute precision (bf16: in fully_shard or autocast)", choices=("fp32", "bf16"))
 

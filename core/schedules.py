@@ -19,7 +19,8 @@ from core.pipeline import check_pipeline_model, plan_split
 
 @dataclass(frozen=True)
 class Pipelining(Options):
-    title = "pipeline parallelism, precision, accumulation"
+    """pipeline parallelism, precision, accumulation"""
+
     pp: int = option(0, "ranks per pipeline (0: all of them); the rest is data parallel")
     schedule: str = option("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
     microbatches: int = option(4, "micro-batches per batch (must divide the batch size)", low=1)

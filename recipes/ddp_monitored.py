@@ -140,7 +140,8 @@ def train(cfg: Config, topo: Topology) -> dict:
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
 class DDPOptions(Options):
-    title = "DistributedDataParallel"
+    """DistributedDataParallel"""
+
     find_unused_parameters: bool = option(False, "let DDP find parameters forward did not use (costs a graph walk)")
     static_graph: bool = option(False, "tell DDP the graph is the same every step (also fixes unused parameters)")
     sync_batchnorm: bool = option(False, "BatchNorm statistics over all ranks (SyncBatchNorm; GPUs)")

@@ -131,7 +131,8 @@ def train(cfg: Config, topo: Topology) -> dict:
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
 class FSDPOptions(Options):
-    title = "fully sharded data parallel"
+    """fully sharded data parallel"""
+
     offload: bool = option(False, "keep the parameter shards and the optimizer step in CPU memory (GPUs)")
 
 

@@ -137,7 +137,8 @@ def train(cfg: Config, topo: Topology) -> dict:
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
 class Mesh(Options):
-    title = "2-D parallelism"
+    """2-D parallelism"""
+
     tp: int = option(2, "tensor-parallel group size (ranks per group); dp = world size / tp", low=1)
 
 

@@ -129,7 +129,8 @@ def train(cfg: Config, topo: Topology) -> dict:
 # Options and start: in a standalone copy these come last, after everything they use.
 @dataclass(frozen=True)
 class TP(Options):
-    title = "tensor parallelism"
+    """tensor parallelism"""
+
     sequence_parallel: bool = option(False, "split LayerNorm and the residual stream along the sequence (the GPT)")
 
 

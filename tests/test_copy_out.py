@@ -30,8 +30,8 @@ PLUGIN_FILES = sorted((REPO / "core" / "plugins").glob("[a-z]*.py"))
 # (ASKED: 450 code lines and 650 in all for ddp, 750 code lines for every other copy).
 ASKED = {"ddp": 450}
 LEAN_BUDGET = {
-    "ddp": (800, 542), "dp": (790, 750), "ddp_amp": (955, 750), "ddp_monitored": (1015, 750), "fsdp": (1130, 750),
-    "pipeline_naive": (935, 750), "pipeline": (1045, 750), "tensor_parallel": (1145, 750), "fsdp_tp": (1188, 778),
+    "ddp": (800, 541), "dp": (790, 750), "ddp_amp": (956, 750), "ddp_monitored": (1015, 750), "fsdp": (1131, 750),
+    "pipeline_naive": (931, 750), "pipeline": (1042, 750), "tensor_parallel": (1147, 750), "fsdp_tp": (1191, 775),
 }  # fmt: skip
 RATCHET = 20
 
@@ -216,7 +216,8 @@ def _imports_text(text: str) -> list[str]:
 @pytest.mark.parametrize("name", ON_KERNEL)
 def test_every_top_level_function_a_lean_copy_joins_is_called(name, tmp_path):
     """35.1 for every lean copy: each function its files define is called (a copy joins only the kernel files whose
-    functions it calls: kernel/replica.py's evaluate and checkpoint with a whole replica, kernel/step.py with step_plain)."""
+    functions it calls: kernel/replica.py with a whole replica's evaluation and checkpoint, kernel/step.py with
+    step_plain)."""
     tree = ast.parse(join(name, str(tmp_path / "train.py"), kept=[]))
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}

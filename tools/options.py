@@ -33,18 +33,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(config: type, argv: list[str] | None = None, *, prog: str | None = None, description: str = ""):
-    """(the Config of a command line, whether --dry-run was given): a --help section per option group."""
+    """(the Config of a command line, whether --dry-run was given): a --help section per group (its docstring)."""
     parser = _Parser(prog=prog, usage=f"{prog or '%(prog)s'} [OPTIONS]", description=description, allow_abbrev=False)
     groups = [c for c in config.__mro__ if c.__dict__.get("__annotations__")]
-    titles = {g: g.__dict__.get("title", g.__name__.lower()) for g in groups}  # one section each, in order
+    auto = {g for g in groups if g.__doc__.startswith(f"{g.__name__}(")}  # no docstring: dataclass wrote "Name(...)"
+    titles = {g: g.__name__.lower() if g in auto else g.__doc__ for g in groups}
     made = {title: parser.add_argument_group(title) for title in titles.values()}  # an empty one is not shown
     # a field's section: the group that declares it first, the last in the MRO (a recipe's new default stays there)
     sections = {name: made[titles[group]] for group in groups for name in group.__dict__["__annotations__"]}
     for f in dataclasses.fields(config):
         choices, kind = f.metadata["choices"], type(f.default)
         how = {"type": kind, "choices": choices, "metavar": None if choices else kind.__name__.upper()}
-        if kind is bool:
-            how = {"action": argparse.BooleanOptionalAction}
+        how = {"action": argparse.BooleanOptionalAction} if kind is bool else how
         text = f.metadata["help"] + ("" if f.default == "" or f.default is False else f" (default: {f.default})")
         sections[f.name].add_argument("--" + f.name.replace("_", "-"), default=f.default, help=text, **how)
     parser.add_argument("--dry-run", action="store_true", help="check the options and exit without training")

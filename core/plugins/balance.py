@@ -16,7 +16,8 @@ from core.pipeline import STAGE_WEIGHTS
 
 @dataclass(frozen=True)
 class Balance(Options):
-    title = "pipeline parallelism"
+    """pipeline parallelism"""
+
     balance: str = option(
         "params", "balance the stages by parameter count or measured time", choices=("params", "time")
     )

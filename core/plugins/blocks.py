@@ -14,7 +14,8 @@ from core.shard import BLOCKS
 
 @dataclass(frozen=True)
 class BlocksOption(Options):
-    title = "fully sharded data parallel"
+    """fully sharded data parallel"""
+
     blocks: str = option("", "the nn.ModuleList of blocks to shard one by one, e.g. transformer.h (default: found)")
 
 

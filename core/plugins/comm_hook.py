@@ -17,7 +17,8 @@ HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 @dataclass(frozen=True)
 class CommOptions(Options):
-    title = "gradient communication"
+    """gradient communication"""
+
     comm_hook: str = option(
         "none", "gradient all-reduce: plain, compressed to fp16/bf16, or PowerSGD low-rank", choices=HOOKS
     )

@@ -24,7 +24,8 @@ DATASETS: dict = {"digits": digits}
 
 @dataclass(frozen=True)
 class Factories(Options):
-    title = "training"
+    """training"""
+
     model: str = option("mlp", "built-in model (mlp, cnn, gpt) or module:function returning an nn.Module")
     data: str = option("digits", "built-in data (digits, synthetic, text) or module:function returning (train, val)")
 

@@ -21,7 +21,8 @@ from core.kernel.seams import SEAMS
 
 @dataclass(frozen=True)
 class HFExport(Options):
-    title = "Hugging Face folder"
+    """Hugging Face folder"""
+
     hf_attr: str = option("", "where --model's module holds its transformers model, e.g. backbone (default: itself)")
     hf_shard_mb: float = option(
         5000.0, "largest weights file of RUN/hf, in MB", check=lambda v: v > 0, fix="use above 0"

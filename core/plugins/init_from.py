@@ -21,7 +21,8 @@ PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 @dataclass(frozen=True)
 class InitFrom(Options):
-    title = "initial weights"
+    """initial weights"""
+
     init_from: str = option("", "start from these weights: a .safetensors file or a Hugging Face folder (no pickle)")
 
 

@@ -27,7 +27,8 @@ TARGETS = "targets"  # nanoGPT's forward(idx, targets=None): given a pair's targ
 
 @dataclass(frozen=True)
 class LossOption(Options):
-    title = "training"
+    """training"""
+
     loss: str = option("auto", "auto (the model's own loss, else ce or mse), ce, mse, model, or module:function")
 
 

@@ -15,7 +15,8 @@ PROFILER: dict = {}  # this process's profiler while a run with --profile trains
 
 @dataclass(frozen=True)
 class ProfileOption(Options):
-    title = "monitoring and debugging"
+    """monitoring and debugging"""
+
     profile: bool = option(False, "write a torch.profiler trace of a few steps, one file per rank")
 
 

@@ -35,7 +35,8 @@ OPENED: dict = {}  # this process's open trackers: {"trackers": Trackers}
 
 @dataclass(frozen=True)
 class Tracking(Options):
-    title = "trackers"
+    """trackers"""
+
     log_to: str = option("", "also log to tensorboard, wandb, or both (comma-separated); rank 0 logs")
     wandb_project: str = option(
         "",

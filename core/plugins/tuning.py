@@ -17,7 +17,8 @@ from core.monitor import BEFORE_PG, WRAPPED
 
 @dataclass(frozen=True)
 class TuningOptions(Options):
-    title = "computation"
+    """computation"""
+
     compile: bool = option(False, "torch.compile the model (after DDP wraps it)")
     activation_checkpointing: bool = option(False, "recompute each block's activations in backward (less memory)")
     channels_last: bool = option(False, "channels-last memory format for conv models (GPU)")

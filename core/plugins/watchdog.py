@@ -26,7 +26,8 @@ from core.monitor import BEFORE_PG
 
 @dataclass(frozen=True)
 class DebugOptions(Options):
-    title = "monitoring and debugging"
+    """monitoring and debugging"""
+
     hang_factor: float = option(
         20.0,
         "watchdog: dump every rank's stack when a step takes this many times the median step (0: off)",
