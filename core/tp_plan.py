@@ -5,19 +5,19 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, parallel
+from torch.distributed.tensor import parallel
 
 from core.kernel.job import RecipeError
 
-# The model_plans plug-in's: TP_PLANS, fn(model, *, tp, sequence_parallel) -> a model's own tensor-parallel plan or
-# None; AROUND_TP, fn(model, plan, *, tp) -> a context manager around parallelize_module.
+# The model_plans plug-in's: TP_PLANS, fn(model, *, tp) -> a model's own tensor-parallel plan or None; AROUND_TP,
+# fn(model, plan, *, tp) -> a context manager around parallelize_module.
 TP_PLANS, AROUND_TP = [], []
 
 
-def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> dict:
+def plan_of(model: nn.Module, *, tp: int) -> dict:
     """{module name: ParallelStyle}: the model's own plan, else the GPT's, or one error line if tp cannot split it."""
-    for find in TP_PLANS:  # the model_plans plug-in: a model's own plan (it refuses --sequence-parallel)
-        if (own := find(model, tp=tp, sequence_parallel=sequence_parallel)) is not None:
+    for find in TP_PLANS:  # the model_plans plug-in: a model's own plan
+        if (own := find(model, tp=tp)) is not None:
             return own
     blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
     layers = dict(model.named_modules(remove_duplicate=False))  # by name, as the plan names them
@@ -32,25 +32,15 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> di
         if heads % tp or units % tp:
             why = f"must divide the {heads} attention heads and the {units} MLP units"
             raise RecipeError(f"tensor parallel size {tp} {why}; use a tp size that divides both")
-    if sequence_parallel and not (hasattr(model.blocks[-1], "ln") and hasattr(model.blocks[-1], "out")):
-        raise RecipeError("--sequence-parallel needs the GPT layout: blocks = [Embed, Block..., head (ln, out)]")
-    return gpt_tp_plan(model, sequence_parallel=sequence_parallel)
+    return gpt_tp_plan(model)
 
 
-def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict:
-    """Megatron's plan for the GPT: q/k/v and fc by column, proj by row (sequence_parallel: LayerNorm on a shard)."""
-    row_out, plan, last = Shard(1) if sequence_parallel else Replicate(), {}, len(model.blocks) - 1
+def gpt_tp_plan(model: nn.Module) -> dict:
+    """Megatron's plan for the GPT: q/k/v and fc by column, proj by row (core/sp_plan.py adds sequence parallelism)."""
+    plan = {}
     for i in [i for i, block in enumerate(model.blocks) if hasattr(block, "attn") and hasattr(block, "mlp")]:
         plan |= {f"blocks.{i}.{n}": parallel.ColwiseParallel() for n in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
-        plan |= {f"blocks.{i}.{n}": parallel.RowwiseParallel(output_layouts=row_out) for n in ("attn.proj", "mlp.proj")}
-        if sequence_parallel:  # LayerNorm on a shard of the sequence, gathered before the column-split layers
-            gather = parallel.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            plan |= {f"blocks.{i}.{name}": gather for name in ("attn", "mlp")}
-            plan |= {f"blocks.{i}.{name}": parallel.SequenceParallel() for name in ("ln1", "ln2")}
-    if sequence_parallel:  # the embedding's output split by sequence, the head's LayerNorm on it, the logits whole
-        plan["blocks.0"] = parallel.PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        plan[f"blocks.{last}.ln"] = parallel.SequenceParallel()
-        plan[f"blocks.{last}.out"] = parallel.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan |= {f"blocks.{i}.{n}": parallel.RowwiseParallel() for n in ("attn.proj", "mlp.proj")}  # then whole
     return plan
 
 

@@ -38,6 +38,7 @@ from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, lo
 from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins (--with)
 from core.shard_ckpt import load_sharded, save_sharded
+from core.sp_plan import sp_plan
 from core.tp_plan import plan_of, tp_kept
 
 
@@ -48,8 +49,10 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 def check(cfg: Config) -> None:
     """What is refused before any process starts (the pre-check calls it too): a plan the world size cannot split."""
-    with torch.device("meta"):  # shapes only: no memory; a plan that cannot split it: one line
-        plan_of(build_gpt(cfg), tp=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=cfg.sequence_parallel)
+    with torch.device("meta"):  # shapes only: no memory
+        model = build_gpt(cfg)
+    # a plan that cannot split it, or --sequence-parallel with another plan than the GPT's: one line
+    sp_plan(model, plan_of(model, tp=int(os.environ.get("WORLD_SIZE", "1"))), enabled=cfg.sequence_parallel)
 
 
 def main(cfg: Config) -> dict:
@@ -71,7 +74,8 @@ def train(cfg: Config, topo: Topology) -> dict:
     model = build_gpt(cfg).to(topo.device)
     fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its slices
     tp_mesh = build_mesh(topo, mesh(cfg, topo.world_size))["tp"]
-    plan = plan_of(model, tp=(tp := tp_mesh.size()), sequence_parallel=cfg.sequence_parallel)  # by column or row
+    # which Linear layers split by column, which by row (--sequence-parallel: LayerNorm on shards of the sequence)
+    plan = sp_plan(model, plan_of(model, tp=(tp := tp_mesh.size())), enabled=cfg.sequence_parallel)
     with tp_kept(model, plan, tp=tp):  # a tied lm_head stays tied
         parallel.parallelize_module(model, tp_mesh, plan)
     torch.manual_seed(cfg.seed)  # one group, one stream of dropout: DTensor needs it the same on every rank

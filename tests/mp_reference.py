@@ -18,6 +18,7 @@ from core.kernel.train import Topology, make_loader
 from core.plugins.factories import data_from_spec, model_from_spec
 from core.plugins.init_from import load_weights
 from core.shard import fsdp_policy, shard_blocks
+from core.sp_plan import sp_plan
 from core.tp_plan import plan_of
 
 BASE = dict(model="gpt", data="mp_reference:short_text", epochs=1, max_steps=3, batch_size=8, lr=1e-3, log_every=1)
@@ -36,7 +37,7 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> nn.M
     """The recipes' TP split (core.tp_plan.plan_of) over a 1-D `mesh`, in place."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    return parallelize_module(model, mesh, plan_of(model, tp=mesh.size(), sequence_parallel=sequence_parallel))
+    return parallelize_module(model, mesh, sp_plan(model, plan_of(model, tp=mesh.size()), enabled=sequence_parallel))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ from core import tp_plan
 from core.gpt import GPT
 from core.kernel.job import RecipeError
 from core.plugins import model_plans
+from core.sp_plan import sp_plan
 from mp_reference import apply_fsdp
 
 transformers = pytest.importorskip("transformers")
@@ -248,10 +249,16 @@ def test_a_tied_weight_split_two_ways_is_refused():
 def test_sequence_parallel_is_the_gpts_alone_and_plan_of_picks_the_models_own():
     """--sequence-parallel splits the GPT's residual stream; a model with its own plan is refused in one line."""
     with pytest.raises(RecipeError, match="only the built-in GPT's plan splits the sequence.*drop --sequence-parallel"):
-        tp_plan.plan_of(meta(llama), tp=2, sequence_parallel=True)
+        sp_plan(meta(llama), tp_plan.plan_of(meta(llama), tp=2), enabled=True)
     with torch.device("meta"):
         gpt = GPT(vocab=32, dim=32, heads=4, layers=2, context=8)
-    plan = tp_plan.plan_of(gpt, tp=2, sequence_parallel=True)
-    assert set(plan) == set(tp_plan.gpt_tp_plan(gpt, sequence_parallel=True))
+    plan = sp_plan(gpt, tp_plan.plan_of(gpt, tp=2), enabled=True)
+    assert set(plan) - set(tp_plan.gpt_tp_plan(gpt)) == {  # the plan, and each block's LayerNorms and their inputs
+        *(f"blocks.{i}.{name}" for i in (1, 2) for name in ("attn", "mlp", "ln1", "ln2")),
+        "blocks.0",
+        "blocks.3.ln",
+        "blocks.3.out",
+    }
+    assert sp_plan(gpt, tp_plan.plan_of(gpt, tp=2), enabled=False).keys() == tp_plan.gpt_tp_plan(gpt).keys()
     own = {k: repr(v) for k, v in model_plans.model_tp_plan(meta(llama)).items()}
     assert {k: repr(v) for k, v in tp_plan.plan_of(meta(llama), tp=2).items()} == own

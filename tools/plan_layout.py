@@ -91,7 +91,7 @@ def build_layout(name: str, cfg, *, device_mesh, build=check_model, device=None)
         # DDP's buckets: one copy of the gradients at any world size (backward makes each gradient, views or not)
         buckets = held_bytes(params) if name in REPLICAS else 0
         return Layout(model, params, autocast=getattr(cfg, "precision", "fp32"), bucket_bytes=buckets)
-    from core import shard, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
+    from core import shard, sp_plan, tp_plan  # here: DTensor and fully_shard load for the layouts that use them
 
     if name == "fsdp":
         _fully_shard(model, device_mesh["dp"], shard.fsdp_policy(cfg.precision), cfg)
@@ -101,7 +101,7 @@ def build_layout(name: str, cfg, *, device_mesh, build=check_model, device=None)
 
         tp_mesh = device_mesh["tp"]
         sp = getattr(cfg, "sequence_parallel", False)
-        plan = tp_plan.plan_of(model, tp=tp_mesh.size(), sequence_parallel=sp)
+        plan = sp_plan.sp_plan(model, tp_plan.plan_of(model, tp=tp_mesh.size()), enabled=sp)
         with tp_plan.tp_kept(model, plan, tp=tp_mesh.size()):
             parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":

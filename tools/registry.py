@@ -209,7 +209,7 @@ _BUILT_IN = [
         "recipes.tensor_parallel",
         "column/row splits of each block's Linear layers (DTensor), from the model's own plan",
         builds_on="fsdp",
-        opt_ins=("mesh", "shard_ckpt", "tp_plan", "accum", "exact_loss", "gpt_builtin"),
+        opt_ins=("mesh", "shard_ckpt", "tp_plan", "sp_plan", "accum", "exact_loss", "gpt_builtin"),
         plugins=(*KERNEL_PLUGINS, "trackers", "stream", "loss_counts", "model_plans"),
     ),
     Recipe(

@@ -129,9 +129,8 @@ def _check_ties(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
             )
 
 
-def checked_plan(model: nn.Module, *, tp: int, sequence_parallel: bool = False) -> dict[str, ParallelStyle] | None:
-    """The model's own plan, once `tp` is known to split every layer in it into whole shards; None if it has none.
-    --sequence-parallel is refused: only the built-in GPT's plan splits the sequence."""
+def checked_plan(model: nn.Module, *, tp: int) -> dict[str, ParallelStyle] | None:
+    """The model's own plan, once `tp` is known to split every layer in it into whole shards; None if it has none."""
     plan = model_tp_plan(model)
     if plan is None:
         return None
@@ -145,9 +144,6 @@ def checked_plan(model: nn.Module, *, tp: int, sequence_parallel: bool = False) 
                 f"{name}; use a tp size that splits every layer in its plan evenly: {fits}"
             )
     _check_ties(model, plan)
-    if sequence_parallel:
-        why = "only the built-in GPT's plan splits the sequence"
-        raise RecipeError(f"--sequence-parallel: {why}; drop --sequence-parallel")
     return plan
 
 
