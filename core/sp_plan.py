@@ -10,7 +10,7 @@ from core.tp_plan import gpt_tp_plan
 
 
 def sp_plan(model: nn.Module, plan: dict, *, enabled: bool) -> dict:
-    """plan_of's GPT plan with the residual stream split along the sequence between sub-layers, or one error line."""
+    """plan_of's GPT plan, extended in place: the residual stream split along the sequence between sub-layers."""
     if not enabled:
         return plan
     head = f"blocks.{len(getattr(model, 'blocks', [])) - 1}"  # the GPT's last block: its LayerNorm, then the logits
