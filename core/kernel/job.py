@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import errno
 import json
 import math
@@ -14,7 +13,7 @@ import sys
 import time
 import traceback
 from collections import namedtuple
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from loguru import logger
@@ -35,7 +34,7 @@ class Options:
     """Every field checked when a Config is built: a wrong value is one line naming the option, the value, the fix."""
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
+        for f in fields(self):
             value, meta, name = getattr(self, f.name), f.metadata, "--" + f.name.replace("_", "-")
             if type(value) in (int, float) and not meta["low"] <= value <= meta["high"]:  # nan and inf too
                 raise RecipeError(f"{name} {value}: use {meta['low']} to {meta['high']}")
@@ -71,7 +70,7 @@ def cli_main(main, config: type) -> None:
     doc = (sys.modules[main.__module__].__doc__ or "").split("\n")[0]  # the recipe's first line
     parser = argparse.ArgumentParser(description=doc, allow_abbrev=False)
     parser.error = lambda message: sys.exit(fail(message, 2))  # one line, not argparse's usage
-    for f in dataclasses.fields(config):
+    for f in fields(config):
         how = {"type": type(f.default), "choices": f.metadata["choices"]}
         how = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else how
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **how)

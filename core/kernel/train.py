@@ -137,14 +137,14 @@ def not_training() -> contextlib.ExitStack:
     return stack
 
 
-def log_train(run: RunFolder, window: Tally, *, step: int, total: int, epoch: int, **fields) -> None:
+def log_train(run: RunFolder, window: Tally, *, step: int, total: int, epoch: int, **numbers) -> None:
     """A `train` record and line of the job's numbers since the last one (a collective)."""
     sums = window.reduce()
     window.sums = {key: torch.zeros_like(value) for key, value in window.sums.items()}
     more = {k: v for hook in SEAMS["log_fields"] for k, v in hook().items()}  # the clock's rates (a collective too)
     if sums["count"] > 0:  # else the last window's numbers stand
         window.last = summarize(sums) | more
-    write_record(run, {"kind": "train", "step": step, "epoch": epoch, **fields, **window.last})
+    write_record(run, {"kind": "train", "step": step, "epoch": epoch, **numbers, **window.last})
     shown = [f"{key} {window.last[key]:.4f}" for key in ("loss", "acc") if key in window.last]
     shown += [f"{window.last[k]:.0f} {k.removesuffix('_per_s')}/s" for k in window.last if k.endswith("_per_s")]
     say(run, " ".join([f"step {step}/{total} epoch {epoch}", *shown]))
