@@ -36,6 +36,7 @@ class Loss:
         return model(*batch[:-1]), batch[-1]
 
     def logits_and_loss(self, outputs, targets, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits, mean loss): the loss the model returned, else cross-entropy (the loss plug-in: --loss's)."""
         logits, mean = split_outputs(outputs)
         if mean is None:
             mean = nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
