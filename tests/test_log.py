@@ -219,6 +219,19 @@ def test_say_prints_info_on_stdout_and_the_rest_on_stderr(capsys):
     assert not records.RUN_LOG  # no run: loguru is not touched
 
 
+def test_a_signal_that_landed_inside_loguru_still_ends_the_run_in_its_one_line(run, capsys):
+    """CI found it: a SIGTERM raised while rank 0 was inside loguru left its handler marked busy; the stop's own
+    line then raised loguru's RuntimeError, a traceback and 'rank 0: RuntimeError' as the last line, status 1."""
+    open_log(run)
+    handler = logger._core.handlers[records.RUN_LOG["id"]]
+    handler._lock_acquired.acquired = True  # the state the interrupted emit leaves: loguru refuses every line
+    try:
+        assert fail("stopped by SIGTERM", 143) == 143
+    finally:
+        handler._lock_acquired.acquired = False
+    assert capsys.readouterr().err == "error: stopped by SIGTERM\n"  # the terminal has it; train.log could not
+
+
 def test_the_log_format_is_loguru_s(run):
     """The form train.log promises (docs/monitoring.md) is LOG_FORMAT's."""
     open_log(run)

@@ -114,7 +114,7 @@ def say(run: RunFolder | None, message: str, level: str = "INFO") -> None:
     if run is None or run.writer:
         print(message, file=sys.stdout if level == "INFO" else sys.stderr, flush=True)
         if RUN_LOG:
-            with contextlib.suppress(OSError):  # train.log on a full disk: the terminal has the line
+            with contextlib.suppress(OSError, RuntimeError):  # a full disk; loguru refusing after a signal hit it
                 logger.bind(rank=0).log(level, message)
 
 
