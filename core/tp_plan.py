@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import nn
 from torch.distributed.tensor import parallel
 
 from core.kernel.job import RecipeError
 
-# The model_plans plug-in's: TP_PLANS, fn(model, *, tp) -> a model's own tensor-parallel plan or None; AROUND_TP,
-# fn(model, plan, *, tp) -> a context manager around parallelize_module.
-TP_PLANS, AROUND_TP = [], []
+# The model_plans plug-in's: fn(model, *, tp) -> a model's own tensor-parallel plan (its last entry, "", keeps the
+# model's tied weights and stored head counts right once every layer is split), or None.
+TP_PLANS: list = []
 
 
 def plan_of(model: nn.Module, *, tp: int) -> dict:
@@ -42,11 +40,3 @@ def gpt_tp_plan(model: nn.Module) -> dict:
         plan |= {f"blocks.{i}.{n}": parallel.ColwiseParallel() for n in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
         plan |= {f"blocks.{i}.{n}": parallel.RowwiseParallel() for n in ("attn.proj", "mlp.proj")}  # then whole
     return plan
-
-
-def tp_kept(model: nn.Module, plan: dict, *, tp: int) -> contextlib.ExitStack:
-    """Around parallelize_module: what the plug-ins keep across it (model_plans: tied weights, head counts)."""
-    with contextlib.ExitStack() as stack:  # entered here (undone if one fails): a `with` around it exits them
-        for around in AROUND_TP:
-            stack.enter_context(around(model, plan, tp=tp))
-        return stack.pop_all()

@@ -36,7 +36,7 @@ from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_mode
 from core.plugins import blocks, loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins
 from core.shard import BLOCKS, fsdp_policy, fsdp_sync, shard_blocks
 from core.shard_ckpt import load_sharded, save_sharded
-from core.tp_plan import plan_of, tp_kept
+from core.tp_plan import plan_of
 
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
@@ -77,8 +77,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     device_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
     dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
     plan = plan_of(model, tp=tp_mesh.size())  # which Linear layers split by column, which by row
-    with tp_kept(model, plan, tp=tp_mesh.size()):  # a tied lm_head stays tied
-        parallel.parallelize_module(model, tp_mesh, plan)
+    parallel.parallelize_module(model, tp_mesh, plan)
     # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
     for block in [*shard_blocks(cfg, model), model]:  # the root last: it holds what no block does
         fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision))

@@ -39,7 +39,7 @@ from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_mode
 from core.plugins import loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins (--with)
 from core.shard_ckpt import load_sharded, save_sharded
 from core.sp_plan import sp_plan
-from core.tp_plan import plan_of, tp_kept
+from core.tp_plan import plan_of
 
 
 def mesh(cfg: Config, world_size: int) -> dict[str, int]:
@@ -76,8 +76,7 @@ def train(cfg: Config, topo: Topology) -> dict:
     tp_mesh = build_mesh(topo, mesh(cfg, topo.world_size))["tp"]
     # which Linear layers split by column, which by row (--sequence-parallel: LayerNorm on shards of the sequence)
     plan = sp_plan(model, plan_of(model, tp=(tp := tp_mesh.size())), enabled=cfg.sequence_parallel)
-    with tp_kept(model, plan, tp=tp):  # a tied lm_head stays tied
-        parallel.parallelize_module(model, tp_mesh, plan)
+    parallel.parallelize_module(model, tp_mesh, plan)
     torch.manual_seed(cfg.seed)  # one group, one stream of dropout: DTensor needs it the same on every rank
     # A stream (an IterableDataset) is read in order; map-style data by a seeded sampler, the same on every rank:
     # every rank loads the group's whole batch, as a world of one.

@@ -563,7 +563,7 @@ def test_a_tensor_parallel_copy_without_model_plans_splits_the_gpt_and_refuses_a
 
     for name in ("tensor_parallel", "fsdp_tp"):
         lean = runpy.run_path(str(project / "project" / f"{name}.py"), run_name="lean_copy")
-        assert "model_tp_plan" not in lean and "ties_and_heads_kept" not in lean
+        assert "model_tp_plan" not in lean and "TiesAndHeadsKept" not in lean
         gpt = lean["gpt"]()
         assert set(lean["gpt_tp_plan"](gpt)) == set(tp_plan.plan_of(gpt, tp=2))  # the package's plan for the GPT
         lean["plan_of"](gpt, tp=2)

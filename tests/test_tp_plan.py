@@ -82,8 +82,7 @@ class PlannedModel(nn.Module):
 def apply_model_tp(model: nn.Module, mesh) -> nn.Module:
     """The recipes' lines: split the model over a 1-D mesh in place by its own plan (model_plans), else the GPT's."""
     plan = tp_plan.plan_of(model, tp=mesh.size())
-    with tp_plan.tp_kept(model, plan, tp=mesh.size()):
-        parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, plan)
     return model
 
 
@@ -261,4 +260,5 @@ def test_sequence_parallel_is_the_gpts_alone_and_plan_of_picks_the_models_own():
     }
     assert sp_plan(gpt, tp_plan.plan_of(gpt, tp=2), enabled=False).keys() == tp_plan.gpt_tp_plan(gpt).keys()
     own = {k: repr(v) for k, v in model_plans.model_tp_plan(meta(llama)).items()}
-    assert {k: repr(v) for k, v in tp_plan.plan_of(meta(llama), tp=2).items()} == own
+    found = tp_plan.plan_of(meta(llama), tp=2)
+    assert {k: repr(v) for k, v in found.items() if k} == own and type(found[""]).__name__ == "TiesAndHeadsKept"

@@ -102,8 +102,7 @@ def build_layout(name: str, cfg, *, device_mesh, build=check_model, device=None)
         tp_mesh = device_mesh["tp"]
         sp = getattr(cfg, "sequence_parallel", False)
         plan = sp_plan.sp_plan(model, tp_plan.plan_of(model, tp=tp_mesh.size()), enabled=sp)
-        with tp_plan.tp_kept(model, plan, tp=tp_mesh.size()):
-            parallelize_module(model, tp_mesh, plan)
+        parallelize_module(model, tp_mesh, plan)
         if name == "tensor_parallel":
             return Layout(model, list(model.parameters()), autocast=cfg.precision)
         _fully_shard(model, device_mesh["dp"], shard.fsdp_policy(cfg.precision), cfg)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import contextmanager
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from core.kernel.job import RecipeError
-from core.tp_plan import AROUND_TP, TP_PLANS
+from core.tp_plan import TP_PLANS
 
 # transformers' style strings (transformers/distributed/tensor_parallel.py, ALL_PARALLEL_STYLES) as torch styles.
 # None: every rank keeps the whole parameter, nothing to shard.
@@ -144,7 +143,7 @@ def checked_plan(model: nn.Module, *, tp: int) -> dict[str, ParallelStyle] | Non
                 f"{name}; use a tp size that splits every layer in its plan evenly: {fits}"
             )
     _check_ties(model, plan)
-    return plan
+    return plan | {"": TiesAndHeadsKept(model, plan, tp=tp)}  # last: once every layer is split
 
 
 def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> None:
@@ -162,21 +161,24 @@ def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -
                 setattr(modules[name], attr, count // tp)
 
 
-@contextmanager
-def ties_and_heads_kept(model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
-    """Around parallelize_module: weights the model shares stay one parameter, stored head counts become local."""
-    tied: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            tied.setdefault(id(param), []).append((module, name))
-    yield
-    # parallelize_module distributed each module's weight on its own: point every owner of a once-shared weight
-    # at the first owner's sharded parameter again
-    for (first, name), *others in tied.values():
-        for module, other in others:
-            setattr(module, other, getattr(first, name))
-    _localize_heads(model, plan, tp)
+class TiesAndHeadsKept(ParallelStyle):
+    """A plan's last entry, "" (the whole model, once parallelize_module split every layer): weights the model
+    shares stay one parameter, and the head counts an attention stores become its rank's."""
+
+    def __init__(self, model: nn.Module, plan: dict[str, ParallelStyle], *, tp: int):
+        self.plan, self.tp, self.tied = plan, tp, {}  # each parameter's owners, seen before any is split
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                self.tied.setdefault(id(param), []).append((module, name))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # parallelize_module distributed each module's weight on its own: point every owner of a once-shared weight
+        # at the first owner's sharded parameter again
+        for (first, name), *others in self.tied.values():
+            for owner, other in others:
+                setattr(owner, other, getattr(first, name))
+        _localize_heads(module, self.plan, self.tp)
+        return module
 
 
 TP_PLANS.append(checked_plan)
-AROUND_TP.append(ties_and_heads_kept)
