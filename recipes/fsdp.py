@@ -37,7 +37,7 @@ from core.kernel.store import finished, open_run
 from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, log_summary, log_train, not_training
 from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import blocks, loss_counts, stream, trackers  # noqa: F401 - fsdp's own plug-ins (--with adds them)
-from core.shard import BLOCKS, fsdp_policy, fsdp_sync, shard_blocks
+from core.shard import fsdp_policy, fsdp_sync, shard_blocks
 from core.shard_ckpt import load_sharded, save_sharded
 
 
@@ -47,13 +47,9 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """What is refused before any process starts (the pre-check calls it too): --offload with no GPU, a bad --blocks."""
+    """What is refused before any process starts (the pre-check calls it too): --offload with no GPU."""
     if cfg.offload and not torch.cuda.is_available():
         raise RecipeError("--offload: there is no GPU, so the shards are in CPU memory already; drop --offload")
-    with torch.device("meta"):  # shapes only: no memory
-        model = build_gpt(cfg)
-    for pick in BLOCKS:  # --blocks NAME must name a container of the model
-        pick(cfg, model)
 
 
 def main(cfg: Config) -> dict:

@@ -34,7 +34,7 @@ from core.kernel.store import finished, open_run
 from core.kernel.train import Tally, Topology, cleanup_pg, init_pg, log_eval, log_summary, log_train, not_training
 from core.mesh import ShardedPrecision, build_mesh, evaluate_sharded, whole_model
 from core.plugins import blocks, loss_counts, model_plans, stream, trackers  # noqa: F401 - its own plug-ins
-from core.shard import BLOCKS, fsdp_policy, fsdp_sync, shard_blocks
+from core.shard import fsdp_policy, fsdp_sync, shard_blocks
 from core.shard_ckpt import load_sharded, save_sharded
 from core.tp_plan import plan_of
 
@@ -45,14 +45,12 @@ def mesh(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def check(cfg: Config) -> None:
-    """What is refused before any process starts (the pre-check calls it too): a bad world size, --tp or --blocks."""
+    """What is refused before any process starts (the pre-check calls it too): a bad world size or --tp."""
     if (world := int(os.environ.get("WORLD_SIZE", "1"))) % cfg.tp:
         raise RecipeError(f"--tp {cfg.tp}: the world size {world} is not a multiple of it; use a divisor of {world}")
     with torch.device("meta"):  # shapes only: no memory
         model = build_gpt(cfg)
     plan_of(model, tp=cfg.tp)  # the plan splits every layer into whole shards, else one line
-    for pick in BLOCKS:  # --blocks NAME must name a container of the model
-        pick(cfg, model)
 
 
 def main(cfg: Config) -> dict:

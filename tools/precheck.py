@@ -25,6 +25,7 @@ from core.kernel.store import check_continues, newest_good, read_checkpoint, run
 from core.kernel.train import IGNORE, Topology, to_device
 from core.plugins.factories import DATASETS, MODELS, resolve_factory
 from core.plugins.stream import is_stream
+from core.shard import BLOCKS
 from tools.plan_fixed import gpu_job
 from tools.probes import (
     batchnorm_layers,
@@ -41,8 +42,7 @@ from tools.probes import (
 
 
 def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
-    """Raise RecipeError (one line) for anything that would fail once processes are running; return the warnings.
-    `world_size`: the processes the job will start (the launcher's WORLD_SIZE)."""
+    """One RecipeError line for what would fail once the job's `world_size` processes run; else its warnings."""
     if hasattr(module, "check"):  # the recipe's own structural checks (mesh sizes, model structure)
         module.check(cfg)
     check_writable(cfg.out)
@@ -51,6 +51,8 @@ def precheck(recipe, module, cfg, *, world_size: int = 1) -> list[str]:
     found = check_data(cfg.data, streams=recipe.streams, recipe=recipe.name)
     check_steps(found, cfg, dp=dp)
     model = check_model(cfg.model)
+    for pick in BLOCKS:  # the blocks plug-in: --blocks NAME names a container of the model (fsdp, fsdp_tp)
+        pick(cfg, model)
     check_devices(model, spec=cfg.model, sync_batchnorm=getattr(cfg, "sync_batchnorm", False))
     init_from = getattr(cfg, "init_from", "")  # a third-party recipe's Config may not take --init-from
     if init_from:
@@ -102,8 +104,7 @@ def call_checked(spec: str, builtins: dict, *, option: str):
 
 
 def check_data(spec: str, *, streams: bool, recipe: str) -> dict:
-    """Call the data factory once and check what it returns: (train, val) or (train, val, collate_fn), data sets
-    this recipe reads, and samples it can pass to a model."""
+    """The data factory called once: (train, val[, collate_fn]) of data sets and samples this recipe can read."""
     result = call_checked(spec, DATASETS, option="--data")
     shape = "the factory must return (train, val) or (train, val, collate_fn)"
     if not (isinstance(result, tuple | list) and len(result) in (2, 3)):
