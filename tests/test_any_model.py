@@ -3,6 +3,7 @@ our own models; the pre-checks of tensor_parallel and pipeline on a meta-device 
 fsdp over a real transformers GPT2LMHeadModel (and a model without blocks) on 2 gloo ranks against one process."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,6 +80,8 @@ def test_find_blocks_by_name_and_a_bad_name():
         blocks.named_blocks(model, "transformer.blocks")
     assert "\n" not in str(err.value)
     assert shard.find_blocks(NoBlocks()) is None
+    with pytest.raises(RecipeError, match=r"--blocks h: "):  # the run refuses it where it shards (a copy: no pre-check)
+        shard.shard_blocks(SimpleNamespace(blocks="h"), model)
 
 
 @pytest.mark.fast
