@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from core.exact_loss import forward_exact, global_count
+from core.exact_loss import count_targets, forward_exact
 from core.grads import clip_grad_norm
 from core.kernel.job import Options, RecipeError, option
 from core.kernel.seams import SEAMS
@@ -46,7 +46,10 @@ def step_amp(
     optimizer.zero_grad(set_to_none=True)
     group = dp_group if dp_group is not None else getattr(model, "process_group", None)  # DDP's own, or this rank
     world = dist.get_world_size(group) if group is not None else 1
-    normalizer = global_count(micro_batches, loss_fn, group=group).clamp(min=1.0) / world  # none counted: no nan
+    count = torch.stack([count_targets(batch, loss_fn) for batch in micro_batches]).sum()  # this rank's
+    if world > 1:  # the global batch's counted targets, summed over the data-parallel ranks
+        dist.all_reduce(count, group=group)
+    normalizer = count.clamp(min=1.0) / world  # none counted: no nan
     dtype, sums = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision), {}  # the weights stay fp32
     for i, batch in enumerate(micro_batches):
         with sync(model, enabled=i == len(micro_batches) - 1) if sync else contextlib.nullcontext():  # backward too

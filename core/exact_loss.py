@@ -6,11 +6,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import make_dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from core.kernel.loss import Loss, forward
-from core.kernel.train import IGNORE
+from core.kernel.train import metrics
 
 LOSS_COUNTS: list = []  # fn(model, loss) -> a `counted` forward for a model whose loss takes num_items_in_batch
 
@@ -26,21 +25,10 @@ def make_exact_loss(loss: Loss, *, model: nn.Module) -> ExactLoss:
 
 
 def count_targets(batch, exact: ExactLoss) -> torch.Tensor:
-    """Counted targets of a batch (!= -100, after a causal LM's shift), or its samples if none are integers."""
-    targets = batch.get("labels") if isinstance(batch, Mapping) else batch[-1]
-    tensors = [t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, torch.Tensor)]
-    if targets is None or targets.is_floating_point():
-        return torch.tensor(float(len(tensors[0])), dtype=torch.float64, device=tensors[0].device)
-    # a causal LM's own loss counts labels[..., 1:]
-    return (targets[..., 1:] if exact.loss.shifts and isinstance(batch, Mapping) else targets).ne(IGNORE).sum().double()
-
-
-def global_count(micro_batches: list, loss_fn: ExactLoss, *, group=None) -> torch.Tensor:
-    """Counted targets of the global batch: this rank's micro-batches, summed over `group` (None: this rank's)."""
-    total = torch.stack([count_targets(b, loss_fn) for b in micro_batches]).sum()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return total
+    """Counted targets of a batch, as its metrics count them (!= -100, after a causal LM's shift), or its samples."""
+    targets, labeled = (batch.get("labels"), True) if isinstance(batch, Mapping) else (batch[-1], False)
+    first = next(t for t in (batch.values() if labeled else batch) if torch.is_tensor(t))
+    return metrics(None, targets, first.new_zeros(()), samples=len(first), shift=exact.loss.shifts and labeled)["count"]
 
 
 def forward_exact(model: nn.Module, batch, loss_fn: ExactLoss, *, normalizer=1.0) -> tuple[torch.Tensor, dict]:

@@ -21,7 +21,7 @@ import core.plugins.loss  # noqa: F401 - --loss, as the package runs
 import core.plugins.loss_counts  # noqa: F401 - num_items_in_batch, as the package runs
 from core.accum import step_amp
 from core.amp import grad_sync
-from core.exact_loss import forward_exact, global_count, make_exact_loss
+from core.exact_loss import count_targets, forward_exact, make_exact_loss
 from core.kernel.job import RecipeError
 from core.kernel.loss import forward, make_loss, split_outputs
 from core.kernel.replica import evaluate
@@ -347,9 +347,9 @@ def _grads(model):
 
 def _simulate(model, ranks, loss_fn):
     """W ranks, each with K micro-batches, on one process: each rank's gradient with the normaliser
-    global_count / W, then averaged as DDP would."""
+    the global batch's counted targets / W, then averaged as DDP would."""
     world = len(ranks)
-    normalizer = sum(global_count(mb, loss_fn) for mb in ranks).clamp(min=1) / world
+    normalizer = sum(count_targets(b, loss_fn) for mb in ranks for b in mb).clamp(min=1) / world
     per_rank = []
     for micro_batches in ranks:
         model.zero_grad(set_to_none=True)
@@ -396,7 +396,7 @@ def test_ranks_times_micro_batches_equal_one_process(name, data, world, k):
     got = _simulate(model, ranks, loss_fn)
     model.zero_grad(set_to_none=True)
     whole = _concat([b for micro_batches in ranks for b in micro_batches])
-    normalizer = global_count([whole], loss_fn).clamp(min=1)
+    normalizer = count_targets(whole, loss_fn).clamp(min=1)
     forward_exact(model, whole, loss_fn, normalizer=normalizer)[0].backward()
     for g, want in zip(got, _grads(model)):
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)

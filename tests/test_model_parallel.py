@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from core import accum, amp, grads
-from core.exact_loss import forward_exact, global_count, make_exact_loss
+from core.exact_loss import count_targets, forward_exact, make_exact_loss
 from core.kernel.job import RecipeError
 from core.kernel.loss import Loss
 from core.mesh import build_mesh
@@ -492,7 +492,9 @@ def test_pipeline_accumulation_clip_and_precision_equal_one_process(world2, prec
 def accumulate(model, micro_batches, loss_fn, *, dp_group, sync=amp.grad_sync) -> None:
     """step_amp's fp32 backward, by hand: each micro-batch's summed loss over the global count, backward; the
     gradients reduced across ranks in the last one's only (`sync`: core.amp.grad_sync's shape)."""
-    normalizer = global_count(micro_batches, loss_fn, group=dp_group) / torch.distributed.get_world_size(dp_group)
+    count = sum(count_targets(batch, loss_fn) for batch in micro_batches)
+    torch.distributed.all_reduce(count, group=dp_group)  # the global batch's counted targets
+    normalizer = count / torch.distributed.get_world_size(dp_group)
     for i, batch in enumerate(micro_batches):
         with sync(model, enabled=i == len(micro_batches) - 1):
             forward_exact(model, batch, loss_fn, normalizer=normalizer)[0].backward()
