@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 BLOCKS: list = []  # fn(cfg, model) -> (name, container) or None: the blocks fully_shard wraps one by one (--blocks)
 
@@ -30,11 +30,10 @@ def shard_blocks(cfg, model: nn.Module) -> list[nn.Module]:
     return list(found[1]) if found else []
 
 
-def fsdp_policy(precision: str, *, offload: bool = False) -> dict:
-    """fully_shard's keyword arguments: bf16 computes in bf16, reduces in fp32; offload keeps shards in CPU memory."""
+def fsdp_policy(precision: str) -> dict:
+    """fully_shard's mixed precision: bf16 computes in bf16 and reduces the gradients in fp32; fp32 is left as it is."""
     dtype = torch.bfloat16 if precision == "bf16" else None
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    return {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)}
 
 
 def fsdp_sync(model: nn.Module, *, enabled: bool) -> contextlib.nullcontext:

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 import core.attach  # noqa: F401 - the package runs fsdp with its plug-ins; a standalone copy joins those --with names
 from core.accum import Accumulation, check_step, make_loaders, micro_batch_groups, step_amp
@@ -74,8 +74,9 @@ def train(cfg: Config, topo: Topology) -> dict:
     fire("after_build", cfg, model)  # the whole weights into the plain model (--init-from): each rank keeps its shard
     dp_mesh = build_mesh(topo, mesh(cfg, topo.world_size))
     # bf16 compute, fp32 gradient reduction; the repeated blocks (or --blocks NAME's), each gathered while it runs
+    offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # --offload: shards and their step in CPU memory
     for block in [*shard_blocks(cfg, model), model]:  # the root last: it holds what no block does
-        fully_shard(block, mesh=dp_mesh, **fsdp_policy(cfg.precision, offload=cfg.offload))
+        fully_shard(block, mesh=dp_mesh, offload_policy=offload, **fsdp_policy(cfg.precision))
     torch.manual_seed(cfg.seed + topo.rank)  # from here each rank draws its own dropout, as one process would
     # A stream (an IterableDataset) is read in order and dealt out by position; map-style data by a seeded sampler.
     train_loader, val_loader, total = make_loaders(cfg, topo, train_set, val_set, collate)
