@@ -89,11 +89,9 @@ def make_loaders(cfg, topo, train_set, val_set, collate_fn) -> tuple:
         raise RecipeError(f"{stream}: give a map-style one or --with stream")
     train = make_loader(train_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, seed=cfg.seed)
     val = make_loader(val_set, topo, batch_size=cfg.batch_size, collate_fn=collate_fn, train=False)
-    if (share := train.sampler.num_samples) < cfg.batch_size:
-        fix = f"--batch-size {share} or less" if share else f"fewer than {topo.world_size} rank(s)"
+    if (whole := (share := train.sampler.num_samples) // cfg.batch_size) < cfg.accum:  # an epoch: not one step
+        fix = f"--accum {whole} or less" if whole else f"--batch-size {share} or less" if share else "fewer ranks"
         gives = f"the training set ({len(train_set)} samples) gives each of {topo.world_size} rank(s) {share}"
-        raise RecipeError(f"--batch-size {cfg.batch_size}: {gives}, not one whole batch; use {fix}")
-    if (whole := share // cfg.batch_size) < cfg.accum:
-        why = f"an epoch has only {whole} whole micro-batches per rank"
-        raise RecipeError(f"--accum {cfg.accum}: {why}; use --accum {whole} or less")
+        asked = f"--batch-size {cfg.batch_size}" + f" x --accum {cfg.accum}" * (cfg.accum > 1)
+        raise RecipeError(f"{asked}: {gives}, not one optimizer step; use {fix}")
     return train, val, min(cfg.epochs * (len(train) // cfg.accum), cfg.max_steps or math.inf)  # --max-steps 0: no cap

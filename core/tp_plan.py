@@ -14,9 +14,8 @@ TP_PLANS: list = []
 
 def plan_of(model: nn.Module, *, tp: int) -> dict:
     """{module name: ParallelStyle}: the model's own plan, else the GPT's, or one error line if tp cannot split it."""
-    for find in TP_PLANS:  # the model_plans plug-in: a model's own plan
-        if (own := find(model, tp=tp)) is not None:
-            return own
+    if own := next(filter(None, (find(model, tp=tp) for find in TP_PLANS)), None):  # model_plans: a model's own
+        return own
     blocks = [b for b in getattr(model, "blocks", []) if hasattr(b, "attn") and hasattr(b, "mlp")]
     layers = dict(model.named_modules(remove_duplicate=False))  # by name, as the plan names them
     # every layer the GPT's plan splits is an nn.Linear there (GPT-2's are c_fc, c_proj: missing)

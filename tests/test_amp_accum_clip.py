@@ -426,23 +426,22 @@ def test_static_graph_with_accumulation_is_refused(refused):
 def test_accum_larger_than_an_epoch_is_refused(refused):
     proc = refused["accum"]
     line = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and "--accum 100: an epoch has only 22 whole micro-batches per rank" in line, (
-        proc.stderr
-    )
-    assert "use --accum 22 or less" in line
+    assert proc.returncode == 1 and line.startswith("error: --batch-size 64 x --accum 100: the training set"), line
+    assert line.endswith("not one optimizer step; use --accum 22 or less")
 
 
 def test_a_data_set_smaller_than_one_batch_advises_what_fits(refused):
     proc = refused["one sample"]
     line = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and "(1 samples) gives each of 1 rank(s) 1, not one whole batch" in line, proc.stderr
+    assert proc.returncode == 1 and "(1 samples) gives each of 1 rank(s) 1, not one optimizer step" in line, proc.stderr
     assert line.endswith("use --batch-size 1 or less")
     on_two = Topology(0, 2, CPU)  # on 2 ranks the one sample is dropped
     with pytest.raises(RecipeError) as refused:
         cfg = argparse.Namespace(batch_size=32, seed=0, accum=2, epochs=1, max_steps=0)
         make_loaders(cfg, on_two, one_sample()[0], None, None)
     line = str(refused.value)
-    assert "(1 samples) gives each of 2 rank(s) 0, not one whole batch; use fewer than 2 rank(s)" in line
+    assert "--batch-size 32 x --accum 2: the training set (1 samples) gives each of 2 rank(s) 0" in line
+    assert line.endswith("not one optimizer step; use fewer ranks")
     assert "--accum 0" not in line
 
 

@@ -109,7 +109,7 @@ def test_unequal_counted_targets_across_ddp_replicas_is_one_warning_naming_ddp_a
 def test_a_batch_larger_than_one_ranks_share_and_a_stream_without_max_steps():
     assert "--batch-size 5000: the training set (1438 samples)" in _refused(batch_size=5000)
     line = _refused(batch_size=800, world_size=2)  # 1438 samples: 719 a rank
-    assert "gives each of 2 rank(s) 719, not one whole batch; use --batch-size 719 or less" in line
+    assert line.endswith("gives each of 2 rank(s) 719, not one optimizer step; use --batch-size 719 or less")
     assert "--accum 2" in _refused("ddp_amp", batch_size=500, accum=2, world_size=2)
     assert "a stream without a length; set --max-steps" in _refused("ddp_amp", data="check_user:pair_stream")
     assert "ddp reads map-style data sets" in _refused(data="check_user:pair_stream", max_steps=2)
