@@ -150,7 +150,8 @@ def test_resuming_a_finished_run_trains_nothing_and_changes_no_byte(finished, al
     else:  # 2 ranks, global batch 32 (the run's was 16), under bare torchrun
         step3 = str(runs / "ddp-1" / CKPTS[0])
         proc = run([*torchrun("-m", "recipes", "run", "ddp"), *TINY, *out, "--resume", step3], cwd=finished, env=_env())
-    assert proc.stdout.strip().splitlines()[-1].endswith("already finished at step 7; nothing to train"), proc.stdout
+    last, lean = proc.stdout.strip().splitlines()[-1], " in a copy made --with longer" * (how == "a copy")
+    assert last.endswith(f"at step 7; nothing to train (more --epochs or --max-steps{lean} train it on)"), proc.stdout
     assert _snapshot(runs) == before
     assert sorted(p.name for p in runs.iterdir()) == ["ddp-1"]
 

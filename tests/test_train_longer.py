@@ -321,6 +321,7 @@ def test_the_standalone_copy_trains_longer_with_the_longer_plug_in_and_stays_fin
     assert {"kind": "extend", "step": 3, "old_total": 3, "new_total": 5} in records
     lean = _records(tmp_path / "lean" / "ddp-1")  # without it: finished, nothing trained, nothing written
     assert [r["steps"] for r in lean if r["kind"] == "summary"] == [3] and "already finished" in procs[1].stdout
+    assert "nothing to train (more --epochs or --max-steps in a copy made --with longer train it on)" in procs[1].stdout
 
 
 def test_the_final_weights_and_hf_are_written_again_at_the_new_end(others_extended):

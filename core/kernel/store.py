@@ -48,7 +48,8 @@ def finished(cfg, topo: Topology, *, recipe: str) -> dict | None:
             run = Path(resume).parents[1] if resume != "auto" else run_dirs(cfg.out, cfg.name or recipe)[-1]
             last = json.loads((run / "metrics.jsonl").read_bytes().splitlines()[-1])  # the summary is written last
             if last.pop("kind") == "summary" and not any(hook(cfg, run, resume) for hook in SEAMS["trains_on"]):
-                print(f"{run} already finished at step {last.get('steps')}; nothing to train", flush=True)
+                how = "more --epochs or --max-steps" + " in a copy made --with longer" * (not SEAMS["trains_on"])
+                print(f"{run} already finished at step {last.get('steps')}; nothing to train ({how} train it on)")
                 return {**last, "already_finished": True}
 
     return from_rank0(topo.rank == 0 and bool(resume), summary)  # no --resume: a new run, nothing to look for
