@@ -29,9 +29,10 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], tasks, results, timeout_s: float):
+def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], env: dict, tasks, results, timeout_s):
     sys.path[:] = sys_path
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ.clear()
+    os.environ.update(env, GLOO_SOCKET_IFNAME="lo")  # the test's environment now, not the fork server's at its start
     import torch
     import torch.distributed as dist
 
@@ -65,7 +66,11 @@ class GlooWorld:
         self.timeout_s = timeout_s
 
     def __enter__(self) -> GlooWorld:
-        ctx = mp.get_context("spawn")
+        # Each rank is forked from a server that imported torch once for this pytest process (a fresh interpreter
+        # would import it again, about a second of CPU a rank); the server itself runs nothing, so no thread or
+        # state of a test's is copied into a rank.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "core.kernel.train"])  # before its first start
         self._tmp = tempfile.TemporaryDirectory()
         store_path = os.path.join(self._tmp.name, "store")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -79,6 +84,7 @@ class GlooWorld:
                     self.world_size,
                     store_path,
                     list(sys.path),
+                    {**os.environ, "OMP_NUM_THREADS": "1"},
                     self._tasks[rank],
                     self._results,
                     self.timeout_s,
@@ -88,6 +94,7 @@ class GlooWorld:
         ]
         # One OpenMP thread a rank, as torchrun sets for its workers: torch.set_num_threads alone leaves LAPACK's
         # threads free, and under load they split a QR differently on each rank (PowerSGD's replicas then drift).
+        # The fork server, started by the first start() here, loads those libraries with it set.
         threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
