@@ -67,11 +67,8 @@ else
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   nproc=$(( gpus > 0 ? gpus : 2 ))
 fi
-# Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
-TDR_DIE_WITH_PARENT=$$ WORLD_SIZE=$(( nproc * ${max_nodes} )) "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
-export TDR_PRECHECKED=1  # the ranks skip the pre-check this has just run (python -m recipes run reads it)
-
-# The network: which address is MASTER_ADDR, is it this node, and which interface reaches it.
+# The network, before the pre-check's seconds: which address is MASTER_ADDR, is it this node, and which
+# interface reaches it.
 if [[ "$master" =~ ^[0-9.]+$ ]]; then
   master_ip="$master"
 else
@@ -100,10 +97,10 @@ note "talking over $ifname ($local_ip); set IFNAME to choose another interface"
 export GLOO_SOCKET_IFNAME="$ifname" NCCL_SOCKET_IFNAME="$ifname"
 
 # Fail fast and clearly where torchrun would print a traceback: node 0 not on MASTER_ADDR, the
-# port taken there, or MASTER_ADDR not reachable from the other nodes.
+# port taken there, or (after the pre-check) MASTER_ADDR not reachable from the other nodes.
 port_open() { timeout 3 bash -c ": >/dev/tcp/$master_ip/$port" 2>/dev/null; }
 port_free() { python -c 'import socket, sys; socket.create_server(("", int(sys.argv[1])))' "$port" 2>/dev/null; }
-is_host=0
+is_host=0 waits=0
 if [[ -z "$rdzv_id" && "$node_rank" == 0 ]]; then
   (( master_is_here )) || fail "NODE_RANK=0 hosts the rendezvous but MASTER_ADDR=$master is not this node: run node 0 there"
   port_free || fail "MASTER_PORT=$port is already in use on this node: pick another port (the same on every node)"
@@ -111,6 +108,14 @@ elif [[ -n "$rdzv_id" ]] && (( master_is_here )) && ! port_open; then
   port_free || fail "MASTER_PORT=$port is already in use on this node: pick another port (the same on every node)"
   is_host=1  # the c10d store lives in this node's agent
 else
+  waits=1  # another node hosts the rendezvous
+fi
+
+# Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
+TDR_DIE_WITH_PARENT=$$ WORLD_SIZE=$(( nproc * ${max_nodes} )) "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
+export TDR_PRECHECKED=1  # the ranks skip the pre-check this has just run (python -m recipes run reads it)
+
+if (( waits )); then
   deadline=$(( SECONDS + rdzv_timeout ))
   until port_open; do
     (( SECONDS < deadline )) || fail "cannot reach MASTER_ADDR:MASTER_PORT $master_ip:$port from this node via $ifname within ${rdzv_timeout}s: is node 0 up, the address right, the port open in its firewall?"
