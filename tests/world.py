@@ -75,29 +75,30 @@ class GlooWorld:
         store_path = os.path.join(self._tmp.name, "store")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                daemon=True,
-                args=(
-                    rank,
-                    self.world_size,
-                    store_path,
-                    list(sys.path),
-                    {**os.environ, "OMP_NUM_THREADS": "1"},
-                    self._tasks[rank],
-                    self._results,
-                    self.timeout_s,
-                ),
-            )
-            for rank in range(self.world_size)
-        ]
         # One OpenMP thread a rank, as torchrun sets for its workers: torch.set_num_threads alone leaves LAPACK's
         # threads free, and under load they split a QR differently on each rank (PowerSGD's replicas then drift).
-        # The fork server, started by the first start() here, loads those libraries with it set.
+        # The fork server, started by the first start() here, loads those libraries with it set; each rank gets
+        # the environment as it is inside this window.
         threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
+            self._procs = [
+                ctx.Process(
+                    target=_worker,
+                    daemon=True,
+                    args=(
+                        rank,
+                        self.world_size,
+                        store_path,
+                        list(sys.path),
+                        dict(os.environ),
+                        self._tasks[rank],
+                        self._results,
+                        self.timeout_s,
+                    ),
+                )
+                for rank in range(self.world_size)
+            ]
             for proc in self._procs:
                 proc.start()
         finally:
