@@ -4,6 +4,7 @@
 #   need_interfaces NAME VALUE         every interface in VALUE (a,b) exists on this machine
 #   port_free PORT                     nothing listens on PORT here (torchrun's store would fail to bind)
 #   pick_target ARGS...                the recipe name (default ddp) and how to start it
+#   default_nproc                      one process per GPU torch sees, or 2 on a machine without GPUs
 #   supervise OPTIONS -- torchrun ...  become tools/supervise.py: torchrun, its ranks wrapped by tools/worker.py,
 #                                      and one closing line for a failure or a stop (see that file)
 
@@ -31,6 +32,16 @@ need_interfaces() {
     [[ -e "/sys/class/net/$name" ]] \
       || fail "$1=$2: no interface $name on this machine (have: $(ls /sys/class/net | tr '\n' ' ' | sed 's/ $//')); name one of those, or unset $1"
   done
+}
+
+# A machine without a GPU driver (no /dev/nvidia0, no ROCm's /dev/kfd) has no GPU torch could see: 2 processes, and
+# no python started only to import torch (seconds) and count none.
+default_nproc() {
+  local gpus=0
+  if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [[ -e /dev/kfd ]]; then
+    gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+  fi
+  echo $(( gpus > 0 ? gpus : 2 ))
 }
 
 port_free() { python -c 'import socket, sys; socket.create_server(("", int(sys.argv[1])))' "$1" 2>/dev/null; }

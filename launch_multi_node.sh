@@ -64,8 +64,7 @@ if [[ -n "${NPROC_PER_NODE:-}" ]]; then
   nproc="$NPROC_PER_NODE"
   need_count NPROC_PER_NODE "$nproc" 1 "use 1 or more processes"
 else
-  gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
-  nproc=$(( gpus > 0 ? gpus : 2 ))
+  nproc=$(default_nproc)
 fi
 # The network, before the pre-check's seconds: which address is MASTER_ADDR, is it this node, and which
 # interface reaches it.

@@ -37,8 +37,7 @@ if [[ -n "${MASTER_PORT:-}" ]]; then
 fi
 [[ -z "${GLOO_SOCKET_IFNAME:-}" ]] || need_interfaces GLOO_SOCKET_IFNAME "$GLOO_SOCKET_IFNAME"
 if [[ -z "${nprocs:-}" ]]; then
-  gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
-  nprocs=$(( gpus > 0 ? gpus : 2 ))
+  nprocs=$(default_nproc)
 fi
 case "$recipe" in
   dp|pipeline_naive) nprocs=1 ;;  # one process drives every local device
