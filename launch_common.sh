@@ -5,6 +5,7 @@
 #   port_free PORT                     nothing listens on PORT here (torchrun's store would fail to bind)
 #   pick_target ARGS...                the recipe name (default ddp) and how to start it
 #   default_nproc                      one process per GPU torch sees, or 2 on a machine without GPUs
+#   precheck WORLD_SIZE                the package's pre-check of the job, one line for what would fail (a copy: none)
 #   supervise OPTIONS -- torchrun ...  become tools/supervise.py: torchrun, its ranks wrapped by tools/worker.py,
 #                                      and one closing line for a failure or a stop (see that file)
 
@@ -57,6 +58,20 @@ pick_target() {
   if [[ "$recipe" == *.py ]]; then target=("$py" -u "$recipe"); else target=("$py" -u -m recipes run "$recipe"); fi
   worker=(--no-python "$py" "$here/tools/worker.py")
   args=("$@")
+}
+
+# Bad recipe options, factories, a resume that can't continue at this world size: one line, here, before torchrun
+# (tools/precheck.py, through `recipes run NAME ... --dry-run`). It dies with this shell (TDR_DIE_WITH_PARENT: its PID),
+# so a SIGTERM to the launcher ends it too. --dry-run among the options: the check is the whole job, its lines shown.
+# A recipe file (a copy, standalone or not) has no pre-check and no --dry-run: its ranks check their options as they start.
+precheck() {
+  [[ "$recipe" != *.py ]] || return 0
+  if [[ " ${args[*]-} " == *" --dry-run "* ]]; then
+    TDR_DIE_WITH_PARENT=$$ WORLD_SIZE="$1" "${target[@]}" "${args[@]}"
+    exit 0
+  fi
+  TDR_DIE_WITH_PARENT=$$ WORLD_SIZE="$1" "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
+  export TDR_PRECHECKED=1  # the ranks skip the pre-check this has just run (python -m recipes run reads it)
 }
 
 # This shell becomes the supervisor (same PID: a signal to the launcher is a signal to it).

@@ -110,9 +110,7 @@ else
   waits=1  # another node hosts the rendezvous
 fi
 
-# Bad recipe options, factories, a resume that can't continue at this world size: one line, here.
-TDR_DIE_WITH_PARENT=$$ WORLD_SIZE=$(( nproc * ${max_nodes} )) "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
-export TDR_PRECHECKED=1  # the ranks skip the pre-check this has just run (python -m recipes run reads it)
+precheck $(( nproc * max_nodes ))  # the job's world size at its largest (elastic: MAX nodes)
 
 if (( waits )); then
   deadline=$(( SECONDS + rdzv_timeout ))

@@ -42,10 +42,7 @@ fi
 case "$recipe" in
   dp|pipeline_naive) nprocs=1 ;;  # one process drives every local device
 esac
-# Bad recipe options, factories, a resume that can't continue at this world size: one line, here. It dies with
-# this shell (TDR_DIE_WITH_PARENT: its PID): a SIGTERM to the launcher ends it too.
-TDR_DIE_WITH_PARENT=$$ WORLD_SIZE="$nprocs" "${target[@]}" ${args[@]+"${args[@]}"} --dry-run >/dev/null
-export TDR_PRECHECKED=1  # the ranks skip the pre-check this has just run (python -m recipes run reads it)
+precheck "$nprocs"
 # Share the cores between the processes (torchrun would otherwise set 1 and warn about it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / nprocs > 0 ? $(nproc) / nprocs : 1 ))}"
 

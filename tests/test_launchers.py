@@ -7,6 +7,7 @@ by side where one test needs several endings. Times are bounds for "did not hang
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -17,10 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from torch import nn
 
 import tools.supervise
 from helpers import REPO, free_port, run, user_env
+from tools.cli import cli
 from tools.supervise import Supervisor, explain, shorten, torchrun_error
 
 SINGLE, MULTI = str(REPO / "launch_single_node.sh"), str(REPO / "launch_multi_node.sh")
@@ -157,34 +160,41 @@ def test_environment_problem_one_line_before_torchrun(launcher, problem, tmp_pat
 # --- items 11.6 and 11.11, issue 20 item 1: a rank that raises or hangs ends with one line that says so ------
 
 TINY = ["--epochs", "1", "--max-steps", "20", "--batch-size", "8", "--log-every", "1"]
-FAILING = {  # the jobs that fail on purpose: (launcher, the factory of their model, more recipe options)
-    "single-every-rank": (SINGLE, "raises_everywhere", []),
-    "multi-rank1": (MULTI, "raises", []),
-    "hangs": (SINGLE, "hangs", ["--timeout-s", "10"]),
+JOBS = {  # the jobs started side by side: (launcher, recipe and options); all but "copy" fail on purpose
+    "single-every-rank": (SINGLE, ["ddp", *TINY, "--model", "test_launchers:raises_everywhere"]),
+    "multi-rank1": (MULTI, ["ddp", *TINY, "--model", "test_launchers:raises"]),
+    "hangs": (SINGLE, ["ddp", *TINY, "--model", "test_launchers:hangs", "--timeout-s", "10"]),
+    # a recipe copied out (`cp ddp train.py --standalone`): no pre-check, no --dry-run; it trains, or says what is wrong
+    "copy": (SINGLE, ["train.py", *TINY, "--max-steps", "2"]),
+    "copy-bad-option": (MULTI, ["train.py", *TINY, "--lr", "99"]),
 }
 
 
 @pytest.fixture(scope="module")
 def failed(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """FAILING's jobs, started side by side (the hang's wait for --timeout-s overlaps the others' work): each one's
-    exit status and stderr, as `run` returns them. Their output goes to files (pipes could fill and block them)."""
+    """JOBS, started side by side (the hang's wait for --timeout-s overlaps the others' work): each one's exit status
+    and stderr, as `run` returns them (its last argument: its runs' folder). Their output goes to files (pipes could
+    fill and block them). Each runs in a folder of its own; a copy's holds the lean ddp copy as train.py."""
     started = {}
-    for key, (launcher, model, extra) in FAILING.items():
+    for key, (launcher, job) in JOBS.items():
         folder = tmp_path_factory.mktemp(key)
+        if job[0] == "train.py":
+            assert CliRunner().invoke(cli, ["cp", "ddp", str(folder / "train.py"), "--standalone"]).exit_code == 0
         more = {"NNODES": "1", "MASTER_PORT": str(free_port())} if launcher == MULTI else {}
-        args = [launcher, "ddp", *TINY, "--model", f"test_launchers:{model}", *extra, "--out", str(folder / "runs")]
+        args = [launcher, *job, "--out", str(folder / "runs")]
         with open(folder / "stderr", "w") as err:
-            proc = subprocess.Popen(args, cwd=REPO, env=env(NPROC_PER_NODE="2", **more), stdout=subprocess.DEVNULL,
+            proc = subprocess.Popen(args, cwd=folder, env=env(NPROC_PER_NODE="2", **more), stdout=subprocess.DEVNULL,
                                     stderr=err)  # fmt: skip
-        started[key] = (args, proc, folder / "stderr")
+        started[key] = (args, proc, folder)
     done = {}
-    for key, (args, proc, stderr) in started.items():
+    for key, (args, proc, folder) in started.items():
         try:
             proc.wait(timeout=240)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        done[key] = subprocess.CompletedProcess(args, proc.returncode, "", stderr.read_text(errors="replace"))
+        stderr = (folder / "stderr").read_text(errors="replace")
+        done[key] = subprocess.CompletedProcess(args, proc.returncode, "", stderr)
     return done
 
 
@@ -225,6 +235,24 @@ def test_a_rank_hangs_one_line_says_a_collective_timed_out(failed):
 
 
 @pytest.mark.e2e
+def test_the_launchers_run_a_copied_recipe_file_and_its_bad_option_is_one_line(failed):
+    """`./launch_single_node.sh train.py ...` (the launchers' usage): a copy has no pre-check and no --dry-run, so the
+    launcher starts its ranks at once (it handed them --dry-run: every copy was refused with argparse's line); a bad
+    option is the copy's own line, said once, through either launcher."""
+    trained = failed["copy"]
+    assert trained.returncode == 0 and error_lines(trained.stderr) == [], trained.stderr[-3000:]
+    (run_dir,) = Path(trained.args[-1]).iterdir()
+    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["kind"] == "summary" and summary["steps"] == 2 and summary["world_size"] == 2
+    assert (run_dir / "model.safetensors").is_file() and (run_dir / "train.log").is_file()
+    refused = failed["copy-bad-option"]
+    assert refused.returncode == 1 and not Path(refused.args[-1]).exists()
+    said = "error: this node (127.0.0.1) failed: --lr 99.0: use 1e-09 to 10"  # the multi-node launcher's words
+    assert error_lines(refused.stderr) == [said], refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.e2e
 def test_a_sigterm_during_the_pre_check_ends_it_with_the_launcher_in_one_line(tmp_path):
     """A review find: the launcher died of a SIGTERM sent while its pre-check ran, and left the pre-check running."""
     args = [SINGLE, "ddp", *TINY, "--model", "test_launchers:slow", "--out", str(tmp_path / "runs")]
@@ -258,7 +286,8 @@ def test_the_launcher_as_a_containers_first_process_runs_its_pre_check(tmp_path)
     args = ["unshare", "--pid", "--fork", "--mount-proc", SINGLE, "ddp", "--dry-run", "--out", str(tmp_path / "runs")]
     proc = subprocess.run(args, env=env(NPROC_PER_NODE="2"), capture_output=True, text=True, timeout=BOUND_S * 4)
     assert proc.returncode == 0 and error_lines(proc.stderr) == [], proc.stderr
-    assert proc.stdout.count("ok: ddp {") == 2, proc.stdout  # each rank's (the pre-check's goes to /dev/null)
+    assert proc.stdout.count("ok: ddp {") == 1, proc.stdout  # --dry-run: the pre-check is the whole job, no torchrun
+    assert proc.stderr.count("plan: largest peak") == 1 and not (tmp_path / "runs").exists(), proc.stderr
 
 
 # --- the processes of a long run -----------------------------------------------------------------------
