@@ -56,6 +56,8 @@ pick_target() {
   local py
   py=$(command -v python || echo python)
   if [[ "$recipe" == *.py ]]; then target=("$py" -u "$recipe"); else target=("$py" -u -m recipes run "$recipe"); fi
+  [[ "$recipe" != *.py || -f "$recipe" ]] \
+    || fail "$recipe: no such file; name a recipe file (python -m recipes cp NAME FILE writes one) or a recipe, e.g. ddp"
   worker=(--no-python "$py" "$here/tools/worker.py")
   args=("$@")
 }

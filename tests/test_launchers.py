@@ -157,6 +157,17 @@ def test_environment_problem_one_line_before_torchrun(launcher, problem, tmp_pat
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("launcher", [SINGLE, MULTI], ids=["single", "multi"])
+def test_a_recipe_file_that_is_not_there_is_one_line_before_torchrun(launcher, tmp_path):
+    proc = run([launcher, "nosuch.py", "--max-steps", "2"], cwd=tmp_path, env=env(NPROC_PER_NODE="2"), check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert error_lines(proc.stderr) == [
+        "error: nosuch.py: no such file; name a recipe file (python -m recipes cp NAME FILE writes one) or a recipe, "
+        "e.g. ddp"
+    ]
+
+
 # --- items 11.6 and 11.11, issue 20 item 1: a rank that raises or hangs ends with one line that says so ------
 
 TINY = ["--epochs", "1", "--max-steps", "20", "--batch-size", "8", "--log-every", "1"]
