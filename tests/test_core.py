@@ -17,6 +17,7 @@ from core.accum import Accumulation
 from core.amp import Precision
 from core.kernel.builtin import MLP, digits
 from core.kernel.job import RecipeError, Training
+from core.kernel.step import total_steps
 from core.kernel.store import run_dirs
 from core.kernel.train import ResumableSampler, Topology, make_loader
 from core.plugins.factories import MODELS, resolve_factory
@@ -73,6 +74,25 @@ def test_eval_shards_cover_every_sample_once(world_size, length, batch_size):
         for r in range(world_size)
     ]
     assert sorted(i for loader in loaders for (batch,) in loader for i in batch.tolist()) == list(range(length))
+
+
+@settings(max_examples=50, deadline=None)
+@given(world_size=st.integers(1, 8), length=st.integers(0, 99), batch_size=st.integers(1, 40), epochs=st.integers(0, 3))
+def test_total_steps_counts_the_batches_of_a_share_or_refuses_one_below_a_batch(world_size, length, batch_size, epochs):
+    """The kernel's count (ddp, dp, ddp_monitored, pipeline_naive and their copies, which have no pre-check): every
+    rank takes the same batches of its share; a share below one batch is the one line that says so."""
+    loader = make_loader(TensorDataset(torch.arange(length)), _topo(0, world_size), batch_size=batch_size,
+                         collate_fn=None)  # fmt: skip
+    share = length // world_size  # drop_last: the tail that does not divide is trained by no rank
+    if share < batch_size:
+        with pytest.raises(RecipeError) as refused:
+            total_steps(loader, epochs=epochs, max_steps=0)
+        assert str(refused.value) == (
+            f"--batch-size {batch_size}: a rank has {share} samples, not a batch; lower it or use fewer ranks"
+        )
+    else:  # the last batch of a share may be short (the ranks' shares are equal: each takes the same steps)
+        assert total_steps(loader, epochs=epochs, max_steps=0) == epochs * -(-share // batch_size)
+        assert total_steps(loader, epochs=epochs, max_steps=1) == min(1, epochs)
 
 
 def test_sampler_order_depends_on_epoch_and_seed_only():

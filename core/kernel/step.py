@@ -35,5 +35,5 @@ def check_finite(grad_norm: float, *, step: int, on_nonfinite: str) -> int:
 def total_steps(loader: DataLoader, *, epochs: int, max_steps: int) -> int:
     """Optimizer steps the run takes (the LR schedule's length): --epochs over the loader, or --max-steps."""
     if (share := loader.sampler.num_samples) < (batch := loader.batch_size):
-        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples to train; use less or fewer ranks")
+        raise RecipeError(f"--batch-size {batch}: a rank has {share} samples, not a batch; lower it or use fewer ranks")
     return min(epochs * len(loader), max_steps or epochs * len(loader))
