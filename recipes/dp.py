@@ -43,8 +43,9 @@ from core.kernel.train import (
 def main(cfg: Config) -> dict:
     topo = init_pg(timeout_s=cfg.timeout_s)  # a world of one: the kernel works unchanged
     try:
-        if topo.world_size > 1:
-            raise RecipeError(f"dp runs in one process but was started as {topo.world_size}; use ddp for several")
+        if topo.world_size > 1:  # nn.DataParallel drives every GPU from one process
+            how = "start one (`python -m recipes run dp`, or NPROC_PER_NODE=1 with a launcher), or use ddp for several"
+            raise RecipeError(f"dp runs in one process, not {topo.world_size}: {how}")
         return train(cfg, topo)
     finally:
         cleanup_pg()

@@ -175,9 +175,10 @@ JOBS = {  # the jobs started side by side: (launcher, recipe and options); all b
     "single-every-rank": (SINGLE, ["ddp", *TINY, "--model", "test_launchers:raises_everywhere"]),
     "multi-rank1": (MULTI, ["ddp", *TINY, "--model", "test_launchers:raises"]),
     "hangs": (SINGLE, ["ddp", *TINY, "--model", "test_launchers:hangs", "--timeout-s", "10"]),
-    # a recipe copied out (`cp ddp train.py --standalone`): no pre-check, no --dry-run; it trains, or says what is wrong
-    "copy": (SINGLE, ["train.py", *TINY, "--max-steps", "2"]),
-    "copy-bad-option": (MULTI, ["train.py", *TINY, "--lr", "99"]),
+    # recipes copied out (`cp NAME NAME.py --standalone`): no pre-check, no --dry-run; they train, or say what is wrong
+    "copy": (SINGLE, ["ddp.py", *TINY, "--max-steps", "2"]),
+    "copy-bad-option": (MULTI, ["ddp.py", *TINY, "--lr", "99"]),
+    "dp-copy-on-2": (SINGLE, ["dp.py", *TINY]),  # the launcher starts 2 processes: it cannot tell a dp copy
 }
 
 
@@ -185,12 +186,13 @@ JOBS = {  # the jobs started side by side: (launcher, recipe and options); all b
 def failed(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """JOBS, started side by side (the hang's wait for --timeout-s overlaps the others' work): each one's exit status
     and stderr, as `run` returns them (its last argument: its runs' folder). Their output goes to files (pipes could
-    fill and block them). Each runs in a folder of its own; a copy's holds the lean ddp copy as train.py."""
+    fill and block them). Each runs in a folder of its own; a copy's holds the lean copy of its recipe (NAME.py)."""
     started = {}
     for key, (launcher, job) in JOBS.items():
         folder = tmp_path_factory.mktemp(key)
-        if job[0] == "train.py":
-            assert CliRunner().invoke(cli, ["cp", "ddp", str(folder / "train.py"), "--standalone"]).exit_code == 0
+        if job[0].endswith(".py"):
+            made = CliRunner().invoke(cli, ["cp", job[0].removesuffix(".py"), str(folder / job[0]), "--standalone"])
+            assert made.exit_code == 0, made.output
         more = {"NNODES": "1", "MASTER_PORT": str(free_port())} if launcher == MULTI else {}
         args = [launcher, *job, "--out", str(folder / "runs")]
         with open(folder / "stderr", "w") as err:
@@ -249,7 +251,7 @@ def test_a_rank_hangs_one_line_says_a_collective_timed_out(failed):
 def test_the_launchers_run_a_copied_recipe_file_and_its_bad_option_is_one_line(failed):
     """`./launch_single_node.sh train.py ...` (the launchers' usage): a copy has no pre-check and no --dry-run, so the
     launcher starts its ranks at once (it handed them --dry-run: every copy was refused with argparse's line); a bad
-    option is the copy's own line, said once, through either launcher."""
+    option is the copy's own line, said once, through either launcher, and so is a dp copy started on 2 ranks."""
     trained = failed["copy"]
     assert trained.returncode == 0 and error_lines(trained.stderr) == [], trained.stderr[-3000:]
     (run_dir,) = Path(trained.args[-1]).iterdir()
@@ -261,6 +263,13 @@ def test_the_launchers_run_a_copied_recipe_file_and_its_bad_option_is_one_line(f
     said = "error: this node (127.0.0.1) failed: --lr 99.0: use 1e-09 to 10"  # the multi-node launcher's words
     assert error_lines(refused.stderr) == [said], refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
+    one = failed["dp-copy-on-2"]  # refused after init_pg, on both ranks: said once, with how to start one process
+    assert one.returncode == 1 and "Traceback" not in one.stderr, one.stderr[-3000:]
+    copied = Path(one.args[-1]).parent / "dp.py"  # cp names the file as it was given
+    assert error_lines(one.stderr) == [
+        f"error: dp.py failed: dp runs in one process, not 2: start one (`python {copied}`, or NPROC_PER_NODE=1 with "
+        "a launcher), or use ddp for several"
+    ], one.stderr[-3000:]
 
 
 @pytest.mark.e2e
