@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 import core.attach  # noqa: F401 - the package runs ddp_monitored with every plug-in; a copy joins its --with ones
 from core.ckpt_async import AsyncCheckpoints, CheckpointSaver
 from core.kernel.builtin import build_data, build_model
-from core.kernel.job import Checkpointing, Options, Training, cli_main, option
+from core.kernel.job import Checkpointing, Options, Training, cli_main, option, say
 from core.kernel.loss import make_loss
 from core.kernel.replica import evaluate, load_checkpoint
 from core.kernel.seams import SEAMS, fire
@@ -44,7 +44,7 @@ from core.kernel.train import (
     not_training,
     to_device,
 )
-from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, flops_per_sample, peak_flops
+from core.monitor import BEFORE_PG, DDP_OPTIONS, WRAPPED, StepClock, breakdown, flops_per_sample, ms_line, peak_flops
 from core.plugins import comm_hook, profile, trackers, tuning, watchdog  # noqa: F401 - its own (tools/registry.py)
 
 
@@ -121,6 +121,7 @@ def train(cfg: Config, topo: Topology) -> dict:
                 numbers = dict(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, skipped=skipped)
                 timing = breakdown(timer.take(), topo.device, global_batch, flops, peak)  # every rank's (a collective)
                 log_train(run, totals, step=step, total=total, epoch=epoch, **numbers, **timing)
+                say(run, ms_line(timing))  # where the window's steps went: the slow phase, the slow rank
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:  # the last: it can go on
                 with not_training():  # not a step (nor for the watchdog)
                     progress = dict(epoch=epoch, samples=consumed, step=step, skipped=skipped, window=totals.reduce())

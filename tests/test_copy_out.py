@@ -30,7 +30,7 @@ PLUGIN_FILES = sorted((REPO / "core" / "plugins").glob("[a-z]*.py"))
 # (ASKED: 450 code lines and 650 in all for ddp, 750 code lines for every other copy).
 ASKED = {"ddp": 450}
 LEAN_BUDGET = {
-    "ddp": (801, 541), "dp": (792, 750), "ddp_amp": (947, 750), "ddp_monitored": (1016, 750), "fsdp": (1118, 750),
+    "ddp": (801, 541), "dp": (792, 750), "ddp_amp": (947, 750), "ddp_monitored": (1025, 750), "fsdp": (1118, 750),
     "pipeline_naive": (932, 750), "pipeline": (1042, 750), "tensor_parallel": (1145, 750), "fsdp_tp": (1159, 750),
 }  # fmt: skip
 RATCHET = 20

@@ -135,6 +135,17 @@ def test_the_progress_line_names_the_step_and_the_job_numbers(tmp_path, capsys, 
 
 
 @pytest.mark.fast
+def test_the_ms_line_says_where_a_step_went_and_the_slowest_rank():
+    record = {"data_ms": 1.25, "compute_ms": 7.5, "comm_wait_ms": 13.0, "optimizer_ms": 11.25, "step_ms": 33.0}
+    record |= {"step_ms_max": 1040.0, "peak_mem_mb": 389.1}
+    assert monitor.ms_line(record) == (
+        "ms per step: 33.0 mean, 1040.0 on the slowest rank (data 1.2, compute 7.5, comm wait 13.0, optimizer 11.2); "
+        "peak memory 389 MB"
+    )
+    assert monitor.ms_line(record | {"mfu": 0.4123}).endswith("; peak memory 389 MB; MFU 41.2%")  # a known GPU
+
+
+@pytest.mark.fast
 def test_behind_names_the_rank_with_fewest_collectives():
     infos = {0: {"step": 7, "issued": 30}, 1: {"step": 7, "issued": 28}, 2: {"step": 7, "issued": 30}}
     report = watchdog.behind(infos, world_size=4)
@@ -192,6 +203,10 @@ def test_the_recipe_writes_the_breakdown_and_a_profile_trace_per_rank(stalled):
     for record in train:
         assert {"step_ms_max", "peak_mem_mb", "grad_norm", "mfu", *(f"{p}_ms" for p in monitor.PHASES)} <= record.keys()
     assert train[1]["step_ms_max"] > 1000  # the window of the stall: rank 1's stalled step (6 s over 6 steps)
+    said = [line.split(" | rank 0 | ")[1] for line in (stalled / "train.log").read_text().splitlines()]
+    lines = [line for line in said if line.startswith("ms per step: ")]  # one under each progress line
+    assert [said[said.index(line) - 1].split()[1] for line in lines] == ["6/18", "12/18", "18/18"], said
+    assert lines == [monitor.ms_line(record) for record in train]  # the record's numbers, as the record has them
     for rank in (0, 1):
         trace = json.loads((stalled / "profile" / f"rank{rank}.json").read_text())
         assert any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
