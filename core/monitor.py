@@ -89,10 +89,10 @@ def breakdown(timings: dict[str, float], device: torch.device, global_batch: int
 
 def ms_line(record: dict[str, float]) -> str:
     """The breakdown said under each progress line: a step's mean and slowest rank, its phases, memory and MFU."""
-    phases = ", ".join(f"{phase.replace('_', ' ')} {record[f'{phase}_ms']:.1f}" for phase in PHASES[:-1])
+    step = f"{record['step_ms']:.1f} mean, {record['step_ms_max']:.1f} on the slowest rank"
+    parts = ", ".join(f"{phase.replace('_', ' ')} {record[f'{phase}_ms']:.1f}" for phase in PHASES[:-1])  # not "step"
     mfu = f"; MFU {record['mfu']:.1%}" if "mfu" in record else ""  # a known GPU only
-    slowest = f"{record['step_ms']:.1f} mean, {record['step_ms_max']:.1f} on the slowest rank"
-    return f"ms per step: {slowest} ({phases}); peak memory {record['peak_mem_mb']:.0f} MB{mfu}"
+    return f"ms per step: {step} ({parts}); peak memory {record['peak_mem_mb']:.0f} MB{mfu}"
 
 
 def peak_flops(device: torch.device) -> float | None:
