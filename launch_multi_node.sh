@@ -98,17 +98,16 @@ export GLOO_SOCKET_IFNAME="$ifname" NCCL_SOCKET_IFNAME="$ifname"
 # Fail fast and clearly where torchrun would print a traceback: node 0 not on MASTER_ADDR, the
 # port taken there, or (after the pre-check) MASTER_ADDR not reachable from the other nodes.
 port_open() { timeout 3 bash -c ": >/dev/tcp/$master_ip/$port" 2>/dev/null; }
-port_free() { python -c 'import socket, sys; socket.create_server(("", int(sys.argv[1])))' "$port" 2>/dev/null; }
 is_host=0 waits=0
 if [[ -z "$rdzv_id" && "$node_rank" == 0 ]]; then
   (( master_is_here )) || fail "NODE_RANK=0 hosts the rendezvous but MASTER_ADDR=$master is not this node: run node 0 there"
-  port_free || fail "MASTER_PORT=$port is already in use on this node: pick another port (the same on every node)"
 elif [[ -n "$rdzv_id" ]] && (( master_is_here )) && ! port_open; then
-  port_free || fail "MASTER_PORT=$port is already in use on this node: pick another port (the same on every node)"
   is_host=1  # the c10d store lives in this node's agent
 else
   waits=1  # another node hosts the rendezvous
 fi
+(( waits )) || port_free "$port" \
+  || fail "MASTER_PORT=$port is already in use on this node: pick another port (the same on every node)"
 
 precheck $(( nproc * max_nodes ))  # the job's world size at its largest (elastic: MAX nodes)
 
